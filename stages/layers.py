@@ -1,0 +1,93 @@
+"""Shared transformer pieces, written once for every family: norm, rope, attention, FFN."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "silu":
+        return F.silu(gate) * up
+    if kind == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown activation '{kind}'")
+
+
+class Rope:
+    """Rotary embedding tables for one (base, scale), grown on demand.
+
+    Angles are built the way llama.cpp builds its rope cache, a float32 running product
+    pos * s * s * ... with s = base^(-2/n_dims), so both sides rotate by the same floats.
+    """
+
+    def __init__(self, dim: int, base: float, scale: float, style: str):
+        if style not in ("norm", "neox"):
+            raise ValueError(f"unknown rope style '{style}'")
+        self.dim, self.base, self.scale, self.style = dim, base, scale, style
+        self.cos = torch.empty(0, dim // 2)
+        self.sin = torch.empty(0, dim // 2)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.cos.shape[0], 256)
+        step = torch.tensor(math.pow(self.base, -2.0 / self.dim), dtype=torch.float32)
+        theta = torch.arange(n, dtype=torch.float32)
+        cols = []
+        for _ in range(self.dim // 2):
+            cols.append(theta * self.scale)
+            theta = theta * step
+        angles = torch.stack(cols, dim=1)
+        self.cos, self.sin = torch.cos(angles), torch.sin(angles)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; positions: [T] int64."""
+        need = int(positions.max()) + 1
+        if need > self.cos.shape[0]:
+            self._grow(need)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        rot, rest = x[..., : self.dim], x[..., self.dim:]
+        if self.style == "norm":
+            x0, x1 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        else:
+            half = self.dim // 2
+            x0, x1 = rot[..., :half], rot[..., half:]
+            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Grouped-query attention of T queries over L keys.
+
+    q: [T, H, D]; k: [L, KVH, D]; v: [L, KVH, Dv]; mask: additive [T, L] or None.
+    Returns [T, H * Dv]. Its arithmetic depends only on (T, L), never on the cache
+    capacity behind k and v (they are contiguous token-major slices).
+    """
+    T, H, D = q.shape
+    L, KVH, Dv = v.shape
+    G = H // KVH
+    qg = q.reshape(T, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * T, D)
+    scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale).view(KVH, G, T, L)
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1).view(KVH, G * T, L)
+    out = torch.bmm(probs, v.permute(1, 0, 2))  # [KVH, G*T, Dv]
+    return out.view(KVH, G, T, Dv).permute(2, 0, 1, 3).reshape(T, H * Dv)
+
+
+def causal_mask(q_start: int, n_q: int, k_start: int, n_k: int, window: int = 0) -> torch.Tensor:
+    """Additive mask: query at position i sees key j iff j <= i (and i - j < window)."""
+    qi = torch.arange(q_start, q_start + n_q).unsqueeze(1)
+    kj = torch.arange(k_start, k_start + n_k).unsqueeze(0)
+    visible = kj <= qi
+    if window > 0:
+        visible &= (qi - kj) < window
+    return torch.zeros(n_q, n_k).masked_fill_(~visible, float("-inf"))

@@ -1,0 +1,114 @@
+"""The StageRuntime contract: the one interface between the mesh and model code.
+
+A runtime serves one contiguous layer range of one model. It holds lanes (sequence
+slots, one per in-flight request), each with its own state, and runs:
+
+- prefill: a lane's prompt rows from a chunk-aligned start, in fixed chunks of exactly
+  `chunk` rows (a short last chunk is padded and masked), so a row's arithmetic never
+  depends on where its request started (DESIGN.md §5.3);
+- decode: one new row for each of several lanes, at a fixed padded lane batch.
+
+Stage 0 takes token ids; later stages take the previous stage's Frame. Non-final stages
+return a Frame in the wire dtype; the final stage returns logits.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from .frame import Frame
+
+
+class StageError(ValueError):
+    """A caller mistake the runtime refuses (bad range, misaligned start, unknown lane)."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    model_path: str
+    layer_start: int
+    layer_end: int
+    stage_index: int = 0
+    n_stages: int = 1
+    wire_dtype: str = "f16"
+    n_ctx: int = 8192
+    chunk: int = 64          # prefill chunk C; reuse boundaries are multiples of it
+    lane_batch: int = 4      # decode batch B: decode always runs B rows
+    weight_format: str = "fp32"
+    threads: int | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+
+@dataclass
+class StageOutput:
+    frame: Frame | None = None          # non-final stages
+    logits: torch.Tensor | None = None  # final stage: [vocab] ("last") or [n, vocab] ("all")
+
+
+@dataclass
+class LaneState:
+    """A lane's exported state for token positions [0, n_tokens): per layer K and V,
+    token-major ([n_tokens, kv_heads, head_dim]) so prefixes share leading bytes."""
+
+    n_tokens: int
+    prefilled: int  # leading rows computed by prefill (reusable by a later prefill)
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+class StageRuntime(abc.ABC):
+    spec: StageSpec
+
+    @abc.abstractmethod
+    def alloc_lane(self) -> int:
+        """A fresh, empty lane."""
+
+    @abc.abstractmethod
+    def free_lane(self, lane: int) -> None: ...
+
+    @abc.abstractmethod
+    def lane_length(self, lane: int) -> int:
+        """Tokens whose state the lane holds (prefill and decode rows)."""
+
+    @abc.abstractmethod
+    def prefill_boundary(self, lane: int) -> int:
+        """The largest start a new prefill may use: a multiple of the chunk at or below
+        the rows this lane's prefills computed (decode rows are never reused)."""
+
+    @abc.abstractmethod
+    def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
+                logits: str = "last") -> StageOutput:
+        """Run positions [start, start + n) for the lane; start must be a multiple of the
+        chunk and <= prefill_boundary(lane). State beyond start is discarded.
+        `logits` (final stage): "last", "all" or "none"."""
+
+    @abc.abstractmethod
+    def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
+        """One new position for each (lane, input); input is a token id (0-d tensor) or a
+        one-row Frame. Returns one output per step, in order."""
+
+    @abc.abstractmethod
+    def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
+        """dst's state becomes src's state for positions [0, n_tokens)."""
+
+    @abc.abstractmethod
+    def export_state(self, lane: int, n_tokens: int) -> LaneState: ...
+
+    @abc.abstractmethod
+    def import_state(self, lane: int, state: LaneState) -> None:
+        """The lane's state becomes `state`; a prefill may then continue from it."""
+
+    @abc.abstractmethod
+    def identity(self) -> dict[str, object]:
+        """Every field that decides this stage's arithmetic (DESIGN.md §5.1), with no
+        per-process values: equal across restarts and nodes for the same weights."""

@@ -1,0 +1,301 @@
+"""Random-weight GGUFs of model families we have no real checkpoint for.
+
+llama.cpp loads and runs these files, so they give an independent numeric reference for
+our torch port of each family (DESIGN.md §7). Each architecture is one entry of a table:
+its default sizes, its hyperparameter keys and its tensor list with shapes. One shared
+writer turns an entry into a file; the vocabulary (all `tokenizer.*` keys) is borrowed
+from a real GGUF such as SmolLM2's.
+
+The writer streams: the header, metadata and tensor index go out first, then each tensor
+is generated just before it is written, so peak memory is about one tensor even for a
+multi-GiB file. Every tensor's values come from an RNG seeded by (seed, tensor name), so
+the same arguments always give a byte-identical file.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import blake3
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+# Bumped whenever the values a given (arch, sizes, seed) produce change, so a file's
+# provenance says which generator made it.
+SYNTH_VERSION = 1
+
+_DTYPES = {"f32": (np.float32, 0), "f16": (np.float16, 1)}  # -> (numpy dtype, general.file_type)
+
+# Rows of scratch generated at a time (in float32) before casting into the output tensor,
+# so an f16 tensor never needs a full-size float32 twin.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+class SynthError(ValueError):
+    """Bad arguments for a synthetic model (unknown arch, inconsistent sizes, no tokenizer)."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Resolved sizes of one synthetic model."""
+
+    layers: int
+    hidden: int
+    ff: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    context_length: int
+    rope_base: float
+    rms_eps: float
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor: GGUF name, numpy shape (out_features, in_features) and how to fill it.
+
+    `init` is "embed" (N(0, 1): token rows are looked up, not summed, so they need no
+    fan-in scaling), "proj" (N(0, 1/sqrt(fan_in)): keeps each projection's output at the
+    scale of its input) or "norm" (1 + N(0, 0.1): near identity, but not exactly, so a port
+    that forgets a norm weight is caught).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    defaults: dict[str, int | float]
+    hparams: Callable[[Dims], dict[str, int | float | list[int]]]  # keys without "{arch}."
+    tensors: Callable[[Dims], list[TensorSpec]]
+
+
+# -- qwen3 ------------------------------------------------------------------------------------
+def _qwen3_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {
+        "context_length": d.context_length,
+        "embedding_length": d.hidden,
+        "block_count": d.layers,
+        "feed_forward_length": d.ff,
+        "attention.head_count": d.heads,
+        "attention.head_count_kv": d.kv_heads,
+        # Written explicitly: qwen3's head_dim is not tied to hidden / heads.
+        "attention.key_length": d.head_dim,
+        "attention.value_length": d.head_dim,
+        "attention.layer_norm_rms_epsilon": d.rms_eps,
+        "rope.freq_base": d.rope_base,
+    }
+
+
+def _qwen3_tensors(d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out += [
+            TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
+            TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+        ]
+    # An untied head, so a port that silently reuses token_embd is caught.
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
+_SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
+          "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
+
+_ARCHS: dict[str, ArchSpec] = {
+    "qwen3": ArchSpec(defaults=_SMALL, hparams=_qwen3_hparams, tensors=_qwen3_tensors),
+}
+
+SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))
+
+
+def synth_defaults(arch: str) -> dict[str, int | float]:
+    """Default sizes of `arch` (hidden, ff, heads, kv_heads, head_dim, context, rope, eps)."""
+    return dict(_spec(arch).defaults)
+
+
+def _spec(arch: str) -> ArchSpec:
+    if arch not in _ARCHS:
+        raise SynthError(f"unknown synthetic arch {arch!r}; known: {', '.join(SYNTH_ARCHS)}")
+    return _ARCHS[arch]
+
+
+# -- the shared writer ------------------------------------------------------------------------
+def write_synthetic(
+    arch: str,
+    *,
+    layers: int,
+    seed: int,
+    out: Path,
+    tokenizer_from: Path,
+    hidden: int | None = None,
+    ff: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str = "f32",
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
+
+    2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights are always f32.
+    `head_dim` defaults to hidden // heads. The file appears atomically (written under a
+    temporary name, then renamed), so an interrupted write never leaves a loadable stub.
+    """
+    spec = _spec(arch)
+    if dtype not in _DTYPES:
+        raise SynthError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise SynthError(f"seed must be an integer in [0, 2**63), not {seed!r}")
+    tok = _tokenizer_kv(Path(tokenizer_from))
+    dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
+                         kv_heads=kv_heads, head_dim=head_dim,
+                         vocab=len(tok["tokenizer.ggml.tokens"][0]))
+    np_dtype, file_type = _DTYPES[dtype]
+    out = Path(out)
+    tensors = spec.tensors(dims)
+
+    tmp = out.with_name(out.name + ".partial")
+    writer = GGUFWriter(tmp, arch)
+    try:
+        writer.add_name(f"synthetic {arch} L{layers} seed {seed}")
+        writer.add_file_type(file_type)
+        for key, value in spec.hparams(dims).items():
+            _add_typed(writer, f"{arch}.{key}", value)
+        writer.add_uint64("skippy.synth.seed", seed)
+        writer.add_string("skippy.synth.arch", arch)
+        writer.add_uint32("skippy.synth.version", SYNTH_VERSION)
+        for key, (value, vtype, sub_type) in tok.items():
+            writer.add_key_value(key, value, vtype, sub_type)
+
+        stored = [np.float32 if len(t.shape) == 1 else np_dtype for t in tensors]
+        for t, dt in zip(tensors, stored):
+            nbytes = int(np.prod(t.shape)) * np.dtype(dt).itemsize
+            writer.add_tensor_info(t.name, t.shape, np.dtype(dt), nbytes)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, (t, dt) in enumerate(zip(tensors, stored)):
+            if progress is not None:
+                progress(f"[{i + 1}/{len(tensors)}] {t.name} {'x'.join(map(str, t.shape))}")
+            writer.write_tensor_data(_generate(t, seed, dt))
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _resolve_dims(spec: ArchSpec, *, layers: int, vocab: int, **given: int | None) -> Dims:
+    d = {k: (spec.defaults[k] if v is None else v) for k, v in given.items() if k != "head_dim"}
+    for name, value in [("layers", layers), *d.items()]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SynthError(f"{name} must be a positive integer, not {value!r}")
+    if d["heads"] % d["kv_heads"]:
+        raise SynthError(f"heads ({d['heads']}) must be a multiple of kv_heads ({d['kv_heads']})")
+    head_dim = given["head_dim"]
+    if head_dim is None:
+        if d["hidden"] % d["heads"]:
+            raise SynthError(f"hidden ({d['hidden']}) is not divisible by heads ({d['heads']}); "
+                             "pass head_dim explicitly")
+        head_dim = d["hidden"] // d["heads"]
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise SynthError(f"head_dim must be a positive even integer (rope rotates pairs), "
+                         f"not {head_dim!r}")
+    return Dims(layers=layers, hidden=d["hidden"], ff=d["ff"], heads=d["heads"],
+                kv_heads=d["kv_heads"], head_dim=head_dim, vocab=vocab,
+                context_length=int(spec.defaults["context_length"]),
+                rope_base=float(spec.defaults["rope_base"]),
+                rms_eps=float(spec.defaults["rms_eps"]))
+
+
+def _add_typed(writer: GGUFWriter, key: str, value: int | float | list[int]) -> None:
+    # llama.cpp reads hparams as u32 / f32 (arrays of i32); Python ints and floats
+    # would otherwise be guessed as 64-bit by gguf-py.
+    if isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_key_value(key, list(value), GGUFValueType.ARRAY, GGUFValueType.INT32)
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    # Per-tensor streams: a tensor's values do not depend on which other tensors exist, so
+    # a model with more layers shares its first layers' weights with a shorter one.
+    digest = blake3.blake3(f"skippy.synth/{seed}/{name}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:16], "little"))
+
+
+def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
+    rng = _rng(seed, t.name)
+    out = np.empty(t.shape, dtype=dtype)
+    if t.init == "norm":
+        mean, std = 1.0, 0.1
+    elif t.init == "embed":
+        mean, std = 0.0, 1.0
+    else:
+        mean, std = 0.0, 1.0 / np.sqrt(t.shape[-1])
+    flat = out.reshape(t.shape[0], -1)
+    rows = max(1, _CHUNK_ELEMENTS // flat.shape[1])
+    for r in range(0, flat.shape[0], rows):
+        block = rng.standard_normal((min(rows, flat.shape[0] - r), flat.shape[1]), dtype=np.float32)
+        block *= np.float32(std)
+        block += np.float32(mean)
+        flat[r:r + rows] = block
+    return out
+
+
+# -- tokenizer borrowing ----------------------------------------------------------------------
+TokenizerKv = dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]
+
+
+def _tokenizer_kv(path: Path) -> TokenizerKv:
+    if not path.is_file():
+        raise SynthError(f"tokenizer GGUF not found: {path}")
+    st = path.stat()
+    return _read_tokenizer_kv(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_tokenizer_kv(path: Path, size: int, mtime_ns: int) -> TokenizerKv:
+    # Cached on (path, size, mtime): GGUFReader needs ~2 s for a 49k-token vocabulary, and
+    # callers (tests, sweeps) write many models with the same tokenizer.
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise SynthError(f"cannot read tokenizer GGUF {path}: {e}") from e
+    kv: TokenizerKv = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        if vtype == GGUFValueType.ARRAY and len(field.types) != 2:
+            raise SynthError(f"{path}: nested array {key} is not supported")
+        kv[key] = (field.contents(), vtype, sub_type)
+    if "tokenizer.ggml.tokens" not in kv:
+        raise SynthError(f"{path} has no tokenizer.ggml.tokens; pick a GGUF with a vocabulary")
+    return kv

@@ -1,0 +1,254 @@
+"""The torch stage runtime: any contiguous layer range of a supported family."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_config import ModelConfig
+
+from .frame import Frame, from_wire, to_wire
+from .kv import LaneKv
+from .layers import Rope, rms_norm
+from .linear import make_linear
+from .runtime import LaneState, StageError, StageOutput, StageRuntime, StageSpec
+from .transformer import DecoderLayer, Segment
+from .weights import load_stage_tensors
+
+RUNTIME_ABI = f"skippy-torch/1 torch-{torch.__version__}"
+
+
+@dataclass
+class _Lane:
+    kv: LaneKv
+    length: int = 0      # rows held (prefill + decode)
+    prefilled: int = 0   # rows computed by prefill: the only rows a later prefill reuses
+
+
+class TorchStageRuntime(StageRuntime):
+    def __init__(self, spec: StageSpec):
+        f = GGUFFile(spec.model_path)
+        cfg = ModelConfig.from_gguf(f)
+        if not 0 <= spec.layer_start < spec.layer_end <= cfg.n_layers:
+            raise StageError(f"layer range [{spec.layer_start}, {spec.layer_end}) is not "
+                             f"inside the model's {cfg.n_layers} layers")
+        if spec.chunk < 1 or spec.lane_batch < 1:
+            raise StageError("chunk and lane_batch must be >= 1")
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.spec, self.cfg = spec, cfg
+        self.n_ctx = min(spec.n_ctx, cfg.context_length)
+        t = load_stage_tensors(f, cfg, spec.layer_start, spec.layer_end,
+                               first=spec.is_first, last=spec.is_last)
+        self.weights_digest, self.weights_source_bytes = t.digest, t.source_bytes
+        ropes: dict[tuple[float, float], Rope] = {}
+        self.layers = []
+        for local, i in enumerate(range(spec.layer_start, spec.layer_end)):
+            key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
+            if key not in ropes:
+                ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style)
+            self.layers.append(DecoderLayer(i, local, cfg, t, spec.weight_format, ropes[key]))
+        self.embed = t["token_embd.weight"] if spec.is_first else None
+        self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
+        if spec.is_last:
+            self.norm = t["output_norm.weight"]
+            head = t["token_embd.weight"] if cfg.tied_head else t["output.weight"]
+            self.head = make_linear(head, spec.weight_format)
+        f.close()
+        self._lanes: dict[int, _Lane] = {}
+        self._next_lane = 0
+
+    # -- lanes -----------------------------------------------------------------------------
+    def alloc_lane(self) -> int:
+        lane = self._next_lane
+        self._next_lane += 1
+        cfg = self.cfg
+        self._lanes[lane] = _Lane(LaneKv(len(self.layers), cfg.n_kv_heads, cfg.head_dim,
+                                         cfg.v_head_dim, self.spec.chunk, self.n_ctx))
+        return lane
+
+    def free_lane(self, lane: int) -> None:
+        self._lanes.pop(lane, None)
+
+    def _lane(self, lane: int) -> _Lane:
+        try:
+            return self._lanes[lane]
+        except KeyError:
+            raise StageError(f"unknown lane {lane}") from None
+
+    def lane_length(self, lane: int) -> int:
+        return self._lane(lane).length
+
+    def prefill_boundary(self, lane: int) -> int:
+        st = self._lane(lane)
+        return st.prefilled // self.spec.chunk * self.spec.chunk
+
+    # -- compute ---------------------------------------------------------------------------
+    def _inputs(self, inputs: torch.Tensor | Frame, start: int) -> torch.Tensor:
+        """Token ids (stage 0) or float32 rows (later stages)."""
+        if self.spec.is_first:
+            if isinstance(inputs, Frame):
+                raise StageError("stage 0 takes token ids, not a frame")
+            ids = torch.as_tensor(inputs, dtype=torch.long).reshape(-1)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab):
+                raise StageError(f"token id out of range [0, {self.cfg.vocab})")
+            return ids
+        if not isinstance(inputs, Frame):
+            raise StageError("a non-first stage takes a Frame of activation rows")
+        if inputs.start != start:
+            raise StageError(f"frame starts at {inputs.start}, expected {start}")
+        if inputs.rows.ndim != 2 or inputs.rows.shape[1] != self.cfg.hidden:
+            raise StageError(f"frame rows must be [n, {self.cfg.hidden}]")
+        return from_wire(inputs.rows)
+
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.spec.is_first:
+            return x
+        rows = torch.nn.functional.embedding(x, self.embed)
+        return rows * self.embed_scale if self.embed_scale is not None else rows
+
+    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor,
+                    segments: list[Segment]) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward(x, positions, segments)
+        return x
+
+    def _logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
+        """Head over rows in padded groups of exactly `group` rows: a row's logits then do
+        not depend on how many rows came with it. Serving ("last" and decode) uses groups
+        of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows."""
+        x = rms_norm(hidden, self.norm, self.cfg.rms_eps)
+        out = []
+        for i in range(0, x.shape[0], group):
+            part = x[i:i + group]
+            n = part.shape[0]
+            if n < group:
+                part = torch.cat([part, part.new_zeros(group - n, part.shape[1])])
+            out.append(self.head(part)[:n])
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
+                logits: str = "last") -> StageOutput:
+        st = self._lane(lane)
+        C = self.spec.chunk
+        if start % C or start > self.prefill_boundary(lane):
+            raise StageError(f"prefill start {start} must be a multiple of {C} and at most "
+                             f"{self.prefill_boundary(lane)}")
+        if logits not in ("last", "all", "none"):
+            raise StageError(f"logits must be last, all or none, not {logits!r}")
+        x_in = self._inputs(inputs, start)
+        n = x_in.shape[0]
+        if n == 0:
+            raise StageError("prefill needs at least one row")
+        end = start + n
+        if end > self.n_ctx:
+            raise StageError(f"{end} tokens exceed the context of {self.n_ctx}")
+        padded_end = -(-end // C) * C
+        st.kv.ensure(padded_end)
+        st.length = st.prefilled = start  # state past start is discarded
+        outs = []
+        for s in range(start, end, C):
+            m = min(C, end - s)
+            chunk = x_in[s - start: s - start + m]
+            if m < C:  # pad to exactly C rows; padding sits after every real row: masked
+                pad = chunk.new_zeros((C - m,) + tuple(chunk.shape[1:]))
+                chunk = torch.cat([chunk, pad])
+            x = self._embed(chunk)
+            positions = torch.arange(s, s + C)
+            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s)])
+            outs.append(x[:m])
+        st.length = st.prefilled = end
+        hidden = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if not self.spec.is_last:
+            return StageOutput(frame=Frame(start, to_wire(hidden, self.spec.wire_dtype)))
+        if logits == "none":
+            return StageOutput()
+        if logits == "last":
+            return StageOutput(logits=self._logits(hidden[-1:], self.spec.lane_batch)[0])
+        return StageOutput(logits=self._logits(hidden, self.spec.chunk))
+
+    def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
+        lanes = [lane for lane, _ in steps]
+        if len(set(lanes)) != len(lanes):
+            raise StageError("a lane may appear once per decode step")
+        B = self.spec.lane_batch
+        results: list[StageOutput] = []
+        for g in range(0, len(steps), B):
+            group = steps[g:g + B]
+            rows, positions, segments = [], torch.zeros(B, dtype=torch.long), []
+            for r, (lane, inp) in enumerate(group):
+                st = self._lane(lane)
+                if st.length + 1 > self.n_ctx:
+                    raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
+                st.kv.ensure(st.length + 1)
+                x = self._inputs(inp, st.length)
+                if x.shape[0] != 1:
+                    raise StageError("decode takes exactly one row per lane")
+                rows.append(x)
+                positions[r] = st.length
+                segments.append(Segment(st.kv, r, 1, st.length))
+            x = self._embed(torch.cat(rows))
+            if x.shape[0] < B:  # fixed batch: a lane's arithmetic ignores its neighbours
+                x = torch.cat([x, x.new_zeros(B - x.shape[0], x.shape[1])])
+            x = self._run_layers(x, positions, segments)
+            logits = self._logits(x[: len(group)], B) if self.spec.is_last else None
+            for r, (lane, _) in enumerate(group):
+                st = self._lanes[lane]
+                if self.spec.is_last:
+                    results.append(StageOutput(logits=logits[r]))
+                else:
+                    frame = Frame(st.length, to_wire(x[r:r + 1], self.spec.wire_dtype))
+                    results.append(StageOutput(frame=frame))
+                st.length += 1
+        return results
+
+    # -- state -----------------------------------------------------------------------------
+    def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
+        self.import_state(dst, self.export_state(src, n_tokens))
+
+    def export_state(self, lane: int, n_tokens: int) -> LaneState:
+        st = self._lane(lane)
+        if not 0 <= n_tokens <= st.length:
+            raise StageError(f"lane {lane} holds {st.length} tokens, not {n_tokens}")
+        n = len(self.layers)
+        return LaneState(
+            n_tokens=n_tokens,
+            prefilled=min(n_tokens, st.prefilled),
+            keys=[st.kv.keys(i, 0, n_tokens).clone() for i in range(n)],
+            values=[st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
+        )
+
+    def import_state(self, lane: int, state: LaneState) -> None:
+        st = self._lane(lane)
+        if len(state.keys) != len(self.layers):
+            raise StageError("state has a different number of layers")
+        n = state.n_tokens
+        st.kv.ensure(max(n, 1))
+        for i in range(len(self.layers)):
+            st.kv.write(i, 0, state.keys[i], state.values[i])
+        st.length, st.prefilled = n, state.prefilled
+
+    def identity(self) -> dict[str, object]:
+        cfg, spec = self.cfg, self.spec
+        return {
+            "weights_digest": self.weights_digest,
+            "architecture": cfg.architecture,
+            "stage_index": spec.stage_index,
+            "layer_range": [spec.layer_start, spec.layer_end],
+            "runtime_abi": RUNTIME_ABI,
+            "kv_layout": "token-major",
+            "kv_dtype": "f32",
+            "wire_dtype": spec.wire_dtype,
+            "n_ctx": self.n_ctx,
+            "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
+            "numeric_policy": {
+                "compute": "f32",
+                "weights": spec.weight_format,
+                "threads": torch.get_num_threads(),
+                "chunk": spec.chunk,
+                "lane_batch": spec.lane_batch,
+            },
+        }

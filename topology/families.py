@@ -1,0 +1,51 @@
+"""Model families: every per-family quirk lives in this one table.
+
+The torch runtime has one decoder layer; a family only switches its options. Constants
+that llama.cpp hard-codes instead of reading from the GGUF (Gemma 3's local rope base and
+its 5-local:1-global pattern) are recorded here, next to the family they belong to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    rope_style: str            # "norm": rotate adjacent pairs (llama GGUFs, Q/K permuted by
+                               # the converter); "neox": rotate the two halves
+    activation: str            # gated FFN activation: "silu" or "gelu_tanh"
+    qk_norm: bool = False      # per-head RMSNorm of Q and K before rope
+    post_norms: bool = False   # RMSNorm after attention and after the FFN (Gemma)
+    embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
+    swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
+    rope_base_swa: float | None = None  # rope base of sliding-window layers
+    cache_policy: str = "ResidentKv"
+
+    def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
+        if self.swa_pattern <= 0 or sliding_window <= 0:
+            return False
+        return layer % self.swa_pattern < self.swa_pattern - 1
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", rope_style="norm", activation="silu"),
+    "qwen3": Family("qwen3", rope_style="neox", activation="silu", qk_norm=True),
+    # llama.cpp: swa pattern 6, local rope base 10000 (llama-model.cpp, LLM_ARCH_GEMMA3).
+    "gemma3": Family("gemma3", rope_style="neox", activation="gelu_tanh", qk_norm=True,
+                     post_norms=True, embed_scale=True, swa_pattern=6, rope_base_swa=10000.0),
+}
+
+
+class UnsupportedFamily(ValueError):
+    """The GGUF's architecture has no torch implementation here."""
+
+
+def family_for(architecture: str) -> Family:
+    try:
+        return FAMILIES[architecture]
+    except KeyError:
+        known = ", ".join(sorted(FAMILIES))
+        raise UnsupportedFamily(
+            f"architecture '{architecture}' is not supported (supported: {known})") from None
