@@ -1,0 +1,262 @@
+"""Chat messages -> prompt text, with the model's own chat template.
+
+The template is the GGUF's `tokenizer.chat_template`, rendered the way Hugging Face and
+llama.cpp render it: Jinja with trim_blocks/lstrip_blocks in a sandbox, the variables
+`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and a `raise_exception`
+function. A file without a template falls back to its family's standard turn format when
+we have one (Gemma 3: the 270M base ships none); otherwise `ChatTemplateMissing`.
+
+Double BOS: many templates begin with `{{ bos_token }}` while the tokenizer also adds BOS
+(Gemma: add_bos_token = true). We do what llama.cpp's `common_chat_template_direct_apply`
+does: the *rendered text* loses a leading BOS string when the tokenizer adds BOS (and a
+trailing EOS string when it adds EOS), so `Tokenizer.encode(render(...))` starts with
+exactly one BOS id. Our own Gemma template never writes BOS at all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Union
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.gguf_file import GGUFFile
+
+ROLES = ("system", "user", "assistant")
+
+# Where a template can come from: a GGUF path, an open GGUFFile, a Tokenizer (its file's
+# template, with llama.cpp's own BOS/EOS texts and add_bos flag), or a plain mapping of
+# GGUF metadata keys ("general.architecture", "tokenizer.chat_template", ...).
+ChatSource = Union[str, Path, GGUFFile, Tokenizer, Mapping[str, Any]]
+
+
+class ChatTemplateMissing(ValueError):
+    """The model has no chat template and its family has no standard one."""
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the conversation (`raise_exception`) or failed to render."""
+
+
+# Gemma's turn format, after Google's Gemma 3 instruction-tuned template: a system message
+# becomes a prefix of the first user turn (Gemma has no system role), "assistant" is
+# spelled "model", turns must alternate, and turn contents are trimmed. Unlike Google's
+# template it never writes `{{ bos_token }}`: Gemma's tokenizer adds BOS itself.
+GEMMA_TURNS = (
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = '' -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}\n"
+    "    {%- endif -%}\n"
+    "    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}\n"
+    "    {{- message['content'] | trim }}\n"
+    "    {{- '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{ '<start_of_turn>model\\n' }}\n"
+    "{%- endif -%}\n"
+)
+
+FAMILY_TEMPLATES: dict[str, str] = {"gemma3": GEMMA_TURNS}
+
+# llama.cpp's default for `tokenizer.ggml.add_bos_token` when the key is absent, by
+# tokenizer model (llama-vocab.cpp); only used for plain metadata, a Tokenizer knows.
+_ADD_BOS_DEFAULT = {"llama": True, "bert": True}
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model's chat template with everything needed to render it."""
+
+    model: str           # for messages: the file name or general.name
+    source: str          # "gguf" (the file's own) or "family:<arch>"
+    text: str            # the Jinja source
+    bos_token: str
+    eos_token: str
+    add_bos: bool        # the tokenizer prepends BOS: a rendered leading BOS is dropped
+    add_eos: bool        # the tokenizer appends EOS: a rendered trailing EOS is dropped
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (validated first); ready for Tokenizer.encode."""
+        checked = validate_messages(messages)
+        try:
+            text = _compile(self.text).render(
+                messages=checked, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template of {self.model} failed: "
+                                    f"{_one_line(e)}") from None
+        if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        if self.add_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[:-len(self.eos_token)]
+        return text
+
+
+def load_chat_template(source: ChatSource) -> ChatTemplate:
+    """The chat template for `source`; raises ChatTemplateMissing when there is none.
+
+    Paths are cached by (path, size, mtime), so calling this per request is cheap; the
+    gateway should still hold the returned object.
+    """
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser().resolve()
+        st = path.stat()
+        return _load_path(path, st.st_size, st.st_mtime_ns)
+    if isinstance(source, Tokenizer):
+        gguf = GGUFFile(source.path)
+        try:
+            meta = {k: gguf.metadata.get(k) for k in
+                    ("general.architecture", "tokenizer.chat_template")}
+        finally:
+            gguf.close()
+        return _build(meta, source.path.name, tokenizer=source)
+    if isinstance(source, GGUFFile):
+        return _build(source, source.path.name)
+    if isinstance(source, Mapping):
+        return _build(source, str(source.get("general.name") or "(unnamed model)"))
+    raise TypeError(f"not a chat template source: {type(source).__name__}")
+
+
+def render_chat(source: ChatSource, messages: list[dict], *,
+                add_generation_prompt: bool = True) -> str:
+    """Apply `source`'s chat template to `messages` (see ChatTemplate.render)."""
+    return load_chat_template(source).render(messages,
+                                             add_generation_prompt=add_generation_prompt)
+
+
+def has_chat_template(source: ChatSource) -> bool:
+    """Whether chat works for `source`: its own template or its family's."""
+    try:
+        load_chat_template(source)
+    except ChatTemplateMissing:
+        return False
+    return True
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    """`messages` as plain {role, content} dicts; ValueError (one line) on a bad shape.
+
+    Keys other than role and content are accepted and not passed to the template.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be an object with role and content, "
+                             f"not {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)} "
+                             f"(got {role!r})")
+        if not isinstance(content, str):
+            what = "missing" if content is None else type(content).__name__
+            raise ValueError(f"messages[{i}].content must be a string (got {what})")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# -- internals -----------------------------------------------------------------------------
+@lru_cache(maxsize=32)
+def _load_path(path: Path, size: int, mtime_ns: int) -> ChatTemplate:
+    gguf = GGUFFile(path)
+    try:
+        return _build(gguf, path.name)
+    finally:
+        gguf.close()
+
+
+def _build(meta, model: str, tokenizer: Tokenizer | None = None) -> ChatTemplate:
+    """meta: anything with .get(key) over GGUF metadata keys (GGUFFile or a mapping)."""
+    arch = str(meta.get("general.architecture") or "unknown")
+    text = meta.get("tokenizer.chat_template")
+    source = "gguf"
+    if not text:
+        text, source = FAMILY_TEMPLATES.get(arch), f"family:{arch}"
+    if not text:
+        raise ChatTemplateMissing(f"model {model} has no chat template; "
+                                  f"use plain completion (without --chat)")
+    if tokenizer is not None:
+        bos, eos = tokenizer.bos_id, tokenizer.eos_id
+        bos_text = tokenizer.token_text(bos) if bos is not None else ""
+        eos_text = tokenizer.token_text(eos) if eos is not None else ""
+        add_bos, add_eos = tokenizer.add_bos, tokenizer.add_eos
+    else:
+        bos_text, eos_text = _token_texts(meta)
+        tok_model = str(meta.get("tokenizer.ggml.model") or "")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token",
+                                _ADD_BOS_DEFAULT.get(tok_model, False)))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    return ChatTemplate(model=model, source=source, text=str(text), bos_token=bos_text,
+                        eos_token=eos_text, add_bos=add_bos, add_eos=add_eos)
+
+
+def _token_texts(meta) -> tuple[str, str]:
+    """BOS and EOS as text from the GGUF vocab ("" where absent, as llama.cpp does)."""
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    if bos_id is None and eos_id is None:
+        return "", ""
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+
+    def text(i):
+        return str(tokens[i]) if i is not None and 0 <= int(i) < len(tokens) else ""
+
+    return text(bos_id), text(eos_id)
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(str(message))
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Hugging Face's tojson (jinja2's own escapes <, >, & for HTML, which templates don't want)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    # Same environment as transformers' apply_chat_template, so templates written for it
+    # (the ones GGUF files carry) render the same here.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compile(text: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not compile: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

@@ -1,0 +1,162 @@
+"""`skippy`: the command line. Every user mistake becomes one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for; printed as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints the whole usage block
+        raise UsageError(message)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- models -------------------------------------------------------------------------------
+def cmd_models_pull(args) -> int:
+    from .models import pull
+    for name in args.names:
+        path = pull(name, progress=_say)
+        print(path)
+    return 0
+
+
+def cmd_models_list(args) -> int:
+    from .models import list_models
+    rows = [("NAME", "ARCH", "LAYERS", "SIZE", "QUANT", "PATH")]
+    for m in list_models():
+        rows.append((m.name, m.architecture, str(m.layers or "-"),
+                     f"{m.size_bytes / 2**20:.1f} MiB", m.quant, str(m.path)))
+    if len(rows) == 1:
+        _say("no models yet; run: skippy models pull smollm2")
+        return 0
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def cmd_models_synth(args) -> int:
+    from skippy.stages.synth import write_synthetic
+    from .models import model_home, resolve_model
+    tokenizer = resolve_model(args.tokenizer_from)
+    out = Path(args.out) if args.out else (
+        model_home() / "synth" / f"{args.arch}-L{args.layers}-s{args.seed}-{args.dtype}.gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
+                           tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
+                           heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                           dtype=args.dtype, progress=_say)
+    print(path)
+    return 0
+
+
+# -- generate -----------------------------------------------------------------------------
+def cmd_generate(args) -> int:
+    from .chat import render_chat
+    from .models import resolve_model
+    from .pipeline import LocalPipeline
+    from .sampler import Sampler, SamplingParams
+    from .tokenizer import Tokenizer
+
+    if not args.prompt.strip():
+        raise UsageError("the prompt is empty")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, not {args.max_tokens}")
+    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    path = resolve_model(args.model)
+    tok = Tokenizer(path)
+    text = render_chat(path, [{"role": "user", "content": args.prompt}]) if args.chat \
+        else args.prompt
+    ids = tok.encode(text)
+    pipe = LocalPipeline(path, args.stages, wire_dtype=args.wire, n_ctx=args.ctx)
+    stream = tok.stream_decoder()
+    for token in pipe.generate(ids, args.max_tokens, Sampler(params), set(tok.eog_ids)):
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    models = sub.add_parser("models", help="pull, list and synthesize models")
+    msub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    pull = msub.add_parser("pull", help="fetch a shipped model into $SKIPPY_HOME")
+    pull.add_argument("names", nargs="+", metavar="NAME", help="smollm2, gemma3-270m")
+    pull.set_defaults(run=cmd_models_pull)
+    lst = msub.add_parser("list", help="models on this machine")
+    lst.set_defaults(run=cmd_models_list)
+    syn = msub.add_parser("synth", help="write a random-weight GGUF of another family")
+    syn.add_argument("--arch", required=True)
+    syn.add_argument("--layers", type=int, required=True)
+    syn.add_argument("--seed", type=int, required=True)
+    syn.add_argument("--hidden", type=int)
+    syn.add_argument("--ff", type=int)
+    syn.add_argument("--heads", type=int)
+    syn.add_argument("--kv-heads", type=int)
+    syn.add_argument("--head-dim", type=int)
+    syn.add_argument("--dtype", choices=("f32", "f16"), default="f32")
+    syn.add_argument("--out", help="output path (default: $SKIPPY_HOME/synth/...)")
+    syn.add_argument("--tokenizer-from", default="smollm2",
+                     help="model whose tokenizer is copied (default: smollm2)")
+    syn.set_defaults(run=cmd_models_synth)
+
+    gen = sub.add_parser("generate", help="generate a continuation in-process")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
+    gen.add_argument("--stages", type=int, default=2)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--wire", choices=("f16", "f32"), default="f16",
+                     help="activation dtype between stages")
+    gen.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
+    gen.set_defaults(run=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from skippy.stages.runtime import StageError
+    from skippy.stages.synth import SynthError
+    from skippy.topology.families import UnsupportedFamily
+    from skippy.topology.gguf_file import GGUFError
+    from skippy.topology.planner import PlanError
+    from .chat import ChatTemplateMissing
+    from .models import ModelError
+
+    user_errors = (UsageError, ModelError, PlanError, StageError, SynthError, GGUFError,
+                   UnsupportedFamily, ChatTemplateMissing, ValueError, FileNotFoundError)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except user_errors as e:
+        if os.environ.get("SKIPPY_DEBUG"):
+            raise
+        _say(f"skippy: error: {e}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say("skippy: interrupted")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

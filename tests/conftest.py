@@ -1,0 +1,66 @@
+"""Shared fixtures: real models (pulled once per machine), derived files, the corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "usecases.jsonl"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from skippy.mesh.models import pull
+    return pull("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from skippy.mesh.models import pull
+    return pull("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f16(smollm2):
+    from skippy.mesh.models import requantize
+    return requantize(smollm2, "f16")
+
+
+@pytest.fixture(scope="session")
+def gemma3_f16(gemma3):
+    from skippy.mesh.models import requantize
+    return requantize(gemma3, "f16")
+
+
+@pytest.fixture(scope="session")
+def qwen3_f32(smollm2, tmp_path_factory):
+    """A 6-layer random-weight qwen3 in f32 (enough layers for a 5-stage split)."""
+    from skippy.stages.synth import write_synthetic
+    out = tmp_path_factory.mktemp("synth") / "qwen3-L6.gguf"
+    return write_synthetic("qwen3", layers=6, seed=7, out=out, tokenizer_from=smollm2)
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[dict]:
+    """The use-case corpus; skipped where absent (a user's fresh clone), but CI sets
+    SKIPPY_REQUIRE_CORPUS=1 so that a missing corpus fails there."""
+    path = Path(os.environ.get("SKIPPY_CORPUS", DEFAULT_CORPUS))
+    if not path.exists():
+        if os.environ.get("SKIPPY_REQUIRE_CORPUS") == "1":
+            pytest.fail(f"corpus not found at {path} (SKIPPY_REQUIRE_CORPUS=1)")
+        pytest.skip(f"corpus not found at {path}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def first_of_each_use_case(records: list[dict], n: int = 2) -> list[dict]:
+    seen: dict[str, int] = {}
+    out = []
+    for r in records:
+        if seen.get(r["use_case"], 0) < n:
+            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
+            out.append(r)
+    return out

@@ -1,0 +1,184 @@
+"""Chat templates: the GGUF's own (SmolLM2's ChatML), the Gemma family fallback, BOS once."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from skippy.mesh.chat import (GEMMA_TURNS, ChatTemplateError, ChatTemplateMissing,
+                              has_chat_template, load_chat_template, render_chat,
+                              validate_messages)
+from skippy.mesh.models import pull
+from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.gguf_file import GGUFFile
+
+SYSTEM_USER = [{"role": "system", "content": "You are terse."},
+               {"role": "user", "content": "What is 2+2?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> Path:
+    return pull("smollm2")
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    return pull("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_path: Path) -> Tokenizer:
+    return Tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def gemma_tok(gemma_path: Path) -> Tokenizer:
+    return Tokenizer(gemma_path)
+
+
+# -- SmolLM2: the file's own ChatML template ---------------------------------------------------
+def test_smollm2_renders_chatml_exactly(smollm2_path):
+    assert render_chat(smollm2_path, SYSTEM_USER) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_smollm2_template_inserts_its_default_system_prompt(smollm2_path):
+    text = render_chat(smollm2_path, [{"role": "user", "content": "Hi"}],
+                       add_generation_prompt=False)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+                    "trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+
+
+def test_every_source_kind_renders_the_same(smollm2_path, smollm2_tok):
+    want = render_chat(smollm2_path, SYSTEM_USER)
+    gguf = GGUFFile(smollm2_path)
+    try:
+        assert render_chat(gguf, SYSTEM_USER) == want
+        meta = {k: gguf.get(k) for k in ("general.architecture", "tokenizer.chat_template")}
+    finally:
+        gguf.close()
+    assert render_chat(str(smollm2_path), SYSTEM_USER) == want
+    assert render_chat(smollm2_tok, SYSTEM_USER) == want
+    assert render_chat(meta, SYSTEM_USER) == want
+    assert load_chat_template(smollm2_path).source == "gguf"
+
+
+def test_smollm2_chat_tokenizes_to_control_ids_without_bos(smollm2_path, smollm2_tok):
+    ids = smollm2_tok.encode(render_chat(smollm2_path, SYSTEM_USER))
+    im_start, im_end = smollm2_tok.encode("<|im_start|><|im_end|>")
+    assert ids[0] == im_start and ids.count(im_start) == 3 and ids.count(im_end) == 2
+    assert smollm2_tok.decode(ids, special=True) == render_chat(smollm2_path, SYSTEM_USER)
+
+
+# -- Gemma 3: no template in the file, the family's turn format ------------------------------
+def test_gemma_falls_back_to_the_family_turn_format(gemma_path):
+    assert GGUFFile(gemma_path).get("tokenizer.chat_template") is None
+    assert load_chat_template(gemma_path).source == "family:gemma3"
+    assert has_chat_template(gemma_path)
+    conversation = SYSTEM_USER + [{"role": "assistant", "content": "4"},
+                                  {"role": "user", "content": "And 3+3?"}]
+    assert render_chat(gemma_path, conversation) == (
+        "<start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n4<end_of_turn>\n"
+        "<start_of_turn>user\nAnd 3+3?<end_of_turn>\n"
+        "<start_of_turn>model\n")
+
+
+def test_gemma_without_generation_prompt_or_system(gemma_path):
+    text = render_chat(gemma_path, [{"role": "user", "content": "Hi"}],
+                       add_generation_prompt=False)
+    assert text == "<start_of_turn>user\nHi<end_of_turn>\n"
+
+
+def test_gemma_chat_tokenizes_with_exactly_one_bos(gemma_path, gemma_tok):
+    ids = gemma_tok.encode(render_chat(gemma_tok, SYSTEM_USER))
+    start_of_turn = gemma_tok.encode("<start_of_turn>", add_special=False)[0]
+    assert ids[0] == gemma_tok.bos_id == 2
+    assert ids.count(gemma_tok.bos_id) == 1
+    assert ids[1] == start_of_turn and ids.count(start_of_turn) == 2
+
+
+def test_gemma_turns_must_alternate(gemma_path):
+    with pytest.raises(ChatTemplateError, match="alternate"):
+        render_chat(gemma_path, [{"role": "user", "content": "a"},
+                                 {"role": "user", "content": "b"}])
+
+
+# -- double BOS ------------------------------------------------------------------------------
+def test_a_rendered_leading_bos_is_dropped_when_the_tokenizer_adds_one(gemma_tok):
+    # Google's own Gemma templates begin with {{ bos_token }}; llama.cpp strips it from the
+    # rendered text because the tokenizer adds BOS (common_chat_template_direct_apply).
+    with_bos = dataclasses.replace(load_chat_template(gemma_tok),
+                                   text="{{ bos_token }}" + GEMMA_TURNS)
+    text = with_bos.render(SYSTEM_USER)
+    assert not text.startswith("<bos>")
+    assert text == render_chat(gemma_tok, SYSTEM_USER)
+    assert gemma_tok.encode(text).count(gemma_tok.bos_id) == 1
+    # Without the strip the prompt would carry two BOS ids.
+    kept = dataclasses.replace(with_bos, add_bos=False).render(SYSTEM_USER)
+    assert kept.startswith("<bos>") and gemma_tok.encode(kept)[:2] == [2, 2]
+
+
+def test_bos_texts_come_from_metadata_when_given_a_mapping():
+    meta = {"general.architecture": "gemma3",
+            "tokenizer.ggml.tokens": ["<pad>", "<eos>", "<bos>"],
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+            "tokenizer.ggml.add_bos_token": True,
+            "tokenizer.chat_template":
+                "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"}
+    msgs = [{"role": "user", "content": "x"}]
+    assert render_chat(meta, msgs) == "x<eos>"
+    assert render_chat({**meta, "tokenizer.ggml.add_bos_token": False}, msgs) == "<bos>x<eos>"
+
+
+# -- no template -----------------------------------------------------------------------------
+def test_no_template_and_no_family_template_is_chat_template_missing():
+    meta = {"general.architecture": "llama", "general.name": "plain-llama",
+            "tokenizer.chat_template": None}
+    assert not has_chat_template(meta)
+    with pytest.raises(ChatTemplateMissing,
+                       match=r"^model plain-llama has no chat template; "
+                             r"use plain completion \(without --chat\)$"):
+        render_chat(meta, SYSTEM_USER)
+
+
+# -- messages --------------------------------------------------------------------------------
+@pytest.mark.parametrize("messages, message", [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    ([["user", "hi"]], r"messages\[0\] must be an object"),
+    ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role must be one of system, user"),
+    ([{"role": "user", "content": "a"}, {"role": "assistant"}],
+     r"messages\[1\]\.content must be a string \(got missing\)"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+     r"must be a string \(got list\)"),
+])
+def test_bad_message_shapes_are_one_line_value_errors(smollm2_path, messages, message):
+    with pytest.raises(ValueError, match=message) as info:
+        render_chat(smollm2_path, messages)
+    assert "\n" not in str(info.value)
+    assert not isinstance(info.value, ChatTemplateMissing)
+
+
+def test_extra_message_keys_are_not_passed_to_the_template():
+    assert validate_messages([{"role": "user", "content": "a", "name": "bob"}]) == [
+        {"role": "user", "content": "a"}]
+
+
+def test_template_sandbox_and_errors_are_chat_template_errors():
+    msgs = [{"role": "user", "content": "x"}]
+    broken = {"general.architecture": "llama", "tokenizer.chat_template": "{% for %}"}
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        render_chat(broken, msgs)
+    unsafe = {"general.architecture": "llama",
+              "tokenizer.chat_template": "{{ messages.__class__.__mro__ }}"}
+    with pytest.raises(ChatTemplateError):
+        render_chat(unsafe, msgs)
+    raising = {"general.architecture": "llama",
+               "tokenizer.chat_template": "{{ raise_exception('no system role') }}"}
+    with pytest.raises(ChatTemplateError, match="^no system role$"):
+        render_chat(raising, msgs)
