@@ -151,7 +151,7 @@ class Ours:
             t0 = time.perf_counter()
             logits = self.rt.prefill(self.lane, ids_t, start=0, logits="last").logits
             t1 = time.perf_counter()
-            self.rt.decode([(self.lane, tok_t)])[0].logits
+            self.rt.decode([(self.lane, tok_t)])
             t2 = time.perf_counter()
         return t1 - t0, t2 - t1, int(torch.argmax(logits))
 

@@ -102,7 +102,7 @@ class TorchStageRuntime(StageRuntime):
             raise StageError(f"frame starts at {inputs.start}, expected {start}")
         if inputs.rows.ndim != 2 or inputs.rows.shape[1] != self.cfg.hidden:
             raise StageError(f"frame rows must be [n, {self.cfg.hidden}]")
-        return from_wire(inputs.rows)
+        return from_wire(inputs)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if not self.spec.is_first:
@@ -163,7 +163,7 @@ class TorchStageRuntime(StageRuntime):
         st.length = st.prefilled = end
         hidden = torch.cat(outs) if len(outs) > 1 else outs[0]
         if not self.spec.is_last:
-            return StageOutput(frame=Frame(start, to_wire(hidden, self.spec.wire_dtype)))
+            return StageOutput(frame=to_wire(start, hidden, self.spec.wire_dtype))
         if logits == "none":
             return StageOutput()
         if logits == "last":
@@ -200,7 +200,7 @@ class TorchStageRuntime(StageRuntime):
                 if self.spec.is_last:
                     results.append(StageOutput(logits=logits[r]))
                 else:
-                    frame = Frame(st.length, to_wire(x[r:r + 1], self.spec.wire_dtype))
+                    frame = to_wire(st.length, x[r:r + 1], self.spec.wire_dtype)
                     results.append(StageOutput(frame=frame))
                 st.length += 1
         return results

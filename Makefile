@@ -1,0 +1,45 @@
+# Two commands do everything on a fresh machine:  `make run`  and  `make test`.
+PYTHON      ?= python3.11
+VENV        := .venv
+BIN         := $(VENV)/bin
+# llama-cpp-python builds from source (~6 min on 2 cores): the wheel is built once per
+# machine and kept outside the repository.
+WHEELS      := $(HOME)/.cache/skippy/wheels
+LLAMA_CPP   := 0.3.36
+PROMPT      ?= The three most useful things to know about the Moon are
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: this machine installs its CPU build from disk
+	$(BIN)/pip install -q torch==2.13.0
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || \
+	  $(BIN)/pip wheel --no-deps llama-cpp-python==$(LLAMA_CPP) -w $(WHEELS)
+	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
+	touch $@
+
+# The main job: serve the default model split into 2 stages (in-process for now).
+run: venv
+	$(BIN)/skippy models pull smollm2
+	$(BIN)/skippy generate --model smollm2 --stages 2 --max-tokens 64 "$(PROMPT)"
+
+# Everything CI runs. Downloads happen first; the tests themselves run in a network
+# namespace with only loopback (DESIGN.md §9), where unshare is allowed.
+test: venv
+	$(BIN)/skippy models pull smollm2 gemma3-270m
+	if unshare -n true 2>/dev/null; then \
+	  unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest $(PYTEST_ARGS)'; \
+	else \
+	  $(BIN)/python -m pytest $(PYTEST_ARGS); \
+	fi
+
+test-fast: PYTEST_ARGS += -m "not slow"
+test-fast: test
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

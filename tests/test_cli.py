@@ -1,0 +1,86 @@
+"""The `skippy` command as a user runs it: a real process, real models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from skippy.evals.reference import LlamaCppReference
+from skippy.mesh.tokenizer import Tokenizer
+
+PROMPT = "The three most useful things to know about the Moon are"
+
+
+def skippy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skippy.mesh.cli", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_three_stages_matches_llama_cpp_greedy(smollm2_f16):
+    tok = Tokenizer(smollm2_f16)
+    ids = tok.encode(PROMPT)
+    expected_ids = LlamaCppReference(smollm2_f16).greedy(ids, 16, set(tok.eog_ids))
+    stream = tok.stream_decoder()
+    expected = "".join(stream.push(t) for t in expected_ids) + stream.flush()
+    r = skippy("generate", "--model", str(smollm2_f16), "--stages", "3",
+               "--temperature", "0", "--max-tokens", "16", PROMPT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    assert len(expected_ids) == 16
+
+
+def test_generate_by_name_with_chat_template(smollm2):
+    r = skippy("generate", "--model", "smollm2", "--stages", "2", "--max-tokens", "8",
+               "--chat", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_seeded_sampling_repeats(smollm2):
+    args = ("generate", "--model", "smollm2", "--max-tokens", "8", "--temperature", "0.9",
+            "--seed", "11", PROMPT)
+    first, second = skippy(*args), skippy(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate", "--model", "no-such-model", "hi"), "no such model file"),
+    (("generate", "--model", "smollm2", "--stages", "31", "hi"), "30 layers"),
+    (("generate", "--model", "smollm2", "--stages", "0", "hi"), "at least 1"),
+    (("generate", "--model", "smollm2", "   "), "prompt is empty"),
+    (("generate", "--model", "/no/such/file.gguf", "hi"), "no such model file"),
+    (("generate", "--model", "smollm2", "--max-tokens", "0", "hi"), "max-tokens"),
+    (("generate", "--model", "smollm2", "--temperature", "-1", "hi"), "temperature"),
+    (("generate",), "PROMPT"),
+    (("models", "pull", "nonexistent"), "unknown model"),
+    (("models", "synth", "--arch", "nope", "--layers", "2", "--seed", "1"), "nope"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message):
+    r = skippy(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_gemma_chat_uses_the_family_template(gemma3):
+    """The Gemma 3 file has no chat template: the family's standard one applies."""
+    r = skippy("generate", "--model", "gemma3-270m", "--stages", "2", "--max-tokens", "4",
+               "--chat", "Say hello.")
+    assert r.returncode == 0, r.stderr
+
+
+def test_models_list_and_synth(tmp_path, smollm2):
+    out = tmp_path / "q.gguf"
+    r = skippy("models", "synth", "--arch", "qwen3", "--layers", "2", "--seed", "3",
+               "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.exists() and r.stdout.strip() == str(out)
+    listing = skippy("models", "list")
+    assert listing.returncode == 0
+    assert "smollm2" in listing.stdout and "llama" in listing.stdout and "Q4_1" in listing.stdout
