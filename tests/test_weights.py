@@ -23,7 +23,10 @@ def test_tied_head_last_stage_loads_token_embd_as_head(smollm2):
     assert "token_embd.weight" in names and "output_norm.weight" in names
 
 
-def test_stage_load_never_parses_the_vocabulary(smollm2):
+def test_stage_load_never_parses_the_vocabulary(smollm2, monkeypatch):
+    def refuse(self, arr):
+        raise AssertionError("a stage decoded a metadata array it does not need")
+    monkeypatch.setattr(GGUFFile, "_decode_array", refuse)
     rt = TorchStageRuntime(StageSpec(str(smollm2), 10, 20, 1, 3))
     f = GGUFFile(smollm2)
     assert isinstance(f.metadata["tokenizer.ggml.tokens"], LazyArray)
