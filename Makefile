@@ -28,18 +28,22 @@ run: venv
 	$(BIN)/skippy models pull smollm2
 	$(BIN)/skippy generate --model smollm2 --stages 2 --max-tokens 64 "$(PROMPT)"
 
-# Everything CI runs. Downloads happen first; the tests themselves run in a network
-# namespace with only loopback (DESIGN.md §9), where unshare is allowed.
+# Everything CI runs. Downloads happen first, with the tests that need the package
+# registry; the rest run in a network namespace with only loopback (DESIGN.md §9),
+# where unshare is allowed.
 test: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
+	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)
 	if unshare -n true 2>/dev/null; then \
-	  unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest $(PYTEST_ARGS)'; \
+	  unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest -m "not network" $(PYTEST_ARGS)'; \
 	else \
-	  $(BIN)/python -m pytest $(PYTEST_ARGS); \
+	  $(BIN)/python -m pytest -m "not network" $(PYTEST_ARGS); \
 	fi
 
-test-fast: PYTEST_ARGS += -m "not slow"
-test-fast: test
+# Quicker loop while working: no slow and no registry tests, still loopback-only.
+test-fast: venv
+	$(BIN)/skippy models pull smollm2 gemma3-270m
+	unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest -m "not slow and not network" $(PYTEST_ARGS)'
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -54,13 +54,3 @@ def corpus() -> list[dict]:
             pytest.fail(f"corpus not found at {path} (SKIPPY_REQUIRE_CORPUS=1)")
         pytest.skip(f"corpus not found at {path}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def first_of_each_use_case(records: list[dict], n: int = 2) -> list[dict]:
-    seen: dict[str, int] = {}
-    out = []
-    for r in records:
-        if seen.get(r["use_case"], 0) < n:
-            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
-            out.append(r)
-    return out

