@@ -232,6 +232,7 @@ def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
     t = time.perf_counter()
     ours = Ours(path, threads)
     load_s = time.perf_counter() - t
+    lane_batch = ours.rt.spec.lane_batch
     samples = {"ours": {"prefill": [], "decode": []},
                "reference": {"prefill": [], "decode": []}}
     top1 = {}
@@ -282,6 +283,7 @@ def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
         "prompt_tokens": len(ids),
         "decode_token": tok,
         "ours_load_s": load_s,
+        "ours_lane_batch": lane_batch,
         "other_cpu_share": other_cpu,
         "prefill_top1_match": top1["ours"] == top1["reference"],
         "prefill": step("prefill"),
@@ -328,7 +330,10 @@ def _table(result: dict) -> str:
         "same on both sides" if not mismatched
         else "differs for " + ", ".join(mismatched) + " (quantized llama.cpp dot products "
         "round activations; check numerics with the certification evals)")]
-    lines.append("ours decodes a fixed lane batch of 4 rows (one real); weights are read once.")
+    batches = sorted({r["ours_lane_batch"] for r in runs if "ours_lane_batch" in r})
+    if batches:
+        lines.append(f"ours decodes a fixed lane batch of {'/'.join(map(str, batches))} "
+                     "row(s), one real; weights are read once per step.")
     shares = [(f"{r['model']} {r['format'].upper()}", r.get("other_cpu_share")) for r in runs]
     known = [(name, s) for name, s in shares if s is not None]
     if known:
