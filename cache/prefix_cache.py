@@ -1,0 +1,186 @@
+"""The prefix cache of one stage and one payload kind: lookup, record, evict.
+
+It composes the prefix index (which entry holds the longest exact prefix), the resident
+LRU (which entries may live under the caps), admission (capture only what recurs) and
+counters. The caller owns the bytes: it restores a hit's state into a lane, stores the
+state of a reservation, and drops the state of every evicted entry id it is handed.
+
+Lock discipline (the same for every object in `cache/`): each cache object guards its
+state with one lock of its own and never calls another cache object while holding it,
+so locks never nest and cannot deadlock. Here admission is consulted before the lock is
+taken; the index and the LRU are plain structures used only under this lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .admission import Admission
+from .identity import prefix_digest
+from .index import PrefixIndex
+from .resident import Refused, ResidentLru
+from .telemetry import CacheStats, Counters, snapshot
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry_id: int
+    length: int   # leading tokens of the query whose state the entry holds
+    kind: str
+
+
+@dataclass(frozen=True)
+class Reservation:
+    entry_id: int
+    stage: bytes
+    tokens: tuple[int, ...]
+    evicted: tuple[int, ...]   # entry ids whose state the caller must drop now
+
+
+class PrefixCache:
+    def __init__(self, *, block: int, max_entries: int, max_bytes: int,
+                 max_tokens: int | None = None, kind: str = "ResidentKv",
+                 whole_entry: bool = False, admission: Admission | None = None,
+                 hash_fn=None):
+        """block: the reuse granularity in tokens (the config's stride). whole_entry:
+        an entry serves only queries that contain all its tokens (snapshots taken at
+        one boundary, KvRecurrent); otherwise any block-aligned shared prefix (KV rows).
+        admission None: every reservation is admitted (the caller decided)."""
+        self.kind, self.block, self.whole_entry = kind, block, whole_entry
+        self.max_tokens = max_tokens
+        self._index = PrefixIndex(block, hash_fn)
+        self._lru = ResidentLru(max_entries, max_bytes)
+        self._admission = admission
+        self._counters = Counters()
+        self._lock = threading.Lock()
+
+    # -- reading ---------------------------------------------------------------------------
+    def lookup(self, stage: bytes, tokens: Sequence[int], *, max_len: int | None = None,
+               probe: bool = False) -> Hit | None:
+        """The longest cached prefix of `tokens` (at most max_len tokens), pinned until
+        `release(hit)`. A probe (warm-up, health) never hits, counts or refreshes."""
+        if probe:
+            with self._lock:
+                self._counters.probes += 1
+            return None
+        chain = self._index.chain(stage, tokens[: (max_len or len(tokens))])
+        with self._lock:
+            self._counters.lookups += 1
+            before = self._index.collisions
+            m = self._index.longest(stage, tokens, max_len=max_len, whole_entry=self.whole_entry,
+                                    query_chain=chain, prefer=self._recency)
+            self._counters.collisions += self._index.collisions - before
+            if m is None:
+                self._counters.misses += 1
+                return None
+            self._lru.pin(m.entry_id)
+            self._lru.touch(m.entry_id)
+            self._counters.hits += 1
+            self._counters.hit_tokens += m.length
+            return Hit(m.entry_id, m.length, self.kind)
+
+    def release(self, hit: Hit) -> list[int]:
+        """Unpin a hit; returns entry ids freed by it (removed while pinned)."""
+        with self._lock:
+            freed = self._lru.unpin(hit.entry_id)
+            self._forget(freed, evicted=False)
+            return freed
+
+    def tokens(self, entry_id: int) -> tuple[int, ...]:
+        with self._lock:
+            return self._index.tokens(entry_id)
+
+    # -- recording -------------------------------------------------------------------------
+    def reserve(self, stage: bytes, tokens: Sequence[int], nbytes: int, *,
+                probe: bool = False) -> Reservation | None:
+        """Room for the state of `tokens` (a block-aligned prefix), or None: a probe, an
+        identity already held (refreshed instead), not admitted yet, too large, or only
+        pinned entries to evict. The caller stores the state, then commits."""
+        tokens = tuple(tokens)
+        if probe or not tokens or len(tokens) % self.block:
+            return None
+        chain = self._index.chain(stage, tokens)
+        with self._lock:
+            existing = self._index.find_exact(stage, tokens, chain)
+            if existing is not None:
+                self._lru.touch(existing)
+                self._counters.refreshes += 1
+                return None
+            if self.max_tokens is not None and len(tokens) > self.max_tokens:
+                self._counters.bypasses += 1
+                return None
+        if self._admission is not None and not self._admission.observe(
+                prefix_digest(stage, tokens)):
+            with self._lock:
+                self._counters.not_admitted += 1
+            return None
+        with self._lock:
+            try:
+                entry_id, evicted = self._lru.allocate(nbytes)
+            except Refused:
+                self._counters.bypasses += 1
+                return None
+            self._forget(evicted)
+            self._counters.admissions += 1
+            return Reservation(entry_id, stage, tokens, tuple(evicted))
+
+    def commit(self, r: Reservation) -> bool:
+        """Make a reservation readable. False (and the slot freed) when another
+        reservation recorded the same identity first: the caller drops its copy."""
+        with self._lock:
+            if r.entry_id not in self._lru:
+                return False
+            chain = self._index.chain(r.stage, r.tokens)
+            if self._index.find_exact(r.stage, r.tokens, chain) is not None:
+                self._lru.remove(r.entry_id)
+                self._counters.refreshes += 1
+                return False
+            self._lru.commit(r.entry_id)
+            self._index.insert(r.entry_id, r.stage, r.tokens, chain)
+            self._counters.records += 1
+            return True
+
+    def abort(self, r: Reservation) -> None:
+        with self._lock:
+            self._lru.remove(r.entry_id)
+
+    # -- evicting --------------------------------------------------------------------------
+    def remove(self, entry_id: int) -> list[int]:
+        """Drop an entry (e.g. its state failed to restore); pinned ones go at release."""
+        with self._lock:
+            freed = self._lru.remove(entry_id)
+            self._forget(freed, evicted=False)
+            if entry_id in self._index and entry_id not in freed:
+                self._index.remove(entry_id)   # doomed: invisible to new lookups now
+            return freed
+
+    def clear(self) -> list[int]:
+        with self._lock:
+            ids = [eid for eid in self._lru.lru_order()]
+            freed = self._lru.clear()
+            self._forget(freed, evicted=False)
+            for eid in ids:
+                if eid in self._index:
+                    self._index.remove(eid)
+            return freed
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            u = self._lru.usage()
+            return CacheStats(self.kind, u.entries, u.resident_bytes, u.reserved_bytes,
+                              u.evictable_bytes, u.pinned_entries, snapshot(self._counters))
+
+    # -- internals (under the lock) --------------------------------------------------------
+    def _forget(self, freed: list[int], evicted: bool = True) -> None:
+        for eid in freed:
+            if eid in self._index:
+                self._index.remove(eid)
+        if evicted:
+            self._counters.evictions += len(freed)
+
+    @staticmethod
+    def _recency(entry_id: int) -> int:
+        # Among equally long candidates the newest entry wins: ids grow with recording.
+        return entry_id
