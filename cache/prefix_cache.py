@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .admission import Admission
+from .config import CacheConfig
 from .identity import prefix_digest
 from .index import PrefixIndex
 from .resident import Refused, ResidentLru
@@ -55,6 +56,15 @@ class PrefixCache:
         self._admission = admission
         self._counters = Counters()
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, *, kind: str = "ResidentKv",
+                    whole_entry: bool = False) -> "PrefixCache":
+        """The prefix cache a stage runs with `config`: reuse granularity = stride."""
+        return cls(block=config.stride, max_entries=config.max_entries,
+                   max_bytes=config.max_bytes, max_tokens=config.max_tokens_per_entry,
+                   kind=kind, whole_entry=whole_entry,
+                   admission=Admission(config.admit_after))
 
     # -- reading ---------------------------------------------------------------------------
     def lookup(self, stage: bytes, tokens: Sequence[int], *, max_len: int | None = None,

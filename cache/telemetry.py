@@ -39,3 +39,19 @@ class CacheStats:
 
 def snapshot(c: Counters) -> dict:
     return {f.name: getattr(c, f.name) for f in fields(c)}
+
+
+def merge(stats: list[CacheStats]) -> dict:
+    """One snapshot of several caches (resident KV, activation frames, exact results):
+    totals, hits by kind, and bytes by state, for the mesh to export."""
+    out = {"hits_by_kind": {}, "resident_bytes": 0, "reserved_bytes": 0,
+           "evictable_bytes": 0, "entries": 0}
+    totals: dict[str, int] = {}
+    for s in stats:
+        out["hits_by_kind"][s.kind] = out["hits_by_kind"].get(s.kind, 0) + s.counters["hits"]
+        for k in ("resident_bytes", "reserved_bytes", "evictable_bytes", "entries"):
+            out[k] += getattr(s, k)
+        for k, v in s.counters.items():
+            totals[k] = totals.get(k, 0) + v
+    out["counters"] = totals
+    return out

@@ -28,3 +28,22 @@ def test_exact_results_serve_only_the_identical_prompt():
     assert r.get_result(b"other", [1, 2, 3]) is None
     assert r.get_result(b"s", [1, 2, 3], probe=True) is None
     assert exact_prompt_key(b"s", [1, 2, 3]) != exact_prompt_key(b"s", [1, 2])
+
+
+def test_merged_snapshot_reports_hits_by_kind_and_bytes_by_state():
+    from skippy.cache.config import CacheConfig
+    from skippy.cache.prefix_cache import PrefixCache
+    from skippy.cache.telemetry import merge
+
+    kv = PrefixCache.from_config(CacheConfig(admit_after=1, max_bytes=10**6))
+    r = kv.reserve(b"s", list(range(64)), 500)
+    kv.commit(r)
+    kv.release(kv.lookup(b"s", list(range(70))))
+    act = ActivationCache(4, 1000)
+    act.put_frame("p", 8, "f", 100)
+    act.get_frame("p", 8)
+    act.get_frame("q", 8)
+    snap = merge([kv.stats(), act.stats()])
+    assert snap["hits_by_kind"] == {"ResidentKv": 1, "activation": 1}
+    assert snap["resident_bytes"] == 600 and snap["evictable_bytes"] == 600
+    assert snap["counters"]["misses"] == 1 and snap["counters"]["lookups"] == 3
