@@ -138,14 +138,15 @@ class BlockStore:
         (the block is then dropped, so later reads miss until it is put again).
         """
         with self._lock:
-            self._gets += 1
             entry = self._blocks.get(digest)
             data = entry.data if entry is not None else None
             if data is None:
+                self._gets += 1
                 self._misses += 1
                 raise MissingBlock(digest)
-        ok = blake3(data).digest() == digest
+        ok = blake3(data).digest() == digest  # hashed outside the lock
         with self._lock:
+            self._gets += 1  # counted with its outcome: gets == hits + misses + corrupt
             if ok:
                 self._hits += 1
                 return data

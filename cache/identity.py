@@ -9,10 +9,9 @@ per-process, so identities match across restarts and nodes.
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-import sys
 
 import blake3
 import msgpack
@@ -37,12 +36,13 @@ def _normalize(value):
     raise TypeError(f"cannot encode {type(value).__name__} in an identity")
 
 
+TOKEN_BYTES = 4
+
+
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian int32: the one byte form every hash of tokens uses."""
-    a = array("i", tokens)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
+    """Token ids as little-endian int32: the one byte form every hash and comparison of
+    tokens uses."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,12 @@ class StageKey:
         return StageKey(**{**values, "namespace": namespace})
 
 
-def prefix_digest(stage: StageKey | bytes, tokens: Sequence[int], token_start: int = 0) -> bytes:
-    """BLAKE3 of (stage digest, token start, token ids)."""
+def prefix_digest(stage: StageKey | bytes, tokens: Sequence[int] | bytes,
+                  token_start: int = 0) -> bytes:
+    """BLAKE3 of (stage digest, token start, token ids); tokens as ids or token_bytes."""
     h = blake3.blake3(stage.digest if isinstance(stage, StageKey) else stage)
     h.update(token_start.to_bytes(8, "little"))
-    h.update(token_bytes(tokens))
+    h.update(tokens if isinstance(tokens, bytes) else token_bytes(tokens))
     return h.digest()
 
 
@@ -120,16 +121,25 @@ def block_chain(stage: StageKey | bytes, tokens: Sequence[int], block: int,
     (vLLM-style): hash i covers the stage and tokens [0, (i+1)*block), so equal hashes
     at depth i mean (barring collisions) equal prefixes. The index only ranks candidates
     by these; an exact token comparison always confirms."""
+    return block_chain_bytes(stage, token_bytes(tokens), block, hash_fn)
+
+
+def block_chain_bytes(stage: StageKey | bytes, raw: bytes, block: int,
+                      hash_fn=None) -> list[bytes]:
+    """block_chain over tokens already in token_bytes form."""
     parent = stage.digest if isinstance(stage, StageKey) else stage
     hash_fn = hash_fn or _chain_hash
+    view, step = memoryview(raw), block * TOKEN_BYTES
     out = []
-    for i in range(len(tokens) // block):
-        parent = hash_fn(parent, token_bytes(tokens[i * block:(i + 1) * block]))
+    for i in range(len(raw) // step):
+        parent = hash_fn(parent, view[i * step:(i + 1) * step])
         out.append(parent)
     return out
 
 
-def _chain_hash(parent: bytes, run: bytes) -> bytes:
+def _chain_hash(parent: bytes, run) -> bytes:
     # 16 bytes are plenty to rank candidates: a collision costs a verification, never a
     # wrong hit.
-    return blake3.blake3(parent + run).digest(16)
+    h = blake3.blake3(parent)
+    h.update(run)
+    return h.digest(16)

@@ -1,11 +1,12 @@
 """Longest exact prefix over thousands of recorded entries.
 
 Every entry registers the parent-chained hashes of its full `block`-token runs
-(identity.block_chain). A query hashes its own runs once, then a binary search over
-depth finds the deepest run hash any entry shares; the candidates there are confirmed
-by comparing tokens exactly. Hashes only rank: if no candidate confirms (a collision),
-the index falls back to an exact scan of the stage's entries, so it never returns a
-wrong prefix and never misses a right one.
+(identity.block_chain). A query is prepared once (its tokens as bytes and its own run
+hashes: the only per-token work); a binary search over depth then finds the deepest run
+hash any entry shares, and candidates there are confirmed newest first by comparing
+token bytes exactly, stopping at the first that confirms. Hashes only rank: if a hash
+hit fails to confirm (a collision), the index falls back to an exact scan of the stage's
+entries, so it never returns a wrong prefix and never misses a right one.
 
 Not thread-safe by itself: it is owned by one PrefixCache, which calls it under its lock.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .identity import block_chain
+from .identity import TOKEN_BYTES, block_chain_bytes, token_bytes
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,24 @@ class Match:
     length: int   # tokens shared with the query: a multiple of the block
 
 
+@dataclass(frozen=True)
+class Query:
+    """A token sequence prepared for lookups: little-endian int32 bytes and run hashes."""
+
+    stage: bytes
+    raw: bytes
+    chain: tuple[bytes, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.raw) // TOKEN_BYTES
+
+
 @dataclass
 class _Entry:
     stage: bytes
-    tokens: tuple[int, ...]
-    chain: list[bytes]
+    raw: bytes
+    chain: tuple[bytes, ...]
 
 
 class PrefixIndex:
@@ -38,10 +52,11 @@ class PrefixIndex:
         self.block = block
         self._hash_fn = hash_fn
         self._entries: dict[int, _Entry] = {}
-        self._by_stage: dict[bytes, set[int]] = {}
-        self._at: dict[bytes, set[int]] = {}    # run hash at depth d -> entries through it
-        self._ends: dict[bytes, set[int]] = {}  # run hash at an entry's full length
-        self.collisions = 0                      # hash hits that failed verification
+        self._by_stage: dict[bytes, dict[int, None]] = {}
+        # run hash -> entries through it, in insertion order (newest last)
+        self._at: dict[bytes, dict[int, None]] = {}
+        self._ends: dict[bytes, dict[int, None]] = {}  # run hash at an entry's full length
+        self.collisions = 0                             # hash hits that failed to confirm
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -49,24 +64,24 @@ class PrefixIndex:
     def __contains__(self, entry_id: int) -> bool:
         return entry_id in self._entries
 
-    def chain(self, stage: bytes, tokens: Sequence[int]) -> list[bytes]:
-        return block_chain(stage, tokens, self.block, self._hash_fn)
+    def prepare(self, stage: bytes, tokens: Sequence[int], max_len: int | None = None) -> Query:
+        """The query form of `tokens` (at most max_len of them); all hashing happens here."""
+        n = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
+        raw = token_bytes(tokens[:n])
+        return Query(stage, raw, tuple(block_chain_bytes(stage, raw, self.block, self._hash_fn)))
 
-    def insert(self, entry_id: int, stage: bytes, tokens: Sequence[int],
-               chain: list[bytes] | None = None) -> None:
-        """Record an entry; its token count must be a multiple of the block."""
+    def insert(self, entry_id: int, q: Query) -> None:
+        """Record an entry holding exactly q's tokens (a positive multiple of the block)."""
         if entry_id in self._entries:
             raise KeyError(f"entry {entry_id} is already indexed")
-        tokens = tuple(tokens)
-        if not tokens or len(tokens) % self.block:
-            raise ValueError(f"entry length {len(tokens)} is not a positive multiple of "
-                             f"{self.block}")
-        chain = chain if chain is not None else self.chain(stage, tokens)
-        self._entries[entry_id] = _Entry(stage, tokens, chain)
-        self._by_stage.setdefault(stage, set()).add(entry_id)
-        for h in chain:
-            self._at.setdefault(h, set()).add(entry_id)
-        self._ends.setdefault(chain[-1], set()).add(entry_id)
+        n = q.n_tokens
+        if not n or n % self.block:
+            raise ValueError(f"entry length {n} is not a positive multiple of {self.block}")
+        self._entries[entry_id] = _Entry(q.stage, q.raw, q.chain)
+        self._by_stage.setdefault(q.stage, {})[entry_id] = None
+        for h in q.chain:
+            self._at.setdefault(h, {})[entry_id] = None
+        self._ends.setdefault(q.chain[-1], {})[entry_id] = None
 
     def remove(self, entry_id: int) -> None:
         e = self._entries.pop(entry_id)
@@ -76,59 +91,53 @@ class PrefixIndex:
         _discard(self._ends, e.chain[-1], entry_id)
 
     def tokens(self, entry_id: int) -> tuple[int, ...]:
-        return self._entries[entry_id].tokens
+        raw = self._entries[entry_id].raw
+        return tuple(memoryview(raw).cast("i"))
 
-    def find_exact(self, stage: bytes, tokens: Sequence[int],
-                   chain: list[bytes] | None = None) -> int | None:
-        """The entry holding exactly these tokens, if any."""
-        tokens = tuple(tokens)
-        if not tokens or len(tokens) % self.block:
+    def find_exact(self, q: Query) -> int | None:
+        """The entry holding exactly q's tokens, if any."""
+        if not q.n_tokens or q.n_tokens % self.block:
             return None
-        chain = chain if chain is not None else self.chain(stage, tokens)
-        for eid in self._ends.get(chain[-1], ()):
+        for eid in reversed(self._ends.get(q.chain[-1], {})):
             e = self._entries[eid]
-            if e.stage == stage and e.tokens == tokens:
+            if e.stage == q.stage and e.raw == q.raw:
                 return eid
         return None
 
-    def longest(self, stage: bytes, query: Sequence[int], *, max_len: int | None = None,
-                whole_entry: bool = False, query_chain: list[bytes] | None = None,
-                prefer=None) -> Match | None:
-        """The longest prefix of `query` (at most max_len tokens, block-aligned) held by
-        an entry of `stage`.
+    def longest(self, q: Query, *, whole_entry: bool = False) -> Match | None:
+        """The longest block-aligned prefix of the prepared query held by an entry of its
+        stage; among equally long ones, the newest entry.
 
         whole_entry=False: an entry serves any block-aligned prefix it shares with the
         query (resident KV: copy its first rows). whole_entry=True: only entries whose
-        whole token list is a prefix of the query (snapshots taken at one boundary).
-        `prefer(entry_id)` ranks equally long candidates (highest wins)."""
-        limit = len(query) if max_len is None else min(max_len, len(query))
-        depth = limit // self.block
-        if depth == 0 or stage not in self._by_stage:
+        whole token list is a prefix of the query (snapshots taken at one boundary)."""
+        if not q.chain or q.stage not in self._by_stage:
             return None
-        chain = query_chain if query_chain is not None else self.chain(stage, query[: depth * self.block])
-        chain = chain[:depth]
-        found, collided = self._search(stage, query, chain, whole_entry, prefer)
+        found, collided = self._search(q, whole_entry)
         if collided:
             self.collisions += 1
-            return self._scan(stage, query, depth, whole_entry, prefer)
+            return self._scan(q, whole_entry)
         return found
 
     # -- internals -------------------------------------------------------------------------
-    def _confirm(self, stage, query, ids, d, prefer, whole_entry=False) -> Match | None:
-        n = d * self.block
-        want = tuple(query[:n])
-        ok = [eid for eid in ids
-              if self._entries[eid].stage == stage and self._entries[eid].tokens[:n] == want
-              and (not whole_entry or len(self._entries[eid].tokens) == n)]
-        if not ok:
-            return None
-        return Match(max(ok, key=prefer) if prefer else max(ok), n)
+    def _confirm(self, q: Query, ids: dict, depth: int, whole_entry: bool) -> Match | None:
+        n = depth * self.block * TOKEN_BYTES
+        # A memoryview slice avoids a copy; startswith compares with memcmp (memoryview
+        # equality would unpack element by element, 40x slower).
+        want = memoryview(q.raw)[:n]
+        for eid in reversed(ids):  # newest first; the first that confirms wins
+            e = self._entries[eid]
+            if e.stage == q.stage and (not whole_entry or len(e.raw) == n) and \
+                    e.raw.startswith(want):
+                return Match(eid, depth * self.block)
+        return None
 
-    def _search(self, stage, query, chain, whole_entry, prefer) -> tuple[Match | None, bool]:
-        """(verified match, whether a hash hit failed verification)."""
+    def _search(self, q: Query, whole_entry: bool) -> tuple[Match | None, bool]:
+        """(confirmed match, whether a hash hit failed to confirm)."""
         # Deepest depth whose run hash some entry shares: genuine sharing is monotone in
         # depth (an entry through depth d is through every shallower one), collisions can
         # only add presence, so the search lands at or past the genuine deepest depth.
+        chain = q.chain
         lo, hi = 0, len(chain) + 1
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -139,42 +148,36 @@ class PrefixIndex:
         if lo == 0:
             return None, False
         if not whole_entry:
-            m = self._confirm(stage, query, self._at[chain[lo - 1]], lo, prefer)
+            m = self._confirm(q, self._at[chain[lo - 1]], lo, False)
             return m, m is None
         for d in range(lo, 0, -1):
             ids = self._ends.get(chain[d - 1])
             if ids:
-                m = self._confirm(stage, query, ids, d, prefer, whole_entry=True)
-                if m is not None:
-                    return m, False
-                return None, True
+                m = self._confirm(q, ids, d, True)
+                return m, m is None
         return None, False
 
-    def _scan(self, stage, query, depth, whole_entry, prefer) -> Match | None:
+    def _scan(self, q: Query, whole_entry: bool) -> Match | None:
         """Exact, hash-free answer: the fallback after a collision."""
         best: Match | None = None
-        b = self.block
-        for eid in self._by_stage.get(stage, ()):
-            tokens = self._entries[eid].tokens
+        step = self.block * TOKEN_BYTES
+        depth = len(q.chain)
+        for eid in self._by_stage.get(q.stage, {}):  # oldest first: later equals win
+            raw = self._entries[eid].raw
             d = 0
-            while d < depth and d * b < len(tokens) and \
-                    tokens[d * b:(d + 1) * b] == tuple(query[d * b:(d + 1) * b]):
+            while d < depth and (d + 1) * step <= len(raw) and \
+                    raw[d * step:(d + 1) * step] == q.raw[d * step:(d + 1) * step]:
                 d += 1
-            if whole_entry and d * b != len(tokens):
+            if d == 0 or (whole_entry and d * step != len(raw)):
                 continue
-            if d == 0:
-                continue
-            n = d * b
-            if best is None or n > best.length or (
-                    n == best.length and (prefer(eid) if prefer else eid) >
-                    (prefer(best.entry_id) if prefer else best.entry_id)):
-                best = Match(eid, n)
+            if best is None or d * self.block >= best.length:
+                best = Match(eid, d * self.block)
         return best
 
 
 def _discard(table: dict, key, entry_id: int) -> None:
     ids = table.get(key)
     if ids is not None:
-        ids.discard(entry_id)
+        ids.pop(entry_id, None)
         if not ids:
             del table[key]

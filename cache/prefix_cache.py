@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .admission import Admission
 from .config import CacheConfig
 from .identity import prefix_digest
-from .index import PrefixIndex
+from .index import PrefixIndex, Query
 from .resident import Refused, ResidentLru
 from .telemetry import CacheStats, Counters, snapshot
 
@@ -35,9 +35,12 @@ class Hit:
 @dataclass(frozen=True)
 class Reservation:
     entry_id: int
-    stage: bytes
-    tokens: tuple[int, ...]
+    query: Query               # the prepared tokens, hashed once at reserve
     evicted: tuple[int, ...]   # entry ids whose state the caller must drop now
+
+    @property
+    def n_tokens(self) -> int:
+        return self.query.n_tokens
 
 
 class PrefixCache:
@@ -75,12 +78,11 @@ class PrefixCache:
             with self._lock:
                 self._counters.probes += 1
             return None
-        chain = self._index.chain(stage, tokens[: (max_len or len(tokens))])
+        q = self._index.prepare(stage, tokens, max_len)
         with self._lock:
             self._counters.lookups += 1
             before = self._index.collisions
-            m = self._index.longest(stage, tokens, max_len=max_len, whole_entry=self.whole_entry,
-                                    query_chain=chain, prefer=self._recency)
+            m = self._index.longest(q, whole_entry=self.whole_entry)
             self._counters.collisions += self._index.collisions - before
             if m is None:
                 self._counters.misses += 1
@@ -108,12 +110,11 @@ class PrefixCache:
         """Room for the state of `tokens` (a block-aligned prefix), or None: a probe, an
         identity already held (refreshed instead), not admitted yet, too large, or only
         pinned entries to evict. The caller stores the state, then commits."""
-        tokens = tuple(tokens)
         if probe or not tokens or len(tokens) % self.block:
             return None
-        chain = self._index.chain(stage, tokens)
+        q = self._index.prepare(stage, tokens)
         with self._lock:
-            existing = self._index.find_exact(stage, tokens, chain)
+            existing = self._index.find_exact(q)
             if existing is not None:
                 self._lru.touch(existing)
                 self._counters.refreshes += 1
@@ -122,7 +123,7 @@ class PrefixCache:
                 self._counters.bypasses += 1
                 return None
         if self._admission is not None and not self._admission.observe(
-                prefix_digest(stage, tokens)):
+                prefix_digest(stage, q.raw)):
             with self._lock:
                 self._counters.not_admitted += 1
             return None
@@ -134,27 +135,27 @@ class PrefixCache:
                 return None
             self._forget(evicted)
             self._counters.admissions += 1
-            return Reservation(entry_id, stage, tokens, tuple(evicted))
+            return Reservation(entry_id, q, tuple(evicted))
 
     def commit(self, r: Reservation) -> bool:
         """Make a reservation readable. False (and the slot freed) when another
         reservation recorded the same identity first: the caller drops its copy."""
         with self._lock:
-            if r.entry_id not in self._lru:
+            if r.entry_id not in self._lru or r.entry_id in self._index:
                 return False
-            chain = self._index.chain(r.stage, r.tokens)
-            if self._index.find_exact(r.stage, r.tokens, chain) is not None:
+            if self._index.find_exact(r.query) is not None:
                 self._lru.remove(r.entry_id)
                 self._counters.refreshes += 1
                 return False
             self._lru.commit(r.entry_id)
-            self._index.insert(r.entry_id, r.stage, r.tokens, chain)
+            self._index.insert(r.entry_id, r.query)
             self._counters.records += 1
             return True
 
-    def abort(self, r: Reservation) -> None:
-        with self._lock:
-            self._lru.remove(r.entry_id)
+    def abort(self, r: Reservation) -> list[int]:
+        """Give a reservation up (its state could not be stored). On an entry already
+        committed this is a remove: it never leaves an index entry without a slot."""
+        return self.remove(r.entry_id)
 
     # -- evicting --------------------------------------------------------------------------
     def remove(self, entry_id: int) -> list[int]:
@@ -190,7 +191,3 @@ class PrefixCache:
         if evicted:
             self._counters.evictions += len(freed)
 
-    @staticmethod
-    def _recency(entry_id: int) -> int:
-        # Among equally long candidates the newest entry wins: ids grow with recording.
-        return entry_id
