@@ -52,20 +52,31 @@ class StageSpec:
 
 
 @dataclass
-class StageOutput:
-    frame: Frame | None = None          # non-final stages
-    logits: torch.Tensor | None = None  # final stage: [vocab] ("last") or [n, vocab] ("all")
-
-
-@dataclass
 class LaneState:
-    """A lane's exported state for token positions [0, n_tokens): per layer K and V,
-    token-major ([n_tokens, kv_heads, head_dim]) so prefixes share leading bytes."""
+    """A lane's exported state for token positions [0, n_tokens).
+
+    keys/values: per attention layer, token-major ([n_tokens, kv_heads, head_dim]) so
+    prefixes share leading bytes. fixed: recurrent state (conv, SSM) at exactly n_tokens,
+    by name; empty for dense families. A state with fixed parts cannot be cut shorter."""
 
     n_tokens: int
     prefilled: int  # leading rows computed by prefill (reusable by a later prefill)
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    fixed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.keys + self.values + list(self.fixed.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class StageOutput:
+    frame: Frame | None = None          # non-final stages
+    logits: torch.Tensor | None = None  # final stage: [vocab] ("last") or [n, vocab] ("all")
+    # prefill(snapshots=...): the lane's state for [0, b) at each requested boundary b
+    snapshots: dict[int, LaneState] = field(default_factory=dict)
 
 
 class StageRuntime(abc.ABC):
@@ -89,10 +100,13 @@ class StageRuntime(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
-                logits: str = "last") -> StageOutput:
+                logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
         """Run positions [start, start + n) for the lane; start must be a multiple of the
         chunk and <= prefill_boundary(lane). State beyond start is discarded.
-        `logits` (final stage): "last", "all" or "none"."""
+        `logits` (final stage): "last", "all" or "none". `snapshots`: chunk-aligned
+        boundaries b with start < b <= start + n whose state [0, b) is returned in
+        StageOutput.snapshots (recurrent state cannot be rolled back afterwards, so it
+        is captured while the prefill passes b)."""
 
     @abc.abstractmethod
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:

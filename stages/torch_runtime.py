@@ -131,7 +131,7 @@ class TorchStageRuntime(StageRuntime):
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
-                logits: str = "last") -> StageOutput:
+                logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
         st = self._lane(lane)
         C = self.spec.chunk
         if start % C or start > self.prefill_boundary(lane):
@@ -144,6 +144,10 @@ class TorchStageRuntime(StageRuntime):
         if n == 0:
             raise StageError("prefill needs at least one row")
         end = start + n
+        bad = [b for b in snapshots if b % C or not start < b <= end]
+        if bad:
+            raise StageError(f"snapshot boundaries {bad} must be multiples of {C} in "
+                             f"({start}, {end}]")
         if end > self.n_ctx:
             raise StageError(f"{end} tokens exceed the context of {self.n_ctx}")
         padded_end = -(-end // C) * C
@@ -161,14 +165,16 @@ class TorchStageRuntime(StageRuntime):
             x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s)])
             outs.append(x[:m])
         st.length = st.prefilled = end
+        # Attention state is token-major: a prefix snapshot is a slice of the final one.
+        out = StageOutput(snapshots={b: self.export_state(lane, b) for b in snapshots})
         hidden = torch.cat(outs) if len(outs) > 1 else outs[0]
         if not self.spec.is_last:
-            return StageOutput(frame=to_wire(start, hidden, self.spec.wire_dtype))
-        if logits == "none":
-            return StageOutput()
-        if logits == "last":
-            return StageOutput(logits=self._logits(hidden[-1:], self.spec.lane_batch)[0])
-        return StageOutput(logits=self._logits(hidden, self.spec.chunk))
+            out.frame = to_wire(start, hidden, self.spec.wire_dtype)
+        elif logits == "last":
+            out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
+        elif logits == "all":
+            out.logits = self._logits(hidden, self.spec.chunk)
+        return out
 
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
         lanes = [lane for lane, _ in steps]
