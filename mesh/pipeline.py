@@ -1,31 +1,43 @@
 """An in-process pipeline: a model's stages as plain objects, frames handed along.
 
 The Ray mesh replaces the hand-off with actors and gRPC streams; the request's path
-(prefill through every stage, then one decode step per token) stays the same.
+(agree on a reuse start, restore, prefill through every stage, then one decode step
+per token) stays the same.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from skippy.cache.config import CacheConfig
 from skippy.stages.runtime import StageOutput, StageSpec
+from skippy.stages.stage_cache import StageCache
 from skippy.stages.torch_runtime import TorchStageRuntime
+from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.planner import even_ranges
 
 from .sampler import Sampler
 
+log = logging.getLogger(__name__)
+
+IDLE_LANE_SETS = 4  # finished requests' lanes kept warm: a follow-up continues in place
+
 
 class LocalPipeline:
     def __init__(self, model_path: str | Path, n_stages: int, *, wire_dtype: str = "f16",
-                 **spec_options):
+                 cache: CacheConfig | None = None, **spec_options):
         f = GGUFFile(model_path)
         self.config = ModelConfig.from_gguf(f)
+        capability = capability_for(f)
         f.close()
+        if cache is not None:
+            spec_options.setdefault("chunk", cache.chunk)
         ranges = even_ranges(self.config.n_layers, n_stages)
         self.stages = [
             TorchStageRuntime(StageSpec(str(model_path), a, b, i, n_stages, wire_dtype,
@@ -33,15 +45,33 @@ class LocalPipeline:
             for i, (a, b) in enumerate(ranges)
         ]
         self.n_ctx = self.stages[0].n_ctx
+        self.chunk = self.stages[0].spec.chunk
+        self.caches: list[StageCache] | None = None
+        if cache is not None:
+            log.info("cache policy: %s", capability.reason)
+            self.caches = [StageCache(rt, cache, policy=capability.policy) for rt in self.stages]
+        self._idle: list[list[int]] = []
 
+    # -- lanes -----------------------------------------------------------------------------
     def alloc(self) -> list[int]:
-        """One lane in every stage for one request."""
+        """One lane in every stage for one request (a warm one when there is one)."""
+        if self._idle:
+            return self._idle.pop()
+        if self.caches is not None:
+            return [c.alloc_lane() for c in self.caches]
         return [s.alloc_lane() for s in self.stages]
 
     def free(self, lanes: list[int]) -> None:
+        if self.caches is not None:
+            self._idle.append(lanes)
+            while len(self._idle) > IDLE_LANE_SETS:
+                for c, lane in zip(self.caches, self._idle.pop(0)):
+                    c.free_lane(lane)
+            return
         for stage, lane in zip(self.stages, lanes):
             stage.free_lane(lane)
 
+    # -- uncached steps (certification and tests drive these directly) --------------------
     def prefill(self, lanes: list[int], ids: list[int] | torch.Tensor, start: int = 0,
                 logits: str = "last") -> torch.Tensor | None:
         """Positions [start, start + len(ids)); returns the last stage's logits."""
@@ -54,13 +84,56 @@ class LocalPipeline:
 
     def decode(self, lanes: list[int], token: int) -> torch.Tensor:
         x = torch.tensor(token)
-        for stage, lane in zip(self.stages, lanes):
+        for i, (stage, lane) in enumerate(zip(self.stages, lanes)):
             out = stage.decode([(lane, x)])[0]
+            if self.caches is not None:
+                self.caches[i].note_decoded(lane, token)
             x = out.frame
         return out.logits
 
+    # -- cached prefill ----------------------------------------------------------------------
+    def prefill_cached(self, lanes: list[int], ids: list[int], *,
+                       probe: bool = False) -> tuple[torch.Tensor, int]:
+        """Next-token logits for the prompt and how many prompt tokens were reused.
+
+        All stages agree on one chunk-aligned start r that every one of them can restore
+        (at most n - 1 tokens: the last prompt row is always computed), restore it, and
+        prefill [r, n). Bitwise the same logits as an uncached prefill."""
+        if self.caches is None:
+            return self.prefill(lanes, ids), 0
+        n = len(ids)
+        r = (n - 1) // self.chunk * self.chunk
+        while True:  # shrink until every stage can restore exactly r (a few rounds at most)
+            agreed = min(c.available(lane, ids, r, probe=probe)
+                         for c, lane in zip(self.caches, lanes))
+            if agreed == r:
+                break
+            r = agreed
+        if r and not all(c.restore(lane, ids, r) for c, lane in zip(self.caches, lanes)):
+            r = 0
+        out: StageOutput | None = None
+        x = torch.as_tensor(ids[r:], dtype=torch.long)
+        for c, lane in zip(self.caches, lanes):
+            out = c.prefill(lane, ids, x, r, probe=probe)
+            x = out.frame
+        return out.logits, r
+
+    def first_logits(self, lanes: list[int], ids: list[int], *,
+                     probe: bool = False) -> tuple[torch.Tensor, int, bool]:
+        """(logits, reused tokens, prefilled): an exact repeat of a whole prompt is
+        answered from the last stage's result cache without running anything; the lanes
+        are then prefilled only if decoding continues."""
+        if self.caches is not None:
+            cached = self.caches[-1].cached_result(ids, probe=probe)
+            if cached is not None:
+                return cached, len(ids), False
+        logits, reused = self.prefill_cached(lanes, ids, probe=probe)
+        if self.caches is not None:
+            self.caches[-1].remember_result(ids, logits, probe=probe)
+        return logits, reused, True
+
     def generate(self, ids: list[int], max_tokens: int, sampler: Sampler,
-                 stop_ids: set[int] = frozenset()) -> Iterator[int]:
+                 stop_ids: set[int] = frozenset(), *, probe: bool = False) -> Iterator[int]:
         """Token ids of the continuation, one at a time; a stop id ends it (not yielded)."""
         if not ids:
             raise ValueError("the prompt has no tokens")
@@ -69,13 +142,19 @@ class LocalPipeline:
                              f"exceed the context of {self.n_ctx}")
         lanes = self.alloc()
         try:
-            logits = self.prefill(lanes, ids)
+            logits, _, prefilled = self.first_logits(lanes, ids, probe=probe)
             for i in range(max_tokens):
                 token = sampler(logits)
                 if token in stop_ids:
                     return
                 yield token
                 if i + 1 < max_tokens:
+                    if not prefilled:
+                        self.prefill_cached(lanes, ids, probe=probe)
+                        prefilled = True
                     logits = self.decode(lanes, token)
         finally:
             self.free(lanes)
+
+    def cache_stats(self) -> list[dict]:
+        return [c.stats() for c in self.caches] if self.caches else []

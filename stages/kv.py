@@ -1,4 +1,5 @@
-"""Per-lane attention KV storage, token-major and grown in chunk-sized steps."""
+"""Per-lane state storage: attention KV (token-major, grown in chunk-sized steps) and the
+fixed-size recurrent state of hybrid families' short-conv layers."""
 
 from __future__ import annotations
 
@@ -6,24 +7,33 @@ import torch
 
 
 class LaneKv:
-    """K and V for each layer of a stage: [capacity, kv_heads, head_dim] per layer.
+    """A lane's memory in one stage.
 
-    Token-major storage makes `keys(i, lo, hi)` a contiguous slice whose layout does not
-    depend on the capacity, so attention over it computes the same bits however large
-    the buffer has grown.
+    K and V for each attention layer: [capacity, kv_heads, head_dim] per layer. Token-major
+    storage makes `keys(i, lo, hi)` a contiguous slice whose layout does not depend on the
+    capacity, so attention over it computes the same bits however large the buffer has grown.
+
+    conv: for each short-conv layer, the last l_cache - 1 conv inputs ([l_cache - 1, width])
+    at the lane's current length. Unlike KV rows it cannot be cut back to a shorter prefix,
+    so it is replaced (never written in place) on every update: a reference taken at a
+    chunk boundary stays that boundary's state.
     """
 
     def __init__(self, n_layers: int, kv_heads: int, head_dim: int, v_head_dim: int,
-                 step: int, max_tokens: int):
+                 step: int, max_tokens: int,
+                 conv_shapes: tuple[tuple[int, int], ...] = ()):
         self.shape_k = (kv_heads, head_dim)
         self.shape_v = (kv_heads, v_head_dim)
         self.step, self.max_tokens = step, max_tokens
         self.k = [torch.zeros(0, *self.shape_k) for _ in range(n_layers)]
         self.v = [torch.zeros(0, *self.shape_v) for _ in range(n_layers)]
+        self.conv_shapes = tuple(conv_shapes)
+        self.conv = self.empty_conv()
+        self._capacity = 0
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[0] if self.k else 0
+        return self._capacity
 
     def ensure(self, n_tokens: int) -> None:
         if n_tokens <= self.capacity:
@@ -37,6 +47,7 @@ class LaneKv:
             k[:old] = self.k[i]
             v[:old] = self.v[i]
             self.k[i], self.v[i] = k, v
+        self._capacity = new_cap
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][pos: pos + k.shape[0]] = k
@@ -48,6 +59,10 @@ class LaneKv:
     def values(self, layer: int, lo: int, hi: int) -> torch.Tensor:
         return self.v[layer][lo:hi]
 
+    def empty_conv(self) -> list[torch.Tensor]:
+        """The conv state of an empty prefix: nothing came before position 0."""
+        return [torch.zeros(shape) for shape in self.conv_shapes]
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.conv)

@@ -120,11 +120,82 @@ def _qwen3_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- lfm2 (short convolution + attention hybrid) ----------------------------------------------
+# Each short-conv layer keeps the last LFM2_L_CACHE - 1 conv inputs as recurrent state;
+# 3 is what the released LFM2 checkpoints use.
+LFM2_L_CACHE = 3
+
+
+def lfm2_is_attention_layer(layer: int) -> bool:
+    """The synthetic layer pattern: conv, conv, attention, repeated (6 layers: c c a c c a)."""
+    return layer % 3 == 2
+
+
+def _lfm2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {
+        "context_length": d.context_length,
+        "embedding_length": d.hidden,
+        "block_count": d.layers,
+        "feed_forward_length": d.ff,
+        "attention.head_count": d.heads,
+        # Per layer; llama.cpp reads a 0 as "this layer is a short convolution".
+        "attention.head_count_kv": [d.kv_heads if lfm2_is_attention_layer(i) else 0
+                                    for i in range(d.layers)],
+        "attention.layer_norm_rms_epsilon": d.rms_eps,
+        "rope.freq_base": d.rope_base,
+        "shortconv.l_cache": LFM2_L_CACHE,
+    }
+
+
+def _lfm2_tensors(d: Dims) -> list[TensorSpec]:
+    if d.heads * d.head_dim != d.hidden:
+        # llama.cpp creates LFM2's Q and output projections as n_embd x n_embd.
+        raise SynthError(f"lfm2 needs heads * head_dim == hidden ({d.heads} * {d.head_dim} "
+                         f"!= {d.hidden})")
+    kv = d.kv_heads * d.head_dim
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out.append(TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"))
+        if lfm2_is_attention_layer(i):
+            out += [
+                TensorSpec(f"{b}.attn_q.weight", (d.hidden, d.hidden), "proj"),
+                TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+                TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+                TensorSpec(f"{b}.attn_output.weight", (d.hidden, d.hidden), "proj"),
+                TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
+                TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+            ]
+        else:
+            out += [
+                # numpy (n_embd, l_cache) = ggml {l_cache, n_embd}: one kernel row per channel
+                TensorSpec(f"{b}.shortconv.conv.weight", (d.hidden, LFM2_L_CACHE), "proj"),
+                TensorSpec(f"{b}.shortconv.in_proj.weight", (3 * d.hidden, d.hidden), "proj"),
+                TensorSpec(f"{b}.shortconv.out_proj.weight", (d.hidden, d.hidden), "proj"),
+            ]
+        out += [
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+        ]
+    # LFM2 names its final norm token_embd_norm (llama.cpp: LLM_TENSOR_OUTPUT_NORM_LFM2).
+    # The head is untied (llama.cpp loads output.weight when present), so a port that
+    # silently reuses token_embd is caught.
+    out += [
+        TensorSpec("token_embd_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
 _ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(defaults=_SMALL, hparams=_qwen3_hparams, tensors=_qwen3_tensors),
+    "lfm2": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_lfm2_hparams,
+                     tensors=_lfm2_tensors),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))

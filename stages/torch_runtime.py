@@ -1,9 +1,15 @@
-"""The torch stage runtime: any contiguous layer range of a supported family."""
+"""The torch stage runtime: any contiguous layer range of a supported family.
+
+Hybrid families (LFM2) keep recurrent conv state beside the attention KV. That state
+exists only at the lane's current length and at the chunk boundaries a prefill was asked
+to snapshot: it cannot be cut back to a shorter prefix, so exports, copies and prefill
+starts are limited to those lengths (and 0).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +21,8 @@ from .kv import LaneKv
 from .layers import Rope, rms_norm
 from .linear import make_linear
 from .runtime import LaneState, StageError, StageOutput, StageRuntime, StageSpec
-from .transformer import DecoderLayer, Segment
+from .shortconv import ShortConv
+from .transformer import Attention, DecoderLayer, Segment
 from .weights import load_stage_tensors
 
 RUNTIME_ABI = f"skippy-torch/1 torch-{torch.__version__}"
@@ -26,6 +33,9 @@ class _Lane:
     kv: LaneKv
     length: int = 0      # rows held (prefill + decode)
     prefilled: int = 0   # rows computed by prefill: the only rows a later prefill reuses
+    # Recurrent families: the conv state at each chunk boundary a prefill snapshotted
+    # (references: LaneKv replaces conv tensors instead of writing into them).
+    saved: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class TorchStageRuntime(StageRuntime):
@@ -45,16 +55,26 @@ class TorchStageRuntime(StageRuntime):
                                first=spec.is_first, last=spec.is_last)
         self.weights_digest, self.weights_source_bytes = t.digest, t.source_bytes
         ropes: dict[tuple[float, float], Rope] = {}
-        self.layers = []
-        for local, i in enumerate(range(spec.layer_start, spec.layer_end)):
-            key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
-            if key not in ropes:
-                ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style)
-            self.layers.append(DecoderLayer(i, local, cfg, t, spec.weight_format, ropes[key]))
+        self.layers: list[DecoderLayer] = []
+        self.attn_layers: list[int] = []  # model layer index of each KV slot
+        self.conv_layers: list[int] = []  # model layer index of each conv-state slot
+        for i in range(spec.layer_start, spec.layer_end):
+            if cfg.is_conv_layer(i):
+                mixer = ShortConv(i, len(self.conv_layers), cfg, t, spec.weight_format)
+                self.conv_layers.append(i)
+            else:
+                key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
+                if key not in ropes:
+                    ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style)
+                mixer = Attention(i, len(self.attn_layers), cfg, t, spec.weight_format,
+                                  ropes[key])
+                self.attn_layers.append(i)
+            self.layers.append(DecoderLayer(i, cfg, t, spec.weight_format, mixer))
+        self.recurrent = bool(self.conv_layers)
         self.embed = t["token_embd.weight"] if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
-            self.norm = t["output_norm.weight"]
+            self.norm = t[cfg.family.output_norm]
             head = t["token_embd.weight"] if cfg.tied_head else t["output.weight"]
             self.head = make_linear(head, spec.weight_format)
         f.close()
@@ -66,8 +86,10 @@ class TorchStageRuntime(StageRuntime):
         lane = self._next_lane
         self._next_lane += 1
         cfg = self.cfg
-        self._lanes[lane] = _Lane(LaneKv(len(self.layers), cfg.n_kv_heads, cfg.head_dim,
-                                         cfg.v_head_dim, self.spec.chunk, self.n_ctx))
+        conv_shapes = ((cfg.conv_l_cache - 1, cfg.hidden),) * len(self.conv_layers)
+        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), cfg.n_kv_heads, cfg.head_dim,
+                                         cfg.v_head_dim, self.spec.chunk, self.n_ctx,
+                                         conv_shapes))
         return lane
 
     def free_lane(self, lane: int) -> None:
@@ -84,7 +106,27 @@ class TorchStageRuntime(StageRuntime):
 
     def prefill_boundary(self, lane: int) -> int:
         st = self._lane(lane)
+        if self.recurrent:
+            return max(self._resumable(st))
         return st.prefilled // self.spec.chunk * self.spec.chunk
+
+    def _resumable(self, st: _Lane) -> set[int]:
+        """Recurrent lanes: the starts whose conv state the lane still has (its snapshots
+        and, when it is all prefill rows on a chunk boundary, its length)."""
+        starts = {0, *st.saved}
+        if st.length == st.prefilled and st.length % self.spec.chunk == 0:
+            starts.add(st.length)
+        return starts
+
+    def _conv_state_at(self, st: _Lane, n_tokens: int) -> list[torch.Tensor]:
+        if n_tokens == st.length:
+            return st.kv.conv
+        if n_tokens in st.saved:
+            return st.saved[n_tokens]
+        if n_tokens == 0:
+            return st.kv.empty_conv()
+        raise StageError(f"recurrent state exists only at the lane's length {st.length} and "
+                         f"its snapshots {sorted(st.saved)}, not at {n_tokens} tokens")
 
     # -- compute ---------------------------------------------------------------------------
     def _inputs(self, inputs: torch.Tensor | Frame, start: int) -> torch.Tensor:
@@ -137,6 +179,9 @@ class TorchStageRuntime(StageRuntime):
         if start % C or start > self.prefill_boundary(lane):
             raise StageError(f"prefill start {start} must be a multiple of {C} and at most "
                              f"{self.prefill_boundary(lane)}")
+        if self.recurrent and start not in self._resumable(st):
+            raise StageError(f"prefill start {start}: recurrent state cannot be rolled back; "
+                             f"starts available: {sorted(self._resumable(st))}")
         if logits not in ("last", "all", "none"):
             raise StageError(f"logits must be last, all or none, not {logits!r}")
         x_in = self._inputs(inputs, start)
@@ -152,6 +197,9 @@ class TorchStageRuntime(StageRuntime):
             raise StageError(f"{end} tokens exceed the context of {self.n_ctx}")
         padded_end = -(-end // C) * C
         st.kv.ensure(padded_end)
+        if self.recurrent:  # rewind the conv state to start (checked available above)
+            st.kv.conv = list(self._conv_state_at(st, start))
+            st.saved = {b: s for b, s in st.saved.items() if b <= start}
         st.length = st.prefilled = start  # state past start is discarded
         outs = []
         for s in range(start, end, C):
@@ -162,8 +210,11 @@ class TorchStageRuntime(StageRuntime):
                 chunk = torch.cat([chunk, pad])
             x = self._embed(chunk)
             positions = torch.arange(s, s + C)
-            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s)])
+            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s, n_real=m)])
             outs.append(x[:m])
+            if self.recurrent and s + C in snapshots:
+                # recurrent state moves on with the next chunk: capture it while passing
+                st.saved[s + C] = list(st.kv.conv)
         st.length = st.prefilled = end
         # Attention state is token-major: a prefix snapshot is a slice of the final one.
         out = StageOutput(snapshots={b: self.export_state(lane, b) for b in snapshots})
@@ -216,25 +267,40 @@ class TorchStageRuntime(StageRuntime):
         self.import_state(dst, self.export_state(src, n_tokens))
 
     def export_state(self, lane: int, n_tokens: int) -> LaneState:
+        """KV rows [0, n_tokens) of every attention layer; for recurrent families also the
+        conv state at n_tokens, which exists only at the lane's length, at its snapshot
+        boundaries and at 0 (any other n_tokens raises StageError)."""
         st = self._lane(lane)
         if not 0 <= n_tokens <= st.length:
             raise StageError(f"lane {lane} holds {st.length} tokens, not {n_tokens}")
-        n = len(self.layers)
+        conv = self._conv_state_at(st, n_tokens) if self.recurrent else []
+        n = len(self.attn_layers)
         return LaneState(
             n_tokens=n_tokens,
             prefilled=min(n_tokens, st.prefilled),
             keys=[st.kv.keys(i, 0, n_tokens).clone() for i in range(n)],
             values=[st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
+            fixed={f"conv.{layer}": c.clone() for layer, c in zip(self.conv_layers, conv)},
         )
 
     def import_state(self, lane: int, state: LaneState) -> None:
         st = self._lane(lane)
-        if len(state.keys) != len(self.layers):
-            raise StageError("state has a different number of layers")
+        n_attn = len(self.attn_layers)
+        if len(state.keys) != n_attn or len(state.values) != n_attn:
+            raise StageError("state has a different number of attention layers")
+        names = [f"conv.{layer}" for layer in self.conv_layers]
+        if set(state.fixed) != set(names):
+            raise StageError(f"state carries recurrent state {sorted(state.fixed)}, "
+                             f"this stage needs {names}")
+        conv = [state.fixed[name] for name in names]
+        if any(tuple(c.shape) != shape for c, shape in zip(conv, st.kv.conv_shapes)):
+            raise StageError("recurrent state has a different shape")
         n = state.n_tokens
         st.kv.ensure(max(n, 1))
-        for i in range(len(self.layers)):
+        for i in range(n_attn):
             st.kv.write(i, 0, state.keys[i], state.values[i])
+        st.kv.conv = [c.to(torch.float32).clone() for c in conv]
+        st.saved = {}
         st.length, st.prefilled = n, state.prefilled
 
     def identity(self) -> dict[str, object]:
@@ -250,6 +316,8 @@ class TorchStageRuntime(StageRuntime):
             "wire_dtype": spec.wire_dtype,
             "n_ctx": self.n_ctx,
             "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
+            **({"recurrent_state": f"shortconv l_cache={cfg.conv_l_cache} f32"}
+               if self.recurrent else {}),
             "numeric_policy": {
                 "compute": "f32",
                 "weights": spec.weight_format,

@@ -1,9 +1,15 @@
-"""The decoder layer shared by every dense family; family quirks come from topology."""
+"""The decoder layer shared by every family; family quirks come from topology.
+
+A layer is a pre-norm residual block: a token mixer, then a gated FFN. The mixer is
+attention for dense families; hybrid families plug in a recurrent mixer for some layers
+(LFM2's short convolution, stages/shortconv.py) behind the same call.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -23,7 +29,14 @@ class Segment:
     row0: int
     n: int
     pos: int
+    # Rows [row0, row0 + n_real) are the lane's real rows; the rest pad a short prefill
+    # chunk. Causal masking keeps padding out of real rows; recurrent state must skip it.
+    n_real: int | None = None
     _windows: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.n_real is None:
+            self.n_real = self.n
 
     def window(self, sliding: int) -> tuple[int, int, torch.Tensor | None]:
         """Key range [lo, hi) and additive mask for this segment's queries."""
@@ -38,32 +51,32 @@ class Segment:
         return self._windows[sliding]
 
 
-class DecoderLayer:
-    def __init__(self, index: int, local: int, cfg: ModelConfig, t: StageTensors,
+class Mixer(Protocol):
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor,
+                 segments: list[Segment]) -> torch.Tensor:
+        """Mix normed rows h across each segment's tokens; update the lanes' state."""
+
+
+class Attention:
+    """Grouped-query self-attention over the lane's KV: the mixer of attention layers."""
+
+    def __init__(self, index: int, slot: int, cfg: ModelConfig, t: StageTensors,
                  fmt: str, rope: Rope):
         p = f"blk.{index}."
         fam = cfg.family
-        self.local, self.cfg, self.rope = local, cfg, rope
+        self.slot, self.cfg, self.rope = slot, cfg, rope  # slot: this layer's KV in LaneKv
         self.window = cfg.sliding_window if cfg.is_swa_layer(index) else 0
-        self.attn_norm = t[p + "attn_norm.weight"]
         self.qkv, self.qkv_split = fuse_linear(
             [t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]], fmt)
         self.out = make_linear(t[p + "attn_output.weight"], fmt)
         self.q_norm = t[p + "attn_q_norm.weight"] if fam.qk_norm else None
         self.k_norm = t[p + "attn_k_norm.weight"] if fam.qk_norm else None
-        self.post_attn_norm = t[p + "post_attention_norm.weight"] if fam.post_norms else None
-        self.ffn_norm = t[p + "ffn_norm.weight"]
-        self.gate_up, self.gate_up_split = fuse_linear(
-            [t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt)
-        self.down = make_linear(t[p + "ffn_down.weight"], fmt)
-        self.post_ffn_norm = t[p + "post_ffw_norm.weight"] if fam.post_norms else None
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                segments: list[Segment]) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor,
+                 segments: list[Segment]) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_eps
-        n = x.shape[0]
-        h = rms_norm(x, self.attn_norm, eps)
+        n = h.shape[0]
         q, k, v = self.qkv(h).split(self.qkv_split, dim=-1)
         q = q.view(n, cfg.n_heads, cfg.head_dim)
         k = k.view(n, cfg.n_kv_heads, cfg.head_dim)
@@ -76,11 +89,42 @@ class DecoderLayer:
         if len(segments) == 1 and segments[0].n == n:
             attn = self._attend(segments[0], q, k, v)
         else:  # decode batch: padding rows belong to no lane and stay zero
-            attn = x.new_zeros(n, cfg.n_heads * cfg.v_head_dim)
+            attn = h.new_zeros(n, cfg.n_heads * cfg.v_head_dim)
             for seg in segments:
                 rows = slice(seg.row0, seg.row0 + seg.n)
                 attn[rows] = self._attend(seg, q[rows], k[rows], v[rows])
-        h = self.out(attn)
+        return self.out(attn)
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode step reads through this mixer."""
+        norms = [t for t in (self.q_norm, self.k_norm) if t is not None]
+        return self.qkv.nbytes + self.out.nbytes + sum(t.nbytes for t in norms)
+
+    def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
+        seg.kv.write(self.slot, seg.pos, k, v)
+        lo, hi, mask = seg.window(self.window)
+        return attend(q, seg.kv.keys(self.slot, lo, hi), seg.kv.values(self.slot, lo, hi),
+                      mask, self.scale)
+
+
+class DecoderLayer:
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, fmt: str, mixer: Mixer):
+        p = f"blk.{index}."
+        fam = cfg.family
+        self.index, self.cfg, self.mixer = index, cfg, mixer
+        self.attn_norm = t[p + "attn_norm.weight"]  # the mixer's input norm (LFM2: operator_norm)
+        self.post_attn_norm = t[p + "post_attention_norm.weight"] if fam.post_norms else None
+        self.ffn_norm = t[p + "ffn_norm.weight"]
+        self.gate_up, self.gate_up_split = fuse_linear(
+            [t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt)
+        self.down = make_linear(t[p + "ffn_down.weight"], fmt)
+        self.post_ffn_norm = t[p + "post_ffw_norm.weight"] if fam.post_norms else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                segments: list[Segment]) -> torch.Tensor:
+        cfg, eps = self.cfg, self.cfg.rms_eps
+        h = self.mixer(rms_norm(x, self.attn_norm, eps), positions, segments)
         if self.post_attn_norm is not None:
             h = rms_norm(h, self.post_attn_norm, eps)
         x = x + h
@@ -90,9 +134,3 @@ class DecoderLayer:
         if self.post_ffn_norm is not None:
             h = rms_norm(h, self.post_ffn_norm, eps)
         return x + h
-
-    def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
-        seg.kv.write(self.local, seg.pos, k, v)
-        lo, hi, mask = seg.window(self.window)
-        return attend(q, seg.kv.keys(self.local, lo, hi), seg.kv.values(self.local, lo, hi),
-                      mask, self.scale)

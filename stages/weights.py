@@ -46,7 +46,7 @@ def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
     if first:
         names.append("token_embd.weight")
     if last:
-        names.append("output_norm.weight")
+        names.append(cfg.family.output_norm)
         names.append("token_embd.weight" if cfg.tied_head else "output.weight")
     missing = [n for n in names if n not in f.tensors]
     if missing:

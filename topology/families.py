@@ -1,8 +1,9 @@
 """Model families: every per-family quirk lives in this one table.
 
-The torch runtime has one decoder layer; a family only switches its options. Constants
-that llama.cpp hard-codes instead of reading from the GGUF (Gemma 3's local rope base and
-its 5-local:1-global pattern) are recorded here, next to the family they belong to.
+The torch runtime has one decoder layer; a family only switches its options (and, for
+hybrid families, which token mixer a layer uses). Constants that llama.cpp hard-codes
+instead of reading from the GGUF (Gemma 3's local rope base and its 5-local:1-global
+pattern) are recorded here, next to the family they belong to.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ class Family:
     embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
     swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
     rope_base_swa: float | None = None  # rope base of sliding-window layers
-    cache_policy: str = "ResidentKv"
+    cache_policy: str = "ResidentKv"  # "KvRecurrent": state = attention KV + recurrent state
+    # "shortconv": layers whose per-layer KV head count is 0 mix tokens by a short causal
+    # convolution (LFM2) instead of attention. None: every layer is attention.
+    recurrent_mixer: str | None = None
+    output_norm: str = "output_norm.weight"  # GGUF name of the final norm
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -35,6 +40,11 @@ FAMILIES: dict[str, Family] = {
     # llama.cpp: swa pattern 6, local rope base 10000 (llama-model.cpp, LLM_ARCH_GEMMA3).
     "gemma3": Family("gemma3", rope_style="neox", activation="gelu_tanh", qk_norm=True,
                      post_norms=True, embed_scale=True, swa_pattern=6, rope_base_swa=10000.0),
+    # llama.cpp: a layer is recurrent iff its head_count_kv is 0; the final norm is stored
+    # as token_embd_norm (LLM_TENSOR_OUTPUT_NORM_LFM2); NEOX rope (llama_model_rope_type).
+    "lfm2": Family("lfm2", rope_style="neox", activation="silu", qk_norm=True,
+                   cache_policy="KvRecurrent", recurrent_mixer="shortconv",
+                   output_norm="token_embd_norm.weight"),
 }
 
 

@@ -27,6 +27,10 @@ class ModelConfig:
     context_length: int
     sliding_window: int        # 0 = no sliding-window layers
     tied_head: bool            # no output.weight: the head is token_embd
+    # Hybrid families: layers whose token mixer is a short causal convolution (LFM2), and
+    # the convolution's length (its recurrent state holds conv_l_cache - 1 rows).
+    conv_layers: frozenset[int] = frozenset()
+    conv_l_cache: int = 0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -34,11 +38,30 @@ class ModelConfig:
         family = family_for(arch)
         hidden = int(f.arch_key("embedding_length"))
         n_heads = int(f.arch_key("attention.head_count"))
+        n_layers = int(f.arch_key("block_count"))
         n_kv = f.arch_key("attention.head_count_kv", n_heads)
-        if isinstance(n_kv, list):  # per-layer counts: all equal for the dense families
-            if len(set(n_kv)) != 1:
-                raise ValueError(f"{arch}: per-layer KV head counts differ: {sorted(set(n_kv))}")
-            n_kv = n_kv[0]
+        conv_layers: frozenset[int] = frozenset()
+        conv_l_cache = 0
+        if isinstance(n_kv, list):
+            if len(n_kv) != n_layers:
+                raise ValueError(f"{arch}: {len(n_kv)} per-layer KV head counts for "
+                                 f"{n_layers} layers")
+            if family.recurrent_mixer == "shortconv":
+                # llama.cpp (LFM2): a layer with no KV heads is a short-conv layer.
+                conv_layers = frozenset(i for i, n in enumerate(n_kv) if n == 0)
+                conv_l_cache = int(f.arch_key("shortconv.l_cache", 0))
+                if conv_layers and conv_l_cache < 2:
+                    raise ValueError(f"{arch}: shortconv.l_cache must be at least 2, "
+                                     f"not {conv_l_cache}")
+            # the attention layers' counts: all equal for the families we run
+            counts = sorted({n for i, n in enumerate(n_kv) if i not in conv_layers})
+            if len(counts) > 1:
+                raise ValueError(f"{arch}: per-layer KV head counts differ: {counts}")
+            n_kv = counts[0] if counts else n_heads
+        sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
+        if family.recurrent_mixer and sliding_window:
+            # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
+            raise ValueError(f"{arch}: sliding-window attention is not supported for this family")
         head_dim = int(f.arch_key("attention.key_length", hidden // n_heads))
         scaling = f.arch_key("rope.scaling.type", "none")
         factor = float(f.arch_key("rope.scaling.factor", 1.0) or 1.0)
@@ -46,7 +69,7 @@ class ModelConfig:
         return cls(
             architecture=arch,
             family=family,
-            n_layers=int(f.arch_key("block_count")),
+            n_layers=n_layers,
             hidden=hidden,
             ff=int(f.arch_key("feed_forward_length")),
             n_heads=n_heads,
@@ -59,9 +82,19 @@ class ModelConfig:
             rms_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
             vocab=int(embd.shape[1]),
             context_length=int(f.arch_key("context_length", 4096)),
-            sliding_window=int(f.arch_key("attention.sliding_window", 0) or 0),
+            sliding_window=sliding_window,
             tied_head="output.weight" not in f.tensors,
+            conv_layers=conv_layers,
+            conv_l_cache=conv_l_cache,
         )
+
+    def is_conv_layer(self, layer: int) -> bool:
+        return layer in self.conv_layers
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Some layer keeps recurrent state: a lane's state cannot be cut shorter."""
+        return bool(self.conv_layers)
 
     def is_swa_layer(self, layer: int) -> bool:
         return self.family.is_swa_layer(layer, self.sliding_window)

@@ -1,0 +1,64 @@
+"""The short-convolution token mixer of LFM2's recurrent layers.
+
+in_proj splits into gates B, C and input x; the depthwise causal convolution runs over
+B * x along time with a kernel of l_cache taps per channel; C gates its output; out_proj
+maps back. A row sees the l_cache - 1 rows before it, so a lane carries those rows
+(its conv state) from one chunk or decode step to the next.
+
+Everything between the two projections is elementwise: a row's bits depend only on its
+own inputs and on the state, never on how many rows ran beside it (DESIGN.md §5.3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skippy.topology.model_config import ModelConfig
+
+from .linear import make_linear
+from .weights import StageTensors
+
+
+class ShortConv:
+    def __init__(self, index: int, slot: int, cfg: ModelConfig, t: StageTensors, fmt: str):
+        p = f"blk.{index}.shortconv."
+        self.slot, self.hidden = slot, cfg.hidden  # slot: this layer's conv state in LaneKv
+        self.in_proj = make_linear(t[p + "in_proj.weight"], fmt)
+        self.out_proj = make_linear(t[p + "out_proj.weight"], fmt)
+        kernel = t[p + "conv.weight"]  # [hidden, l_cache]; tap 0 weighs the oldest row
+        if tuple(kernel.shape) != (cfg.hidden, cfg.conv_l_cache):
+            raise ValueError(f"{p}conv.weight has shape {tuple(kernel.shape)}, expected "
+                             f"{(cfg.hidden, cfg.conv_l_cache)}")
+        self.taps = [kernel[:, j].contiguous() for j in range(cfg.conv_l_cache)]
+        self.d_conv = cfg.conv_l_cache - 1
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
+        n = h.shape[0]
+        b, c, x = self.in_proj(h).split(self.hidden, dim=-1)
+        bx = b * x
+        if len(segments) == 1 and segments[0].n == n:
+            conv = self._conv(segments[0], bx)
+        else:  # decode batch: padding rows belong to no lane, stay zero, touch no state
+            conv = h.new_zeros(n, self.hidden)
+            for seg in segments:
+                rows = slice(seg.row0, seg.row0 + seg.n)
+                conv[rows] = self._conv(seg, bx[rows])
+        return self.out_proj(c * conv)
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode step reads through this mixer."""
+        return self.in_proj.nbytes + self.out_proj.nbytes + sum(t.nbytes for t in self.taps)
+
+    def _conv(self, seg, bx: torch.Tensor) -> torch.Tensor:
+        n = bx.shape[0]
+        full = torch.cat([seg.kv.conv[self.slot], bx])  # [d_conv + n, hidden]
+        # Taps summed oldest first from the first product, as ggml_ssm_conv sums them.
+        out = full[0:n] * self.taps[0]
+        for j in range(1, self.d_conv + 1):
+            out = out + full[j:j + n] * self.taps[j]
+        # The new state ends at the last real row: rows padding a short chunk sit after it
+        # and must not enter the state (a resumed lane would otherwise differ from a cold one).
+        end = seg.n_real
+        seg.kv.conv[self.slot] = full[end:end + self.d_conv].clone()
+        return out

@@ -1,0 +1,235 @@
+"""LFM2, the short-convolution + attention hybrid, end to end on a synthetic GGUF:
+llama.cpp agreement, split equivalence, and exact resume from recurrent snapshots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from skippy.evals.reference import LlamaCppReference
+from skippy.mesh.pipeline import LocalPipeline
+from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.stages.layers import rms_norm
+from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.synth import write_synthetic
+from skippy.stages.torch_runtime import TorchStageRuntime
+from skippy.topology.families import family_for
+from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_config import ModelConfig
+
+LAYERS = 6  # conv, conv, attention, conv, conv, attention
+CHUNK = 32
+PROMPT = [(i * 7919) % 40000 + 100 for i in range(150)]  # boundaries 32, 64, 96, 128
+TEXT = ("The short convolution keeps the last few inputs of every channel, while the "
+        "attention layers look back over the whole prompt. A stage that serves such a "
+        "model must carry both kinds of state from one chunk to the next, and a cache "
+        "must restore both together, or the continuation drifts from a cold run. ") * 3
+
+
+@pytest.fixture(scope="module")
+def lfm2_f32(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth") / "lfm2-L6.gguf"
+    return write_synthetic("lfm2", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2)
+
+
+@pytest.fixture(scope="module")
+def reference(lfm2_f32):
+    return LlamaCppReference(lfm2_f32, n_ctx=512)
+
+
+def runtime(path, **kw) -> TorchStageRuntime:
+    return TorchStageRuntime(StageSpec(str(path), 0, LAYERS, n_ctx=512, **kw))
+
+
+def greedy_decode(rt, lane, logits, steps):
+    """Logits after prefill, then after each greedy decode step: [steps + 1, vocab]."""
+    out = [logits]
+    for _ in range(steps):
+        token = torch.tensor(int(out[-1].argmax()))
+        out.append(rt.decode([(lane, token)])[0].logits)
+    return torch.stack(out)
+
+
+# -- the family and its file ------------------------------------------------------------------
+def test_lfm2_is_a_kv_recurrent_family():
+    assert family_for("lfm2").cache_policy == "KvRecurrent"
+
+
+def test_synthetic_file_marks_conv_layers_by_zero_kv_heads(lfm2_f32, smollm2, tmp_path):
+    f = GGUFFile(lfm2_f32)
+    assert f.arch_key("attention.head_count_kv") == [0, 0, 2, 0, 0, 2]
+    assert f.arch_key("shortconv.l_cache") == 3
+    assert f.tensors["blk.0.shortconv.conv.weight"].shape == (3, 256)  # ggml {l_cache, n_embd}
+    assert f.tensors["blk.0.shortconv.in_proj.weight"].shape == (256, 768)
+    assert "token_embd_norm.weight" in f.tensors and "output_norm.weight" not in f.tensors
+    assert "blk.2.attn_q_norm.weight" in f.tensors and "blk.2.shortconv.conv.weight" not in f.tensors
+    cfg = ModelConfig.from_gguf(f)
+    assert cfg.conv_layers == {0, 1, 3, 4} and cfg.conv_l_cache == 3 and cfg.n_kv_heads == 2
+    f.close()
+    again = write_synthetic("lfm2", layers=LAYERS, seed=7, out=tmp_path / "again.gguf",
+                            tokenizer_from=smollm2)
+    assert again.read_bytes() == lfm2_f32.read_bytes()
+
+
+# -- llama.cpp as the reference ---------------------------------------------------------------
+def test_prefill_logits_match_llama_cpp_at_every_position(lfm2_f32, reference):
+    """f32 weights on both sides: the only differences are summation order."""
+    rt = runtime(lfm2_f32)
+    worst, checked, decided = 0.0, 0, 0
+    for ids in (PROMPT, reference.llm.tokenize(TEXT.encode(), add_bos=False)[:150]):
+        expected = reference.logits(ids)
+        lane = rt.alloc_lane()
+        got = rt.prefill(lane, torch.tensor(ids), logits="all").logits.numpy()
+        rt.free_lane(lane)
+        worst = max(worst, float(np.abs(got - expected).max()))
+        top2 = np.sort(expected, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 1e-3
+        assert (got.argmax(-1)[clear] == expected.argmax(-1)[clear]).all()
+        checked += len(ids)
+        decided += int(clear.sum())
+    print(f"\nlfm2 f32: max |dlogit| {worst:.2e} over {checked} positions "
+          f"({decided} with a top-2 margin > 1e-3)")
+    assert worst <= 1e-3
+
+
+def test_decode_after_prefill_matches_llama_cpp(lfm2_f32, reference):
+    """150 = 64 + 64 + 22: the padded last chunk must leave the conv state of its real rows."""
+    rt = runtime(lfm2_f32)
+    lane = rt.alloc_lane()
+    ours = greedy_decode(rt, lane, rt.prefill(lane, torch.tensor(PROMPT)).logits, 16)
+    llm = reference.llm
+    llm.reset()
+    llm.eval(PROMPT)
+    theirs = [np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)]
+    for _ in range(16):
+        llm.eval([int(theirs[-1].argmax())])
+        theirs.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+    theirs = np.stack(theirs)
+    delta = float(np.abs(ours.numpy() - theirs).max())
+    print(f"\nlfm2 decode: max |dlogit| {delta:.2e} over 17 steps")
+    assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+    assert delta <= 1e-3
+
+
+# -- split equivalence ------------------------------------------------------------------------
+def pipeline_run(path, n_stages: int, wire: str, decode_steps: int = 4):
+    pipe = LocalPipeline(path, n_stages, wire_dtype=wire, n_ctx=512)
+    lanes = pipe.alloc()
+    all_logits = pipe.prefill(lanes, PROMPT, logits="all")
+    steps, token = [], int(all_logits[-1].argmax())
+    for _ in range(decode_steps):
+        logits = pipe.decode(lanes, token)
+        steps.append(logits)
+        token = int(logits.argmax())
+    return all_logits, torch.stack(steps)
+
+
+def test_stages_give_bitwise_equal_logits_with_f32_wire(lfm2_f32):
+    prefill1, decode1 = pipeline_run(lfm2_f32, 1, "f32")
+    for n in (2, 3):
+        prefill_n, decode_n = pipeline_run(lfm2_f32, n, "f32")
+        assert torch.equal(prefill1, prefill_n), f"prefill logits differ at {n} stages"
+        assert torch.equal(decode1, decode_n), f"decode logits differ at {n} stages"
+
+
+def test_stages_give_identical_greedy_tokens_with_f16_wire(lfm2_f32):
+    def tokens(n):
+        pipe = LocalPipeline(lfm2_f32, n, wire_dtype="f16", n_ctx=512)
+        return list(pipe.generate(PROMPT, 16, Sampler(SamplingParams(temperature=0))))
+
+    one = tokens(1)
+    assert len(one) == 16
+    for n in (2, 3):
+        assert tokens(n) == one, f"greedy tokens differ at {n} stages"
+
+
+# -- recurrent state: snapshots, resume, padding ----------------------------------------------
+def test_resume_from_a_snapshot_at_every_chunk_boundary_is_bitwise_cold(lfm2_f32):
+    rt = runtime(lfm2_f32, chunk=CHUNK)
+    boundaries = tuple(range(CHUNK, len(PROMPT), CHUNK))
+    cold = rt.alloc_lane()
+    out = rt.prefill(cold, torch.tensor(PROMPT), logits="all", snapshots=boundaries)
+    assert sorted(out.snapshots) == list(boundaries)
+    cold_run = greedy_decode(rt, cold, out.logits[-1], 4)
+    for b in boundaries:
+        snap = out.snapshots[b]
+        assert snap.n_tokens == b and snap.prefilled == b
+        assert sorted(snap.fixed) == ["conv.0", "conv.1", "conv.3", "conv.4"]
+        assert all(t.shape == (2, 256) for t in snap.fixed.values())
+        # the same boundary captured by a prompt that shares only its first b tokens
+        other = rt.alloc_lane()
+        shared = rt.prefill(other, torch.tensor(PROMPT[:b] + [5] * 40), logits="none",
+                            snapshots=(b,)).snapshots[b]
+        rt.free_lane(other)
+        for state in (snap, shared):
+            lane = rt.alloc_lane()
+            rt.import_state(lane, state)
+            assert rt.prefill_boundary(lane) == b
+            rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
+            assert torch.equal(rows, out.logits[b:]), f"prefill rows differ after resuming at {b}"
+            assert torch.equal(greedy_decode(rt, lane, rows[-1], 4), cold_run), \
+                f"decode differs after resuming at {b}"
+            rt.free_lane(lane)
+
+
+def test_padding_rows_never_enter_the_conv_state(lfm2_f32):
+    """After a 40-row prefill (chunk 32: 8 real rows + 24 padding in the second chunk)
+    layer 0's conv state is exactly B*x of real rows 38 and 39, computed at the chunk shape."""
+    rt = runtime(lfm2_f32, chunk=CHUNK)
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.tensor(PROMPT[:40]), logits="none")
+    state = rt.export_state(lane, 40).fixed["conv.0"]
+    ids = torch.tensor(PROMPT[32:40] + [0] * 24)
+    layer = rt.layers[0]
+    h = rms_norm(torch.nn.functional.embedding(ids, rt.embed), layer.attn_norm, rt.cfg.rms_eps)
+    b, _, x = layer.mixer.in_proj(h).split(rt.cfg.hidden, dim=-1)
+    assert torch.equal(state, (b * x)[6:8])
+
+
+def test_export_exists_only_at_length_and_snapshots(lfm2_f32):
+    rt = runtime(lfm2_f32, chunk=CHUNK)
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.tensor(PROMPT), logits="none", snapshots=(64,))
+    for n in (150, 64, 0):
+        assert rt.export_state(lane, n).n_tokens == n
+    for n in (32, 96, 100, 149):
+        with pytest.raises(StageError):
+            rt.export_state(lane, n)
+    other = rt.alloc_lane()
+    with pytest.raises(StageError):
+        rt.copy_lane(lane, other, 96)
+    rt.copy_lane(lane, other, 64)
+    assert rt.lane_length(other) == 64
+    # the lane cannot roll back to 32 or 96 (no state there), but it can restart at its snapshot
+    assert rt.prefill_boundary(lane) == 64
+    with pytest.raises(StageError):
+        rt.prefill(lane, torch.tensor(PROMPT[32:]), start=32)
+
+
+def test_a_lane_restarts_from_its_own_snapshot_bitwise(lfm2_f32):
+    rt = runtime(lfm2_f32, chunk=CHUNK)
+    cold = rt.alloc_lane()
+    expected = rt.prefill(cold, torch.tensor(PROMPT), logits="all").logits
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.tensor(PROMPT[:64] + [9] * 50), logits="none", snapshots=(64,))
+    for t in (1, 2, 3):
+        rt.decode([(lane, torch.tensor(t))])
+    assert rt.prefill_boundary(lane) == 64
+    rows = rt.prefill(lane, torch.tensor(PROMPT[64:]), start=64, logits="all").logits
+    assert torch.equal(rows, expected[64:])
+
+
+def test_decode_state_of_a_lane_does_not_depend_on_other_lanes(lfm2_f32):
+    rt = runtime(lfm2_f32, chunk=CHUNK, lane_batch=4)
+    lanes = [rt.alloc_lane() for _ in range(3)]
+    for i, lane in enumerate(lanes):
+        rt.prefill(lane, torch.tensor(PROMPT[: 40 + 10 * i]), logits="none")
+    alone = rt.alloc_lane()
+    rt.prefill(alone, torch.tensor(PROMPT[:40]), logits="none")
+    for step in range(3):  # the batch is padded to 4 rows: padding must touch no lane
+        together = rt.decode([(lane, torch.tensor(42 + step)) for lane in lanes])
+        solo = rt.decode([(alone, torch.tensor(42 + step))])
+        assert torch.equal(together[0].logits, solo[0].logits)
+    assert all(torch.equal(a, b) for a, b in zip(rt.export_state(lanes[0], 43).fixed.values(),
+                                                 rt.export_state(alone, 43).fixed.values()))

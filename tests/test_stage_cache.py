@@ -1,0 +1,122 @@
+"""Stages serving from exact caches: cache on must equal cache off, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skippy.cache.config import CacheConfig, MiB
+from skippy.mesh.pipeline import LocalPipeline
+from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.stages.stage_cache import StageCache
+
+STEM = [(i * 7919) % 40000 + 100 for i in range(200)]
+PROMPTS = [STEM + [5, 6, 7], STEM + [8, 9] * 20, STEM[:150] + [11] * 30, STEM + [5, 6, 7],
+           STEM + [8, 9] * 20 + [1, 2, 3]]
+GREEDY = SamplingParams(temperature=0)
+
+
+def cfg(**kw) -> CacheConfig:
+    return CacheConfig(**{"chunk": 32, "stride": 32, "min_prefix": 32, "admit_after": 1, **kw})
+
+
+def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int], steps: int = 8):
+    lanes = pipe.alloc()
+    try:
+        logits, reused, prefilled = pipe.first_logits(lanes, ids)
+        tokens, cur = [], logits
+        for i in range(steps):
+            tokens.append(int(cur.argmax()))
+            if i + 1 < steps:
+                if not prefilled:
+                    pipe.prefill_cached(lanes, ids)
+                    prefilled = True
+                cur = pipe.decode(lanes, tokens[-1])
+        return logits, tokens, reused
+    finally:
+        pipe.free(lanes)
+
+
+@pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2)])
+def test_cache_on_equals_cache_off(model, stages, request):
+    path = request.getfixturevalue(model)
+    off = LocalPipeline(path, stages, wire_dtype="f32", chunk=32, n_ctx=1024)
+    on = LocalPipeline(path, stages, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    reused_total = 0
+    for ids in PROMPTS:
+        want_logits, want_tokens, _ = first_logits_and_tokens(off, ids)
+        got_logits, got_tokens, reused = first_logits_and_tokens(on, ids)
+        assert got_tokens == want_tokens
+        assert torch.equal(got_logits, want_logits)
+        reused_total += reused
+    assert reused_total > 0
+    stats = on.cache_stats()
+    assert all(s["counters"]["hits"] > 0 for s in stats)
+
+
+def test_small_byte_cap_forces_evictions_and_changes_nothing(qwen3_f32):
+    off = LocalPipeline(qwen3_f32, 2, wire_dtype="f32", chunk=32, n_ctx=1024)
+    # 3 layers x 2 x 2 heads x 64 x 4 B = 3 KiB a token: room for one ~200-token entry
+    on = LocalPipeline(qwen3_f32, 2, wire_dtype="f32", n_ctx=1024,
+                       cache=cfg(max_bytes=1_000_000, max_entries=8))
+    for ids in PROMPTS * 2:
+        assert first_logits_and_tokens(on, ids)[1] == first_logits_and_tokens(off, ids)[1]
+    for s in on.cache_stats():
+        kv = s["prefix"]
+        assert kv["resident_bytes"] + kv["reserved_bytes"] <= 1_000_000
+        assert kv["counters"]["evictions"] > 0
+
+
+def test_exact_repeat_is_served_from_the_result_cache(qwen3_f32):
+    on = LocalPipeline(qwen3_f32, 2, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    first = first_logits_and_tokens(on, PROMPTS[1])
+    again = first_logits_and_tokens(on, PROMPTS[1])
+    assert again[2] == len(PROMPTS[1])           # nothing run for the first token
+    assert again[1] == first[1] and torch.equal(again[0], first[0])
+
+
+def test_probes_leave_no_trace(qwen3_f32):
+    on = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    list(on.generate(PROMPTS[0], 2, Sampler(GREEDY), probe=True))
+    s = on.cache_stats()[0]
+    assert s["entries"] == 0 and s["counters"]["hits"] == 0 and s["counters"]["records"] == 0
+
+
+def payload_cache(path, **kw) -> tuple[LocalPipeline, StageCache]:
+    """Exported payloads in the block store: the KvRecurrent machinery on a dense model."""
+    pipe = LocalPipeline(path, 1, wire_dtype="f32", cache=cfg(**kw), n_ctx=2048)
+    rt = pipe.stages[0]
+    pipe.caches = [StageCache(rt, cfg(**kw), policy="KvRecurrent")]
+    return pipe, pipe.caches[0]
+
+
+def test_payload_restore_equals_recompute_and_dedupes(qwen3_f32):
+    off = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", chunk=32, n_ctx=2048)
+    on, cache = payload_cache(qwen3_f32, record_limit=1, max_prefix=2048)
+    stem = (STEM * 5)[:960]
+    a, b = stem + [1] * 40, stem + [2] * 40          # one 992-token payload each
+    for ids in (a, b):
+        assert first_logits_and_tokens(on, ids)[1] == first_logits_and_tokens(off, ids)[1]
+    manifests = list(cache._entry_payloads.values())
+    assert len(manifests) == 2
+    store = cache.store.stats()
+    larger = max(m.total_bytes for m in manifests)
+    print(f"\ntwo payloads of {larger} bytes sharing 960 of 992 tokens: "
+          f"{store.physical_bytes} physical bytes ({store.physical_bytes / larger:.2f}x)")
+    assert store.physical_bytes < 1.2 * larger
+    on._idle.clear()  # restore from the store, not from a warm lane
+    assert first_logits_and_tokens(on, b)[1] == first_logits_and_tokens(off, b)[1]
+    assert cache.stats()["prefix"]["counters"]["hits"] > 0
+
+
+def test_corrupt_block_costs_time_not_correctness(qwen3_f32):
+    off = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", chunk=32, n_ctx=1024)
+    on, cache = payload_cache(qwen3_f32)
+    first_logits_and_tokens(on, PROMPTS[1])
+    for manifest in cache._entry_payloads.values():
+        for h in manifest.blocks:
+            cache.store._corrupt_for_test(h, 0)
+    on._idle.clear()  # no hot lane: force a restore from the store
+    got = first_logits_and_tokens(on, PROMPTS[4])
+    assert got[1] == first_logits_and_tokens(off, PROMPTS[4])[1]
+    assert cache.store.stats().corrupt_reads > 0
