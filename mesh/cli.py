@@ -89,6 +89,22 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# -- certify ------------------------------------------------------------------------------
+def cmd_certify(args) -> int:
+    import json
+
+    from skippy.evals.certify import certify
+    from .models import resolve_model
+
+    if args.stages < 1:
+        raise UsageError(f"--stages must be at least 1, not {args.stages}")
+    if args.runtime == "llama.cpp" and args.stages != 1:
+        raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
+    report = certify(resolve_model(args.model), args.stages, args.runtime)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -129,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="activation dtype between stages")
     gen.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
     gen.set_defaults(run=cmd_generate)
+
+    cert = sub.add_parser("certify", help="check that every state hand-off is exact")
+    cert.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
+    cert.add_argument("--stages", type=int, default=1)
+    cert.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
+    cert.add_argument("--json", action="store_true", help="print the report as JSON")
+    cert.set_defaults(run=cmd_certify)
     return p
 
 

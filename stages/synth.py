@@ -68,6 +68,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     init: str
+    always_f32: bool = False  # stored as f32 whatever the file's dtype (like the 1-D norms)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,9 @@ def _lfm2_tensors(d: Dims) -> list[TensorSpec]:
         else:
             out += [
                 # numpy (n_embd, l_cache) = ggml {l_cache, n_embd}: one kernel row per channel
-                TensorSpec(f"{b}.shortconv.conv.weight", (d.hidden, LFM2_L_CACHE), "proj"),
+                # f32 always: llama.cpp's ssm_conv kernel reads only f32 weights
+                TensorSpec(f"{b}.shortconv.conv.weight", (d.hidden, LFM2_L_CACHE), "proj",
+                           always_f32=True),
                 TensorSpec(f"{b}.shortconv.in_proj.weight", (3 * d.hidden, d.hidden), "proj"),
                 TensorSpec(f"{b}.shortconv.out_proj.weight", (d.hidden, d.hidden), "proj"),
             ]
@@ -230,7 +233,8 @@ def write_synthetic(
 ) -> Path:
     """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
 
-    2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights are always f32.
+    2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights (and tensors
+    marked always_f32, such as LFM2's conv kernels) are always f32.
     `head_dim` defaults to hidden // heads. The file appears atomically (written under a
     temporary name, then renamed), so an interrupted write never leaves a loadable stub.
     """
@@ -260,7 +264,8 @@ def write_synthetic(
         for key, (value, vtype, sub_type) in tok.items():
             writer.add_key_value(key, value, vtype, sub_type)
 
-        stored = [np.float32 if len(t.shape) == 1 else np_dtype for t in tensors]
+        stored = [np.float32 if len(t.shape) == 1 or t.always_f32 else np_dtype
+                  for t in tensors]
         for t, dt in zip(tensors, stored):
             nbytes = int(np.prod(t.shape)) * np.dtype(dt).itemsize
             writer.add_tensor_info(t.name, t.shape, np.dtype(dt), nbytes)

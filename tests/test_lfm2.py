@@ -93,6 +93,22 @@ def test_prefill_logits_match_llama_cpp_at_every_position(lfm2_f32, reference):
     assert worst <= 1e-3
 
 
+def test_f16_file_keeps_conv_kernels_f32_and_matches_llama_cpp(smollm2, tmp_path):
+    """llama.cpp's ssm_conv reads only f32 kernels; its f16 matmuls round activations to
+    f16, so the bar is top-1, not 1e-3."""
+    path = write_synthetic("lfm2", layers=3, seed=7, out=tmp_path / "f16.gguf",
+                           tokenizer_from=smollm2, dtype="f16")
+    f = GGUFFile(path)
+    assert f.tensors["blk.0.shortconv.conv.weight"].qtype.name == "F32"
+    assert f.tensors["blk.0.shortconv.in_proj.weight"].qtype.name == "F16"
+    f.close()
+    expected = LlamaCppReference(path, n_ctx=256).logits(PROMPT)
+    rt = TorchStageRuntime(StageSpec(str(path), 0, 3, n_ctx=256))
+    got = rt.prefill(rt.alloc_lane(), torch.tensor(PROMPT), logits="all").logits.numpy()
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.99
+    assert np.abs(got - expected).max() < 0.05
+
+
 def test_decode_after_prefill_matches_llama_cpp(lfm2_f32, reference):
     """150 = 64 + 64 + 22: the padded last chunk must leave the conv state of its real rows."""
     rt = runtime(lfm2_f32)
