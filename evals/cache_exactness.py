@@ -1,0 +1,125 @@
+"""Cache on vs cache off on real prompts: identical tokens, bitwise-equal first logits.
+
+    python -m skippy.evals.cache_exactness [--model smollm2 ...] [--stages 1 --stages 2]
+        [--data ../shared/data/usecases.jsonl] [--per-use-case N] [--cap 512] [--json PATH]
+
+Prompts are rendered with the model's chat template (plain concatenation where it has
+none), capped at --cap tokens (their first tokens, so the shared stems stay shared), and
+sent one after another through a cached pipeline and an uncached one; each must give
+the same 8 greedy tokens and bitwise the same first-token logits. Records of one use
+case share long stems, so later prompts hit what earlier ones recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from skippy.cache.config import CacheConfig
+from skippy.mesh.pipeline import LocalPipeline
+
+STEPS = 8
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
+
+
+def pick(records: list[dict], per_use_case: int) -> list[dict]:
+    seen: dict[str, int] = {}
+    out = []
+    for r in records:
+        if seen.get(r["use_case"], 0) < per_use_case:
+            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
+            out.append(r)
+    return out
+
+
+def prompt_ids(tokenizer, path, record: dict, cap: int) -> list[int]:
+    from skippy.mesh.chat import ChatTemplateMissing, render_chat
+    try:
+        text = render_chat(path, record["messages"])
+    except (ChatTemplateMissing, ValueError):
+        text = "".join(m["content"] for m in record["messages"])
+    return tokenizer.encode(text)[:cap]
+
+
+def run_one(pipe: LocalPipeline, ids: list[int]):
+    lanes = pipe.alloc()
+    try:
+        logits, reused, prefilled = pipe.first_logits(lanes, ids)
+        tokens, cur = [], logits
+        for i in range(STEPS):
+            tokens.append(int(cur.argmax()))
+            if i + 1 < STEPS:
+                if not prefilled:
+                    pipe.prefill_cached(lanes, ids)
+                    prefilled = True
+                cur = pipe.decode(lanes, tokens[-1])
+        return logits, tokens, reused
+    finally:
+        pipe.free(lanes)
+
+
+def compare(path, records: list[dict], stages: int, cap: int = 512,
+            config: CacheConfig | None = None) -> dict:
+    from skippy.mesh.tokenizer import Tokenizer
+    tok = Tokenizer(path)
+    config = config or CacheConfig()
+    off = LocalPipeline(path, stages, wire_dtype="f16", chunk=config.chunk, n_ctx=cap + 64)
+    on = LocalPipeline(path, stages, wire_dtype="f16", cache=config, n_ctx=cap + 64)
+    rows, t_on, t_off = [], 0.0, 0.0
+    for r in records:
+        ids = prompt_ids(tok, path, r, cap)
+        t = time.perf_counter()
+        want_logits, want_tokens, _ = run_one(off, ids)
+        t_off += time.perf_counter() - t
+        t = time.perf_counter()
+        got_logits, got_tokens, reused = run_one(on, ids)
+        t_on += time.perf_counter() - t
+        rows.append({"id": r["id"], "use_case": r["use_case"], "tokens": len(ids),
+                     "reused": reused, "same_tokens": got_tokens == want_tokens,
+                     "bitwise_logits": bool(torch.equal(got_logits, want_logits))})
+    exact = all(x["same_tokens"] and x["bitwise_logits"] for x in rows)
+    return {"model": Path(path).name, "stages": stages, "prompts": len(rows), "exact": exact,
+            "reused_tokens": sum(x["reused"] for x in rows),
+            "prompt_tokens": sum(x["tokens"] for x in rows),
+            "seconds_cache_on": t_on, "seconds_cache_off": t_off,
+            "cache": on.cache_stats(), "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from skippy.mesh.models import resolve_model
+
+    p = argparse.ArgumentParser(prog="python -m skippy.evals.cache_exactness")
+    p.add_argument("--model", action="append")
+    p.add_argument("--stages", type=int, action="append")
+    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p.add_argument("--per-use-case", type=int, default=1000)
+    p.add_argument("--cap", type=int, default=512)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not Path(args.data).exists():
+        print(f"corpus not found: {args.data}", file=sys.stderr)
+        return 2
+    records = [json.loads(l) for l in Path(args.data).read_text().splitlines() if l.strip()]
+    records = pick(records, args.per_use_case)
+    results, ok = [], True
+    for name in args.model or ["smollm2"]:
+        for stages in args.stages or [1, 2]:
+            r = compare(resolve_model(name), records, stages, args.cap)
+            results.append(r)
+            ok &= r["exact"]
+            print(f"{r['model']} x{stages}: {r['prompts']} prompts, exact={r['exact']}, "
+                  f"reused {r['reused_tokens']}/{r['prompt_tokens']} prompt tokens, "
+                  f"cache on {r['seconds_cache_on']:.1f} s vs off {r['seconds_cache_off']:.1f} s",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
