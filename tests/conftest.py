@@ -54,3 +54,11 @@ def corpus() -> list[dict]:
             pytest.fail(f"corpus not found at {path} (SKIPPY_REQUIRE_CORPUS=1)")
         pytest.skip(f"corpus not found at {path}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def lfm2_f32(smollm2, tmp_path_factory):
+    """A 6-layer random-weight LFM2 (short conv + attention) in f32."""
+    from skippy.stages.synth import write_synthetic
+    out = tmp_path_factory.mktemp("synth") / "lfm2-L6.gguf"
+    return write_synthetic("lfm2", layers=6, seed=3, out=out, tokenizer_from=smollm2)

@@ -14,7 +14,8 @@ from skippy.evals import certify as certify_mod
 from skippy.evals.certify import certify
 
 
-@pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2)])
+@pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
+                                           ("lfm2_f32", 1), ("lfm2_f32", 3)])
 def test_certify_passes(model, stages, request):
     report = certify(request.getfixturevalue(model), stages)
     assert report.passed, report.table()

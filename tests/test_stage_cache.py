@@ -37,7 +37,8 @@ def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int], steps: int = 8)
         pipe.free(lanes)
 
 
-@pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2)])
+@pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
+                                           ("lfm2_f32", 1), ("lfm2_f32", 3)])
 def test_cache_on_equals_cache_off(model, stages, request):
     path = request.getfixturevalue(model)
     off = LocalPipeline(path, stages, wire_dtype="f32", chunk=32, n_ctx=1024)
@@ -120,3 +121,12 @@ def test_corrupt_block_costs_time_not_correctness(qwen3_f32):
     got = first_logits_and_tokens(on, PROMPTS[4])
     assert got[1] == first_logits_and_tokens(off, PROMPTS[4])[1]
     assert cache.store.stats().corrupt_reads > 0
+
+
+def test_hybrid_family_serves_kv_recurrent_payloads(lfm2_f32):
+    on = LocalPipeline(lfm2_f32, 2, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    assert all(c.policy == "KvRecurrent" for c in on.caches)
+    for ids in PROMPTS:
+        first_logits_and_tokens(on, ids)
+    for s in on.cache_stats():
+        assert s["blocks"]["blocks"] > 0 and s["prefix"]["counters"]["records"] > 0
