@@ -26,11 +26,12 @@ settings make a lane's arithmetic independent of that placement, measured on thi
 
 What is NOT covered is cell *order*. llama.cpp puts new rows into the first free cells,
 so a lane's next token can land in a hole another lane left, ahead of the lane's own
-earlier cells. The kernel then adds up that lane's keys in a different order:
-max |Δ| is 0.36 on the next step, and the greedy path changes within 8 steps on the Q4_1
-file (0.02 on an F16 requantization). Per-lane KV streams (`kv_unified=False`) rule this
-out: they measured bitwise. The costs are a state format that is tied to n_seq_max, and
-partial copies that llama.cpp does not support across streams.
+earlier cells. The kernel then adds up that lane's keys in a different order. On the
+Q4_1 file that gave max |Δ| 0.36-0.50 on the next step. The greedy path held for 16
+steps on one prompt, and on a random-token prompt it changed after 4. On an F16
+requantization the next step moved by 0.01-0.02. Per-lane KV streams
+(`kv_unified=False`) rule this out: they measured bitwise. The costs are a state format
+tied to n_seq_max, and partial copies, which llama.cpp does not support across streams.
 """
 
 from __future__ import annotations
@@ -82,15 +83,16 @@ _backend_ready = False
 
 
 def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    # llama.cpp logs model loading line by line to stderr. Keep warnings and errors,
-    # in Python logging, and remember the last errors so that exceptions can quote them.
+    # llama.cpp would log model loading line by line to stderr. Keep its warnings and
+    # errors at debug/info level in Python logging (the shipped Gemma file warns on every
+    # load), and remember the last errors: the exceptions raised here quote them.
     if level not in (_GGML_WARN, _GGML_ERROR):
         return
     msg = text.decode("utf-8", "replace").strip()
     if msg:
         if level == _GGML_ERROR:
             _recent_errors.append(msg)
-        log.log(logging.ERROR if level == _GGML_ERROR else logging.WARNING, "llama.cpp: %s", msg)
+        log.log(logging.INFO if level == _GGML_ERROR else logging.DEBUG, "llama.cpp: %s", msg)
 
 
 _log_callback = None  # the ctypes callback object must outlive every llama.cpp call
@@ -144,11 +146,18 @@ class _Lane:
 
 
 class LlamaCppStageRuntime(StageRuntime):
-    """A whole-model stage on llama.cpp. Lanes are sequence ids 0..max_lanes-1 of one
-    context whose KV cache of n_ctx cells they share. Sequence id max_lanes is scratch:
-    it pads decode groups and holds trimmed copies for export."""
+    """A whole-model stage on llama.cpp. Lanes are sequence ids 1..max_lanes of one
+    context, and they share its KV cache of `kv_cells` cells. By default that is
+    n_ctx * max_lanes, so that every lane can reach n_ctx positions as on the torch
+    runtime; shared prefixes (copy_lane) share cells. The cache is allocated and zeroed up
+    front: SmolLM2 takes 23 KB a cell, so 1024 x 8 cells come to 189 MB. A smaller
+    `kv_cells` saves memory, and KvCacheFull then says when it runs out. Sequence 0 is
+    scratch: it pads
+    decode groups, and every export goes through it. llama.cpp writes the sequence id
+    into the state bytes (and ignores it on import), so exporting from one fixed id makes
+    a prefix's bytes the same whichever lane held it: payloads dedupe, re-exports match."""
 
-    def __init__(self, spec: StageSpec, *, max_lanes: int = 8):
+    def __init__(self, spec: StageSpec, *, max_lanes: int = 8, kv_cells: int | None = None):
         f = GGUFFile(spec.model_path)
         n_layers = int(f.arch_key("block_count", 0))
         arch = f.architecture
@@ -178,9 +187,10 @@ class LlamaCppStageRuntime(StageRuntime):
         self.recurrent = bool(ll.llama_model_is_recurrent(self._model)
                               or ll.llama_model_is_hybrid(self._model))
         self.n_ctx = min(spec.n_ctx, ll.llama_model_n_ctx_train(self._model))
+        self.kv_cells = kv_cells or self.n_ctx * max_lanes
 
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx
+        cparams.n_ctx = self.kv_cells  # llama.cpp's n_ctx: cells; we cap positions per lane
         cparams.n_batch = spec.chunk
         cparams.n_ubatch = self.micro_batch
         cparams.n_seq_max = max_lanes + 1  # + the scratch sequence
@@ -196,7 +206,7 @@ class LlamaCppStageRuntime(StageRuntime):
             self.close()
             raise LlamaCppError(f"llama.cpp could not create a context{_last_error()}")
         self._mem = ll.llama_get_memory(self._ctx)
-        self._scratch = max_lanes
+        self._scratch = 0
 
         rows = spec.chunk
         self._batch = ll.llama_batch_init(rows, 0, 1)
@@ -232,7 +242,7 @@ class LlamaCppStageRuntime(StageRuntime):
     def alloc_lane(self) -> int:
         if self._ctx is None:
             raise StageError("the runtime is closed")
-        for seq in range(self.max_lanes):
+        for seq in range(1, self.max_lanes + 1):
             if seq not in self._lanes:
                 self._ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 self._lanes[seq] = _Lane()
@@ -275,8 +285,8 @@ class LlamaCppStageRuntime(StageRuntime):
         self._wants[:n] = want
         rc = self._ll.llama_decode(self._ctx, self._batch)
         if rc == 1:
-            raise KvCacheFull(f"no free KV cells for {n} rows: the lanes hold the "
-                              f"context's {self.n_ctx} cells")
+            raise KvCacheFull(f"no free KV cells for {n} rows: the lanes hold all "
+                              f"{self.kv_cells} cells")
         if rc != 0:
             raise LlamaCppError(f"llama_decode failed with {rc}{_last_error()}")
 
@@ -287,9 +297,12 @@ class LlamaCppStageRuntime(StageRuntime):
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
         """Positions [start, start + n) in chunks of `chunk` rows at multiples of the chunk.
-        The last chunk may be short: llama.cpp cannot pad. A short chunk is computed only
-        where the same request computes it again, cache or not, and a later prefill never
-        reuses its rows, so the shortness does not break exactness."""
+        The last chunk may be short, and it is not padded. Exactness does not need the
+        padding: a later prefill never reuses a short chunk's rows (prefill_boundary
+        rounds down), and the same request runs the same short chunk whether or not a
+        cache served its prefix. "all" is a diagnostic: it makes every row an output, so
+        llama.cpp runs the last layer over more rows, and its last row need not equal
+        "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
         st = self._lane(lane)
         C = self.spec.chunk
         if start % C or start > self.prefill_boundary(lane):
@@ -321,7 +334,11 @@ class LlamaCppStageRuntime(StageRuntime):
             else:
                 want = [False] * m
                 want[-1] = logits == "last" and s + m == end
-            self._run([(ids[s - start + j], s + j, lane) for j in range(m)], want)
+            try:
+                self._run([(ids[s - start + j], s + j, lane) for j in range(m)], want)
+            except LlamaCppError:
+                self._drop_from(lane, s)
+                raise
             st.length = st.prefilled = s + m
             if logits == "all":
                 ptr = self._ll.llama_get_logits(self._ctx)
@@ -359,9 +376,13 @@ class LlamaCppStageRuntime(StageRuntime):
             rows = [(tokens[g + r], self._lanes[lane].length, lane)
                     for r, lane in enumerate(lanes[g:g + B])]
             real = len(rows)
-            rows += [(0, p, self._scratch) for p in range(B - real)]
+            rows += [(0, p, self._scratch) for p in range(B - real)]  # padding
             try:
                 self._run(rows, [True] * B)
+            except LlamaCppError:
+                for _, pos, lane in rows[:real]:
+                    self._drop_from(lane, pos)
+                raise
             finally:
                 if real < B:
                     self._ll.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
@@ -369,6 +390,16 @@ class LlamaCppStageRuntime(StageRuntime):
                 results.append(StageOutput(logits=torch.from_numpy(self._logits_row(r))))
                 self._lanes[lane].length += 1
         return results
+
+    def _drop_from(self, lane: int, pos: int) -> None:
+        """After a failed llama_decode: the lane keeps [0, pos), or, where recurrent state
+        cannot be cut back, nothing."""
+        st = self._lanes[lane]
+        if self._ll.llama_memory_seq_rm(self._mem, lane, pos, -1):
+            st.length, st.prefilled = pos, min(st.prefilled, pos)
+        else:
+            self._ll.llama_memory_seq_rm(self._mem, lane, -1, -1)
+            st.length = st.prefilled = 0
 
     # -- state -----------------------------------------------------------------------------
     def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
@@ -394,25 +425,24 @@ class LlamaCppStageRuntime(StageRuntime):
         st = self._lane(lane)
         if not 0 <= n_tokens <= st.length:
             raise StageError(f"lane {lane} holds {st.length} tokens, not {n_tokens}")
-        if n_tokens == st.length:
-            return self._export(lane, n_tokens, st.prefilled)
-        if self.recurrent:
+        if n_tokens < st.length and self.recurrent:
             raise StageError(f"recurrent state cannot be cut: lane {lane} holds "
                              f"{st.length} tokens, not {n_tokens}")
-        # A dense prefix: let the scratch sequence share the first n cells, export it.
-        scratch = self._scratch
-        self._ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
-        self._ll.llama_memory_seq_cp(self._mem, lane, scratch, 0, n_tokens)
-        try:
-            return self._export(scratch, n_tokens, min(n_tokens, st.prefilled))
-        finally:
-            self._ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+        return self._export(lane, n_tokens, min(n_tokens, st.prefilled))
 
-    def _export(self, seq: int, n_tokens: int, prefilled: int) -> LaneState:
-        size = self._ll.llama_state_seq_get_size(self._ctx, seq)
-        blob = torch.empty(size, dtype=torch.uint8)
-        ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
-        written = self._ll.llama_state_seq_get_data(self._ctx, ptr, size, seq)
+    def _export(self, lane: int, n_tokens: int, prefilled: int) -> LaneState:
+        """[0, n_tokens) of the lane, by way of the scratch sequence (shared cells, no
+        KV copy), which also cuts a dense lane shorter."""
+        ll, scratch = self._ll, self._scratch
+        ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+        ll.llama_memory_seq_cp(self._mem, lane, scratch, 0, -1 if self.recurrent else n_tokens)
+        try:
+            size = ll.llama_state_seq_get_size(self._ctx, scratch)
+            blob = torch.empty(size, dtype=torch.uint8)
+            ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+            written = ll.llama_state_seq_get_data(self._ctx, ptr, size, scratch)
+        finally:
+            ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
         if written != size:
             raise LlamaCppError(f"llama.cpp wrote {written} of {size} state bytes"
                                 f"{_last_error()}")
@@ -423,9 +453,9 @@ class LlamaCppStageRuntime(StageRuntime):
         empty, where llama.cpp refuses the bytes (another model, layout or KV dtype)."""
         st = self._lane(lane)
         blob = state.fixed.get(STATE_KEY)
-        if blob is None or state.keys or state.values:
-            raise StageError("not a llama.cpp state (no fixed['llama_state'] bytes)")
-        blob = blob.to(torch.uint8).contiguous()
+        if blob is None or blob.dtype != torch.uint8 or state.keys or state.values:
+            raise StageError("not a llama.cpp state (no fixed['llama_state'] uint8 bytes)")
+        blob = blob.cpu().contiguous()
         self._ll.llama_memory_seq_rm(self._mem, lane, -1, -1)
         st.length = st.prefilled = 0
         ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))

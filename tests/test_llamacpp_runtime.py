@@ -35,6 +35,11 @@ def spec(path, **kw) -> StageSpec:
     return StageSpec(str(path), 0, n, **{"n_ctx": 1024, "chunk": CHUNK, "threads": 1, **kw})
 
 
+def runtime(path, *, kv_cells=2048, max_lanes=8, **kw) -> LlamaCppStageRuntime:
+    """A runtime with a smaller KV pool than the default n_ctx * max_lanes: enough here."""
+    return LlamaCppStageRuntime(spec(path, **kw), max_lanes=max_lanes, kv_cells=kv_cells)
+
+
 def greedy(rt, lane, logits, steps=STEPS) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation from `logits`: the tokens and every step's logits."""
     tokens, rows = [], [logits]
@@ -55,7 +60,7 @@ def lfm2(smollm2, tmp_path_factory):
 def dense(request):
     """(path, runtime, a second runtime: another llama.cpp context of the same model)."""
     path = request.getfixturevalue(request.param)
-    a, b = LlamaCppStageRuntime(spec(path)), LlamaCppStageRuntime(spec(path))
+    a, b = runtime(path), runtime(path)
     yield path, a, b
     a.close()
     b.close()
@@ -89,7 +94,7 @@ def test_prefill_logits_agree_with_the_llama_cpp_reference(request, name, bound,
     reference = LlamaCppReference(path, n_ctx=256, threads=1)
     ids = reference.llm.tokenize(TEXT.encode(), add_bos=False)
     ref = reference.logits(ids)
-    rt = LlamaCppStageRuntime(spec(path))
+    rt = runtime(path)
     lane = rt.alloc_lane()
     last = rt.prefill(lane, torch.tensor(ids)).logits
     rows = rt.prefill(lane, torch.tensor(ids), logits="all").logits
@@ -197,7 +202,7 @@ def test_a_lane_decodes_the_same_alone_or_beside_other_lanes(dense, cold):
 
 def test_padded_decode_groups_make_neighbours_irrelevant(dense):
     path, _, _ = dense
-    rt = LlamaCppStageRuntime(spec(path, lane_batch=4))
+    rt = runtime(path, lane_batch=4)
     lanes = [rt.alloc_lane() for _ in range(3)]
     first = [rt.prefill(lane, torch.tensor(PROMPT[: 60 + 30 * i])).logits for i, lane in
              enumerate(lanes)]
@@ -217,7 +222,7 @@ def test_decode_over_many_cells_does_not_depend_on_the_thread_split(dense, cold)
     # SmolLM2). Single-token micro-batches run on one thread instead. The runtime here
     # has 2 threads, while `cold` ran on 1: the thread count must not matter anyway.
     path, _, _ = dense
-    rt = LlamaCppStageRuntime(spec(path, threads=2))
+    rt = runtime(path, threads=2)
     filler = rt.alloc_lane()
     rt.prefill(filler, torch.tensor([11] * 200), logits="none")
     lane = rt.alloc_lane()
@@ -232,7 +237,7 @@ def test_a_token_placed_in_a_hole_before_its_lane_changes_the_sums(smollm2):
     # kernel adds that token's key before the lane's older keys. Measured on this prompt:
     # max |Δ| 0.50 at the first step, and up to 0.92 over 16 steps, with the same greedy
     # tokens. On a random-token prompt the greedy path changed after 4 steps.
-    rt = LlamaCppStageRuntime(spec(smollm2))
+    rt = runtime(smollm2)
     ref = rt.alloc_lane()
     expected = greedy(rt, ref, rt.prefill(ref, torch.tensor(PROMPT)).logits, 1)[1]
     rt.free_lane(ref)
@@ -250,8 +255,8 @@ def test_a_token_placed_in_a_hole_before_its_lane_changes_the_sums(smollm2):
 
 # -- recurrent state (LFM2: short convolutions + attention) ---------------------------------
 def test_recurrent_lanes_resume_only_from_whole_states(lfm2):
-    rt = LlamaCppStageRuntime(spec(lfm2))
-    other = LlamaCppStageRuntime(spec(lfm2))
+    rt = runtime(lfm2)
+    other = runtime(lfm2)
     assert rt.recurrent
     lane = rt.alloc_lane()
     out = rt.prefill(lane, torch.tensor(PROMPT), snapshots=(CHUNK, 2 * CHUNK))
@@ -279,7 +284,7 @@ def test_recurrent_lanes_resume_only_from_whole_states(lfm2):
 # -- Gemma 3 (sliding-window layers), a prompt inside the 512-token window -----------------
 @pytest.mark.slow
 def test_gemma3_cache_paths_are_bitwise(gemma3):
-    rt = LlamaCppStageRuntime(spec(gemma3))
+    rt = runtime(gemma3)
     cold = rt.alloc_lane()
     logits = rt.prefill(cold, torch.tensor(PROMPT)).logits
     expected = greedy(rt, cold, logits, 4)
@@ -311,8 +316,8 @@ def test_identity_names_the_engine_and_the_weights(dense):
 
 
 def test_weights_digest_differs_between_models(smollm2, qwen3_f32):
-    a = LlamaCppStageRuntime(spec(smollm2))
-    b = LlamaCppStageRuntime(spec(qwen3_f32))
+    a = runtime(smollm2)
+    b = runtime(qwen3_f32)
     assert a.identity()["weights_digest"] != b.identity()["weights_digest"]
     a.close()
     b.close()
@@ -361,7 +366,7 @@ def test_caller_mistakes_raise_stage_errors(dense):
         rt.import_state(lane, LaneState(4, 4, keys=[torch.zeros(4, 1, 1)],
                                         values=[torch.zeros(4, 1, 1)]))
     with pytest.raises(StageError, match="lane_batch"):
-        LlamaCppStageRuntime(spec(path, lane_batch=33))
+        runtime(path, lane_batch=33)
     free_all(rt)
 
 
@@ -378,7 +383,7 @@ def test_garbage_state_is_refused_and_leaves_the_lane_empty(dense):
 
 
 def test_lanes_run_out_and_come_back(smollm2):
-    rt = LlamaCppStageRuntime(spec(smollm2), max_lanes=2)
+    rt = runtime(smollm2, max_lanes=2)
     a, _ = rt.alloc_lane(), rt.alloc_lane()
     with pytest.raises(StageError, match="lanes are in use"):
         rt.alloc_lane()
@@ -390,7 +395,7 @@ def test_lanes_run_out_and_come_back(smollm2):
 
 
 def test_a_full_cache_raises_and_keeps_the_rows_done(smollm2):
-    rt = LlamaCppStageRuntime(spec(smollm2), kv_cells=256)  # 256 cells for all lanes
+    rt = runtime(smollm2, kv_cells=256)  # 256 cells for all lanes
     a, b = rt.alloc_lane(), rt.alloc_lane()
     rt.prefill(a, torch.tensor(PROMPT), logits="none")
     with pytest.raises(KvCacheFull):
