@@ -151,11 +151,12 @@ class LlamaCppStageRuntime(StageRuntime):
     n_ctx * max_lanes, so that every lane can reach n_ctx positions as on the torch
     runtime; shared prefixes (copy_lane) share cells. The cache is allocated and zeroed up
     front: SmolLM2 takes 23 KB a cell, so 1024 x 8 cells come to 189 MB. A smaller
-    `kv_cells` saves memory, and KvCacheFull then says when it runs out. Sequence 0 is
-    scratch: it pads
-    decode groups, and every export goes through it. llama.cpp writes the sequence id
-    into the state bytes (and ignores it on import), so exporting from one fixed id makes
-    a prefix's bytes the same whichever lane held it: payloads dedupe, re-exports match."""
+    `kv_cells` saves memory, and KvCacheFull then says when it runs out.
+
+    Sequence 0 is scratch: it pads decode groups, and every export goes through it.
+    llama.cpp writes the sequence id into the state bytes (and ignores it on import), so
+    exporting from one fixed id makes a prefix's bytes the same whichever lane held it:
+    payloads dedupe, and re-exports match."""
 
     def __init__(self, spec: StageSpec, *, max_lanes: int = 8, kv_cells: int | None = None):
         f = GGUFFile(spec.model_path)
@@ -487,7 +488,7 @@ class LlamaCppStageRuntime(StageRuntime):
                 "compute": "llama.cpp-cpu",
                 "flash_attn": True,
                 "threads": self.threads,
-                "decode_threads": 1,
+                "decode_threads": 1 if spec.lane_batch == 1 else self.threads,
                 "chunk": spec.chunk,
                 "micro_batch": self.micro_batch,
                 "lane_batch": spec.lane_batch,

@@ -37,7 +37,7 @@ from skippy.cache.prefix_cache import PrefixCache
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
 
-from .runtime import LaneState, StageOutput, StageRuntime
+from .runtime import LaneState, StageError, StageOutput, StageRuntime
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,11 @@ class StageCache:
         if r is None:
             return
         self._drop(list(r.evicted))
-        holder = self.runtime.alloc_lane()
+        try:
+            holder = self.runtime.alloc_lane()
+        except StageError:  # no lane free to hold the entry: skip recording, never fail
+            self.prefixes.abort(r)
+            return
         try:
             self.runtime.copy_lane(lane, holder, b)
         except Exception:
