@@ -29,6 +29,7 @@ import torch
 from skippy.cache.blocks import BlockStore
 from skippy.cache.payload import PayloadKind, decode_payload, encode_payload
 from skippy.stages.runtime import LaneState, StageRuntime, StageSpec
+from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.planner import even_ranges
@@ -185,7 +186,9 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
     reexported = [s.export_state(lane, len(ids)) for s, lane in zip(stages, probe)]
     roundtrip = all(state_bytes(x) == state_bytes(y) for x, y in zip(exported, reexported))
     add(Check("roundtrip_state_matches", None, f"re-export after import byte-identical: {roundtrip}"))
-    recurrent = any(st.fixed for st in exported)
+    # Decided by the file, not by the state's shape: llama.cpp's opaque state always
+    # sits in `fixed`, dense or not.
+    recurrent = capability_for(GGUFFile(path)).hybrid
     add(Check("recurrent_only", None,
               "recurrent state present: KV must travel with it (KvRecurrent)" if recurrent
               else "no recurrent state (dense family): nothing to check"))

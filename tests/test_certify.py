@@ -25,6 +25,12 @@ def test_certify_passes(model, stages, request):
     assert ("split_handoff" in names) == (stages > 1)
 
 
+@pytest.mark.parametrize("model", ["smollm2", "lfm2_f32"])
+def test_certify_passes_on_the_llama_cpp_runtime(model, request):
+    report = certify(request.getfixturevalue(model), 1, "llama.cpp")
+    assert report.passed, report.table()
+
+
 def test_a_state_that_changes_in_transit_fails(qwen3_f32, monkeypatch):
     real = certify_mod.through_store
 
