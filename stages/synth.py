@@ -61,8 +61,9 @@ class TensorSpec:
 
     `init` is "embed" (N(0, 1): token rows are looked up, not summed, so they need no
     fan-in scaling), "proj" (N(0, 1/sqrt(fan_in)): keeps each projection's output at the
-    scale of its input) or "norm" (1 + N(0, 0.1): near identity, but not exactly, so a port
-    that forgets a norm weight is caught).
+    scale of its input), "norm" (1 + N(0, 0.1): near identity, but not exactly, so a port
+    that forgets a norm weight is caught), "bias" (N(0, 0.1)) or "ssm_a" (-exp(N(0, 0.5)):
+    Mamba2's negative per-head decay rate A).
     """
 
     name: str
@@ -192,6 +193,79 @@ def _lfm2_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- falcon-h1 (Mamba2 SSM and attention in parallel in every layer) ---------------------------
+# SSM sizes are fixed for the synthetic family (Falcon-H1 keeps them apart from the attention
+# sizes): 8 SSM heads of 32 channels, 2 groups of B/C (so the grouped norm and the head ->
+# group mapping are exercised), a 4-tap conv, a 16-wide state.
+FALCON_H1_SSM = {"d_inner": 256, "heads": 8, "d_state": 16, "groups": 2, "d_conv": 4}
+
+
+def falcon_h1_conv_dim() -> int:
+    s = FALCON_H1_SSM
+    return s["d_inner"] + 2 * s["groups"] * s["d_state"]
+
+
+def _falcon_h1_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    s = FALCON_H1_SSM
+    return {
+        "context_length": d.context_length,
+        "embedding_length": d.hidden,
+        "block_count": d.layers,
+        "feed_forward_length": d.ff,
+        "attention.head_count": d.heads,
+        "attention.head_count_kv": d.kv_heads,
+        "attention.key_length": d.head_dim,
+        "attention.value_length": d.head_dim,
+        "attention.layer_norm_rms_epsilon": d.rms_eps,
+        "rope.freq_base": d.rope_base,
+        "ssm.conv_kernel": s["d_conv"],
+        "ssm.inner_size": s["d_inner"],
+        "ssm.state_size": s["d_state"],
+        "ssm.time_step_rank": s["heads"],  # llama.cpp: the number of SSM heads
+        "ssm.group_count": s["groups"],
+    }
+
+
+def _falcon_h1_tensors(d: Dims) -> list[TensorSpec]:
+    s = FALCON_H1_SSM
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    conv_dim = falcon_h1_conv_dim()
+    in_proj = s["d_inner"] + conv_dim + s["heads"]  # z, xBC, dt
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out += [
+            TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            TensorSpec(f"{b}.ssm_in.weight", (in_proj, d.hidden), "proj"),
+            # numpy (conv_dim, d_conv) = ggml {d_conv, conv_dim}; ssm_conv reads only f32
+            TensorSpec(f"{b}.ssm_conv1d.weight", (conv_dim, s["d_conv"]), "proj",
+                       always_f32=True),
+            TensorSpec(f"{b}.ssm_conv1d.bias", (conv_dim,), "bias"),
+            TensorSpec(f"{b}.ssm_dt.bias", (s["heads"],), "bias"),
+            # A is stored negated (the converter writes -exp(A_log)); ggml {1, n_head}
+            TensorSpec(f"{b}.ssm_a", (s["heads"], 1), "ssm_a", always_f32=True),
+            TensorSpec(f"{b}.ssm_d", (s["heads"], 1), "norm", always_f32=True),
+            # grouped RMSNorm weight: ggml {d_inner / groups, groups}
+            TensorSpec(f"{b}.ssm_norm.weight", (s["groups"], s["d_inner"] // s["groups"]),
+                       "norm", always_f32=True),
+            TensorSpec(f"{b}.ssm_out.weight", (d.hidden, s["d_inner"]), "proj"),
+            # no ".weight": llama.cpp loads Falcon-H1's pre-FFN norm as tn(FFN_NORM, i)
+            TensorSpec(f"{b}.ffn_norm", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+        ]
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -199,6 +273,8 @@ _ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(defaults=_SMALL, hparams=_qwen3_hparams, tensors=_qwen3_tensors),
     "lfm2": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_lfm2_hparams,
                      tensors=_lfm2_tensors),
+    "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
+                          hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))
@@ -330,6 +406,8 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
     out = np.empty(t.shape, dtype=dtype)
     if t.init == "norm":
         mean, std = 1.0, 0.1
+    elif t.init in ("bias", "ssm_a"):  # ssm_a: -exp(N(0, 0.5)), negative decay rates
+        mean, std = 0.0, (0.1 if t.init == "bias" else 0.5)
     elif t.init == "embed":
         mean, std = 0.0, 1.0
     else:
@@ -340,6 +418,8 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
         block = rng.standard_normal((min(rows, flat.shape[0] - r), flat.shape[1]), dtype=np.float32)
         block *= np.float32(std)
         block += np.float32(mean)
+        if t.init == "ssm_a":
+            block = -np.exp(block)
         flat[r:r + rows] = block
     return out
 

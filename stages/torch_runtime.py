@@ -1,9 +1,9 @@
 """The torch stage runtime: any contiguous layer range of a supported family.
 
-Hybrid families (LFM2) keep recurrent conv state beside the attention KV. That state
-exists only at the lane's current length and at the chunk boundaries a prefill was asked
-to snapshot: it cannot be cut back to a shorter prefix, so exports, copies and prefill
-starts are limited to those lengths (and 0).
+Hybrid families (LFM2, Falcon-H1) keep recurrent conv (and SSM) state beside the attention
+KV. That state exists only at the lane's current length and at the chunk boundaries a
+prefill was asked to snapshot: it cannot be cut back to a shorter prefix, so exports,
+copies and prefill starts are limited to those lengths (and 0).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from .kv import LaneKv
 from .layers import Rope, rms_norm
 from .linear import make_linear
 from .runtime import LaneState, StageError, StageOutput, StageRuntime, StageSpec
+from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import load_stage_tensors
@@ -57,11 +58,17 @@ class TorchStageRuntime(StageRuntime):
         ropes: dict[tuple[float, float], Rope] = {}
         self.layers: list[DecoderLayer] = []
         self.attn_layers: list[int] = []  # model layer index of each KV slot
-        self.conv_layers: list[int] = []  # model layer index of each conv-state slot
+        self.conv_layers: list[int] = []  # model layer index of each short-conv layer
+        # Recurrent state slots of LaneKv.conv: their export names ("conv.N": short-conv or
+        # Mamba2 conv state of layer N, "ssm.N": Mamba2 SSM state) and shapes.
+        self.state_names: list[str] = []
+        self.state_shapes: list[tuple[int, ...]] = []
         for i in range(spec.layer_start, spec.layer_end):
             if cfg.is_conv_layer(i):
-                mixer = ShortConv(i, len(self.conv_layers), cfg, t, spec.weight_format)
+                mixer = ShortConv(i, len(self.state_names), cfg, t, spec.weight_format)
                 self.conv_layers.append(i)
+                self.state_names.append(f"conv.{i}")
+                self.state_shapes.append((cfg.conv_l_cache - 1, cfg.hidden))
             else:
                 key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
                 if key not in ropes:
@@ -69,8 +76,13 @@ class TorchStageRuntime(StageRuntime):
                 mixer = Attention(i, len(self.attn_layers), cfg, t, spec.weight_format,
                                   ropes[key])
                 self.attn_layers.append(i)
+                if cfg.is_ssm_layer(i):  # Falcon-H1: Mamba2 beside attention
+                    ssm = Mamba2(i, len(self.state_names), cfg, t, spec.weight_format)
+                    mixer = ParallelMixer(mixer, ssm)
+                    self.state_names += [f"conv.{i}", f"ssm.{i}"]
+                    self.state_shapes += list(mamba2_state_shapes(cfg))
             self.layers.append(DecoderLayer(i, cfg, t, spec.weight_format, mixer))
-        self.recurrent = bool(self.conv_layers)
+        self.recurrent = bool(self.state_names)
         self.embed = t["token_embd.weight"] if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
@@ -86,7 +98,7 @@ class TorchStageRuntime(StageRuntime):
         lane = self._next_lane
         self._next_lane += 1
         cfg = self.cfg
-        conv_shapes = ((cfg.conv_l_cache - 1, cfg.hidden),) * len(self.conv_layers)
+        conv_shapes = tuple(self.state_shapes)
         self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), cfg.n_kv_heads, cfg.head_dim,
                                          cfg.v_head_dim, self.spec.chunk, self.n_ctx,
                                          conv_shapes))
@@ -280,7 +292,7 @@ class TorchStageRuntime(StageRuntime):
             prefilled=min(n_tokens, st.prefilled),
             keys=[st.kv.keys(i, 0, n_tokens).clone() for i in range(n)],
             values=[st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
-            fixed={f"conv.{layer}": c.clone() for layer, c in zip(self.conv_layers, conv)},
+            fixed={name: c.clone() for name, c in zip(self.state_names, conv)},
         )
 
     def import_state(self, lane: int, state: LaneState) -> None:
@@ -288,7 +300,7 @@ class TorchStageRuntime(StageRuntime):
         n_attn = len(self.attn_layers)
         if len(state.keys) != n_attn or len(state.values) != n_attn:
             raise StageError("state has a different number of attention layers")
-        names = [f"conv.{layer}" for layer in self.conv_layers]
+        names = self.state_names
         if set(state.fixed) != set(names):
             raise StageError(f"state carries recurrent state {sorted(state.fixed)}, "
                              f"this stage needs {names}")
@@ -303,6 +315,13 @@ class TorchStageRuntime(StageRuntime):
         st.saved = {}
         st.length, st.prefilled = n, state.prefilled
 
+    def _recurrent_state_kind(self) -> str:
+        cfg = self.cfg
+        if cfg.ssm_layers:
+            return (f"mamba2 d_conv={cfg.ssm_d_conv} d_inner={cfg.ssm_d_inner} "
+                    f"d_state={cfg.ssm_d_state} heads={cfg.ssm_heads} groups={cfg.ssm_groups} f32")
+        return f"shortconv l_cache={cfg.conv_l_cache} f32"
+
     def identity(self) -> dict[str, object]:
         cfg, spec = self.cfg, self.spec
         return {
@@ -316,8 +335,7 @@ class TorchStageRuntime(StageRuntime):
             "wire_dtype": spec.wire_dtype,
             "n_ctx": self.n_ctx,
             "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
-            **({"recurrent_state": f"shortconv l_cache={cfg.conv_l_cache} f32"}
-               if self.recurrent else {}),
+            **({"recurrent_state": self._recurrent_state_kind()} if self.recurrent else {}),
             "numeric_policy": {
                 "compute": "f32",
                 "weights": spec.weight_format,

@@ -2,7 +2,8 @@
 
 A layer is a pre-norm residual block: a token mixer, then a gated FFN. The mixer is
 attention for dense families; hybrid families plug in a recurrent mixer for some layers
-(LFM2's short convolution, stages/shortconv.py) behind the same call.
+(LFM2's short convolution, stages/shortconv.py) or beside attention in every layer
+(Falcon-H1's Mamba2, stages/mamba2.py) behind the same call.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ class DecoderLayer:
         self.index, self.cfg, self.mixer = index, cfg, mixer
         self.attn_norm = t[p + "attn_norm.weight"]  # the mixer's input norm (LFM2: operator_norm)
         self.post_attn_norm = t[p + "post_attention_norm.weight"] if fam.post_norms else None
-        self.ffn_norm = t[p + "ffn_norm.weight"]
+        # Falcon-H1 files as llama.cpp loads them name it "blk.N.ffn_norm" (no ".weight")
+        norm = t.get(p + fam.ffn_norm)
+        self.ffn_norm = norm if norm is not None else t[p + "ffn_norm.weight"]
         self.gate_up, self.gate_up_split = fuse_linear(
             [t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt)
         self.down = make_linear(t[p + "ffn_down.weight"], fmt)

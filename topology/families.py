@@ -24,9 +24,12 @@ class Family:
     rope_base_swa: float | None = None  # rope base of sliding-window layers
     cache_policy: str = "ResidentKv"  # "KvRecurrent": state = attention KV + recurrent state
     # "shortconv": layers whose per-layer KV head count is 0 mix tokens by a short causal
-    # convolution (LFM2) instead of attention. None: every layer is attention.
+    # convolution (LFM2) instead of attention. "mamba2_parallel": every layer runs attention
+    # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
+    # None: every layer is attention.
     recurrent_mixer: str | None = None
     output_norm: str = "output_norm.weight"  # GGUF name of the final norm
+    ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -45,6 +48,13 @@ FAMILIES: dict[str, Family] = {
     "lfm2": Family("lfm2", rope_style="neox", activation="silu", qk_norm=True,
                    cache_policy="KvRecurrent", recurrent_mixer="shortconv",
                    output_norm="token_embd_norm.weight"),
+    # llama.cpp (models/falcon-h1.cpp): attention and build_mamba2_layer both read
+    # rms_norm(x, attn_norm); attn_out + ssm_out + x, then the FFN. llama.cpp reads no muP
+    # multiplier keys and applies none at runtime (a converter must fold them). NEOX rope
+    # (llama_model_rope_type); the pre-FFN norm is loaded as "blk.N.ffn_norm" (no ".weight").
+    "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
+                        cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
+                        ffn_norm="ffn_norm"),
 }
 
 

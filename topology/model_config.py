@@ -31,6 +31,15 @@ class ModelConfig:
     # the convolution's length (its recurrent state holds conv_l_cache - 1 rows).
     conv_layers: frozenset[int] = frozenset()
     conv_l_cache: int = 0
+    # Falcon-H1: layers that run a Mamba2 SSM beside attention, and its sizes (llama.cpp's
+    # ssm.conv_kernel, ssm.inner_size, ssm.state_size, ssm.time_step_rank = SSM heads,
+    # ssm.group_count).
+    ssm_layers: frozenset[int] = frozenset()
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_heads: int = 0
+    ssm_groups: int = 0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -58,6 +67,24 @@ class ModelConfig:
             if len(counts) > 1:
                 raise ValueError(f"{arch}: per-layer KV head counts differ: {counts}")
             n_kv = counts[0] if counts else n_heads
+        ssm: dict[str, object] = {}
+        if family.recurrent_mixer == "mamba2_parallel":
+            def need(key: str) -> int:
+                value = f.arch_key(key)
+                if value is None:
+                    raise ValueError(f"{arch}: missing {arch}.{key}")
+                return int(value)
+
+            ssm = {
+                "ssm_layers": frozenset(range(n_layers)),
+                "ssm_d_conv": need("ssm.conv_kernel"),
+                "ssm_d_inner": need("ssm.inner_size"),
+                "ssm_d_state": need("ssm.state_size"),
+                "ssm_heads": need("ssm.time_step_rank"),
+                "ssm_groups": int(f.arch_key("ssm.group_count", 1) or 1),
+            }
+            if ssm["ssm_d_conv"] < 2:
+                raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
         sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
@@ -86,6 +113,7 @@ class ModelConfig:
             tied_head="output.weight" not in f.tensors,
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
+            **ssm,
         )
 
     def is_conv_layer(self, layer: int) -> bool:
@@ -94,7 +122,10 @@ class ModelConfig:
     @property
     def is_recurrent(self) -> bool:
         """Some layer keeps recurrent state: a lane's state cannot be cut shorter."""
-        return bool(self.conv_layers)
+        return bool(self.conv_layers or self.ssm_layers)
+
+    def is_ssm_layer(self, layer: int) -> bool:
+        return layer in self.ssm_layers
 
     def is_swa_layer(self, layer: int) -> bool:
         return self.family.is_swa_layer(layer, self.sliding_window)
