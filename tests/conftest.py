@@ -62,3 +62,11 @@ def lfm2_f32(smollm2, tmp_path_factory):
     from skippy.stages.synth import write_synthetic
     out = tmp_path_factory.mktemp("synth") / "lfm2-L6.gguf"
     return write_synthetic("lfm2", layers=6, seed=3, out=out, tokenizer_from=smollm2)
+
+
+@pytest.fixture(scope="session")
+def falcon_h1_f32(smollm2, tmp_path_factory):
+    """A 4-layer random-weight Falcon-H1 (Mamba2 and attention in parallel) in f32."""
+    from skippy.stages.synth import write_synthetic
+    out = tmp_path_factory.mktemp("synth") / "falcon-h1-L4.gguf"
+    return write_synthetic("falcon-h1", layers=4, seed=7, out=out, tokenizer_from=smollm2)

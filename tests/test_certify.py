@@ -15,7 +15,8 @@ from skippy.evals.certify import certify
 
 
 @pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
-                                           ("lfm2_f32", 1), ("lfm2_f32", 3)])
+                                           ("lfm2_f32", 1), ("lfm2_f32", 3),
+                                           ("falcon_h1_f32", 3)])
 def test_certify_passes(model, stages, request):
     report = certify(request.getfixturevalue(model), stages)
     assert report.passed, report.table()
@@ -25,7 +26,7 @@ def test_certify_passes(model, stages, request):
     assert ("split_handoff" in names) == (stages > 1)
 
 
-@pytest.mark.parametrize("model", ["smollm2", "lfm2_f32"])
+@pytest.mark.parametrize("model", ["smollm2", "lfm2_f32", "falcon_h1_f32"])
 def test_certify_passes_on_the_llama_cpp_runtime(model, request):
     report = certify(request.getfixturevalue(model), 1, "llama.cpp")
     assert report.passed, report.table()

@@ -28,12 +28,6 @@ SSM_STATE = (SSM["heads"], SSM["d_inner"] // SSM["heads"], SSM["d_state"])
 
 
 @pytest.fixture(scope="module")
-def falcon_h1_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "falcon-h1-L4.gguf"
-    return write_synthetic("falcon-h1", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2)
-
-
-@pytest.fixture(scope="module")
 def reference(falcon_h1_f32):
     return LlamaCppReference(falcon_h1_f32, n_ctx=512)
 

@@ -38,7 +38,8 @@ def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int], steps: int = 8)
 
 
 @pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
-                                           ("lfm2_f32", 1), ("lfm2_f32", 3)])
+                                           ("lfm2_f32", 1), ("lfm2_f32", 3),
+                                           ("falcon_h1_f32", 2)])
 def test_cache_on_equals_cache_off(model, stages, request):
     path = request.getfixturevalue(model)
     off = LocalPipeline(path, stages, wire_dtype="f32", chunk=32, n_ctx=1024)
