@@ -21,20 +21,11 @@ from pathlib import Path
 import torch
 
 from skippy.cache.config import CacheConfig
+from skippy.evals.numerics import first_of_each_use_case
 from skippy.mesh.pipeline import LocalPipeline
 
 STEPS = 8
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
-
-
-def pick(records: list[dict], per_use_case: int) -> list[dict]:
-    seen: dict[str, int] = {}
-    out = []
-    for r in records:
-        if seen.get(r["use_case"], 0) < per_use_case:
-            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
-            out.append(r)
-    return out
 
 
 def prompt_ids(tokenizer, path, record: dict, cap: int) -> list[int]:
@@ -105,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"corpus not found: {args.data}", file=sys.stderr)
         return 2
     records = [json.loads(l) for l in Path(args.data).read_text().splitlines() if l.strip()]
-    records = pick(records, args.per_use_case)
+    records = first_of_each_use_case(records, args.per_use_case)
     results, ok = [], True
     for name in args.model or ["smollm2"]:
         for stages in args.stages or [1, 2]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skippy.cache.config import CacheConfig, MiB
+from skippy.cache.config import CacheConfig
+from skippy.evals.cache_exactness import run_one
 from skippy.mesh.pipeline import LocalPipeline
 from skippy.mesh.sampler import Sampler, SamplingParams
 from skippy.stages.stage_cache import StageCache
@@ -20,21 +21,9 @@ def cfg(**kw) -> CacheConfig:
     return CacheConfig(**{"chunk": 32, "stride": 32, "min_prefix": 32, "admit_after": 1, **kw})
 
 
-def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int], steps: int = 8):
-    lanes = pipe.alloc()
-    try:
-        logits, reused, prefilled = pipe.first_logits(lanes, ids)
-        tokens, cur = [], logits
-        for i in range(steps):
-            tokens.append(int(cur.argmax()))
-            if i + 1 < steps:
-                if not prefilled:
-                    pipe.prefill_cached(lanes, ids)
-                    prefilled = True
-                cur = pipe.decode(lanes, tokens[-1])
-        return logits, tokens, reused
-    finally:
-        pipe.free(lanes)
+def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int]):
+    """(first-token logits, 8 greedy tokens, prompt tokens reused)."""
+    return run_one(pipe, ids)
 
 
 @pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
