@@ -26,7 +26,6 @@ stdout and the table to stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -37,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from skippy.evals.reference import _quiet_stderr
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -53,20 +54,6 @@ FALLBACK_TEXT = (
     "children ran between the stalls. In the afternoon the wind turned, clouds rolled in "
     "from the sea, and everyone hurried home before the first heavy drops of rain. "
 )
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """llama.cpp writes load and quantize logs straight to fd 2; keep the table readable."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 class CpuMeter:

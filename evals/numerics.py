@@ -79,6 +79,27 @@ def compare_on_corpus(path, records: list[dict]) -> dict:
             "max_abs_delta": max_delta}
 
 
+def margin_agreement(rt, ref: LlamaCppReference, prompts: list[list[int]],
+                     margin: float = 1e-3) -> dict:
+    """The f32 bar for synthetic families: max |Δlogit| over every position, and whether
+    top-1 agrees wherever llama.cpp's top-2 margin exceeds `margin` (elsewhere summation
+    order alone may flip a near-tie)."""
+    worst, checked, decided, agree = 0.0, 0, 0, True
+    for ids in prompts:
+        expected = ref.logits(ids)
+        lane = rt.alloc_lane()
+        got = rt.prefill(lane, torch.tensor(ids), logits="all").logits.numpy()
+        rt.free_lane(lane)
+        worst = max(worst, float(np.abs(got - expected).max()))
+        top2 = np.sort(expected, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > margin
+        agree &= bool((got.argmax(-1)[clear] == expected.argmax(-1)[clear]).all())
+        checked += len(ids)
+        decided += int(clear.sum())
+    return {"max_abs_delta": worst, "positions": checked, "decided": decided,
+            "top1_where_clear": agree}
+
+
 def decode_vs_recompute(path, ids: list[int], steps: int = 8) -> dict:
     rt = whole_model(path)
     lane = rt.alloc_lane()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 @contextlib.contextmanager
 def _quiet_stderr():
     """llama.cpp logs model loading straight to fd 2; keep test and eval output readable."""
+    sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as null:
         os.dup2(null.fileno(), 2)

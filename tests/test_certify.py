@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from skippy.evals import certify as certify_mod
 from skippy.evals.certify import certify

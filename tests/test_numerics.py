@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from skippy.evals.numerics import (compare_on_corpus, first_of_each_use_case, prompt_ids,
+from skippy.evals.numerics import (compare_on_corpus, first_of_each_use_case, margin_agreement,
+                                   prompt_ids,
                                    whole_model)
 from skippy.evals.reference import LlamaCppReference
 
@@ -33,19 +32,7 @@ def test_synthetic_qwen3_f32_matches_llama_cpp(qwen3_f32, corpus):
     """f32 weights on both sides: the only differences are summation order."""
     ref = LlamaCppReference(qwen3_f32)
     rt = whole_model(qwen3_f32)
-    worst, checked, decided = 0.0, 0, 0
-    for record in first_of_each_use_case(corpus, 1):
-        ids = prompt_ids(ref, record)[:160]
-        expected = ref.logits(ids)
-        lane = rt.alloc_lane()
-        got = rt.prefill(lane, torch.tensor(ids), logits="all").logits.numpy()
-        rt.free_lane(lane)
-        worst = max(worst, float(np.abs(got - expected).max()))
-        top2 = np.sort(expected, axis=-1)[:, -2:]
-        clear = (top2[:, 1] - top2[:, 0]) > 1e-3
-        assert (got.argmax(-1)[clear] == expected.argmax(-1)[clear]).all()
-        checked += len(ids)
-        decided += int(clear.sum())
-    print(f"\nqwen3 f32: max |dlogit| {worst:.2e} over {checked} positions "
-          f"({decided} with a top-2 margin > 1e-3)")
-    assert worst <= 1e-3
+    prompts = [prompt_ids(ref, record)[:160] for record in first_of_each_use_case(corpus, 1)]
+    r = margin_agreement(rt, ref, prompts)
+    print(f"\nqwen3 f32: {r}")
+    assert r["top1_where_clear"] and r["max_abs_delta"] <= 1e-3
