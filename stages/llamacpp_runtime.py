@@ -49,7 +49,8 @@ import torch
 from skippy.topology.gguf_file import GGUFFile
 
 from .frame import Frame
-from .runtime import LaneState, StageError, StageOutput, StageRuntime, StageSpec
+from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
+                      check_prefill)
 
 log = logging.getLogger(__name__)
 
@@ -306,22 +307,10 @@ class LlamaCppStageRuntime(StageRuntime):
         "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
         st = self._lane(lane)
         C = self.spec.chunk
-        if start % C or start > self.prefill_boundary(lane):
-            raise StageError(f"prefill start {start} must be a multiple of {C} and at most "
-                             f"{self.prefill_boundary(lane)}")
-        if logits not in ("last", "all", "none"):
-            raise StageError(f"logits must be last, all or none, not {logits!r}")
         ids = self._ids(inputs)
         n = len(ids)
-        if n == 0:
-            raise StageError("prefill needs at least one row")
-        end = start + n
-        bad = [b for b in snapshots if b % C or not start < b <= end]
-        if bad:
-            raise StageError(f"snapshot boundaries {bad} must be multiples of {C} in "
-                             f"({start}, {end}]")
-        if end > self.n_ctx:
-            raise StageError(f"{end} tokens exceed the context of {self.n_ctx}")
+        end = check_prefill(start, n, chunk=C, boundary=self.prefill_boundary(lane),
+                            n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
         if not self._ll.llama_memory_seq_rm(self._mem, lane, start, -1):
             raise StageError(f"lane {lane} holds recurrent state at {st.length} that cannot "
                              f"be rolled back to {start}: import a snapshot at {start} first")

@@ -128,3 +128,23 @@ class StageRuntime(abc.ABC):
     def identity(self) -> dict[str, object]:
         """Every field that decides this stage's arithmetic (DESIGN.md §5.1), with no
         per-process values: equal across restarts and nodes for the same weights."""
+
+
+def check_prefill(start: int, n: int, *, chunk: int, boundary: int, n_ctx: int,
+                  logits: str, snapshots: tuple[int, ...]) -> int:
+    """The contract's rules for one prefill request, for every runtime; returns its end."""
+    if start % chunk or start > boundary:
+        raise StageError(f"prefill start {start} must be a multiple of {chunk} and at most "
+                         f"{boundary}")
+    if logits not in ("last", "all", "none"):
+        raise StageError(f"logits must be last, all or none, not {logits!r}")
+    if n == 0:
+        raise StageError("prefill needs at least one row")
+    end = start + n
+    bad = [b for b in snapshots if b % chunk or not start < b <= end]
+    if bad:
+        raise StageError(f"snapshot boundaries {bad} must be multiples of {chunk} in "
+                         f"({start}, {end}]")
+    if end > n_ctx:
+        raise StageError(f"{end} tokens exceed the context of {n_ctx}")
+    return end

@@ -20,7 +20,8 @@ from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
 from .layers import Rope, rms_norm
 from .linear import make_linear
-from .runtime import LaneState, StageError, StageOutput, StageRuntime, StageSpec
+from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
+                      check_prefill)
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
@@ -188,25 +189,12 @@ class TorchStageRuntime(StageRuntime):
                 logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
         st = self._lane(lane)
         C = self.spec.chunk
-        if start % C or start > self.prefill_boundary(lane):
-            raise StageError(f"prefill start {start} must be a multiple of {C} and at most "
-                             f"{self.prefill_boundary(lane)}")
+        x_in = self._inputs(inputs, start)
+        end = check_prefill(start, x_in.shape[0], chunk=C, boundary=self.prefill_boundary(lane),
+                            n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
         if self.recurrent and start not in self._resumable(st):
             raise StageError(f"prefill start {start}: recurrent state cannot be rolled back; "
                              f"starts available: {sorted(self._resumable(st))}")
-        if logits not in ("last", "all", "none"):
-            raise StageError(f"logits must be last, all or none, not {logits!r}")
-        x_in = self._inputs(inputs, start)
-        n = x_in.shape[0]
-        if n == 0:
-            raise StageError("prefill needs at least one row")
-        end = start + n
-        bad = [b for b in snapshots if b % C or not start < b <= end]
-        if bad:
-            raise StageError(f"snapshot boundaries {bad} must be multiples of {C} in "
-                             f"({start}, {end}]")
-        if end > self.n_ctx:
-            raise StageError(f"{end} tokens exceed the context of {self.n_ctx}")
         padded_end = -(-end // C) * C
         st.kv.ensure(padded_end)
         if self.recurrent:  # rewind the conv state to start (checked available above)
