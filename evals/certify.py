@@ -28,6 +28,7 @@ import torch
 
 from skippy.cache.blocks import BlockStore
 from skippy.cache.payload import PayloadKind, decode_payload, encode_payload
+from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import LaneState, StageRuntime, StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
@@ -76,11 +77,7 @@ def build(path, n_stages: int, runtime: str, wire: str) -> list[StageRuntime]:
     ranges = even_ranges(n_layers, n_stages)
     specs = [StageSpec(str(path), a, b, i, n_stages, wire, n_ctx=1024, chunk=CHUNK)
              for i, (a, b) in enumerate(ranges)]
-    if runtime == "llama.cpp":
-        from skippy.stages.llamacpp_runtime import LlamaCppStageRuntime
-        return [LlamaCppStageRuntime(s) for s in specs]
-    from skippy.stages.torch_runtime import TorchStageRuntime
-    return [TorchStageRuntime(s) for s in specs]
+    return [make_runtime(s, runtime) for s in specs]
 
 
 def prefill(stages, lanes, ids, start=0, snapshots=()):

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from skippy.cache.config import CacheConfig
+from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import StageOutput, StageSpec
 from skippy.stages.stage_cache import StageCache
-from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -31,7 +31,7 @@ IDLE_LANE_SETS = 4  # finished requests' lanes kept warm: a follow-up continues 
 
 class LocalPipeline:
     def __init__(self, model_path: str | Path, n_stages: int, *, wire_dtype: str = "f16",
-                 cache: CacheConfig | None = None, **spec_options):
+                 cache: CacheConfig | None = None, runtime: str = "torch", **spec_options):
         f = GGUFFile(model_path)
         self.config = ModelConfig.from_gguf(f)
         capability = capability_for(f)
@@ -40,8 +40,8 @@ class LocalPipeline:
             spec_options.setdefault("chunk", cache.chunk)
         ranges = even_ranges(self.config.n_layers, n_stages)
         self.stages = [
-            TorchStageRuntime(StageSpec(str(model_path), a, b, i, n_stages, wire_dtype,
-                                        **spec_options))
+            make_runtime(StageSpec(str(model_path), a, b, i, n_stages, wire_dtype,
+                                   **spec_options), runtime)
             for i, (a, b) in enumerate(ranges)
         ]
         self.n_ctx = self.stages[0].n_ctx
