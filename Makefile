@@ -9,7 +9,7 @@ LLAMA_CPP   := 0.3.36
 PROMPT      ?= The three most useful things to know about the Moon are
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast venv clean
+.PHONY: run test test-fast venv clean proto
 
 venv: $(VENV)/.installed
 
@@ -44,6 +44,10 @@ test: venv
 test-fast: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest -m "not slow and not network" $(PYTEST_ARGS)'
+
+# Regenerate proto/*_pb2*.py from proto/*.proto (grpcio-tools pinned in pyproject.toml).
+proto: venv
+	$(BIN)/python -m skippy.proto.generate
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
