@@ -8,7 +8,12 @@ pattern) are recorded here, next to the family they belong to.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class Family:
     recurrent_mixer: str | None = None
     output_norm: str = "output_norm.weight"  # GGUF name of the final norm
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
+    # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
+    # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
+    # stage boundary inside a group. None: any cut between layers is allowed.
+    keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:

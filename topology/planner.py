@@ -1,14 +1,48 @@
-"""Cutting a model's layers into contiguous stages.
+"""Cutting a model's layers into contiguous stages and placing them on nodes.
 
-For now every stage gets an equal share; the topology-aware planner (memory, links,
-family cut rules) grows here.
+`plan()` maps a model (`ModelFacts`, read from a GGUF's header and tensor index, never its
+tensor bytes) onto nodes (`NodeSpec`): the fewest stages that fit, layer ranges in
+proportion to each node's memory, every stage's weights + KV + overhead within its node,
+and no cut inside a group the family keeps together. The plan's digest names the split
+(model, ranges, wire dtype) and nothing about where it runs, so caches keyed by it survive
+restarts and re-placement.
+
+`even_ranges()` is the plain equal split, for callers that do not plan by memory.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+
+from skippy.cache.config import parse_bytes
+
+from .gguf_file import GGUFFile
+from .model_config import ModelConfig
+
+MiB = 2**20
+
+# Bytes per weight element in memory once a stage has loaded its layers: the torch runtime
+# dequantizes every tensor to fp32 (stages/weights.py, stages/linear.py "fp32"), whatever
+# the file's quantization. Change it with the runtime's weight format (bf16: 2).
+RUNTIME_WEIGHT_BYTES = 4.0
+# Bytes per KV / recurrent-state element: lanes hold fp32 (stages/kv.py).
+RUNTIME_KV_BYTES = 4
+# Memory a stage needs beyond its weights and lanes: the actor process with torch loaded,
+# activation buffers for a prefill chunk, allocator slack.
+STAGE_OVERHEAD_BYTES = 512 * MiB
+
+DEFAULT_N_CTX = 8192
+DEFAULT_LANES = 4
+
 
 class PlanError(ValueError):
-    """The model cannot be cut as asked."""
+    """The model cannot be cut or placed as asked; the message says why."""
 
 
 def even_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
@@ -26,3 +60,416 @@ def even_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+# -- digests ----------------------------------------------------------------------------------
+def gguf_model_digest(f: GGUFFile) -> str:
+    """BLAKE3 of a GGUF's header (all metadata and the tensor index) and of its small 1-D
+    tensors (norms, biases). Cheap on any size of model: the large matrices are not read.
+    It names the model for the topology digest; the cache identity carries, besides, the
+    content hash of the bytes each stage actually loaded."""
+    h = blake3.blake3()
+    h.update(b"skippy-gguf-model-v1|")
+    with open(f.path, "rb") as fh:
+        h.update(fh.read(f.data_start))
+    for info in sorted(f.tensors.values(), key=lambda t: t.name):
+        if len(info.shape) == 1:
+            h.update(f"|{info.name}|".encode())
+            h.update(memoryview(f.raw(info.name)))
+    return h.hexdigest()
+
+
+def topology_digest(model_digest: str, ranges: Sequence[tuple[int, int]],
+                    wire_dtype: str) -> str:
+    """BLAKE3 hex of (model digest, ordered layer ranges, wire dtype): no node names or
+    per-process values, so the same split has the same digest wherever it is placed."""
+    text = "|".join(["skippy-topology-v1", model_digest, wire_dtype,
+                     ",".join(f"{a}-{b}" for a, b in ranges)])
+    return blake3.blake3(text.encode()).hexdigest()
+
+
+# -- the model --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner needs to know about a model, in runtime bytes.
+
+    Per layer: weight bytes, KV bytes per token per lane (0 for layers without attention),
+    fixed recurrent-state bytes per lane. Outside the layers: bytes only stage 0 holds
+    (token embeddings), bytes only the last stage holds (final norm, output head; a tied
+    head is a second copy of the embeddings), bytes every stage holds (anything else).
+    """
+
+    name: str
+    architecture: str
+    model_digest: str
+    layer_bytes: tuple[int, ...]
+    kv_bytes_per_token: tuple[int, ...]
+    state_bytes: tuple[int, ...]
+    first_bytes: int
+    last_bytes: int
+    shared_bytes: int = 0
+    context_length: int = DEFAULT_N_CTX
+    keep_together: tuple[tuple[int, int], ...] = ()  # layer groups no cut may split
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, *, weight_bytes: float = RUNTIME_WEIGHT_BYTES,
+                  kv_bytes: int = RUNTIME_KV_BYTES,
+                  model_digest: str | None = None) -> ModelFacts:
+        """Facts from the header and tensor index only. `weight_bytes`: bytes per weight
+        element in the runtime's weight format (fp32 torch: 4). `model_digest`: pass the
+        weights digest when the caller already has one; else `gguf_model_digest`."""
+        f = GGUFFile(path)
+        try:
+            cfg = ModelConfig.from_gguf(f)
+            digest = model_digest or gguf_model_digest(f)
+            elements = [0] * cfg.n_layers
+            first = last = shared = 0
+            for name, info in f.tensors.items():
+                size = int(info.n_elements * weight_bytes)
+                if name.startswith("blk."):
+                    elements[int(name.split(".")[1])] += size
+                elif name == "token_embd.weight":
+                    first += size
+                    if cfg.tied_head:
+                        last += size
+                elif name in ("output.weight", cfg.family.output_norm):
+                    last += size
+                else:  # rope tables and the like: every stage loads them
+                    shared += size
+        finally:
+            f.close()
+        kv, state = _lane_bytes(cfg, kv_bytes)
+        groups = tuple(cfg.family.keep_together(cfg)) if cfg.family.keep_together else ()
+        return cls(name=Path(path).name, architecture=cfg.architecture, model_digest=digest,
+                   layer_bytes=tuple(elements), kv_bytes_per_token=kv, state_bytes=state,
+                   first_bytes=first, last_bytes=last, shared_bytes=shared,
+                   context_length=cfg.context_length,
+                   keep_together=tuple((int(a), int(b)) for a, b in groups))
+
+
+def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer: KV bytes per token, and fixed recurrent-state bytes, of one lane."""
+    kv_token = cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) * kv_bytes
+    kv, state = [], []
+    for i in range(cfg.n_layers):
+        fixed = 0
+        if cfg.is_conv_layer(i):  # short conv: the last l_cache - 1 inputs
+            kv.append(0)
+            fixed += (cfg.conv_l_cache - 1) * cfg.hidden
+        else:
+            kv.append(kv_token)
+        if cfg.is_ssm_layer(i):  # Mamba2: conv window over x, B, C; SSM state per head
+            conv_width = cfg.ssm_d_inner + 2 * cfg.ssm_groups * cfg.ssm_d_state
+            fixed += (cfg.ssm_d_conv - 1) * conv_width + cfg.ssm_d_inner * cfg.ssm_d_state
+        state.append(fixed * kv_bytes)
+    return tuple(kv), tuple(state)
+
+
+# -- nodes ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeSpec:
+    """A machine stages can be placed on. `memory`: bytes stages may use there;
+    `resources`: Ray custom resources that pin an actor to it (e.g. {"skippy_node_0": 1})."""
+
+    name: str
+    memory: int
+    cpus: int = 1
+    resources: Mapping[str, float] = field(default_factory=dict)
+    latency_ms: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> NodeSpec:
+        """From a nodes-file entry; `memory` is bytes or a size string such as "8GiB"."""
+        if not isinstance(d, Mapping):
+            raise PlanError(f"a node must be an object, not {d!r}")
+        unknown = set(d) - {"name", "memory", "cpus", "resources", "latency_ms"}
+        if unknown:
+            raise PlanError(f"node {d.get('name', '?')}: unknown field(s) "
+                            f"{', '.join(sorted(unknown))}")
+        name, memory = d.get("name"), d.get("memory")
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"every node needs a name: {dict(d)}")
+        if isinstance(memory, str):
+            try:
+                memory = parse_bytes(f"node {name}: memory", memory)
+            except ValueError as e:
+                raise PlanError(str(e)) from None
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
+            raise PlanError(f"node {name}: memory must be a positive byte count or a size "
+                            f"such as 8GiB, not {memory!r}")
+        cpus = d.get("cpus", 1)
+        if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
+            raise PlanError(f"node {name}: cpus must be a positive whole number, not {cpus!r}")
+        resources = d.get("resources") or {}
+        if not isinstance(resources, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) for k, v in resources.items()):
+            raise PlanError(f"node {name}: resources must map names to numbers")
+        latency = d.get("latency_ms")
+        if latency is not None and (isinstance(latency, bool)
+                                    or not isinstance(latency, (int, float)) or latency < 0):
+            raise PlanError(f"node {name}: latency_ms must be a number >= 0, not {latency!r}")
+        return cls(name, memory, cpus, dict(resources), latency)
+
+
+def load_nodes(path: str | Path) -> list[NodeSpec]:
+    """A JSON nodes file: a list of {name, memory, cpus, resources, latency_ms}."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read nodes file {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"nodes file {path} is not valid JSON: {e}") from None
+    if not isinstance(data, list) or not data:
+        raise PlanError(f"nodes file {path} must hold a non-empty JSON list of nodes")
+    nodes = [NodeSpec.from_dict(d) for d in data]
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise PlanError(f"nodes file {path}: node names repeat")
+    return nodes
+
+
+def local_node(meminfo: str | Path = "/proc/meminfo") -> NodeSpec:
+    """This machine as one node: MemAvailable, all CPUs."""
+    available = None
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    if available is None:
+        raise PlanError(f"cannot read MemAvailable from {meminfo}; pass --nodes")
+    return NodeSpec("local", available, os.cpu_count() or 1)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    start: int                 # layers [start, end)
+    end: int
+    node: NodeSpec
+    weight_bytes: int          # layers, plus embeddings (first) / head (last)
+    kv_bytes: int              # KV for n_ctx tokens and recurrent state, all lanes
+    overhead_bytes: int
+    memory_share: int          # node memory this stage may use (all of it, unless shared)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.overhead_bytes
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    model_digest: str
+    wire_dtype: str
+    n_ctx: int                 # per lane, after capping at the model's context length
+    lanes: int
+    stages: tuple[StagePlan, ...]
+    digest: str                # topology digest (see topology_digest)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [(s.start, s.end) for s in self.stages]
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model, "model_digest": self.model_digest,
+            "topology_digest": self.digest, "wire_dtype": self.wire_dtype,
+            "n_ctx": self.n_ctx, "lanes": self.lanes,
+            "stages": [{
+                "index": s.index, "layers": [s.start, s.end], "node": s.node.name,
+                "resources": dict(s.node.resources), "weight_bytes": s.weight_bytes,
+                "kv_bytes": s.kv_bytes, "overhead_bytes": s.overhead_bytes,
+                "total_bytes": s.total_bytes, "memory_share": s.memory_share,
+                "node_memory": s.node.memory,
+            } for s in self.stages],
+        }
+
+    def table(self) -> str:
+        rows = [("STAGE", "NODE", "LAYERS", "WEIGHTS MiB", "KV MiB", "TOTAL / NODE MiB")]
+        for s in self.stages:
+            rows.append((str(s.index), s.node.name, f"{s.start}-{s.end - 1}",
+                         f"{s.weight_bytes / MiB:.1f}", f"{s.kv_bytes / MiB:.1f}",
+                         f"{s.total_bytes / MiB:.0f} / {s.memory_share / MiB:.0f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        lines.append(f"model {self.model}, n_ctx {self.n_ctx} x {self.lanes} lanes, "
+                     f"wire {self.wire_dtype}")
+        lines.append(f"topology digest {self.digest}")
+        return "\n".join(lines)
+
+
+def check_cuts(ranges: Sequence[tuple[int, int]], groups: Iterable[tuple[int, int]]) -> None:
+    """Raise PlanError if a stage boundary falls inside a keep-together group [a, b)."""
+    for a, b in groups:
+        for _, end in ranges[:-1]:
+            if a < end < b:
+                raise PlanError(f"a cut after layer {end - 1} splits layers {a}-{b - 1}, "
+                                "which the family keeps in one stage")
+
+
+def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16",
+         n_ctx: int = DEFAULT_N_CTX, lanes: int = DEFAULT_LANES, max_stages: int | None = None,
+         stages: int | None = None, overhead_bytes: int = STAGE_OVERHEAD_BYTES) -> Plan:
+    """Place `model` on `nodes`.
+
+    Without `stages`: the fewest stages (at most `max_stages`, at most one per node) whose
+    every stage fits its node, on the nodes with the most memory. With `stages`: exactly
+    that many; when there are more stages than nodes, a node's memory is shared by the
+    stages it holds. Ranges are contiguous, at least one layer each, sized in proportion
+    to node memory (minimising sum(load^2 / capacity)), with no cut inside a
+    keep-together group. The node order, and so the ranges and digest, depend only on
+    node memories, never on names or input order. Raises PlanError saying why it cannot.
+    """
+    if not nodes:
+        raise PlanError("no nodes to place the model on")
+    if lanes < 1 or n_ctx < 1:
+        raise PlanError(f"n_ctx and lanes must be at least 1 (n_ctx {n_ctx}, lanes {lanes})")
+    n_ctx = min(n_ctx, model.context_length)
+    costs = [w + lanes * (n_ctx * kv + st) for w, kv, st in
+             zip(model.layer_bytes, model.kv_bytes_per_token, model.state_bytes)]
+    cuts = _allowed_cuts(model)
+    # Memory first; lower latency, then name, only choose among equal memories.
+    ranked = sorted(nodes, key=lambda n: (-n.memory, n.latency_ms or 0.0, n.name))
+    if stages is not None:
+        if stages < 1:
+            raise PlanError(f"stages must be at least 1, not {stages}")
+        if stages > model.n_layers:
+            raise PlanError(f"cannot cut {model.n_layers} layers into {stages} stages "
+                            "(each stage needs at least one layer)")
+        tries = [stages]
+    else:
+        if max_stages is not None and max_stages < 1:
+            raise PlanError(f"max_stages must be at least 1, not {max_stages}")
+        limit = min(len(ranked), model.n_layers, max_stages or len(ranked))
+        tries = list(range(1, limit + 1))
+    for k in tries:
+        slots = _slots(ranked, k)
+        caps = [share - overhead_bytes - model.shared_bytes
+                - (model.first_bytes if i == 0 else 0)
+                - (model.last_bytes if i == k - 1 else 0)
+                for i, (_, share) in enumerate(slots)]
+        ranges = _split(costs, caps, cuts)
+        if ranges is not None:
+            return _build(model, slots, ranges, costs, wire_dtype, n_ctx, lanes,
+                          overhead_bytes)
+    raise PlanError(_why_not(model, ranked, costs, tries[-1], overhead_bytes, n_ctx, lanes))
+
+
+def _allowed_cuts(model: ModelFacts) -> list[bool]:
+    """allowed[c]: a stage may end before layer c (c in 1..n-1)."""
+    allowed = [True] * (model.n_layers + 1)
+    for a, b in model.keep_together:
+        if not (0 <= a < b <= model.n_layers):
+            raise PlanError(f"keep-together group {a}-{b - 1} is outside the model's "
+                            f"{model.n_layers} layers")
+        for c in range(a + 1, b):
+            allowed[c] = False
+    return allowed
+
+
+def _slots(ranked: list[NodeSpec], k: int) -> list[tuple[NodeSpec, int]]:
+    """k (node, memory share) slots in pipeline order. k <= nodes: the k largest, one stage
+    each. More stages than nodes: every node holds a contiguous run of stages, as many as
+    its share of memory suggests, and splits its memory evenly among them."""
+    if k <= len(ranked):
+        return [(n, n.memory) for n in ranked[:k]]
+    total = sum(n.memory for n in ranked)
+    counts = [max(1, k * n.memory // total) for n in ranked]
+    while sum(counts) > k:  # take back from the node with the smallest share per stage
+        i = min((i for i, c in enumerate(counts) if c > 1),
+                key=lambda i: ranked[i].memory / counts[i])
+        counts[i] -= 1
+    while sum(counts) < k:  # give to the node with the largest share per stage
+        i = max(range(len(ranked)), key=lambda i: ranked[i].memory / (counts[i] + 1))
+        counts[i] += 1
+    return [(n, n.memory // c) for n, c in zip(ranked, counts) for _ in range(c)]
+
+
+def _split(costs: list[int], caps: list[int], allowed: list[bool]) -> list[tuple[int, int]] | None:
+    """Contiguous ranges, one per capacity, each within it, minimising sum(load^2 / cap):
+    its optimum puts load in proportion to capacity. None if no split fits."""
+    n, k = len(costs), len(caps)
+    if k > n or min(caps) <= 0:
+        return None
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[j][i]: least score placing layers [0, i) on the first j stages; back: its cut
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    back = [[-1] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        cap = caps[j - 1]
+        last = j == k
+        for i in range(j, n - (k - j) + 1):
+            if not last and not allowed[i] or (last and i != n):
+                continue
+            for s in range(j - 1, i):
+                if best[j - 1][s] == inf:
+                    continue
+                load = prefix[i] - prefix[s]
+                if load > cap:
+                    continue
+                score = best[j - 1][s] + load * load / cap
+                if score < best[j][i]:
+                    best[j][i], back[j][i] = score, s
+    if best[k][n] == inf:
+        return None
+    ranges, end = [], n
+    for j in range(k, 0, -1):
+        start = back[j][end]
+        ranges.append((start, end))
+        end = start
+    return ranges[::-1]
+
+
+def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tuple[int, int]],
+           costs: list[int], wire_dtype: str, n_ctx: int, lanes: int, overhead: int) -> Plan:
+    check_cuts(ranges, model.keep_together)
+    out = []
+    for i, ((node, share), (a, b)) in enumerate(zip(slots, ranges)):
+        weights = sum(model.layer_bytes[a:b]) + model.shared_bytes \
+            + (model.first_bytes if i == 0 else 0) \
+            + (model.last_bytes if i == len(ranges) - 1 else 0)
+        kv = sum(costs[a:b]) - sum(model.layer_bytes[a:b])
+        out.append(StagePlan(i, a, b, node, weights, kv, overhead, share))
+    digest = topology_digest(model.model_digest, ranges, wire_dtype)
+    return Plan(model.name, model.model_digest, wire_dtype, n_ctx, lanes, tuple(out), digest)
+
+
+def _why_not(model: ModelFacts, ranked: list[NodeSpec], costs: list[int], k: int,
+             overhead: int, n_ctx: int, lanes: int) -> str:
+    gib = 2**30
+    need = sum(costs) + model.first_bytes + model.last_bytes + model.shared_bytes + overhead
+    have = sum(n.memory for n in ranked)
+    sizing = f"n_ctx {n_ctx} x {lanes} lanes"
+    if need > have:
+        return (f"{model.name} needs at least {need / gib:.2f} GiB in total (weights, KV for "
+                f"{sizing}, overhead) but the nodes have {have / gib:.2f} GiB")
+    biggest = ranked[0]
+    groups = [(a, b) for a, b in model.keep_together] + \
+        [(i, i + 1) for i in range(model.n_layers)]
+    a, b = max(groups, key=lambda g: sum(costs[g[0]:g[1]]))
+    unit = sum(costs[a:b]) + model.shared_bytes + overhead
+    if unit > biggest.memory:
+        what = f"layer {a}" if b == a + 1 else f"layers {a}-{b - 1} (kept together)"
+        return (f"{model.name}: the largest {what} needs {unit / MiB:.0f} MiB (weights, KV "
+                f"for {sizing}, overhead) but the largest node, {biggest.name}, has "
+                f"{biggest.memory / MiB:.0f} MiB")
+    return (f"{model.name}: no split into {k} stage(s) or fewer fits these nodes "
+            f"(needs {need / gib:.2f} GiB of {have / gib:.2f} GiB; the embeddings "
+            f"({model.first_bytes / MiB:.0f} MiB) and head ({model.last_bytes / MiB:.0f} MiB) "
+            "sit on the first and last stages); add memory or nodes, or lower n_ctx / lanes")
