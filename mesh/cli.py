@@ -105,6 +105,21 @@ def cmd_certify(args) -> int:
     return 0 if report.passed else 1
 
 
+# -- plan -------------------------------------------------------------------------------------
+def cmd_plan(args) -> int:
+    import json
+
+    from skippy.topology.planner import ModelFacts, load_nodes, local_node, plan
+    from .models import resolve_model
+
+    nodes = load_nodes(args.nodes) if args.nodes else [local_node()]
+    facts = ModelFacts.from_gguf(resolve_model(args.model))
+    result = plan(facts, nodes, wire_dtype=args.wire, n_ctx=args.ctx, lanes=args.lanes,
+                  stages=args.stages, max_stages=args.max_stages)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -152,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
     cert.add_argument("--json", action="store_true", help="print the report as JSON")
     cert.set_defaults(run=cmd_certify)
+
+    pln = sub.add_parser("plan", help="show how a model splits into stages over nodes")
+    pln.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
+    pln.add_argument("--nodes", metavar="FILE",
+                     help="JSON list of {name, memory, cpus, resources, latency_ms} "
+                          "(default: this machine)")
+    pln.add_argument("--stages", type=int, help="exactly this many stages "
+                     "(default: the fewest that fit)")
+    pln.add_argument("--max-stages", type=int)
+    pln.add_argument("--ctx", type=int, default=8192, help="context per lane in tokens")
+    pln.add_argument("--lanes", type=int, default=4, help="concurrent sequences per stage")
+    pln.add_argument("--wire", choices=("f16", "f32", "q8"), default="f16",
+                     help="activation dtype between stages")
+    pln.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pln.set_defaults(run=cmd_plan)
     return p
 
 
