@@ -26,3 +26,27 @@ def test_f16_rows_past_f16_range_survive_with_a_power_of_two_scale():
     rel = ((back - rows).abs() / rows.abs().amax(dim=1, keepdim=True)).max()
     assert rel < 1e-3
     assert torch.equal(back[1:], rows[1:].half().float())
+
+
+def test_q8_rows_are_int8_with_one_max_abs_scale_per_row():
+    rows = torch.randn(4, 64) * torch.tensor([[1.0], [1e5], [1e-3], [30.0]])
+    frame = to_wire(2, rows, "q8")
+    assert frame.rows.dtype == torch.int8 and frame.wire_dtype == "q8"
+    assert torch.equal(frame.scale, rows.abs().amax(dim=1) / 127)
+    assert frame.rows.abs().amax(dim=1).tolist() == [127] * 4
+    err = (from_wire(frame) - rows).abs().amax(dim=1)
+    assert (err <= frame.scale * 0.5001).all()  # half a step per value
+
+
+def test_q8_zero_row_is_sent_as_zeros():
+    rows = torch.zeros(2, 8)
+    rows[1, 3] = -2.0
+    frame = to_wire(0, rows, "q8")
+    assert torch.isfinite(frame.scale).all()
+    assert torch.equal(from_wire(frame), rows)
+
+
+def test_unknown_wire_dtype_is_refused():
+    import pytest
+    with pytest.raises(ValueError, match="q8"):
+        to_wire(0, torch.zeros(1, 4), "bf16")

@@ -1,0 +1,79 @@
+"""Activation frames on the data plane: stages.frame.Frame <-> proto skippy.v1.Frame.
+
+Bytes are little-endian and row-major, as the schema says. Decoding does not copy: the
+returned rows are a read-only view of the message's bytes (the receiving stage's
+from_wire makes its float32 copy for f16 and q8; nothing in a stage writes to its input
+rows). Encoding copies once, into the message's bytes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from skippy.proto import stage_pb2
+from skippy.stages.frame import Frame
+
+# wire dtype -> (proto enum, numpy dtype on the wire)
+_CODECS = {
+    "f32": (stage_pb2.Frame.F32, np.dtype("<f4")),
+    "f16": (stage_pb2.Frame.F16, np.dtype("<f2")),
+    "q8": (stage_pb2.Frame.Q8, np.dtype("i1")),
+}
+_BY_ENUM = {enum: (name, dtype) for name, (enum, dtype) in _CODECS.items()}
+_SCALE = np.dtype("<f4")
+
+
+class MalformedFrame(ValueError):
+    """A frame message whose sizes disagree with its header (a peer's bug: not retryable)."""
+
+
+def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
+    return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
+
+
+def _view(buf: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    if not arr.dtype.isnative:  # big-endian host: one conversion copy
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    with warnings.catch_warnings():
+        # torch warns that a tensor over immutable bytes is not writable: the read-only
+        # view is the point of decoding without a copy.
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        return torch.from_numpy(arr)
+
+
+def frame_to_proto(frame: Frame) -> stage_pb2.Frame:
+    """The message for `frame`; f16 frames whose scales are all 1 send no scales."""
+    name = frame.wire_dtype
+    enum, dtype = _CODECS[name]
+    if frame.rows.ndim != 2:
+        raise ValueError(f"frame rows must be [n, width], not {tuple(frame.rows.shape)}")
+    n, width = frame.rows.shape
+    msg = stage_pb2.Frame(dtype=enum, start=frame.start, rows=n, width=width,
+                          data=_wire_bytes(frame.rows, dtype))
+    if frame.scale is not None and not (name == "f16" and bool((frame.scale == 1).all())):
+        msg.scales = _wire_bytes(frame.scale.to(torch.float32), _SCALE)
+    return msg
+
+
+def frame_from_proto(msg: stage_pb2.Frame) -> Frame:
+    """The frame in `msg`, its rows and scales viewing the message's bytes (read-only)."""
+    if msg.dtype not in _BY_ENUM:
+        raise MalformedFrame(f"unknown frame dtype {msg.dtype}")
+    name, dtype = _BY_ENUM[msg.dtype]
+    n, width = msg.rows, msg.width
+    if len(msg.data) != n * width * dtype.itemsize:
+        raise MalformedFrame(f"{name} frame of {n} x {width} carries {len(msg.data)} bytes")
+    rows = _view(msg.data, dtype, (n, width))
+    if name == "f32":
+        if msg.scales:
+            raise MalformedFrame("an f32 frame carries no scales")
+        return Frame(msg.start, rows)
+    if not msg.scales and name == "f16":
+        return Frame(msg.start, rows, torch.ones(n, dtype=torch.float32))
+    if len(msg.scales) != n * _SCALE.itemsize:
+        raise MalformedFrame(f"{name} frame of {n} rows carries {len(msg.scales)} scale bytes")
+    return Frame(msg.start, rows, _view(msg.scales, _SCALE, (n,)))
