@@ -1,0 +1,115 @@
+"""The gateway's Prometheus metrics: one registry per app, so several apps (tests, one
+process serving two models) never share or clash over the global default registry.
+
+Gateway figures are recorded as requests go (requests by endpoint and status, time to
+first token, tokens, decode speed). Stage figures are read from `engine.stats()` at
+scrape time: each stage's cache counters, bytes and hits by kind (the shape
+`StageCache.stats()` gives), its block store, and any other number a stage reports
+(e.g. latencies from the Ray engine) as a gauge named after its key.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from skippy.cache.telemetry import CacheStats
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
+_CACHE_BYTES = ("entries", "resident_bytes", "reserved_bytes", "evictable_bytes")
+_KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", *_CACHE_BYTES}
+
+
+class GatewayMetrics:
+    def __init__(self, stage_stats: Callable[[], dict], memo_stats: Callable[[], CacheStats]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("skippy_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("skippy_time_to_first_token_seconds",
+                              "From the request's arrival to its first generated token",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tokens = Counter("skippy_tokens_generated",
+                              "Completion tokens, by where they came from (engine, or the "
+                              "gateway's exact results)", ["source"], registry=self.registry)
+        self.tokens_per_second = Histogram(
+            "skippy_decode_tokens_per_second",
+            "Per request: tokens after the first / seconds after the first",
+            buckets=_RATE_BUCKETS, registry=self.registry)
+        self.registry.register(_StageCollector(stage_stats, memo_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StageCollector:
+    """Reads the engine's per-stage figures at scrape time."""
+
+    def __init__(self, stage_stats, memo_stats):
+        self._stage_stats, self._memo_stats = stage_stats, memo_stats
+
+    def describe(self) -> list:
+        return []  # names depend on what the engine reports: not known up front
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+
+        def family(kind, name, doc, labels):
+            if name not in families:
+                families[name] = kind(name, doc, labels=labels)
+            return families[name]
+
+        try:
+            stages = self._stage_stats().get("stages", [])
+        except Exception as e:  # noqa: BLE001 (a scrape must not fail with one engine call)
+            log.warning("engine.stats() failed: %s", " ".join(str(e).split()))
+            stages = []
+        for i, stage in enumerate(stages):
+            label = [str(i)]
+            for k, v in (stage.get("counters") or {}).items():
+                family(CounterMetricFamily, f"skippy_stage_cache_{k}",
+                       f"Stage cache event count: {k}", ["stage"]).add_metric(label, v)
+            for kind, v in (stage.get("hits_by_kind") or {}).items():
+                family(CounterMetricFamily, "skippy_stage_cache_hits_by_kind",
+                       "Stage cache hits by cache kind", ["stage", "kind"]
+                       ).add_metric([str(i), str(kind)], v)
+            for k in _CACHE_BYTES:
+                if isinstance(stage.get(k), (int, float)):
+                    family(GaugeMetricFamily, f"skippy_stage_cache_{k}",
+                           f"Stage cache {k.replace('_', ' ')}", ["stage"]
+                           ).add_metric(label, stage[k])
+            for k, v in _numbers(stage.get("blocks") or {}):
+                family(GaugeMetricFamily, f"skippy_stage_block_store_{k}",
+                       f"Stage block store: {k}", ["stage"]).add_metric(label, v)
+            other = {k: v for k, v in stage.items() if k not in _KNOWN}
+            for k, v in _numbers(other):
+                family(GaugeMetricFamily, f"skippy_stage_{k}",
+                       f"Stage figure reported by the engine: {k}", ["stage"]
+                       ).add_metric(label, v)
+        memo = self._memo_stats()
+        for k, v in memo.counters.items():
+            family(CounterMetricFamily, f"skippy_gateway_results_{k}",
+                   f"Gateway exact results event count: {k}", []).add_metric([], v)
+        for k in _CACHE_BYTES:
+            family(GaugeMetricFamily, f"skippy_gateway_results_{k}",
+                   f"Gateway exact results {k.replace('_', ' ')}", []
+                   ).add_metric([], getattr(memo, k))
+        yield from families.values()
+
+
+def _numbers(d: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """Numeric leaves of nested dicts as (metric-safe flattened name, value)."""
+    for k, v in d.items():
+        name = re.sub(r"[^a-zA-Z0-9_]", "_", f"{prefix}{k}")
+        if isinstance(v, bool):
+            yield name, float(v)
+        elif isinstance(v, (int, float)):
+            yield name, v
+        elif isinstance(v, dict):
+            yield from _numbers(v, name + "_")

@@ -1,0 +1,277 @@
+"""The OpenAI wire format: request bodies -> our types, our results -> response bodies.
+
+Parsing is strict about what we act on (types, ranges, unsupported options such as n > 1
+or logprobs) and ignores fields we do not know, as OpenAI-compatible servers do. Every
+mistake is an `ApiError`, which the gateway turns into OpenAI's error envelope
+{"error": {"message", "type", "param", "code"}} with its HTTP status.
+
+Defaults follow OpenAI, not our CLI: temperature 1.0 and top_p 1.0 when absent, so a
+client that wants greedy (and gateway-cached) output asks for temperature 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .sampler import SamplingParams
+
+# max_tokens when the request gives none: what is left of the context, at most this.
+# OpenAI's legacy completions default to 16, which cuts most answers short; 256 answers
+# a typical question without letting one forgotten limit hold a lane for minutes.
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 16
+
+_TYPE_BY_STATUS = {401: "authentication_error", 404: "invalid_request_error",
+                   413: "invalid_request_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """A request the gateway answers with an error status and OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPE_BY_STATUS.get(
+            status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def envelope(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A /v1/completions or /v1/chat/completions body, validated, not yet tokenized."""
+
+    chat: bool
+    model: str
+    prompt: str | tuple[int, ...] | None      # completions
+    messages: tuple[dict, ...] | None         # chat: {role, content} with string content
+    max_tokens: int | None                    # None: DEFAULT_MAX_TOKENS or less
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    namespace: str
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
+    model = _field(body, "model", str)
+    if model is None:
+        raise bad("model is required", "model")
+    n = _field(body, "n", int)
+    if n is not None and n != 1:
+        raise bad("only n = 1 is supported", "n")
+    _unsupported(body, chat)
+    if chat:
+        prompt, messages = None, _messages(body.get("messages"))
+        max_tokens = _field(body, "max_completion_tokens", int)
+        param = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = _field(body, "max_tokens", int), "max_tokens"
+    else:
+        prompt, messages = _prompt(body.get("prompt")), None
+        max_tokens, param = _field(body, "max_tokens", int), "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(f"{param} must be at least 1, not {max_tokens}", param)
+    stream = bool(_field(body, "stream", bool) or False)
+    options = _field(body, "stream_options", dict) or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage must be a boolean", "stream_options")
+    namespace = _field(body, "cache_salt", str) or ""
+    return ParsedRequest(chat=chat, model=model, prompt=prompt, messages=messages,
+                         max_tokens=max_tokens, sampling=_sampling(body),
+                         stop=_stop(body.get("stop")), stream=stream,
+                         include_usage=stream and include_usage, namespace=namespace)
+
+
+# -- fields ---------------------------------------------------------------------------------
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               dict: "an object", list: "an array"}
+
+
+def _field(body: Mapping, name: str, kind: type) -> Any:
+    """body[name] checked against `kind` (None when absent or null). bool is not accepted
+    as a number, and an integer is accepted where a number is expected."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise bad(f"{name} must be {_TYPE_NAMES[kind]}, not {_json_type(value)}", name)
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _unsupported(body: Mapping, chat: bool) -> None:
+    # logprobs is a boolean in chat and an integer in completions; any truthy value asks
+    # for something we do not compute (logits never leave the last stage).
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad("logprobs are not supported by this server", "logprobs")
+    if not chat:
+        if body.get("echo"):
+            raise bad("echo is not supported by this server", "echo")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != 1:
+            raise bad("only best_of = 1 is supported", "best_of")
+        if body.get("suffix"):
+            raise bad("suffix is not supported by this server", "suffix")
+
+
+def _sampling(body: Mapping) -> SamplingParams:
+    temperature = _field(body, "temperature", float)
+    top_p = _field(body, "top_p", float)
+    top_k = _field(body, "top_k", int)
+    seed = _field(body, "seed", int)
+    temperature = 1.0 if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    if temperature < 0:
+        raise bad(f"temperature must be >= 0, not {temperature}", "temperature")
+    if not 0 < top_p <= 1:
+        raise bad(f"top_p must be in (0, 1], not {top_p}", "top_p")
+    if top_k is not None and top_k < -1:
+        raise bad(f"top_k must be >= 0 (or -1: no limit), not {top_k}", "top_k")
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise bad("seed must fit in 64 bits", "seed")
+    return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop must be a string or an array of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+    if any(not s for s in stops):
+        raise bad("stop strings must not be empty", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A string, an array of token ids, or an array holding one of those."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise bad("only one prompt per request is supported", "prompt")
+    if value is None:
+        raise bad("prompt is required", "prompt")
+    raise bad("prompt must be a string, an array of token ids, or an array with one "
+              "string", "prompt")
+
+
+def _messages(value: Any) -> tuple[dict, ...]:
+    """Messages with string content; OpenAI's content parts are accepted when they are
+    all text (joined), since a chat template takes one string per turn."""
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty array of {role, content} objects",
+                  "messages")
+    out = []
+    for i, m in enumerate(value):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            parts = m["content"]
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in parts):
+                raise bad(f"messages[{i}].content: only text parts are supported",
+                          "messages")
+            m = {**m, "content": "".join(p["text"] for p in parts)}
+        out.append(m)
+    return tuple(out)
+
+
+# -- responses --------------------------------------------------------------------------------
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class ResponseShape:
+    """Builds one request's response bodies and stream chunks (same id and timestamp)."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason}
+        return {**self._head(self.object), "choices": [choice], "usage": usage.as_dict()}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
+              first: bool = False, with_usage_field: bool = False) -> dict:
+        """A stream chunk with a text delta (chat: the first one also carries the role)."""
+        if self.chat:
+            delta: dict = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None,
+                      "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if with_usage_field:  # OpenAI: null on every chunk but the last when usage is asked
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage.as_dict()}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
