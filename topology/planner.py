@@ -364,7 +364,8 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
         if ranges is not None:
             return _build(model, slots, ranges, costs, wire_dtype, n_ctx, lanes,
                           overhead_bytes)
-    raise PlanError(_why_not(model, ranked, costs, tries[-1], overhead_bytes, n_ctx, lanes))
+    raise PlanError(_why_not(model, ranked, costs, tries[-1], stages is not None,
+                             overhead_bytes, n_ctx, lanes))
 
 
 def _allowed_cuts(model: ModelFacts) -> list[bool]:
@@ -451,7 +452,7 @@ def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tu
 
 
 def _why_not(model: ModelFacts, ranked: list[NodeSpec], costs: list[int], k: int,
-             overhead: int, n_ctx: int, lanes: int) -> str:
+             exact: bool, overhead: int, n_ctx: int, lanes: int) -> str:
     gib = 2**30
     need = sum(costs) + model.first_bytes + model.last_bytes + model.shared_bytes + overhead
     have = sum(n.memory for n in ranked)
@@ -469,7 +470,8 @@ def _why_not(model: ModelFacts, ranked: list[NodeSpec], costs: list[int], k: int
         return (f"{model.name}: the largest {what} needs {unit / MiB:.0f} MiB (weights, KV "
                 f"for {sizing}, overhead) but the largest node, {biggest.name}, has "
                 f"{biggest.memory / MiB:.0f} MiB")
-    return (f"{model.name}: no split into {k} stage(s) or fewer fits these nodes "
+    count = f"exactly {k}" if exact else f"at most {k}"
+    return (f"{model.name}: no split into {count} stage(s) fits these nodes "
             f"(needs {need / gib:.2f} GiB of {have / gib:.2f} GiB; the embeddings "
             f"({model.first_bytes / MiB:.0f} MiB) and head ({model.last_bytes / MiB:.0f} MiB) "
             "sit on the first and last stages); add memory or nodes, or lower n_ctx / lanes")
