@@ -92,44 +92,49 @@ class LocalPipeline:
         return out.logits
 
     # -- cached prefill ----------------------------------------------------------------------
-    def prefill_cached(self, lanes: list[int], ids: list[int], *,
-                       probe: bool = False) -> tuple[torch.Tensor, int]:
-        """Next-token logits for the prompt and how many prompt tokens were reused.
+    def plan(self, lanes: list[int], ids: list[int], *, probe: bool = False,
+             namespace: str = "") -> list[int]:
+        """Each stage's prefill start, planned from the last stage back: a stage starts
+        where it can restore, unless the next one needs earlier rows that its frame cache
+        lacks. Never past the last prompt row's chunk: that row is always computed."""
+        limit = (len(ids) - 1) // self.chunk * self.chunk
+        starts, downstream = [0] * len(self.caches), None
+        for i in reversed(range(len(self.caches))):
+            starts[i] = downstream = self.caches[i].plan(lanes[i], ids, limit, downstream,
+                                                         probe=probe, namespace=namespace)
+        return starts
 
-        All stages agree on one chunk-aligned start r that every one of them can restore
-        (at most n - 1 tokens: the last prompt row is always computed), restore it, and
-        prefill [r, n). Bitwise the same logits as an uncached prefill."""
+    def prefill_cached(self, lanes: list[int], ids: list[int], *, probe: bool = False,
+                       namespace: str = "") -> tuple[torch.Tensor, int]:
+        """Next-token logits for the prompt and how many prompt tokens no stage had to
+        compute. Bitwise the same logits as an uncached prefill."""
         if self.caches is None:
             return self.prefill(lanes, ids), 0
-        n = len(ids)
-        r = (n - 1) // self.chunk * self.chunk
-        while True:  # shrink until every stage can restore exactly r (a few rounds at most)
-            agreed = min(c.available(lane, ids, r, probe=probe)
-                         for c, lane in zip(self.caches, lanes))
-            if agreed == r:
-                break
-            r = agreed
-        if r and not all(c.restore(lane, ids, r) for c, lane in zip(self.caches, lanes)):
-            r = 0
+        starts = self.plan(lanes, ids, probe=probe, namespace=namespace)
+        if not all(c.restore(lane, ids, s, namespace=namespace)
+                   for c, lane, s in zip(self.caches, lanes, starts)):
+            starts = [0] * len(starts)   # evicted or corrupt meanwhile: recompute
         out: StageOutput | None = None
-        x = torch.as_tensor(ids[r:], dtype=torch.long)
-        for c, lane in zip(self.caches, lanes):
-            out = c.prefill(lane, ids, x, r, probe=probe)
+        x = torch.as_tensor(ids[starts[0]:], dtype=torch.long)
+        for i, (c, lane) in enumerate(zip(self.caches, lanes)):
+            downstream = starts[i + 1] if i + 1 < len(starts) else None
+            out = c.prefill(lane, ids, x, starts[i], probe=probe, namespace=namespace,
+                            downstream=downstream)
             x = out.frame
-        return out.logits, r
+        return out.logits, min(starts)
 
-    def first_logits(self, lanes: list[int], ids: list[int], *,
-                     probe: bool = False) -> tuple[torch.Tensor, int, bool]:
+    def first_logits(self, lanes: list[int], ids: list[int], *, probe: bool = False,
+                     namespace: str = "") -> tuple[torch.Tensor, int, bool]:
         """(logits, reused tokens, prefilled): an exact repeat of a whole prompt is
         answered from the last stage's result cache without running anything; the lanes
         are then prefilled only if decoding continues."""
         if self.caches is not None:
-            cached = self.caches[-1].cached_result(ids, probe=probe)
+            cached = self.caches[-1].cached_result(ids, probe=probe, namespace=namespace)
             if cached is not None:
                 return cached, len(ids), False
-        logits, reused = self.prefill_cached(lanes, ids, probe=probe)
+        logits, reused = self.prefill_cached(lanes, ids, probe=probe, namespace=namespace)
         if self.caches is not None:
-            self.caches[-1].remember_result(ids, logits, probe=probe)
+            self.caches[-1].remember_result(ids, logits, probe=probe, namespace=namespace)
         return logits, reused, True
 
     def generate(self, ids: list[int], max_tokens: int, sampler: Sampler,

@@ -120,3 +120,37 @@ def test_hybrid_family_serves_kv_recurrent_payloads(lfm2_f32):
         first_logits_and_tokens(on, ids)
     for s in on.cache_stats():
         assert s["blocks"]["blocks"] > 0 and s["prefix"]["counters"]["records"] > 0
+
+
+@pytest.mark.parametrize("wire", ["f32", "f16"])
+def test_downstream_miss_is_served_from_upstream_frames(qwen3_f32, wire):
+    """Stage 0 holds the prefix but stage 1 lost it: stage 0 restores and sends rows
+    [0, b) from its frame cache instead of recomputing them; nothing changes."""
+    off = LocalPipeline(qwen3_f32, 2, wire_dtype=wire, chunk=32, n_ctx=1024)
+    on = LocalPipeline(qwen3_f32, 2, wire_dtype=wire, cache=cfg(), n_ctx=1024)
+    first_logits_and_tokens(on, PROMPTS[0])
+    on._idle.clear()                      # no warm lanes: hits must come from the caches
+    on.caches[1].clear()                  # the downstream stage forgets everything
+    lanes = on.alloc()
+    starts = on.plan(lanes, PROMPTS[1])
+    assert starts[0] > 0 and starts[1] == 0
+    on.free(lanes)
+    on._idle.clear()
+    want = first_logits_and_tokens(off, PROMPTS[1])
+    got = first_logits_and_tokens(on, PROMPTS[1])
+    assert got[1] == want[1] and torch.equal(got[0], want[0])
+    frames = on.cache_stats()[0]["frames"]["counters"]
+    assert frames["hits"] > 0
+
+
+def test_namespaces_do_not_share_entries(qwen3_f32):
+    on = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    lanes = on.alloc()
+    on.first_logits(lanes, PROMPTS[0], namespace="tenant-a")
+    on.free(lanes)
+    on._idle.clear()
+    lanes = on.alloc()
+    assert on.plan(lanes, PROMPTS[1], namespace="tenant-b") == [0]
+    assert on.plan(lanes, PROMPTS[1], namespace="tenant-a")[0] > 0
+    assert on.first_logits(lanes, PROMPTS[0], namespace="tenant-b")[1] == 0
+    on.free(lanes)
