@@ -1,0 +1,485 @@
+"""The HTTP gateway on a real uvicorn server: real SmolLM2 in 2 stages behind LocalEngine,
+plus a scripted engine for failures the real one does not produce on demand.
+
+Run inside a loopback-only network namespace (see the Makefile)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from skippy.cache.config import CacheConfig
+from skippy.mesh.chat import ChatTemplateMissing
+from skippy.mesh.engine import EngineBusy, EngineError, EngineInfo, LocalEngine, Step
+from skippy.mesh.gateway import BackgroundServer, create_app
+from skippy.mesh.pipeline import LocalPipeline
+from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.tokenizer import Tokenizer
+
+GREEDY = {"model": "smollm2", "temperature": 0}
+
+
+class CountingEngine:
+    """An engine that counts the generations it was asked for (the gateway's exact
+    results must not reach it)."""
+
+    def __init__(self, inner):
+        self.inner, self.info, self.calls = inner, inner.info, 0
+
+    def generate(self, request):
+        self.calls += 1
+        return self.inner.generate(request)
+
+    def stats(self):
+        return self.inner.stats()
+
+    async def close(self):
+        await self.inner.close()
+
+
+def local_engine(path, cache):
+    pipe = LocalPipeline(path, 2, cache=cache)
+    return LocalEngine(pipe, EngineInfo("smollm2", str(path), pipe.n_ctx, 2,
+                                        f"smollm2/2/{'cached' if cache else 'plain'}"))
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2):
+    return Tokenizer(smollm2)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return CountingEngine(local_engine(smollm2, CacheConfig()))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with BackgroundServer(create_app(engine, api_keys=())) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def greedy(engine, tok, ids, n):
+    """The pipeline's own greedy continuation (the server is idle between tests)."""
+    pipe = engine.inner.pipeline
+    return list(pipe.generate(list(ids), n, Sampler(SamplingParams()), set(tok.eog_ids)))
+
+
+def sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n")
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+# -- the served model -------------------------------------------------------------------------
+def test_models_lists_the_served_model(client):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["smollm2"]
+    assert client.get("/v1/models/smollm2").json()["id"] == "smollm2"
+
+
+def test_health_and_ready(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    r = client.get("/ready")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+
+
+# -- completions ----------------------------------------------------------------------------------
+def test_greedy_completion_equals_the_pipeline(client, engine, tok):
+    prompt = "The capital of France is"
+    expected = greedy(engine, tok, tok.encode(prompt), 6)
+    body = client.post("/v1/completions", json={**GREEDY, "prompt": prompt,
+                                                "max_tokens": 6}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == tok.decode(expected)
+    assert choice["finish_reason"] == "length" and body["object"] == "text_completion"
+    n = len(tok.encode(prompt))
+    assert body["usage"]["prompt_tokens"] == n
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["total_tokens"] == n + 6
+
+
+@pytest.mark.parametrize("form", ["ids", "list_of_one_string", "list_of_one_id_list"])
+def test_prompt_forms_give_the_same_text(client, tok, form):
+    prompt = "Water boils at"
+    ids = tok.encode(prompt)
+    value = {"ids": ids, "list_of_one_string": [prompt], "list_of_one_id_list": [ids]}[form]
+    as_text = client.post("/v1/completions",
+                          json={**GREEDY, "prompt": prompt, "max_tokens": 3}).json()
+    other = client.post("/v1/completions",
+                        json={**GREEDY, "prompt": value, "max_tokens": 3}).json()
+    assert other["choices"][0]["text"] == as_text["choices"][0]["text"]
+
+
+def test_stream_chunks_join_to_the_full_text(client, tok):
+    prompt = "Once upon a time"
+    full = client.post("/v1/completions", json={**GREEDY, "prompt": prompt,
+                                                "max_tokens": 5, "cache_salt": "a"}).json()
+    r = client.post("/v1/completions", json={
+        **GREEDY, "prompt": prompt, "max_tokens": 5, "stream": True, "cache_salt": "b",
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    *chunks, usage = events
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert all(c["usage"] is None for c in chunks)
+    assert len({e["id"] for e in events}) == 1
+
+
+def test_chat_stream_sends_the_role_then_content_then_the_finish(client, tok):
+    msgs = [{"role": "user", "content": "Say hi"}]
+    full = client.post("/v1/chat/completions",
+                       json={**GREEDY, "messages": msgs, "max_tokens": 4}).json()
+    assert full["object"] == "chat.completion"
+    assert full["choices"][0]["message"]["role"] == "assistant"
+    r = client.post("/v1/chat/completions", json={**GREEDY, "messages": msgs,
+                                                  "max_tokens": 4, "stream": True})
+    events = sse_events(r.text)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                        "finish_reason": "length"}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    assert text == full["choices"][0]["message"]["content"]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+
+
+def test_max_completion_tokens_wins_for_chat(client):
+    body = client.post("/v1/chat/completions", json={
+        **GREEDY, "messages": [{"role": "user", "content": "Count"}],
+        "max_tokens": 9, "max_completion_tokens": 2}).json()
+    assert body["usage"]["completion_tokens"] <= 2
+
+
+def test_stop_string_spanning_tokens_cuts_the_text(client, engine, tok):
+    prompt = "The capital of France is"
+    text = tok.decode(greedy(engine, tok, tok.encode(prompt), 6))  # " Paris.\n\nThe answer"
+    stop = text[4:7]                                               # spans token boundaries
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={
+            **GREEDY, "prompt": prompt, "max_tokens": 6, "stop": [stop, "zzz"],
+            "stream": stream, "cache_salt": f"stop-{stream}"})
+        if stream:
+            events = sse_events(r.text)
+            got = "".join(e["choices"][0]["text"] for e in events)
+            finish = events[-1]["choices"][0]["finish_reason"]
+        else:
+            got, finish = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+        assert (got, finish) == (text[:4], "stop")
+
+
+# -- exact results at the gateway ---------------------------------------------------------------
+def test_repeat_of_deterministic_request_skips_the_engine(client, engine):
+    body = {**GREEDY, "prompt": "A list of colors: red,", "max_tokens": 6}
+    calls = engine.calls
+    first = client.post("/v1/completions", json=body).json()
+    assert engine.calls == calls + 1
+    again = client.post("/v1/completions", json={**body, "max_tokens": 4}).json()
+    assert engine.calls == calls + 1
+    assert first["choices"][0]["text"].startswith(again["choices"][0]["text"])
+    usage = again["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+    assert usage["completion_tokens"] == 4
+    # more tokens than known, another namespace: the engine runs
+    client.post("/v1/completions", json={**body, "max_tokens": 7})
+    client.post("/v1/completions", json={**body, "cache_salt": "tenant-2"})
+    assert engine.calls == calls + 3
+    # the longer run is now known
+    longer = client.post("/v1/completions", json={**body, "max_tokens": 7}).json()
+    assert engine.calls == calls + 3 and longer["usage"]["completion_tokens"] == 7
+
+
+def test_seeded_sampling_repeats_and_is_served_from_known_tokens(client, engine):
+    body = {"model": "smollm2", "prompt": "My favourite food is", "max_tokens": 5,
+            "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 1234}
+    a = client.post("/v1/completions", json=body).json()
+    calls = engine.calls
+    b = client.post("/v1/completions", json=body).json()
+    assert engine.calls == calls
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+def test_unseeded_sampling_always_reaches_the_engine_and_reports_stage_cache_hits(
+        client, engine, tok):
+    prompt = "Here is a long story about a dragon who loved tea. " * 6
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0.7}
+    calls = engine.calls
+    client.post("/v1/completions", json=body)
+    second = client.post("/v1/completions", json=body).json()
+    assert engine.calls == calls + 2
+    # the engine's own caches answered the repeated prompt
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# -- metrics -------------------------------------------------------------------------------------
+def test_metrics_cover_requests_latency_tokens_and_stage_caches(client):
+    client.post("/v1/completions", json={**GREEDY, "prompt": "Hello", "max_tokens": 3})
+    client.post("/v1/completions", json={**GREEDY, "prompt": "Hello", "max_tokens": 0})
+    text = client.get("/metrics").text
+    for needle in ('skippy_requests_total{endpoint="/v1/completions",status="200"}',
+                   'skippy_requests_total{endpoint="/v1/completions",status="400"}',
+                   "skippy_time_to_first_token_seconds_count",
+                   'skippy_tokens_generated_total{source="engine"}',
+                   "skippy_decode_tokens_per_second_bucket",
+                   'skippy_stage_cache_hits_total{stage="1"}',
+                   'skippy_stage_cache_evictions_total{stage="0"}',
+                   'skippy_stage_cache_resident_bytes{stage="1"}',
+                   "skippy_gateway_results_hits_total"):
+        assert needle in text, needle
+
+
+# -- client mistakes ------------------------------------------------------------------------------
+def envelope(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in err["message"]
+    return err
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "hi"}, 400, "model"),
+    ({"model": 7, "prompt": "hi"}, 400, "model"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ({"model": "smollm2"}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": 5}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": [1, 10**9]}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": ""}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "smollm2", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "smollm2", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"model": "smollm2", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"model": "smollm2", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "smollm2", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": "smollm2", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": "smollm2", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "smollm2", "prompt": "hi", "stop": 3}, 400, "stop"),
+    ({"model": "smollm2", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"model": "smollm2", "prompt": "hi", "cache_salt": 1}, 400, "cache_salt"),
+])
+def test_completion_mistakes_are_enveloped(client, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    assert envelope(client.post("/v1/completions", **kw), status)["param"] == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "smollm2"}, "messages"),
+    ({"model": "smollm2", "messages": []}, "messages"),
+    ({"model": "smollm2", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"model": "smollm2", "messages": [{"role": "user"}]}, "messages"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "logprobs": True}, "logprobs"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_chat_mistakes_are_enveloped(client, body, param):
+    assert envelope(client.post("/v1/chat/completions", json=body), 400)["param"] == param
+
+
+def test_unknown_routes_and_methods_are_enveloped(client):
+    envelope(client.get("/v1/nothing"), 404)
+    envelope(client.get("/v1/completions"), 405)
+    envelope(client.get("/v1/models/gpt-4"), 404)
+
+
+# -- API keys and body size --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keyed(engine, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("alpha\n\nbeta\n")
+    with BackgroundServer(create_app(engine, api_keys=keys, max_body_bytes=2048)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            yield c
+
+
+def test_api_keys_guard_the_api_but_not_health(keyed):
+    assert envelope(keyed.get("/v1/models"), 401)["code"] == "invalid_api_key"
+    envelope(keyed.get("/v1/models", headers={"Authorization": "Bearer gamma"}), 401)
+    envelope(keyed.get("/v1/models", headers={"Authorization": "alpha"}), 401)
+    assert keyed.get("/v1/models", headers={"Authorization": "Bearer beta"}).status_code == 200
+    assert keyed.get("/health").status_code == 200
+    assert keyed.get("/ready").status_code == 200
+
+
+def test_api_keys_from_the_environment(engine, monkeypatch):
+    from skippy.mesh.gateway import load_api_keys
+    monkeypatch.setenv("SKIPPY_API_KEYS", " one, two ,,")
+    assert load_api_keys(None) == {"one", "two"}
+    assert load_api_keys(()) == frozenset()
+
+
+def test_body_too_large_is_413(keyed):
+    auth = {"Authorization": "Bearer alpha"}
+    big = {"model": "smollm2", "prompt": "x" * 4096}
+    envelope(keyed.post("/v1/completions", json=big, headers=auth), 413)
+    # without Content-Length (chunked), the limit still holds
+    chunks = iter([json.dumps(big).encode()[i:i + 512] for i in range(0, 4200, 512)])
+    envelope(keyed.post("/v1/completions", content=chunks, headers=auth), 413)
+
+
+# -- concurrency ------------------------------------------------------------------------------------
+PROMPTS = ["The sun is", "Cats like to", "In 1969, the", "The best way to learn",
+           "Python is a", "My name is", "The ocean is", "Bread is made from"]
+
+
+def test_eight_concurrent_streams_match_each_prompt_alone(smollm2, tok):
+    engine = local_engine(smollm2, None)  # caches off: every stream does all its work
+    alone = [tok.decode(engine.pipeline.generate(tok.encode(p), 4, Sampler(SamplingParams()),
+                                                 set(tok.eog_ids))) for p in PROMPTS]
+
+    async def stream(c, prompt):
+        text = ""
+        async with c.stream("POST", "/v1/completions", json={
+                **GREEDY, "prompt": prompt, "max_tokens": 4, "stream": True,
+                "cache_salt": "concurrent"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def all_at_once(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            return await asyncio.gather(*(stream(c, p) for p in PROMPTS))
+
+    with BackgroundServer(create_app(engine, api_keys=())) as srv:
+        assert asyncio.run(all_at_once(srv.url)) == alone
+
+
+# -- failures of the engine, with a scripted one ---------------------------------------------------------
+class ScriptedEngine:
+    """Yields token 198 ("\\n") every few ms, or fails as told; remembers each request and
+    whether its iteration was closed."""
+
+    def __init__(self, path, n_ctx=64):
+        self.info = EngineInfo("scripted", str(path), n_ctx, 1, "scripted")
+        self.mode, self.requests, self.closed = "ok", [], threading.Event()
+        self.yielded = 0
+
+    async def generate(self, request):
+        self.requests.append(request)
+        self.closed.clear()
+        try:
+            if self.mode == "busy":
+                raise EngineBusy("all 4 lanes in use")
+            if self.mode == "fail":
+                raise EngineError("stage 1 is gone\nfor good")
+            if self.mode == "crash":
+                raise KeyError("oops")
+            for i in range(request.max_tokens):
+                if self.mode == "fail-later" and i == 2:
+                    raise EngineError("stage 0 lost")
+                await asyncio.sleep(0.2 if self.mode == "slow" else 0.005)
+                self.yielded += 1
+                yield Step(198, 0)
+        finally:
+            self.closed.set()
+
+    def stats(self):
+        return {"stages": [{"latency_ms": {"decode": 1.5}}]}
+
+    async def close(self):
+        return None
+
+
+@pytest.fixture(scope="module")
+def scripted(smollm2):
+    engine = ScriptedEngine(smollm2)
+    with BackgroundServer(create_app(engine, api_keys=())) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            yield engine, c
+    engine.mode = "ok"
+
+
+def ask(c, **kw):
+    return c.post("/v1/completions", json={"model": "scripted", "prompt": "Hi",
+                                           "temperature": 0.5, **kw})
+
+
+@pytest.mark.parametrize("mode,status", [("busy", 503), ("fail", 500), ("crash", 500)])
+def test_engine_failures_are_enveloped(scripted, mode, status):
+    engine, c = scripted
+    engine.mode = mode
+    try:
+        for stream in (False, True):
+            err = envelope(ask(c, max_tokens=3, stream=stream), status)
+            assert "\n" not in err["message"]
+    finally:
+        engine.mode = "ok"
+
+
+def test_failure_mid_stream_is_an_error_event(scripted):
+    engine, c = scripted
+    engine.mode = "fail-later"
+    try:
+        r = ask(c, max_tokens=5, stream=True)
+    finally:
+        engine.mode = "ok"
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert '"error"' in r.text and "stage 0 lost" in r.text
+
+
+def test_default_max_tokens_fills_the_context_up_to_a_cap(scripted):
+    engine, c = scripted
+    body = ask(c).json()  # scripted n_ctx is 64
+    n = body["usage"]["prompt_tokens"]
+    assert engine.requests[-1].max_tokens == 64 - n == body["usage"]["completion_tokens"]
+    envelope(ask(c, max_tokens=64), 400)
+
+
+def test_cache_salt_and_stop_ids_reach_the_engine(scripted, tok):
+    engine, c = scripted
+    ask(c, max_tokens=1, cache_salt="tenant-9")
+    assert engine.requests[-1].namespace == "tenant-9"
+    assert engine.requests[-1].stop_ids == tok.eog_ids
+
+
+def test_client_disconnect_closes_the_engine_iteration(scripted):
+    engine, c = scripted
+    engine.mode, engine.yielded = "slow", 0
+    try:
+        with c.stream("POST", "/v1/completions", json={
+                "model": "scripted", "prompt": "Hi", "max_tokens": 50, "stream": True}) as r:
+            next(r.iter_lines())
+        assert engine.closed.wait(3)  # 50 tokens would take 10 s
+    finally:
+        engine.mode = "ok"
+    assert engine.yielded < 20
+
+
+def test_stage_figures_beyond_caches_reach_metrics(scripted):
+    _, c = scripted
+    assert 'skippy_stage_latency_ms_decode{stage="0"} 1.5' in c.get("/metrics").text
+
+
+def test_chat_without_a_template_is_a_clear_400(smollm2, monkeypatch):
+    import skippy.mesh.gateway as gateway
+
+    def missing(_source):
+        raise ChatTemplateMissing("model plain.gguf has no chat template; use completion")
+
+    monkeypatch.setattr(gateway, "load_chat_template", missing)
+    engine = ScriptedEngine(smollm2)
+    with BackgroundServer(create_app(engine, api_keys=())) as srv:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={
+            "model": "scripted", "messages": [{"role": "user", "content": "hi"}]})
+    err = envelope(r, 400)
+    assert "no chat template" in err["message"] and "/v1/completions" in err["message"]
+    assert err["code"] == "chat_template_missing"

@@ -1,0 +1,123 @@
+"""The official openai client against the gateway: what users will actually run.
+
+Real uvicorn on loopback, real SmolLM2 in 2 stages; the client never leaves 127.0.0.1
+(base_url set, no retries). Run inside a loopback-only network namespace."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from skippy.mesh.chat import render_chat
+from skippy.mesh.engine import EngineInfo, LocalEngine
+from skippy.mesh.gateway import BackgroundServer, create_app
+from skippy.mesh.pipeline import LocalPipeline
+from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "system", "content": "You are brief."},
+            {"role": "user", "content": "Name a color."}]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2):
+    return Tokenizer(smollm2)
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2):
+    return LocalPipeline(smollm2, 2)
+
+
+@pytest.fixture(scope="module")
+def url(smollm2, pipe):
+    engine = LocalEngine(pipe, EngineInfo("smollm2", str(smollm2), pipe.n_ctx, 2, "s2"))
+    with BackgroundServer(create_app(engine, api_keys=())) as plain, \
+            BackgroundServer(create_app(engine, api_keys=["sesame"])) as keyed:
+        yield plain.url, keyed.url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with openai.OpenAI(base_url=url[0] + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+def greedy_text(pipe, tok, text, n):
+    ids = tok.encode(text)
+    return tok.decode(pipe.generate(ids, n, Sampler(SamplingParams()), set(tok.eog_ids)))
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+
+
+def test_completion_equals_the_pipelines_greedy_output(client, pipe, tok):
+    prompt = "The three primary colors are"
+    out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=5,
+                                    temperature=0)
+    assert out.choices[0].text == greedy_text(pipe, tok, prompt, 5)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5
+    assert out.usage.prompt_tokens == len(tok.encode(prompt))
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streamed_completion_with_usage(client, pipe, tok):
+    prompt = "def add(a, b):"
+    chunks = list(client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == greedy_text(pipe, tok, prompt, 4)
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_chat_completion_equals_the_pipeline_on_the_rendered_template(client, pipe, tok,
+                                                                       smollm2):
+    expected = greedy_text(pipe, tok, render_chat(smollm2, MESSAGES), 4)
+    out = client.chat.completions.create(model="smollm2", messages=MESSAGES,
+                                         max_completion_tokens=4, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    # a repeat is answered from the tokens the gateway already knows
+    again = client.chat.completions.create(model="smollm2", messages=MESSAGES,
+                                           max_tokens=4, temperature=0)
+    assert again.choices[0].message.content == expected
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+
+
+def test_streamed_chat(client):
+    full = client.chat.completions.create(model="smollm2", messages=MESSAGES,
+                                          max_tokens=4, temperature=0,
+                                          extra_body={"cache_salt": "other"})
+    stream = client.chat.completions.create(model="smollm2", messages=MESSAGES,
+                                            max_tokens=4, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=1)
+    assert e.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"n": 2}, {"logprobs": 1},
+                                    {"temperature": -1}, {"top_p": 2},
+                                    {"max_tokens": 10**6}])
+def test_bad_requests_surface_as_bad_request_error(client, kwargs):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{"model": "smollm2", "prompt": "hi", "max_tokens": 1,
+                                     **kwargs})
+    assert e.value.param == next(iter(kwargs))
+
+
+def test_wrong_api_key_is_an_authentication_error(url):
+    with openai.OpenAI(base_url=url[1] + "/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    with openai.OpenAI(base_url=url[1] + "/v1", api_key="sesame", max_retries=0) as c:
+        assert [m.id for m in c.models.list()] == ["smollm2"]
