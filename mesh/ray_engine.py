@@ -1,0 +1,232 @@
+"""The mesh engine: stage actors placed by Ray, requests routed over gRPC.
+
+Ray is the control plane: it places one `StageActor` per planned stage (pinned to the
+planned node), restarts dead ones and carries figures back. The router pins a request
+to the pipeline for its whole life: it opens one gRPC stream to stage 0, plans,
+prefills, then sends each sampled token back to stage 0 for the next decode step. The
+last stage samples, so logits never cross the network.
+
+A stage that dies costs time, never the request: the router holds the token history,
+waits for Ray to restart the actor, reconnects the chain and rebuilds the request's
+state by prefilling prompt + tokens so far (restored from caches where they survive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from skippy.cache.config import CacheConfig
+from skippy.proto import stage_pb2 as pb
+from skippy.proto import stage_pb2_grpc
+from skippy.stages.runtime import StageSpec
+from skippy.topology.capabilities import capability_for
+from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
+
+from .engine import EngineError, EngineInfo, GenerationRequest, Step
+
+log = logging.getLogger(__name__)
+
+RESTARTS = 3            # a stage actor comes back this many times
+REBUILD_ATTEMPTS = 3    # a request survives this many stage failures
+ACTOR_START_TIMEOUT = 900
+
+
+def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
+    """Join `address`, or start a light embedded Ray (DESIGN.md §9). True if we started it."""
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+             object_store_memory=100 * 2**20, log_to_driver=False)
+    return True
+
+
+def cluster_nodes() -> list[NodeSpec]:
+    """The alive Ray nodes as planner nodes; the name is the Ray node id."""
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = dict(n.get("Resources", {}))
+        out.append(NodeSpec(name=n["NodeID"], memory=int(res.pop("memory", 0)),
+                            cpus=int(res.pop("CPU", 1)),
+                            resources={k: v for k, v in res.items()
+                                       if not k.startswith(("node:", "object_store"))}))
+    return out
+
+
+class RayEngine:
+    def __init__(self, model_path: str | Path, n_stages: int | None = None, *,
+                 model_name: str | None = None, address: str | None = None,
+                 cache: CacheConfig | None = None, runtime: str = "torch",
+                 wire_dtype: str = "f16", n_ctx: int = 8192, threads: int | None = None,
+                 progress: Callable[[str], None] = log.info):
+        path = Path(model_path)
+        self._owns_ray = start_ray(address)
+        self.cache = cache or CacheConfig()
+        f = GGUFFile(path)
+        policy = capability_for(f).policy
+        f.close()
+        facts = ModelFacts.from_gguf(path)
+        n_ctx = min(n_ctx, facts.context_length or n_ctx)
+        self.plan: Plan = plan(facts, cluster_nodes(), wire_dtype=wire_dtype, n_ctx=n_ctx,
+                               stages=n_stages)
+        progress(f"plan: {len(self.plan.stages)} stage(s), topology {self.plan.digest[:16]}")
+        n = len(self.plan.stages)
+        self.actors = []
+        from .stage_actor import StageActor
+        for st in self.plan.stages:
+            spec = StageSpec(str(path), st.start, st.end, st.index, n, wire_dtype, n_ctx=n_ctx,
+                             chunk=self.cache.chunk, threads=threads or st.node.cpus)
+            progress(f"stage {st.index}: layers {st.start}-{st.end - 1} on node "
+                     f"{st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB")
+            self.actors.append(StageActor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
+                num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
+            ).remote(spec, self.cache, policy, runtime))
+        t = time.monotonic()
+        self.addresses = self._wire_chain()
+        progress(f"{n} stage(s) loaded in {time.monotonic() - t:.1f} s: {self.addresses}")
+        self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
+                               n_stages=n, topology_digest=self.plan.digest,
+                               extra={"runtime": runtime, "policy": policy})
+        self._channels: dict[int, tuple] = {}  # event loop -> (channel, stub, address)
+
+    # -- the chain ---------------------------------------------------------------------------
+    def _wire_chain(self) -> list[str]:
+        """Every stage's address, each stage told where the next one listens."""
+        addresses = ray.get([a.address.remote() for a in self.actors],
+                            timeout=ACTOR_START_TIMEOUT)
+        ray.get([a.connect.remote(addresses[i + 1] if i + 1 < len(addresses) else None)
+                 for i, a in enumerate(self.actors)], timeout=60)
+        return addresses
+
+    def node_ids(self) -> list[str]:
+        return ray.get([a.node_id.remote() for a in self.actors], timeout=60)
+
+    def _stub(self) -> stage_pb2_grpc.StageStub:
+        """A channel to stage 0 for the running event loop (grpc.aio binds to one loop)."""
+        loop = id(asyncio.get_running_loop())
+        entry = self._channels.get(loop)
+        if entry is None or entry[2] != self.addresses[0]:
+            channel = grpc.aio.insecure_channel(self.addresses[0])
+            entry = self._channels[loop] = (channel, stage_pb2_grpc.StageStub(channel),
+                                            self.addresses[0])
+        return entry[1]
+
+    async def _rewire(self) -> None:
+        """After a stage failure: wait for Ray to bring every actor back, then reconnect."""
+        self.addresses = await asyncio.to_thread(self._wire_chain)
+
+    # -- requests ----------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        n = len(request.tokens)
+        if not n:
+            raise ValueError("the prompt has no tokens")
+        if n + request.max_tokens > self.info.n_ctx:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) "
+                             f"exceed the context of {self.info.n_ctx}")
+        produced: list[int] = []
+        failures = 0
+        while True:
+            try:
+                async for step in self._run(request, produced):
+                    produced.append(step.token)
+                    yield step
+                return
+            except (grpc.aio.AioRpcError, _Retry) as e:
+                failures += 1
+                if failures > REBUILD_ATTEMPTS:
+                    raise EngineError(f"the pipeline failed {failures} times: {e}") from e
+                log.warning("pipeline failed (%s); rebuilding the request after %d tokens",
+                            e, len(produced))
+                await self._rewire()
+
+    async def _run(self, request: GenerationRequest, produced: list[int]) -> AsyncIterator[Step]:
+        """One attempt: prefill prompt + the tokens already produced, then decode."""
+        tokens = list(request.tokens) + produced
+        call = self._stub().Session()
+        try:
+            limit = (len(tokens) - 1) // self.cache.chunk * self.cache.chunk
+            reply = None
+            for _ in range(2):  # a restore that fails after planning: plan again from 0
+                await call.write(pb.StageCall(plan=pb.Plan(
+                    tokens=tokens, limit=limit, probe=request.probe,
+                    namespace=request.namespace)))
+                start = (await _read(call)).plan.start
+                s = request.sampling
+                sampling = pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                if s.seed is not None:
+                    sampling.seed = s.seed
+                await call.write(pb.StageCall(prefill=pb.Prefill(
+                    tokens=tokens, start=start, sampling=sampling, probe=request.probe,
+                    namespace=request.namespace, max_tokens=request.max_tokens)))
+                try:
+                    reply = await _read(call)
+                    break
+                except _Retry:
+                    limit = 0
+            if reply is None:
+                raise _Retry("the prefill failed twice")
+            token, cached = reply.token.id, reply.token.cached_tokens
+            remaining = request.max_tokens - len(produced)
+            for i in range(remaining):
+                if token in request.stop_ids:
+                    return
+                yield Step(token, cached if not produced and i == 0 else 0)
+                if i + 1 == remaining:
+                    return
+                await call.write(pb.StageCall(decode=pb.Decode(token=token)))
+                token = (await _read(call)).token.id
+        finally:
+            call.cancel()
+
+    # -- figures and lifetime ----------------------------------------------------------------
+    def stats(self) -> dict:
+        try:
+            return {"stages": ray.get([a.stats.remote() for a in self.actors], timeout=10)}
+        except Exception as e:  # a stage restarting: figures are best effort
+            log.warning("stage figures unavailable: %s", e)
+            return {"stages": []}
+
+    async def close(self) -> None:
+        for channel, *_ in self._channels.values():
+            try:
+                await channel.close()
+            except Exception:  # its loop may be gone already
+                pass
+        self._channels.clear()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+
+class _Retry(Exception):
+    """A stage asked for the request to be rebuilt."""
+
+
+async def _read(call) -> pb.StageResult:
+    reply = await call.read()
+    if reply is grpc.aio.EOF:
+        raise _Retry("the stage closed the stream")
+    kind = reply.WhichOneof("result")
+    if kind == "error":
+        if reply.error.retryable:
+            raise _Retry(reply.error.message)
+        raise EngineError(reply.error.message)
+    return reply

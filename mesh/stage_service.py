@@ -1,0 +1,233 @@
+"""One stage served over gRPC: the data plane of a stage actor (proto/stage.proto).
+
+A `Session` stream is one request's life at this stage. Its lane is taken when the
+stream opens and freed when it closes, so a client that goes away frees every lane
+down the chain. A non-final stage opens its own stream to the next stage for the same
+request and passes the last stage's answers back up:
+
+    plan     -> ask downstream where it starts (d), plan our own start, answer it
+    prefill  -> restore, prefill, send rows [d, n) down; the last stage samples
+    decode   -> one row, sent down; the last stage samples
+
+Torch work is serialized per stage by one lock; different stages work on different
+requests at the same time, so a 2-stage chain pipelines concurrent requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from skippy.cache.blocks import BlockError
+from skippy.cache.config import CacheConfig
+from skippy.proto import stage_pb2 as pb
+from skippy.proto import stage_pb2_grpc
+from skippy.stages.factory import make_runtime
+from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.stage_cache import StageCache
+
+from .sampler import Sampler, SamplingParams
+from .wire import frame_from_proto, frame_to_proto
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 64  # concurrent request streams a stage serves (each holds a thread)
+
+
+class Downstream:
+    """This request's stream to the next stage: send a call, read its answer."""
+
+    def __init__(self, stub: stage_pb2_grpc.StageStub):
+        self._calls: queue.Queue = queue.Queue()
+        self._replies = stub.Session(iter(self._calls.get, None))
+
+    def ask(self, call: pb.StageCall) -> pb.StageResult:
+        self._calls.put(call)
+        return next(self._replies)
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._replies.cancel()
+
+
+@dataclass
+class _Timing:
+    """Seconds spent in this stage's compute, by step kind (for /metrics)."""
+    seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+    count: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+
+    def add(self, kind: str, dt: float) -> None:
+        self.seconds[kind] += dt
+        self.count[kind] += 1
+
+
+class StageService(stage_pb2_grpc.StageServicer):
+    def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch"):
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.runtime = make_runtime(spec, runtime)
+        self.cache = StageCache(self.runtime, cache, policy=policy)
+        self.is_last = spec.is_last
+        self._lock = threading.Lock()
+        self._next: stage_pb2_grpc.StageStub | None = None
+        self._channel: grpc.Channel | None = None
+        self.timing = _Timing()
+        self.sessions = 0
+
+    def connect(self, address: str | None) -> None:
+        """Where the next stage listens (None for the last stage)."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = self._next = None
+        if address:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._next = stage_pb2_grpc.StageStub(self._channel)
+
+    # -- the data plane ----------------------------------------------------------------------
+    def Session(self, calls, context):
+        lane, down, sampler = None, None, None
+        planned: dict[str, int | None] = {"downstream": None}
+        self.sessions += 1
+        try:
+            for call in calls:
+                kind = call.WhichOneof("call")
+                try:
+                    if lane is None:
+                        with self._lock:
+                            lane = self.cache.alloc_lane()
+                    if not self.is_last and down is None:
+                        if self._next is None:
+                            raise StageError(f"stage {self.spec.stage_index} has no next stage")
+                        down = Downstream(self._next)
+                    if kind == "plan":
+                        yield self._plan(call.plan, lane, down, planned)
+                    elif kind == "prefill":
+                        p = call.prefill
+                        if self.is_last:
+                            sampler = Sampler(_sampling(p.sampling))
+                        yield self._prefill(p, lane, down, sampler, planned)
+                    elif kind == "decode":
+                        yield self._decode(call.decode, lane, down, sampler)
+                    else:
+                        yield _error("empty call")
+                except (StageError, ValueError) as e:
+                    yield _error(str(e))
+                except grpc.RpcError as e:
+                    yield _error(f"stage {self.spec.stage_index + 1} is unreachable: "
+                                 f"{e.code().name}", retryable=True)
+                    down = None
+        finally:
+            self.sessions -= 1
+            if down is not None:
+                down.close()
+            if lane is not None:
+                with self._lock:
+                    self.cache.free_lane(lane)
+
+    def _plan(self, plan: pb.Plan, lane: int, down: Downstream | None, planned) -> pb.StageResult:
+        d = None
+        if down is not None:
+            reply = down.ask(pb.StageCall(plan=plan))
+            if reply.WhichOneof("result") != "plan":
+                return reply
+            d = reply.plan.start
+        with self._lock:
+            start = self.cache.plan(lane, list(plan.tokens), plan.limit, d, probe=plan.probe,
+                                    namespace=plan.namespace)
+        planned["downstream"] = d
+        return pb.StageResult(plan=pb.PlanReply(start=start))
+
+    def _prefill(self, p: pb.Prefill, lane: int, down: Downstream | None, sampler,
+                 planned) -> pb.StageResult:
+        tokens, start = list(p.tokens), p.start
+        if self.spec.is_first:
+            inputs = torch.tensor(tokens[start:], dtype=torch.long)
+        else:
+            inputs = frame_from_proto(p.frame)
+            if inputs.start != start:
+                raise StageError(f"frame starts at {inputs.start}, not {start}")
+        t = time.perf_counter()
+        with self._lock:
+            if not self.cache.restore(lane, tokens, start, namespace=p.namespace):
+                return _error("cached state went away before the prefill", retryable=True)
+            out = self.cache.prefill(lane, tokens, inputs, start, probe=p.probe,
+                                     namespace=p.namespace,
+                                     downstream=planned["downstream"] if down else None)
+        self.timing.add("prefill", time.perf_counter() - t)
+        if down is None:
+            return pb.StageResult(token=pb.Token(id=sampler(out.logits), cached_tokens=start))
+        sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
+                          probe=p.probe, namespace=p.namespace, max_tokens=p.max_tokens)
+        sent.frame.CopyFrom(frame_to_proto(out.frame))
+        reply = down.ask(pb.StageCall(prefill=sent))
+        if reply.WhichOneof("result") == "token":  # tokens no stage computed
+            reply.token.cached_tokens = min(reply.token.cached_tokens, start)
+        return reply
+
+    def _decode(self, d: pb.Decode, lane: int, down: Downstream | None,
+                sampler) -> pb.StageResult:
+        x = torch.tensor(d.token) if self.spec.is_first else frame_from_proto(d.frame)
+        t = time.perf_counter()
+        with self._lock:
+            out = self.runtime.decode([(lane, x)])[0]
+            self.cache.note_decoded(lane, d.token)
+        self.timing.add("decode", time.perf_counter() - t)
+        if down is None:
+            if sampler is None:
+                raise StageError("decode before prefill")
+            return pb.StageResult(token=pb.Token(id=sampler(out.logits)))
+        sent = pb.Decode(token=d.token)
+        sent.frame.CopyFrom(frame_to_proto(out.frame))
+        return down.ask(pb.StageCall(decode=sent))
+
+    def GetBlocks(self, request, context):
+        store = self.cache.store
+        for h in request.hashes:
+            data = b""
+            if store is not None:
+                try:
+                    data = store.get(h)
+                except BlockError:  # absent or corrupt here: the asker recomputes
+                    data = b""
+            yield pb.Block(hash=h, data=data)
+
+    # -- control plane (called through the Ray actor) ------------------------------------------
+    def stats(self) -> dict:
+        s = self.cache.stats()
+        s["stage_index"] = self.spec.stage_index
+        s["layers"] = [self.spec.layer_start, self.spec.layer_end]
+        s["seconds"] = dict(self.timing.seconds)
+        s["steps"] = dict(self.timing.count)
+        s["sessions"] = self.sessions
+        return s
+
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
+                    ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def _sampling(s: pb.Sampling) -> SamplingParams:
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+                          seed=s.seed if s.HasField("seed") else None)
+
+
+def _error(message: str, retryable: bool = False) -> pb.StageResult:
+    return pb.StageResult(error=pb.Error(message=message, retryable=retryable))
+
+
+def start_server(service: StageService, host: str) -> tuple[grpc.Server, str]:
+    """Serve `service` on host:<free port>; returns the server and its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_SESSIONS + 4),
+                         options=_CHANNEL_OPTIONS)
+    stage_pb2_grpc.add_StageServicer_to_server(service, server)
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    return server, f"{host}:{port}"
