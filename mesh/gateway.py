@@ -239,8 +239,8 @@ class _Gateway:
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         if parsed.chat:
             if self.template is None:
-                raise bad(f"{self.template_missing}: chat completions need a chat "
-                          f"template; use /v1/completions", "messages",
+                raise bad(f"{self.template_missing}, so chat messages cannot be turned "
+                          f"into a prompt; use /v1/completions", "messages",
                           "chat_template_missing")
             try:
                 text = self.template.render(list(parsed.messages))
@@ -262,7 +262,6 @@ class _Gateway:
             raise bad("the prompt is empty", "messages" if parsed.chat else "prompt")
         n_ctx, room = self.engine.info.n_ctx, self.engine.info.n_ctx - len(ids)
         max_tokens = parsed.max_tokens
-        param = "max_tokens"
         if max_tokens is None:
             if room < 1:
                 raise bad(f"the prompt ({len(ids)} tokens) fills the context of {n_ctx} "
@@ -270,7 +269,7 @@ class _Gateway:
             max_tokens = min(DEFAULT_MAX_TOKENS, room)
         elif max_tokens > room:
             raise bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the "
-                      f"context of {n_ctx} tokens", param, "context_length_exceeded")
+                      f"context of {n_ctx} tokens", "max_tokens", "context_length_exceeded")
         return GenerationRequest(tokens=tuple(ids), max_tokens=max_tokens,
                                  sampling=parsed.sampling,
                                  stop_ids=self.tokenizer.eog_ids,
