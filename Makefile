@@ -6,7 +6,8 @@ BIN         := $(VENV)/bin
 # machine and kept outside the repository.
 WHEELS      := $(HOME)/.cache/skippy/wheels
 LLAMA_CPP   := 0.3.36
-PROMPT      ?= The three most useful things to know about the Moon are
+HOST        ?= 127.0.0.1
+PORT        ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: run test test-fast venv clean proto
@@ -23,10 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
 	touch $@
 
-# The main job: serve the default model split into 2 stages (in-process for now).
+# The main job: serve the default model split into 2 stages on an embedded Ray, with the
+# OpenAI API on http://127.0.0.1:8000/v1 (Ctrl-C stops).
 run: venv
 	$(BIN)/skippy models pull smollm2
-	$(BIN)/skippy generate --model smollm2 --stages 2 --max-tokens 64 "$(PROMPT)"
+	$(BIN)/skippy serve --model smollm2 --stages 2 --host $(HOST) --port $(PORT)
 
 # Everything CI runs. Downloads happen first, with the tests that need the package
 # registry; the rest run in a network namespace with only loopback (DESIGN.md §9),

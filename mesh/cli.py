@@ -120,7 +120,37 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# -- serve ------------------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from skippy.cache.config import CacheConfig
+    from .models import resolve_model
+
+    if args.stages is not None and args.stages < 1:
+        raise UsageError(f"--stages must be at least 1, not {args.stages}")
+    if args.runtime == "llama.cpp" and args.stages not in (None, 1):
+        raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, not {args.port}")
+    if args.api_keys_file and not Path(args.api_keys_file).is_file():
+        raise UsageError(f"no API key file at {args.api_keys_file}")
+    path = resolve_model(args.model)
+    cache = CacheConfig.from_args(args)
+    _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
+    from .gateway import serve
+    from .ray_engine import RayEngine
+    engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
+                       model_name=args.model_name or args.model, address=args.address,
+                       cache=cache, runtime=args.runtime, wire_dtype=args.wire,
+                       n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
+    _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
+         f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
+    keys = args.api_keys_file or None
+    serve(engine, args.host, args.port, api_keys=keys)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from skippy.cache.config import add_cache_arguments
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -182,6 +212,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="activation dtype between stages")
     pln.add_argument("--json", action="store_true", help="print the plan as JSON")
     pln.set_defaults(run=cmd_plan)
+
+    srv = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray stages")
+    srv.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
+    srv.add_argument("--model-name", help="the name clients ask for (default: --model)")
+    srv.add_argument("--stages", type=int, help="stages to split into (default: the fewest "
+                     "that fit the cluster)")
+    srv.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
+    srv.add_argument("--address", help="join a Ray cluster ('auto' for the local one); "
+                     "default: start an embedded Ray")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--ctx", type=int, default=8192,
+                     help="context per request in tokens (capped at the model's)")
+    srv.add_argument("--wire", choices=("f16", "f32", "q8"), default="f16",
+                     help="activation dtype between stages")
+    srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
+                     "line (also: $SKIPPY_API_KEYS, comma-separated)")
+    add_cache_arguments(srv)
+    srv.set_defaults(run=cmd_serve)
     return p
 
 
