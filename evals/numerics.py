@@ -45,6 +45,13 @@ def first_of_each_use_case(records: list[dict], n: int = 2) -> list[dict]:
     return out
 
 
+def read_corpus(path, per_use_case: int | None = None) -> list[dict]:
+    """The corpus records (JSON lines); only the first `per_use_case` of each use case when
+    given. FileNotFoundError where the corpus is absent."""
+    records = [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+    return records if per_use_case is None else first_of_each_use_case(records, per_use_case)
+
+
 def prompt_ids(ref: LlamaCppReference, record: dict, window: int = WINDOW) -> list[int]:
     """The last `window` tokens of the prompt's text (BOS kept first where the model adds one)."""
     text = "".join(m["content"] for m in record["messages"])
