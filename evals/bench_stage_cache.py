@@ -1,15 +1,34 @@
 """Warm cache hits: our cached stage vs llama.cpp's warm slot, same GGUF, one run.
 
-    python -m skippy.evals.bench_stage_cache [--model smollm2 ...] [--repeats 5] [--json PATH]
+    python -m skippy.evals.bench_stage_cache [--family smollm2 ...] [--runtime torch ...]
+                                             [--repeats 5] [--json PATH|-]
 
 Follows the reference's method (skippy-cache README, "Benchmark Evidence"): a 128-token
-prefix, one generated token, one lane. Rows:
-- exact repeat: the same 128-token prompt again (ours: the exact-result cache; llama.cpp:
-  the prompt kept in its context, `create_completion` reuses it and re-runs the last token);
-- changed tail: the cached 128-token prefix + a new 16-token tail (ours: restore the prefix,
-  prefill one chunk; llama.cpp: the prefix is still in its context, only the tail is run).
-Both sides time one request end to end (prompt ids in, one token id out), median of
---repeats after a warm-up, 2 threads each. Ours is the torch runtime in one stage.
+prefix, one generated token, one lane, the same GGUF on both sides, 2 threads each. Rows:
+
+- exact_repeat: the same 128-token prompt again. Ours: the last stage's exact-result
+  cache. llama.cpp: llama-cpp-python's `create_completion` with the prompt still in its
+  context (it samples from the live logits, or re-runs the last token).
+- changed_tail: the cached 128-token prefix + a new 16-token tail. Ours: restore the
+  prefix from the stage cache into a fresh lane (ResidentKv copy or KvRecurrent import),
+  prefill the tail. llama.cpp: the prefix is put back into its context first (untimed),
+  then prefix + tail is timed; on a dense model only the tail is run, on a recurrent or
+  hybrid model llama-cpp-python cannot cut the recurrent state back to the prefix and
+  reprocesses the whole prompt (measured as it is, not assumed).
+- changed_tail_1024 (hybrid families): the same with a 1024-token prefix.
+
+Families: smollm2 and gemma3-270m are the real shipped models (dense); lfm2 and
+falcon-h1 are synthesized with stages.synth at a realistic shape (hidden 1024, 16
+layers, f16 weights, SmolLM2's tokenizer; a tiny model would measure only overhead) and
+kept under `model_home()/synth`, so reruns are free. The shape is printed.
+
+Ours runs in each runtime given (`--runtime`, both by default): the torch runtime in one
+stage and the llama.cpp runtime (one whole-model stage). Every timed answer of ours is
+checked against the same prompt computed without the cache (a fresh runtime lane, no
+cache involved): the next token must be equal, or the bench fails (a bench that measures
+a wrong answer is worthless); whether the logits are also bitwise equal is reported.
+Medians of --repeats after one warm-up; targets (from the issue): dense families at
+least 1.2x llama.cpp on exact_repeat, hybrid families at least 8x on changed_tail.
 """
 
 from __future__ import annotations
@@ -19,6 +38,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,86 +48,319 @@ from skippy.cache.config import CacheConfig
 from skippy.evals.reference import _quiet_stderr
 from skippy.mesh.pipeline import LocalPipeline
 
-PREFIX, TAIL = 128, 16
+PREFIX, LONG_PREFIX, TAIL = 128, 1024, 16
+THREADS = 2
+N_CTX = 2048  # room for the long prefix + tail on both sides
+RUNTIMES = ("torch", "llama.cpp")
+# The prefill chunk C: a tail shorter than C is padded to C rows (DESIGN.md §5.3), so
+# the changed-tail rows cost a C-row prefill. The serving default unless --chunk says.
+CHUNK = CacheConfig().chunk
+TARGETS = {("dense", "exact_repeat"): 1.2, ("hybrid", "changed_tail"): 8.0}
+
+
+class ExactnessError(AssertionError):
+    """A cached answer's next token differs from the uncached answer's."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The shape of a synthesized bench model (stages.synth.write_synthetic arguments)."""
+
+    arch: str
+    layers: int = 16
+    hidden: int = 1024
+    heads: int = 16
+    kv_heads: int = 8
+    ff: int = 4096
+    dtype: str = "f16"
+    seed: int = 1
+
+    def file_name(self) -> str:
+        from skippy.stages.synth import SYNTH_VERSION
+        return (f"bench-{self.arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
+                f"-kv{self.kv_heads}-ff{self.ff}-{self.dtype}-s{self.seed}-v{SYNTH_VERSION}.gguf")
+
+    def describe(self) -> str:
+        text = (f"synthesized {self.arch}: {self.layers} layers, hidden {self.hidden}, "
+                f"{self.heads} heads (kv {self.kv_heads}), ff {self.ff}, {self.dtype} weights")
+        if self.arch == "falcon-h1":
+            from skippy.stages.synth import FALCON_H1_SSM as s
+            text += (f", Mamba2 d_inner {s['d_inner']}, {s['heads']} SSM heads, "
+                     f"d_state {s['d_state']}, {s['groups']} groups (fixed by stages.synth)")
+        if self.arch == "lfm2":
+            from skippy.stages.synth import lfm2_is_attention_layer
+            n_attn = sum(lfm2_is_attention_layer(i) for i in range(self.layers))
+            text += f", {self.layers - n_attn} short-conv + {n_attn} attention layers"
+        return text
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str                  # "dense" or "hybrid"
+    model: str | None = None   # a shipped model (resolve_model spec) ...
+    shape: Shape | None = None  # ... or a synthesized one
+
+    def path(self, synth_dir: Path | None = None) -> Path:
+        from skippy.mesh.models import model_home, resolve_model
+        if self.model is not None:
+            return resolve_model(self.model)
+        from skippy.stages.synth import write_synthetic
+        folder = Path(synth_dir) if synth_dir is not None else model_home() / "synth"
+        out = folder / self.shape.file_name()
+        if not out.exists():  # deterministic in its arguments: an existing file is the same
+            folder.mkdir(parents=True, exist_ok=True)
+            s = self.shape
+            write_synthetic(s.arch, layers=s.layers, seed=s.seed, out=out,
+                            tokenizer_from=resolve_model("smollm2"), hidden=s.hidden,
+                            ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype)
+        return out
+
+    def describe(self) -> str:
+        return self.shape.describe() if self.shape else f"shipped model {self.model}"
+
+
+FAMILIES = {
+    "smollm2": Family("smollm2", "dense", model="smollm2"),
+    "gemma3-270m": Family("gemma3-270m", "dense", model="gemma3-270m"),
+    "lfm2": Family("lfm2", "hybrid", shape=Shape("lfm2")),
+    "falcon-h1": Family("falcon-h1", "hybrid", shape=Shape("falcon-h1")),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    prefix: int
+    tail: int  # 0: the exact prefix again
+    target: float | None = None  # the speedup the issue asks for on this row, if any
+
+    def prompts(self, repeats: int) -> list[list[int]]:
+        """Warm-up + `repeats` prompts: the same prefix, and a new tail each time."""
+        prefix = token_ids(self.prefix, salt=0)
+        if not self.tail:
+            return [prefix] * (repeats + 1)
+        return [prefix + token_ids(self.tail, salt=r + 1) for r in range(repeats + 1)]
+
+
+def token_ids(n: int, salt: int) -> list[int]:
+    """Deterministic ids spread over [100, 30100): valid in every vocabulary used here."""
+    return [(i * 7919 + salt * 104729) % 30000 + 100 for i in range(n)]
+
+
+def rows_for(kind: str, prefix: int = PREFIX, long_prefix: int = LONG_PREFIX,
+             tail: int = TAIL) -> list[Row]:
+    rows = [Row(name, prefix, t, TARGETS.get((kind, name)))
+            for name, t in (("exact_repeat", 0), ("changed_tail", tail))]
+    if kind == "hybrid":
+        rows.append(Row(f"changed_tail_{long_prefix}", long_prefix, tail))
+    return rows
 
 
 def _ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def ours(path, prefix: list[int], tails: list[list[int]], repeats: int) -> dict:
-    pipe = LocalPipeline(path, 1, wire_dtype="f16", n_ctx=1024,
-                         cache=CacheConfig(admit_after=1))
+# -- our side ---------------------------------------------------------------------------------
+def _drop_warm_lanes(pipe: LocalPipeline) -> None:
+    """Free the lanes the pipeline keeps warm: every hit must come from the stage cache."""
+    while pipe._idle:
+        for cache, lane in zip(pipe.caches, pipe._idle.pop()):
+            cache.free_lane(lane)
 
-    def one(ids):
+
+def _uncached(pipe: LocalPipeline, ids: list[int]) -> torch.Tensor:
+    """The prompt's next-token logits on fresh runtime lanes, no cache involved."""
+    lanes = [s.alloc_lane() for s in pipe.stages]
+    try:
+        return pipe.prefill(lanes, ids).clone()
+    finally:
+        for stage, lane in zip(pipe.stages, lanes):
+            stage.free_lane(lane)
+
+
+def ours(path: Path, runtime: str, rows: list[Row], repeats: int,
+         chunk: int = CHUNK) -> dict[str, dict]:
+    """Per row: timed warm hits of our cached pipeline, each checked against an uncached
+    answer. Raises ExactnessError when a next token differs."""
+    pipe = LocalPipeline(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
+                         runtime=runtime, cache=CacheConfig(admit_after=1, chunk=chunk))
+    torch.set_num_threads(THREADS)
+
+    def one(ids: list[int]) -> tuple[float, torch.Tensor, int]:
         lanes = pipe.alloc()
         t = time.perf_counter()
-        logits, _, _ = pipe.first_logits(lanes, ids)
+        logits, reused, _ = pipe.first_logits(lanes, ids)
         int(logits.argmax())
         dt = time.perf_counter() - t
         pipe.free(lanes)
-        return dt
+        _drop_warm_lanes(pipe)
+        return dt, logits, reused
 
-    cold = one(prefix)            # first sight: computes and records
-    exact = [one(prefix) for _ in range(repeats)]
-    pipe._idle.clear()                  # no warm lane: the hit must come from the cache
-    tail = []
-    for t in tails[:repeats]:
-        tail.append(one(prefix + t))
-        pipe._idle.clear()
-    return {"cold_ms": cold * 1e3, "exact_repeat_ms": _ms(exact), "changed_tail_ms": _ms(tail)}
+    out = {}
+    try:
+        for row in rows:
+            prompts = row.prompts(repeats)
+            cold, _, _ = one(prompts[0][:row.prefix])  # first sight: computes and records
+            samples, reused, bitwise = [], [], True
+            references: dict[tuple[int, ...], torch.Tensor] = {}
+            for i, ids in enumerate(prompts):
+                dt, logits, r = one(ids)
+                key = tuple(ids)
+                if key not in references:
+                    references[key] = _uncached(pipe, ids)
+                ref = references[key]
+                if int(logits.argmax()) != int(ref.argmax()):
+                    raise ExactnessError(
+                        f"{path.name} {runtime} {row.name}: cached next token "
+                        f"{int(logits.argmax())} != uncached {int(ref.argmax())}")
+                bitwise &= torch.equal(logits, ref)
+                if i:  # the first is the warm-up
+                    samples.append(dt)
+                    reused.append(r)
+            out[row.name] = {"ms": _ms(samples), "samples_ms": [s * 1e3 for s in samples],
+                             "cold_ms": cold * 1e3, "reused_tokens": min(reused),
+                             "next_token_exact": True, "logits_bitwise": bitwise}
+    finally:
+        for stage in pipe.stages:
+            close = getattr(stage, "close", None)
+            if close is not None:
+                close()
+    return out
 
 
-def llama(path, prefix: list[int], tails: list[list[int]], repeats: int) -> dict:
+# -- llama.cpp's warm slot --------------------------------------------------------------------
+def llama(path: Path, rows: list[Row], repeats: int) -> tuple[dict[str, dict], bool]:
+    """Per row: llama-cpp-python's warm slot, the prefix kept in its context. Also
+    whether llama.cpp sees the model as recurrent or hybrid."""
     import llama_cpp
     with _quiet_stderr():
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=2,
-                              n_threads_batch=2, verbose=False)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_threads=THREADS,
+                              n_threads_batch=THREADS, verbose=False)
+    recurrent = bool(llm._is_recurrent or llm._is_hybrid)
 
-    def one(ids):
+    def one(ids: list[int]) -> float:
         t = time.perf_counter()
         llm.create_completion(ids, max_tokens=1, temperature=0)
         return time.perf_counter() - t
 
-    llm.reset()
-    cold = one(prefix)
-    exact = [one(prefix) for _ in range(repeats)]
-    tail = []
-    for t in tails[:repeats]:
-        one(prefix)               # the slot holds the prefix again
-        tail.append(one(prefix + t))
-    return {"cold_ms": cold * 1e3, "exact_repeat_ms": _ms(exact), "changed_tail_ms": _ms(tail)}
+    out = {}
+    try:
+        for row in rows:
+            prompts = row.prompts(repeats)
+            llm.reset()
+            cold = one(prompts[0][:row.prefix])
+            samples = []
+            for i, ids in enumerate(prompts):
+                if row.tail:
+                    one(ids[:row.prefix])  # the slot holds the prefix again (untimed)
+                dt = one(ids)
+                if i:
+                    samples.append(dt)
+            out[row.name] = {"ms": _ms(samples), "samples_ms": [s * 1e3 for s in samples],
+                             "cold_ms": cold * 1e3}
+    finally:
+        llm.close()
+    return out, recurrent
 
 
-def bench(path, repeats: int) -> dict:
-    torch.set_num_threads(2)
-    prefix = [(i * 7919) % 30000 + 100 for i in range(PREFIX)]
-    tails = [[(r * 131 + j * 17) % 30000 + 100 for j in range(TAIL)] for r in range(repeats)]
-    a, b = ours(path, prefix, tails, repeats), llama(path, prefix, tails, repeats)
-    rows = {k: {"ours_ms": a[k], "llama_cpp_ms": b[k], "speedup": b[k] / a[k]}
-            for k in ("cold_ms", "exact_repeat_ms", "changed_tail_ms")}
-    return {"model": Path(path).name, "prefix_tokens": PREFIX, "tail_tokens": TAIL, "rows": rows}
+# -- one family, all rows ---------------------------------------------------------------------
+def bench(family: Family, *, repeats: int = 5, runtimes: tuple[str, ...] = RUNTIMES,
+          prefix: int = PREFIX, long_prefix: int = LONG_PREFIX, tail: int = TAIL,
+          chunk: int = CHUNK, synth_dir: Path | None = None,
+          say: Callable[[str], None] = lambda _: None) -> dict:
+    """Both sides on one family's GGUF; rows with our figure per runtime, llama.cpp's,
+    the speedup (llama.cpp ms / ours ms) and the target where the issue sets one."""
+    path = family.path(synth_dir)
+    rows = rows_for(family.kind, prefix, long_prefix, tail)
+    say(f"{family.name}: {family.describe()} ({path.name})")
+    theirs, recurrent = llama(path, rows, repeats)
+    result_rows, skipped = [], {}
+    for runtime in runtimes:
+        try:
+            mine = ours(path, runtime, rows, repeats, chunk)
+        except ExactnessError:
+            raise
+        except Exception as e:  # a runtime that cannot serve this family: say so, go on
+            skipped[runtime] = f"{type(e).__name__}: {e}"
+            say(f"{family.name}: {runtime} runtime skipped: {skipped[runtime]}")
+            continue
+        for row in rows:
+            a, b = mine[row.name], theirs[row.name]
+            target, speedup = row.target, b["ms"] / a["ms"]
+            result_rows.append({
+                "row": row.name, "prefix_tokens": row.prefix, "tail_tokens": row.tail,
+                "runtime": runtime, "ours_ms": a["ms"], "llama_cpp_ms": b["ms"],
+                "speedup": speedup, "target": target,
+                "met": None if target is None else speedup >= target,
+                "ours": a, "llama_cpp": b})
+    return {"family": family.name, "kind": family.kind, "file": str(path),
+            "shape": asdict(family.shape) if family.shape else None,
+            "shape_text": family.describe(), "llama_cpp_recurrent": recurrent, "chunk": chunk,
+            "rows": result_rows, "skipped_runtimes": skipped}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from skippy.mesh.models import resolve_model
+# -- the command ------------------------------------------------------------------------------
+HEADER = (f"{'family':<12} {'row':<18} {'ours':<10} {'ours ms':>9} {'llama.cpp ms':>13} "
+          f"{'speedup':>8} {'target':>7}  met   exact")
+
+
+def format_row(family: str, r: dict) -> str:
+    target = f"{r['target']:.1f}x" if r["target"] else "-"
+    met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+    exact = "bitwise" if r["ours"]["logits_bitwise"] else "token"
+    return (f"{family:<12} {r['row']:<18} {r['runtime']:<10} {r['ours_ms']:>9.2f} "
+            f"{r['llama_cpp_ms']:>13.2f} {r['speedup']:>7.2f}x {target:>7}  {met:<5} {exact}")
+
+
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_stage_cache")
-    p.add_argument("--model", action="append")
+    p.add_argument("--family", "--model", action="append", choices=sorted(FAMILIES),
+                   help="repeatable; default: all four")
+    p.add_argument("--runtime", action="append", choices=RUNTIMES,
+                   help="our runtime(s); repeatable; default: both")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json")
+    p.add_argument("--chunk", type=int, default=CHUNK,
+                   help=f"our prefill chunk C (default {CHUNK}); a tail is padded to C rows")
+    p.add_argument("--json", help="write the results to PATH ('-': JSON on stdout, "
+                                  "the table on stderr)")
     args = p.parse_args(argv)
-    results = []
-    print(f"{'model':<36} {'row':<16} {'ours ms':>9} {'llama.cpp ms':>13} {'speedup':>8}")
-    for name in args.model or ["smollm2"]:
-        r = bench(resolve_model(name), args.repeats)
-        results.append(r)
-        for row, v in r["rows"].items():
-            print(f"{r['model']:<36} {row[:-3]:<16} {v['ours_ms']:>9.2f} "
-                  f"{v['llama_cpp_ms']:>13.2f} {v['speedup']:>7.2f}x", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return 0
+    table = sys.stderr if args.json == "-" else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=table, flush=True)
+
+    started = time.perf_counter()
+    families = []
+    for name in args.family or list(FAMILIES):
+        f = bench(FAMILIES[name], repeats=args.repeats, chunk=args.chunk,
+                  runtimes=tuple(args.runtime or RUNTIMES), say=say)
+        families.append(f)
+        for r in f["rows"]:
+            say(format_row(f["family"], r))
+    say(f"\n{PREFIX}-token prefix, {TAIL}-token tails, 1 generated token, 1 lane, "
+        f"{THREADS} threads each side, chunk {args.chunk}, medians of {args.repeats}; "
+        "speedup = llama.cpp ms / ours ms")
+    for f in families:
+        say(f"{f['family']}: {f['shape_text']}")
+    say(HEADER)
+    for f in families:
+        for r in f["rows"]:
+            say(format_row(f["family"], r))
+    checked = [r["met"] for f in families for r in f["rows"] if r["met"] is not None]
+    result = {"prefix_tokens": PREFIX, "long_prefix_tokens": LONG_PREFIX, "tail_tokens": TAIL,
+              "threads": THREADS, "repeats": args.repeats, "n_ctx": N_CTX, "chunk": args.chunk,
+              "targets": {f"{k}/{row}": v for (k, row), v in TARGETS.items()},
+              "targets_met": bool(checked) and all(checked), "families": families,
+              "seconds": time.perf_counter() - started}
+    say(f"targets met: {sum(checked)}/{len(checked)}")
+    if args.json == "-":
+        print(json.dumps(result, indent=2))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)
