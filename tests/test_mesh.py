@@ -1,0 +1,134 @@
+"""The mesh end to end: a real two-node Ray cluster on this machine, stage actors on
+different nodes, frames over gRPC, the OpenAI gateway over HTTP, the official client.
+
+Runs inside the loopback-only namespace (DESIGN.md §9); one module-scoped cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+pytest.importorskip("ray")
+
+import openai  # noqa: E402
+import ray  # noqa: E402
+
+from skippy.cache.config import CacheConfig  # noqa: E402
+from skippy.mesh.chat import render_chat  # noqa: E402
+from skippy.mesh.gateway import BackgroundServer, create_app  # noqa: E402
+from skippy.mesh.pipeline import LocalPipeline  # noqa: E402
+from skippy.mesh.ray_engine import RayEngine  # noqa: E402
+from skippy.mesh.sampler import Sampler, SamplingParams  # noqa: E402
+from skippy.mesh.tokenizer import Tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Count to five.",
+             "What is 2 + 2?", "Say hello in Spanish.", "What do bees make?",
+             "Why is the sky blue?", "Tell me about the Moon."]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+    c = Cluster(initialize_head=True, connect=True, head_node_args={
+        "num_cpus": 1, "resources": {"skippy_node_a": 1}, "include_dashboard": False,
+        "object_store_memory": 100 * 2**20})
+    c.add_node(num_cpus=1, resources={"skippy_node_b": 1}, object_store_memory=100 * 2**20)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(cluster, smollm2):
+    eng = RayEngine(smollm2, 2, model_name="smollm2", cache=CacheConfig(), n_ctx=2048)
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with BackgroundServer(create_app(engine, api_keys=[])) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """What the in-process pipeline (no cache) answers: the output to match."""
+    tok = Tokenizer(smollm2)
+    pipe = LocalPipeline(smollm2, 2, n_ctx=2048)
+
+    def answer(question: str, max_tokens: int) -> str:
+        ids = tok.encode(render_chat(smollm2, [{"role": "user", "content": question}]))
+        out = pipe.generate(ids, max_tokens, Sampler(SamplingParams()), tok.eog_ids)
+        return tok.decode(list(out))
+    return answer
+
+
+def test_stages_run_on_different_nodes(engine, cluster):
+    nodes = engine.node_ids()
+    assert len(nodes) == 2 and nodes[0] != nodes[1]
+    assert set(nodes) <= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def chat(client, question, max_tokens=16, **kw):
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_chat_matches_the_in_process_pipeline(client, reference):
+    got = chat(client, QUESTIONS[0])
+    assert got.choices[0].message.content == reference(QUESTIONS[0], 16)
+    stream = chat(client, QUESTIONS[1], stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == reference(QUESTIONS[1], 16)
+
+
+def test_repeat_reports_cached_tokens(client):
+    long_q = "Summarize this: " + "the quick brown fox jumps over the lazy dog. " * 20
+    first = chat(client, long_q, max_tokens=2)
+    chat(client, long_q, max_tokens=3)           # second sighting: the prefix is admitted
+    again = chat(client, long_q, max_tokens=4)   # more tokens than known: the stages run
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64
+    assert again.choices[0].message.content.startswith(first.choices[0].message.content)
+
+
+def test_eight_concurrent_streams_match_each_alone(client, reference):
+    results: dict[int, str] = {}
+
+    def run(i):
+        stream = chat(client, QUESTIONS[i], max_tokens=12, stream=True)
+        results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == list(range(8))
+    for i, text in results.items():
+        assert text == reference(QUESTIONS[i], 12), QUESTIONS[i]
+
+
+def test_client_errors_surface_as_openai_exceptions(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        chat(client, "x", max_tokens=0)
+
+
+def test_a_killed_stage_costs_time_not_the_answer(engine, client, reference):
+    """Ray restarts the actor (its state is gone); the router rebuilds the request."""
+    ray.kill(engine.actors[1], no_restart=False)
+    got = chat(client, QUESTIONS[6])
+    assert got.choices[0].message.content == reference(QUESTIONS[6], 16)
