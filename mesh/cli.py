@@ -129,6 +129,8 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--stages must be at least 1, not {args.stages}")
     if args.runtime == "llama.cpp" and args.stages not in (None, 1):
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
+    if args.pipelines < 1:
+        raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, not {args.port}")
     if args.api_keys_file and not Path(args.api_keys_file).is_file():
@@ -139,6 +141,7 @@ def cmd_serve(args) -> int:
     from .gateway import serve
     from .ray_engine import RayEngine
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
+                       pipelines=args.pipelines,
                        model_name=args.model_name or args.model, address=args.address,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
                        n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
@@ -219,13 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--stages", type=int, help="stages to split into (default: the fewest "
                      "that fit the cluster)")
     srv.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
+    srv.add_argument("--pipelines", type=int, default=1,
+                     help="copies of the whole chain; requests go where their prefix is "
+                          "cached, else to the least loaded")
     srv.add_argument("--address", help="join a Ray cluster ('auto' for the local one); "
                      "default: start an embedded Ray")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--ctx", type=int, default=8192,
                      help="context per request in tokens (capped at the model's)")
-    srv.add_argument("--wire", choices=("f16", "f32", "q8"), default="f16",
+    srv.add_argument("--wire", choices=("f16", "f32"), default="f16",
                      help="activation dtype between stages")
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated)")

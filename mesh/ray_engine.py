@@ -33,6 +33,7 @@ from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
 from .engine import EngineError, EngineInfo, GenerationRequest, Step
+from .router import Router
 
 log = logging.getLogger(__name__)
 
@@ -67,56 +68,24 @@ def cluster_nodes() -> list[NodeSpec]:
     return out
 
 
-class RayEngine:
-    def __init__(self, model_path: str | Path, n_stages: int | None = None, *,
-                 model_name: str | None = None, address: str | None = None,
-                 cache: CacheConfig | None = None, runtime: str = "torch",
-                 wire_dtype: str = "f16", n_ctx: int = 8192, threads: int | None = None,
-                 progress: Callable[[str], None] = log.info):
-        path = Path(model_path)
-        self._owns_ray = start_ray(address)
-        self.cache = cache or CacheConfig()
-        f = GGUFFile(path)
-        policy = capability_for(f).policy
-        f.close()
-        facts = ModelFacts.from_gguf(path)
-        n_ctx = min(n_ctx, facts.context_length or n_ctx)
-        self.plan: Plan = plan(facts, cluster_nodes(), wire_dtype=wire_dtype, n_ctx=n_ctx,
-                               stages=n_stages)
-        progress(f"plan: {len(self.plan.stages)} stage(s), topology {self.plan.digest[:16]}")
-        n = len(self.plan.stages)
-        self.actors = []
-        from .stage_actor import StageActor
-        for st in self.plan.stages:
-            spec = StageSpec(str(path), st.start, st.end, st.index, n, wire_dtype, n_ctx=n_ctx,
-                             chunk=self.cache.chunk, threads=threads or st.node.cpus)
-            progress(f"stage {st.index}: layers {st.start}-{st.end - 1} on node "
-                     f"{st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB")
-            self.actors.append(StageActor.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
-                num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
-            ).remote(spec, self.cache, policy, runtime))
-        t = time.monotonic()
-        self.addresses = self._wire_chain()
-        progress(f"{n} stage(s) loaded in {time.monotonic() - t:.1f} s: {self.addresses}")
-        self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
-                               n_stages=n, topology_digest=self.plan.digest,
-                               extra={"runtime": runtime, "policy": policy})
+class _Pipeline:
+    """One actor per stage, chained: stage i knows where stage i + 1 listens."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+        self.addresses: list[str] = []
         self._channels: dict[int, tuple] = {}  # event loop -> (channel, stub, address)
 
-    # -- the chain ---------------------------------------------------------------------------
-    def _wire_chain(self) -> list[str]:
-        """Every stage's address, each stage told where the next one listens."""
+    def wire(self) -> list[str]:
+        """Every stage's address (waiting for restarts), each told the next one's."""
         addresses = ray.get([a.address.remote() for a in self.actors],
                             timeout=ACTOR_START_TIMEOUT)
         ray.get([a.connect.remote(addresses[i + 1] if i + 1 < len(addresses) else None)
                  for i, a in enumerate(self.actors)], timeout=60)
+        self.addresses = addresses
         return addresses
 
-    def node_ids(self) -> list[str]:
-        return ray.get([a.node_id.remote() for a in self.actors], timeout=60)
-
-    def _stub(self) -> stage_pb2_grpc.StageStub:
+    def stub(self) -> stage_pb2_grpc.StageStub:
         """A channel to stage 0 for the running event loop (grpc.aio binds to one loop)."""
         loop = id(asyncio.get_running_loop())
         entry = self._channels.get(loop)
@@ -126,9 +95,74 @@ class RayEngine:
                                             self.addresses[0])
         return entry[1]
 
-    async def _rewire(self) -> None:
-        """After a stage failure: wait for Ray to bring every actor back, then reconnect."""
-        self.addresses = await asyncio.to_thread(self._wire_chain)
+    async def close(self) -> None:
+        for channel, *_ in self._channels.values():
+            try:
+                await channel.close()
+            except Exception:  # its event loop may be gone already
+                pass
+        self._channels.clear()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+
+
+class RayEngine:
+    def __init__(self, model_path: str | Path, n_stages: int | None = None, *,
+                 pipelines: int = 1, model_name: str | None = None,
+                 address: str | None = None, cache: CacheConfig | None = None,
+                 runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
+                 threads: int | None = None, progress: Callable[[str], None] = log.info):
+        if pipelines < 1:
+            raise ValueError(f"pipelines must be at least 1, not {pipelines}")
+        path = Path(model_path)
+        self._owns_ray = start_ray(address)
+        self.cache = cache or CacheConfig()
+        f = GGUFFile(path)
+        policy = capability_for(f).policy
+        f.close()
+        facts = ModelFacts.from_gguf(path)
+        n_ctx = min(n_ctx, facts.context_length or n_ctx)
+        # Every pipeline uses the same plan: the same ranges compute the same numbers, so
+        # one topology digest names them all (the gateway's exact results rely on it).
+        self.plan: Plan = plan(facts, cluster_nodes(), wire_dtype=wire_dtype, n_ctx=n_ctx,
+                               stages=n_stages, lanes=4 * pipelines)
+        n = len(self.plan.stages)
+        progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), "
+                 f"topology {self.plan.digest[:16]}")
+        from .stage_actor import StageActor
+        self.pipelines: list[_Pipeline] = []
+        for r in range(pipelines):
+            actors = []
+            for st in self.plan.stages:
+                spec = StageSpec(str(path), st.start, st.end, st.index, n, wire_dtype,
+                                 n_ctx=n_ctx, chunk=self.cache.chunk,
+                                 threads=threads or st.node.cpus)
+                progress(f"pipeline {r} stage {st.index}: layers {st.start}-{st.end - 1} on "
+                         f"node {st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB")
+                actors.append(StageActor.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
+                    num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
+                ).remote(spec, self.cache, policy, runtime))
+            self.pipelines.append(_Pipeline(actors))
+        t = time.monotonic()
+        for pipe in self.pipelines:
+            pipe.wire()
+        progress(f"loaded in {time.monotonic() - t:.1f} s")
+        self.router = Router(pipelines, self.cache.stride)
+        self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
+                               n_stages=n, topology_digest=self.plan.digest,
+                               extra={"runtime": runtime, "policy": policy,
+                                      "pipelines": pipelines})
+
+    @property
+    def actors(self) -> list:
+        """The first pipeline's stage actors (tests and tools)."""
+        return self.pipelines[0].actors
+
+    def node_ids(self, pipeline: int = 0) -> list[str]:
+        return ray.get([a.node_id.remote() for a in self.pipelines[pipeline].actors],
+                       timeout=60)
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
@@ -138,26 +172,32 @@ class RayEngine:
         if n + request.max_tokens > self.info.n_ctx:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) "
                              f"exceed the context of {self.info.n_ctx}")
+        p = self.router.choose(request.tokens, request.namespace)
+        pipe = self.pipelines[p]
         produced: list[int] = []
         failures = 0
-        while True:
-            try:
-                async for step in self._run(request, produced):
-                    produced.append(step.token)
-                    yield step
-                return
-            except (grpc.aio.AioRpcError, _Retry) as e:
-                failures += 1
-                if failures > REBUILD_ATTEMPTS:
-                    raise EngineError(f"the pipeline failed {failures} times: {e}") from e
-                log.warning("pipeline failed (%s); rebuilding the request after %d tokens",
-                            e, len(produced))
-                await self._rewire()
+        try:
+            while True:
+                try:
+                    async for step in self._run(pipe, request, produced):
+                        produced.append(step.token)
+                        yield step
+                    return
+                except (grpc.aio.AioRpcError, _Retry) as e:
+                    failures += 1
+                    if failures > REBUILD_ATTEMPTS:
+                        raise EngineError(f"the pipeline failed {failures} times: {e}") from e
+                    log.warning("pipeline %d failed (%s); rebuilding the request after %d "
+                                "tokens", p, e, len(produced))
+                    await asyncio.to_thread(pipe.wire)
+        finally:
+            self.router.finished(p)
 
-    async def _run(self, request: GenerationRequest, produced: list[int]) -> AsyncIterator[Step]:
+    async def _run(self, pipe: _Pipeline, request: GenerationRequest,
+                   produced: list[int]) -> AsyncIterator[Step]:
         """One attempt: prefill prompt + the tokens already produced, then decode."""
         tokens = list(request.tokens) + produced
-        call = self._stub().Session()
+        call = pipe.stub().Session()
         try:
             limit = (len(tokens) - 1) // self.cache.chunk * self.cache.chunk
             reply = None
@@ -195,25 +235,34 @@ class RayEngine:
 
     # -- figures and lifetime ----------------------------------------------------------------
     def stats(self) -> dict:
+        """Per-stage figures, summed over pipelines stage by stage."""
         try:
-            return {"stages": ray.get([a.stats.remote() for a in self.actors], timeout=10)}
+            per = [ray.get([a.stats.remote() for a in pipe.actors], timeout=10)
+                   for pipe in self.pipelines]
         except Exception as e:  # a stage restarting: figures are best effort
             log.warning("stage figures unavailable: %s", e)
             return {"stages": []}
+        return {"stages": per[0] if len(per) == 1 else [_sum(col) for col in zip(*per)],
+                "in_flight": list(self.router.load)}
 
     async def close(self) -> None:
-        for channel, *_ in self._channels.values():
-            try:
-                await channel.close()
-            except Exception:  # its loop may be gone already
-                pass
-        self._channels.clear()
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
+        for pipe in self.pipelines:
+            await pipe.close()
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def _sum(dicts: list[dict]) -> dict:
+    """Numbers added key by key (nested dicts too); anything else from the first."""
+    out = dict(dicts[0])
+    for d in dicts[1:]:
+        for k, v in d.items():
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = _sum([out[k], v])
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and k in out:
+                out[k] = out[k] + v
+    return out
 
 
 class _Retry(Exception):

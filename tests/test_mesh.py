@@ -132,3 +132,20 @@ def test_a_killed_stage_costs_time_not_the_answer(engine, client, reference):
     ray.kill(engine.actors[1], no_restart=False)
     got = chat(client, QUESTIONS[6])
     assert got.choices[0].message.content == reference(QUESTIONS[6], 16)
+
+
+def test_two_pipelines_route_by_cached_prefix(cluster, smollm2, reference):
+    eng = RayEngine(smollm2, 2, pipelines=2, model_name="smollm2", n_ctx=2048,
+                    cache=CacheConfig(admit_after=1))
+    try:
+        with BackgroundServer(create_app(eng, api_keys=[])) as s:
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
+            long_q = "Answer briefly. " + "Bees make honey from nectar. " * 12
+            for i, q in enumerate([long_q + "Why?", long_q + "How?"]):
+                got = chat(c, q, max_tokens=4)
+                assert got.choices[0].message.content == reference(q, 4)
+            # the second shared the first's prefix: same pipeline, served from its cache
+            assert got.usage.prompt_tokens_details.cached_tokens >= 64
+            assert eng.stats()["in_flight"] == [0, 0]
+    finally:
+        asyncio.run(eng.close())
