@@ -32,7 +32,7 @@ from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
-from .engine import EngineError, EngineInfo, GenerationRequest, Step
+from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step
 from .router import Router
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,8 @@ async def _read(call) -> pb.StageResult:
         raise _Retry("the stage closed the stream")
     kind = reply.WhichOneof("result")
     if kind == "error":
+        if reply.error.busy:
+            raise EngineBusy(reply.error.message)
         if reply.error.retryable:
             raise _Retry(reply.error.message)
         raise EngineError(reply.error.message)

@@ -39,6 +39,7 @@ from .wire import frame_from_proto, frame_to_proto
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 64  # concurrent request streams a stage serves (each holds a thread)
+LANE_WAIT_S = 120  # how long a request waits for a lane before it is told "busy"
 
 
 class Downstream:
@@ -77,6 +78,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.cache = StageCache(self.runtime, cache, policy=policy)
         self.is_last = spec.is_last
         self._lock = threading.Lock()
+        self._lane_freed = threading.Condition(self._lock)
         self._next: stage_pb2_grpc.StageStub | None = None
         self._channel: grpc.Channel | None = None
         self.timing = _Timing()
@@ -101,8 +103,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 kind = call.WhichOneof("call")
                 try:
                     if lane is None:
-                        with self._lock:
-                            lane = self.cache.alloc_lane()
+                        lane = self._alloc_lane()
                     if not self.is_last and down is None:
                         if self._next is None:
                             raise StageError(f"stage {self.spec.stage_index} has no next stage")
@@ -118,6 +119,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                         yield self._decode(call.decode, lane, down, sampler)
                     else:
                         yield _error("empty call")
+                except _Busy as e:
+                    yield pb.StageResult(error=pb.Error(message=str(e), busy=True))
                 except (StageError, ValueError) as e:
                     yield _error(str(e))
                 except grpc.RpcError as e:
@@ -131,6 +134,19 @@ class StageService(stage_pb2_grpc.StageServicer):
             if lane is not None:
                 with self._lock:
                     self.cache.free_lane(lane)
+                    self._lane_freed.notify()
+
+    def _alloc_lane(self) -> int:
+        """A lane, waiting for one to come free where the runtime has a fixed number."""
+        deadline = time.monotonic() + LANE_WAIT_S
+        with self._lock:
+            while True:
+                try:
+                    return self.cache.alloc_lane()
+                except StageError as e:
+                    if time.monotonic() > deadline:
+                        raise _Busy(str(e)) from e
+                    self._lane_freed.wait(timeout=1.0)
 
     def _plan(self, plan: pb.Plan, lane: int, down: Downstream | None, planned) -> pb.StageResult:
         d = None
@@ -212,6 +228,10 @@ class StageService(stage_pb2_grpc.StageServicer):
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
                     ("grpc.max_receive_message_length", 256 << 20)]
+
+
+class _Busy(Exception):
+    """No lane came free in time."""
 
 
 def _sampling(s: pb.Sampling) -> SamplingParams:

@@ -106,12 +106,14 @@ class Token(_message.Message):
     def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("message", "retryable")
+    __slots__ = ("message", "retryable", "busy")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     message: str
     retryable: bool
-    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    busy: bool
+    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class StageResult(_message.Message):
     __slots__ = ("plan", "token", "error")

@@ -112,7 +112,19 @@ class StageCache:
 
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self) -> int:
-        lane = self.runtime.alloc_lane()
+        """A lane for a request. A runtime with a fixed number of lanes (llama.cpp) may
+        have them all holding cache entries: the oldest entry then gives its lane up."""
+        while True:
+            try:
+                lane = self.runtime.alloc_lane()
+                break
+            except StageError:
+                victim = next(iter(self._entry_lanes), None)
+                if victim is None:
+                    raise
+                self._drop(self.prefixes.remove(victim))
+                if victim in self._entry_lanes:  # pinned by a hit in progress
+                    raise
         self._lanes[lane] = _LaneInfo()
         return lane
 

@@ -154,3 +154,21 @@ def test_namespaces_do_not_share_entries(qwen3_f32):
     assert on.plan(lanes, PROMPTS[1], namespace="tenant-a")[0] > 0
     assert on.first_logits(lanes, PROMPTS[0], namespace="tenant-b")[1] == 0
     on.free(lanes)
+
+
+def test_cache_entries_give_their_lanes_up_to_requests(smollm2):
+    """llama.cpp has a fixed number of lanes: entries holding them yield to requests."""
+    from skippy.stages.llamacpp_runtime import LlamaCppStageRuntime
+    from skippy.stages.runtime import StageError, StageSpec
+    rt = LlamaCppStageRuntime(StageSpec(str(smollm2), 0, 30, chunk=32, n_ctx=512), max_lanes=2)
+    cache = StageCache(rt, cfg(), policy="ResidentKv")
+    a = cache.alloc_lane()
+    cache.prefill(a, PROMPTS[0], torch.tensor(PROMPTS[0]), 0)
+    assert cache.stats()["entries"] == 1              # its holder lane is the second lane
+    b = cache.alloc_lane()                            # the entry gave its lane up
+    assert cache.stats()["entries"] == 0 and a != b
+    with pytest.raises(StageError):
+        cache.alloc_lane()                            # both lanes serve requests now
+    cache.free_lane(a)
+    cache.free_lane(b)
+    rt.close()
