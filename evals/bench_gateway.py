@@ -1,0 +1,624 @@
+"""Our OpenAI server (`skippy serve`) against llama-cpp-python's server, over HTTP.
+
+Both serve the same GGUF (requantized to a llama.cpp fast path, Q4_0 by default) with the
+same context and 2 threads; each runs as its own process, one server at a time (2 cores:
+two servers at once would time each other). The same scenarios go to every server:
+
+- repeat: one 128-token prompt sent again and again, max_tokens 1, temperature 0
+  (the first request is a discarded warm-up);
+- file_order: the corpus records in file order as chat requests, max_tokens 1;
+- interleaved: the same records, the use cases round-robin (record i of each use case
+  in turn), max_tokens 1;
+- concurrent: 8 clients at once, each sending a few distinct short chat requests with
+  max_tokens 16; aggregate completion tokens per second.
+
+Records whose prompt does not fit the context (prompt + max_tokens + a margin, counted
+with the model's own chat template and vocabulary) are skipped on every server alike.
+Our server gets a fresh cache namespace (`cache_salt`) per scenario, so nothing one
+scenario cached answers another; llama.cpp keeps only its last prompt anyway.
+
+Our server runs twice: one stage on the llama.cpp runtime (the targets apply to it) and
+two stages on the torch runtime (reported only). Run it in a loopback-only namespace:
+
+    unshare -n bash -c 'ip link set lo up; RAY_AUTH_MODE=disabled \\
+        .venv/bin/python -m skippy.evals.bench_gateway --json gateway.json'
+
+Servers listen on free loopback ports and are always killed (their whole process group)
+when the bench ends, also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
+HOST = "127.0.0.1"
+THREADS = 2
+REPEAT_PROMPT_TOKENS = 128
+CONTEXT_MARGIN = 16        # tokens kept free beyond prompt + max_tokens (template drift)
+START_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 900.0
+
+# speedup the single-stage server must reach per scenario (llama.cpp / ours for latency,
+# ours / llama.cpp for tokens per second)
+TARGETS = {"repeat": 1.5, "file_order": 1.2, "interleaved": 5.0, "concurrent": 2.0}
+SCENARIOS = ("repeat", "file_order", "interleaved", "concurrent")
+LABELS = {"repeat": "(a) exact repeat 128 tok", "file_order": "(b) corpus, file order",
+          "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok"}
+
+# distinct short questions for the concurrent scenario (a client/request tag keeps every
+# prompt unique, so no server answers one from an earlier identical request)
+QUESTIONS = (
+    "Why do leaves change colour in autumn?", "How does a bicycle stay upright?",
+    "What makes bread rise?", "Explain what a prime number is.",
+    "Why is the sea salty?", "How do bees find flowers?",
+    "What is the difference between weather and climate?", "How does a compass work?",
+    "Why do we have seasons?", "What does a database index do?",
+    "How do vaccines train the immune system?", "Why is the sky dark at night?",
+    "What is a hash function used for?", "How does a refrigerator keep food cold?",
+    "Why do cats purr?", "What causes thunder?",
+)
+
+
+# -- configurations ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server to bench: ours with `stages` x `runtime`, or the reference."""
+    key: str
+    label: str
+    ours: bool
+    stages: int = 1
+    runtime: str = "llama.cpp"
+    targets: bool = False   # the targets apply to this configuration
+
+    def command(self, model_path: Path, model_name: str, port: int, n_ctx: int) -> list[str]:
+        if self.ours:
+            return [sys.executable, "-m", "skippy.mesh.cli", "serve", "--model", str(model_path),
+                    "--model-name", model_name, "--stages", str(self.stages),
+                    "--runtime", self.runtime, "--host", HOST, "--port", str(port),
+                    "--ctx", str(n_ctx)]
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path),
+                "--model_alias", model_name, "--n_ctx", str(n_ctx),
+                "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+                "--host", HOST, "--port", str(port)]
+
+    @property
+    def ready_path(self) -> str:
+        return "/health" if self.ours else "/v1/models"
+
+
+REFERENCE = ServerConfig("reference", "llama.cpp server", ours=False)
+OURS = (ServerConfig("ours_1_llama.cpp", "ours 1 stage llama.cpp", True, 1, "llama.cpp", True),
+        ServerConfig("ours_2_torch", "ours 2 stages torch", True, 2, "torch"))
+
+
+# -- scenarios (pure) -------------------------------------------------------------------------
+def use_cases_in_order(records: Iterable[dict]) -> list[str]:
+    """Use-case names in the order they first appear."""
+    return list(dict.fromkeys(r["use_case"] for r in records))
+
+
+def per_use_case(records: list[dict], limit: int | None) -> list[dict]:
+    """The first `limit` records of each use case (all when None), in file order."""
+    if limit is None:
+        return list(records)
+    seen: dict[str, int] = {}
+    out = []
+    for r in records:
+        if seen.get(r["use_case"], 0) < limit:
+            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
+            out.append(r)
+    return out
+
+
+def interleave(records: list[dict]) -> list[dict]:
+    """Record 0 of each use case, then record 1 of each, ... (use cases in first-seen order;
+    a use case with fewer records drops out of later rounds)."""
+    groups: dict[str, list[dict]] = {name: [] for name in use_cases_in_order(records)}
+    for r in records:
+        groups[r["use_case"]].append(r)
+    rounds = max((len(g) for g in groups.values()), default=0)
+    return [g[i] for i in range(rounds) for g in groups.values() if i < len(g)]
+
+
+def split_by_context(records: list[dict], count_tokens: Callable[[list[dict]], int],
+                     n_ctx: int, max_tokens: int,
+                     margin: int = CONTEXT_MARGIN) -> tuple[list[dict], list[dict]]:
+    """(records that fit, records over the context): a record fits when its rendered chat
+    prompt + max_tokens + margin <= n_ctx."""
+    fit, over = [], []
+    for r in records:
+        (fit if count_tokens(r["messages"]) + max_tokens + margin <= n_ctx else over).append(r)
+    return fit, over
+
+
+def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def concurrent_messages(clients: int, requests: int) -> list[list[list[dict]]]:
+    """Per client, its requests' messages; every prompt differs from every other."""
+    out = []
+    for c in range(clients):
+        mine = []
+        for j in range(requests):
+            q = QUESTIONS[(c * requests + j) % len(QUESTIONS)]
+            mine.append([{"role": "user", "content": f"{q} (client {c}, question {j + 1})"}])
+        out.append(mine)
+    return out
+
+
+def repeat_prompt(text: str, encode: Callable[[str], list[int]],
+                  decode: Callable[[list[int]], str],
+                  n: int = REPEAT_PROMPT_TOKENS) -> tuple[str, int]:
+    """A prefix of `text` that encodes to n tokens (or as close as the vocabulary allows:
+    decode/encode need not round-trip), and its token count."""
+    ids = encode(text)
+    while len(ids) < n + 8:
+        text = text + "\n" + text
+        ids = encode(text)
+    special = len(encode("")) if encode("") else 0   # BOS the encoder adds, if any
+    best: tuple[str, int] | None = None
+    for k in range(n - special, n - special + 8):
+        piece = decode(ids[special:special + k])
+        got = len(encode(piece))
+        if best is None or abs(got - n) < abs(best[1] - n):
+            best = (piece, got)
+        if got == n:
+            break
+    return best
+
+
+# -- statistics (pure) ------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least q % of values at or below."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def summarize(samples_ms: list[float]) -> dict:
+    return {"n": len(samples_ms),
+            "median_ms": statistics.median(samples_ms) if samples_ms else math.nan,
+            "p95_ms": percentile(samples_ms, 95),
+            "total_s": sum(samples_ms) / 1e3}
+
+
+def speedup(scenario: str, ours: dict, reference: dict) -> float:
+    """How many times better ours is: latency llama.cpp / ours; tokens/s ours / llama.cpp."""
+    if scenario == "concurrent":
+        a, b = ours.get("tokens_per_s", math.nan), reference.get("tokens_per_s", math.nan)
+    else:
+        a, b = reference.get("median_ms", math.nan), ours.get("median_ms", math.nan)
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+def comparisons(servers: dict, configs: Iterable[ServerConfig] = OURS) -> list[dict]:
+    """One row per scenario and configuration of ours that ran: figures, speedup, target."""
+    ref = servers.get(REFERENCE.key, {}).get("scenarios", {})
+    rows = []
+    for scenario in SCENARIOS:
+        for cfg in configs:
+            ours = servers.get(cfg.key, {}).get("scenarios", {}).get(scenario)
+            if ours is None or scenario not in ref:
+                continue
+            ratio = speedup(scenario, ours, ref[scenario])
+            target = TARGETS[scenario] if cfg.targets else None
+            rows.append({"scenario": scenario, "config": cfg.key, "label": cfg.label,
+                         "ours": _headline(scenario, ours),
+                         "reference": _headline(scenario, ref[scenario]),
+                         "speedup": ratio, "target": target,
+                         "met": None if target is None else bool(ratio >= target)})
+    return rows
+
+
+def _headline(scenario: str, s: dict) -> dict:
+    keys = ("tokens_per_s", "median_ms", "p95_ms") if scenario == "concurrent" \
+        else ("median_ms", "p95_ms")
+    return {k: s.get(k, math.nan) for k in keys}
+
+
+def table(result: dict) -> str:
+    s = result["settings"]
+    lines = [
+        f"gateway bench: {s['model']} ({Path(s['file']).name}), context {s['n_ctx']}, "
+        f"{THREADS} threads per server, one server at a time",
+        f"records: {s['records']} ({s['over_context']} over the context skipped on every "
+        f"server); repeat: {s['repeats']} after 1 warm-up; concurrent: {s['clients']} "
+        f"clients x {s['requests_per_client']} requests",
+        "latency in ms (median, p95 per request); (d): aggregate completion tokens/s; "
+        "speedup: llama.cpp/ours for latency, ours/llama.cpp for tokens/s",
+        "",
+        f"{'scenario':<26} {'server':<24} {'ours p50':>9} {'p95':>8} {'llama.cpp p50':>14} "
+        f"{'p95':>8} {'speedup':>8} {'target':>7} {'met':>4}",
+    ]
+    for row in result["comparisons"]:
+        o, r = row["ours"], row["reference"]
+        if row["scenario"] == "concurrent":
+            cells = (f"{o['tokens_per_s']:>7.1f}/s", f"{'':>8}", f"{r['tokens_per_s']:>12.1f}/s",
+                     f"{'':>8}")
+        else:
+            cells = (f"{o['median_ms']:>9.1f}", f"{o['p95_ms']:>8.1f}",
+                     f"{r['median_ms']:>14.1f}", f"{r['p95_ms']:>8.1f}")
+        target = f"{row['target']:.1f}x" if row["target"] else "-"
+        met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
+        lines.append(f"{LABELS[row['scenario']]:<26} {row['label']:<24} {' '.join(cells)} "
+                     f"{row['speedup']:>7.2f}x {target:>7} {met:>4}")
+    errors = [f"{key} {name}: {sc['errors']}" for key, srv in result["servers"].items()
+              for name, sc in srv.get("scenarios", {}).items() if sc.get("errors")]
+    if errors:
+        lines += ["", "failed requests (left out of the figures): " + "; ".join(errors)]
+    failed = [f"{key}: {srv['error']}" for key, srv in result["servers"].items()
+              if srv.get("error")]
+    if failed:
+        lines += ["", "servers that failed: " + "; ".join(failed)]
+    lines.append(f"load average before/after: {result['loadavg_before']} / "
+                 f"{result['loadavg_after']} (2 cores: above ~1 the figures are noisy)")
+    return "\n".join(lines)
+
+
+# -- servers ------------------------------------------------------------------------------------
+def free_port(host: str = HOST) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root` (Linux /proc; empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return set()
+    tree, found, todo = _children_by_parent(), set(), [root]
+    while todo:
+        for child in tree.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+@dataclass
+class ServerProcess:
+    """A server as a subprocess in its own process group, logging to a file."""
+    command: list[str]
+    url: str
+    ready_path: str
+    env: dict = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    _known: set = field(default_factory=set)
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> float:
+        """Start and wait until `ready_path` answers 200; seconds it took."""
+        fd, name = tempfile.mkstemp(prefix="bench-gateway-", suffix=".log")
+        self.log_path = Path(name)
+        t0 = time.monotonic()
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env={**os.environ, **self.env})
+        deadline = t0 + timeout
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with code {self.proc.returncode} "
+                                       f"before it was ready:\n{self.log_tail()}")
+                try:
+                    if client.get(self.url + self.ready_path).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n"
+                                       f"{self.log_tail()}")
+                time.sleep(0.5)
+        self._known |= descendants(self.proc.pid)
+        return time.monotonic() - t0
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGINT to the server (ours then closes its engine and Ray), then SIGKILL to its
+        process group and to every process it started, wherever they went."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        pids = self._known | descendants(proc.pid)
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        pids |= descendants(proc.pid)
+        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL),
+                     *(lambda p=p: os.kill(p, signal.SIGKILL) for p in pids)):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> ServerProcess:  # noqa: PYI034
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- clients --------------------------------------------------------------------------------------
+def post(client: httpx.Client, url: str, body: dict) -> tuple[float, dict | None, str | None]:
+    """(seconds, response JSON or None, error or None) for one non-streaming request."""
+    t = time.perf_counter()
+    try:
+        r = client.post(url, json=body)
+    except httpx.HTTPError as e:
+        return time.perf_counter() - t, None, f"{type(e).__name__}: {e}"
+    dt = time.perf_counter() - t
+    if r.status_code != 200:
+        return dt, None, f"HTTP {r.status_code}: {r.text[:200]}"
+    return dt, r.json(), None
+
+
+def run_sequential(base_url: str, path: str, bodies: list[dict], *, warmup: int = 0) -> dict:
+    """The bodies one after another; latency per request (warm-ups untimed)."""
+    samples, errors, prompt_tokens, completion_tokens, first_error = [], 0, 0, 0, None
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        for i, body in enumerate(bodies):
+            dt, reply, error = post(client, base_url + path, body)
+            if i < warmup:
+                continue
+            if error:
+                errors += 1
+                first_error = first_error or error
+                continue
+            samples.append(dt * 1e3)
+            usage = reply.get("usage") or {}
+            prompt_tokens += usage.get("prompt_tokens", 0)
+            completion_tokens += usage.get("completion_tokens", 0)
+    out = summarize(samples)
+    out.update(samples_ms=samples, errors=errors, first_error=first_error,
+               prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    return out
+
+
+def run_concurrent(base_url: str, per_client: list[list[dict]]) -> dict:
+    """One thread per client, all released together, each sending its bodies in turn;
+    aggregate completion tokens over the wall time from release to the last answer."""
+    latencies: list[float] = []
+    tokens, errors, first_error = [0], [0], [None]
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(per_client) + 1)
+
+    def client_loop(bodies: list[dict]) -> None:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            barrier.wait()
+            for body in bodies:
+                dt, reply, error = post(client, base_url + "/v1/chat/completions", body)
+                with lock:
+                    if error:
+                        errors[0] += 1
+                        first_error[0] = first_error[0] or error
+                    else:
+                        latencies.append(dt * 1e3)
+                        tokens[0] += (reply.get("usage") or {}).get("completion_tokens", 0)
+
+    threads = [threading.Thread(target=client_loop, args=(b,), daemon=True) for b in per_client]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    out = summarize(latencies)
+    out.update(clients=len(per_client), requests=sum(len(b) for b in per_client),
+               completion_tokens=tokens[0], wall_s=wall,
+               tokens_per_s=tokens[0] / wall if wall > 0 else math.nan,
+               samples_ms=latencies, errors=errors[0], first_error=first_error[0])
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every server is sent: the same prompts, in the same order."""
+    model: str
+    repeat_text: str
+    repeats: int
+    file_order: list[dict]
+    interleaved: list[dict]
+    concurrent: list[list[list[dict]]]
+
+
+def run_scenarios(base_url: str, work: Workload, *, ours: bool,
+                  scenarios: Iterable[str] = SCENARIOS, say=print) -> dict:
+    """Every scenario against one running server; ours gets a cache namespace per scenario."""
+
+    def salted(body: dict, scenario: str) -> dict:
+        return {**body, "cache_salt": f"bench-{scenario}"} if ours else body
+
+    out = {}
+    for scenario in scenarios:
+        say(f"  {scenario} ...")
+        if scenario == "repeat":
+            body = {"model": work.model, "prompt": work.repeat_text, "max_tokens": 1,
+                    "temperature": 0}
+            out[scenario] = run_sequential(base_url, "/v1/completions",
+                                           [salted(body, scenario)] * (work.repeats + 1),
+                                           warmup=1)
+        elif scenario in ("file_order", "interleaved"):
+            records = work.file_order if scenario == "file_order" else work.interleaved
+            bodies = [salted(chat_body(work.model, r["messages"], 1), scenario)
+                      for r in records]
+            out[scenario] = run_sequential(base_url, "/v1/chat/completions", bodies)
+            out[scenario]["ids"] = [r.get("id") for r in records]
+        elif scenario == "concurrent":
+            per_client = [[salted(chat_body(work.model, m, 16), scenario) for m in msgs]
+                          for msgs in work.concurrent]
+            out[scenario] = run_concurrent(base_url, per_client)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+    return out
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
+                   limit: int | None, repeats: int, clients: int,
+                   requests: int) -> tuple[Workload, dict]:
+    from skippy.evals.numerics import read_corpus
+    from skippy.mesh.chat import load_chat_template
+    from skippy.mesh.tokenizer import Tokenizer
+
+    tok = Tokenizer(path)
+    template = load_chat_template(tok)
+    records = per_use_case(read_corpus(data), limit)
+    fit, over = split_by_context(records, lambda m: len(tok.encode(template.render(m))),
+                                 n_ctx, max_tokens=1)
+    text = "\n\n".join(m["content"] for m in records[0]["messages"]) if records else \
+        " ".join(QUESTIONS)
+    repeat_text, repeat_tokens = repeat_prompt(text, tok.encode, tok.decode)
+    tok.close()
+    work = Workload(model_name, repeat_text, repeats, fit, interleave(fit),
+                    concurrent_messages(clients, requests))
+    facts = {"records": len(fit), "over_context": len(over),
+             "over_context_ids": [r.get("id") for r in over],
+             "repeat_prompt_tokens": repeat_tokens}
+    return work, facts
+
+
+def bench(args) -> dict:
+    from skippy.mesh.models import requantize, resolve_model
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
+    src = resolve_model(args.model)
+    path = src if args.format == "shipped" else requantize(src, args.format)
+    work, facts = build_workload(path, args.model, args.data, n_ctx=args.ctx, limit=args.limit,
+                                 repeats=args.repeats, clients=args.clients,
+                                 requests=args.requests)
+    configs = [c for c in (REFERENCE, *OURS) if c.key in args.servers]
+    result = {"settings": {"model": args.model, "file": str(path), "n_ctx": args.ctx,
+                           "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
+                           "clients": args.clients, "requests_per_client": args.requests,
+                           **facts},
+              "loadavg_before": _loadavg(), "servers": {}}
+    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    for cfg in configs:
+        port = free_port()
+        server = ServerProcess(cfg.command(path, args.model, port, args.ctx),
+                               f"http://{HOST}:{port}", cfg.ready_path, env)
+        entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command}
+        say(f"[{cfg.label}] starting on port {port} ...")
+        try:
+            entry["start_s"] = server.start()
+            say(f"[{cfg.label}] ready in {entry['start_s']:.1f} s")
+            entry["scenarios"] = run_scenarios(server.url, work, ours=cfg.ours,
+                                               scenarios=args.scenarios, say=say)
+        except RuntimeError as e:
+            entry["error"] = str(e).splitlines()[0]
+            say(f"[{cfg.label}] failed: {e}")
+        finally:
+            server.stop()
+    result["loadavg_after"] = _loadavg()
+    result["comparisons"] = comparisons(result["servers"])
+    result["targets"] = TARGETS
+    return result
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_gateway",
+                                description="Our OpenAI server vs llama-cpp-python's server.")
+    p.add_argument("--model", default="smollm2", help="shipped model name (default smollm2)")
+    p.add_argument("--format", choices=("q4_0", "q8_0", "shipped"), default="q4_0",
+                   help="the GGUF both serve: requantized to a llama.cpp fast path, or the "
+                        "shipped file (default q4_0)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="corpus JSONL")
+    p.add_argument("--ctx", type=int, default=4096, help="context of every server (4096)")
+    p.add_argument("--limit", type=int, help="records per use case (default: all)")
+    p.add_argument("--repeats", type=int, default=20, help="timed exact repeats (20)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients (8)")
+    p.add_argument("--requests", type=int, default=4, help="requests per client (4)")
+    p.add_argument("--server", action="append", dest="servers",
+                   choices=[c.key for c in (REFERENCE, *OURS)],
+                   help="bench only these servers (repeatable; default: all three)")
+    p.add_argument("--scenario", action="append", dest="scenarios", choices=SCENARIOS,
+                   help="run only these scenarios (repeatable; default: all)")
+    p.add_argument("--json", metavar="PATH", help="also write everything as JSON to PATH "
+                                                  "('-': JSON on stdout, table on stderr)")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.clients < 1 or args.requests < 1 or args.ctx < 64 \
+            or (args.limit is not None and args.limit < 1):
+        p.error("--repeats, --clients, --requests, --limit must be >= 1, --ctx >= 64")
+    args.servers = args.servers or [c.key for c in (REFERENCE, *OURS)]
+    args.scenarios = [s for s in SCENARIOS if s in (args.scenarios or SCENARIOS)]
+    return args
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # so that every server is stopped on the way out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    result = bench(args)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(table(result), file=out, flush=True)
+    text = json.dumps(result, indent=2, default=str)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
