@@ -1,0 +1,280 @@
+"""What the data path costs: one hop between stages, and a whole 2-stage decode.
+
+(i) per hop: one activation frame ([1, 576] and [128, 576] f16, SmolLM2's width) sent to
+    a stage and answered, two ways into the same Ray actor process:
+    - gRPC: a `Session` stream as stage i holds it to stage i+1 (`Downstream.ask`), the
+      frame encoded with `frame_to_proto` and decoded at the far end;
+    - Ray: an actor method call carrying the f16 tensor (pickled; object store above
+      Ray's inline limit).
+(ii) the requirement: a 2-stage split decodes within 1.3x the per-token time of one
+    stage on the same runtime. RayEngine(smollm2, 1) and then RayEngine(smollm2, 2)
+    (torch runtime, embedded Ray, one at a time) generate 64 greedy tokens from the same
+    prompt a few times (probe requests: no cache serves any of it); per-token decode
+    time = (last token - first token) / 63; medians, the ratio, met or not. The stages'
+    own compute per decode step (their figures) shows what the chain adds.
+
+Run it in a loopback-only namespace (DESIGN.md §9):
+
+    unshare -n bash -c 'ip link set lo up; RAY_AUTH_MODE=disabled \\
+        .venv/bin/python -m skippy.evals.bench_mesh --json mesh.json'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HOP_SHAPES = ((1, 576), (128, 576))
+DECODE_TOKENS = 64
+SPLIT_TARGET = 1.3   # 2-stage per-token decode time / 1-stage, at most
+PROMPT = ("The harbour town woke slowly. Fishing boats came back with the tide, gulls "
+          "argued over the nets, and the baker opened his shutters to a queue of people. "
+          "Tell me what happened next in the town.")
+
+
+# -- (i) one hop ----------------------------------------------------------------------------------
+def _echo_actor_class():
+    """A Ray actor serving a trivial Stage service over gRPC and an equivalent Ray method:
+    both decode the frame they get and answer with its row count."""
+    import ray
+
+    from skippy.mesh.stage_service import start_server
+    from skippy.mesh.wire import frame_from_proto
+    from skippy.proto import stage_pb2 as pb
+    from skippy.proto import stage_pb2_grpc
+
+    class EchoStage(stage_pb2_grpc.StageServicer):
+        def Session(self, calls, context):
+            for call in calls:
+                frame = frame_from_proto(call.decode.frame)
+                yield pb.StageResult(token=pb.Token(id=int(frame.rows.shape[0])))
+
+    @ray.remote(num_cpus=0)
+    class EchoActor:
+        def __init__(self, host: str):
+            self._server, self._address = start_server(EchoStage(), host)
+
+        def address(self) -> str:
+            return self._address
+
+        def echo(self, rows: torch.Tensor) -> int:
+            return int(rows.shape[0])
+
+    return EchoActor
+
+
+def _timed(fn, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
+    """Per-hop round trips (ms) for each frame shape, gRPC vs Ray, into one actor."""
+    import grpc
+    import ray
+
+    from skippy.mesh.stage_service import Downstream
+    from skippy.mesh.wire import frame_to_proto
+    from skippy.proto import stage_pb2 as pb
+    from skippy.proto import stage_pb2_grpc
+    from skippy.stages.frame import Frame
+
+    actor = _echo_actor_class().remote("127.0.0.1")
+    channel = None
+    try:
+        address = ray.get(actor.address.remote(), timeout=120)
+        channel = grpc.insecure_channel(address)
+        down = Downstream(stage_pb2_grpc.StageStub(channel))
+        rows_out = []
+        for n, width in HOP_SHAPES:
+            rows = torch.randn(n, width).to(torch.float16)
+            frame = Frame(0, rows, torch.ones(n, dtype=torch.float32))
+
+            def over_grpc(frame=frame, n=n):
+                reply = down.ask(pb.StageCall(decode=pb.Decode(token=0,
+                                                               frame=frame_to_proto(frame))))
+                assert reply.token.id == n
+
+            def over_ray(rows=rows, n=n):
+                assert ray.get(actor.echo.remote(rows)) == n
+
+            say(f"  hop [{n}, {width}] f16 ...")
+            g = _timed(over_grpc, repeats, warmup)
+            r = _timed(over_ray, repeats, warmup)
+            rows_out.append({"shape": [n, width], "bytes": n * width * 2,
+                             "grpc_ms": statistics.median(g), "ray_ms": statistics.median(r),
+                             "grpc_samples_ms": g, "ray_samples_ms": r})
+        down.close()
+        return rows_out
+    finally:
+        if channel is not None:
+            channel.close()
+        ray.kill(actor, no_restart=True)
+
+
+# -- (ii) the split's decode cost -------------------------------------------------------------------
+async def _decode_runs(engine, tokens: list[int], runs: int, n_tokens: int) -> list[float]:
+    """Per-token decode ms of each run: (last step - first step) / (n - 1)."""
+    from skippy.mesh.engine import GenerationRequest
+
+    request = GenerationRequest(tokens=tuple(tokens), max_tokens=n_tokens, probe=True)
+    out = []
+    for _ in range(runs + 1):   # the first run warms up
+        stamps = []
+        async for _step in engine.generate(request):
+            stamps.append(time.perf_counter())
+        if len(stamps) != n_tokens:
+            raise RuntimeError(f"expected {n_tokens} tokens, got {len(stamps)}")
+        out.append((stamps[-1] - stamps[0]) / (n_tokens - 1) * 1e3)
+    return out[1:]
+
+
+def _stage_decode_ms(before: dict, after: dict) -> list[float]:
+    """Each stage's own compute per decode step between two figure snapshots."""
+    out = []
+    for b, a in zip(before["stages"], after["stages"]):
+        steps = a["steps"]["decode"] - b["steps"]["decode"]
+        secs = a["seconds"]["decode"] - b["seconds"]["decode"]
+        out.append(secs / steps * 1e3 if steps else float("nan"))
+    return out
+
+
+def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: int,
+                n_ctx: int = 2048, say=print) -> list[dict]:
+    """One engine at a time: per-token decode time for each stage count."""
+    from skippy.mesh.chat import render_chat
+    from skippy.mesh.ray_engine import RayEngine
+    from skippy.mesh.tokenizer import Tokenizer
+
+    tok = Tokenizer(path)
+    tokens = tok.encode(render_chat(path, [{"role": "user", "content": PROMPT}]))
+    tok.close()
+    results = []
+    for n in stage_counts:
+        say(f"  RayEngine({path.name}, {n}) ...")
+        t = time.perf_counter()
+        engine = RayEngine(path, n, runtime="torch", n_ctx=n_ctx, progress=lambda m: None)
+        load_s = time.perf_counter() - t
+        try:
+            before = engine.stats()
+            per_token = asyncio.run(_decode_runs(engine, tokens, runs, n_tokens))
+            stage_ms = _stage_decode_ms(before, engine.stats())
+        finally:
+            asyncio.run(engine.close())
+        median = statistics.median(per_token)
+        results.append({"stages": n, "load_s": load_s, "per_token_ms": median,
+                        "samples_ms": per_token, "stage_compute_ms": stage_ms,
+                        "chain_overhead_ms": median - sum(stage_ms)})
+    return results
+
+
+def split_verdict(split: list[dict], target: float = SPLIT_TARGET) -> dict | None:
+    """The 2-stage / 1-stage per-token ratio against the target (None without both)."""
+    by = {r["stages"]: r["per_token_ms"] for r in split}
+    if 1 not in by or 2 not in by:
+        return None
+    ratio = by[2] / by[1]
+    return {"ratio": ratio, "target": target, "met": bool(ratio <= target)}
+
+
+# -- report ----------------------------------------------------------------------------------------
+def table(result: dict) -> str:
+    lines = [f"(i) one hop into a Ray actor: median round trip of {result['repeats']} "
+             f"(frame encoded, sent, decoded, answered)",
+             f"{'frame':<14} {'KiB':>6} {'gRPC ms':>8} {'Ray ms':>8} {'Ray/gRPC':>9}"]
+    for h in result["hops"]:
+        lines.append(f"{'[%d, %d] f16' % tuple(h['shape']):<14} {h['bytes'] / 1024:>6.1f} "
+                     f"{h['grpc_ms']:>8.2f} {h['ray_ms']:>8.2f} "
+                     f"{h['ray_ms'] / h['grpc_ms']:>8.2f}x")
+    lines += ["", f"(ii) decode through RayEngine, torch runtime, {result['decode_tokens']} "
+                  f"greedy tokens, median of {result['runs']} runs after a warm-up",
+              f"{'stages':>6} {'per token ms':>13} {'stage compute ms':>20} "
+              f"{'chain adds ms':>14}"]
+    for s in result["split"]:
+        compute = " + ".join(f"{x:.2f}" for x in s["stage_compute_ms"])
+        lines.append(f"{s['stages']:>6} {s['per_token_ms']:>13.2f} {compute:>20} "
+                     f"{s['chain_overhead_ms']:>14.2f}")
+    v = result.get("verdict")
+    if v:
+        lines.append(f"2 stages / 1 stage: {v['ratio']:.2f}x (target <= {v['target']}x): "
+                     f"{'met' if v['met'] else 'NOT met'}")
+    lines.append(f"load average before/after: {result['loadavg_before']} / "
+                 f"{result['loadavg_after']} (2 cores: above ~1 the figures are noisy)")
+    return "\n".join(lines)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_mesh",
+                                description="Per-hop cost (gRPC vs Ray) and 2-stage decode "
+                                            "cost against one stage.")
+    p.add_argument("--model", default="smollm2", help="model name or .gguf (default smollm2)")
+    p.add_argument("--repeats", type=int, default=200, help="hop round trips timed (200)")
+    p.add_argument("--runs", type=int, default=3, help="timed decode runs per engine (3)")
+    p.add_argument("--tokens", type=int, default=DECODE_TOKENS, help="tokens per run (64)")
+    p.add_argument("--skip-hops", action="store_true", help="only (ii)")
+    p.add_argument("--skip-split", action="store_true", help="only (i)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH "
+                                                  "('-': JSON on stdout, table on stderr)")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.runs < 1 or args.tokens < 2:
+        p.error("--repeats and --runs must be >= 1, --tokens >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import ray
+
+    from skippy.mesh.models import resolve_model
+    from skippy.mesh.ray_engine import start_ray
+
+    args = parse_args(argv)
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
+    path = resolve_model(args.model)
+    result = {"model": args.model, "file": str(path), "repeats": args.repeats,
+              "runs": args.runs, "decode_tokens": args.tokens, "loadavg_before": _loadavg(),
+              "hops": [], "split": []}
+    owns_ray = start_ray()
+    try:
+        if not args.skip_hops:
+            say("(i) per hop")
+            result["hops"] = bench_hops(args.repeats, say=say)
+        if not args.skip_split:
+            say("(ii) 1 vs 2 stages")
+            result["split"] = bench_split(path, (1, 2), args.runs, args.tokens, say=say)
+            result["verdict"] = split_verdict(result["split"])
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    result["loadavg_after"] = _loadavg()
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(table(result), file=out, flush=True)
+    text = json.dumps(result, indent=2)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
