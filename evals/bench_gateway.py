@@ -310,6 +310,15 @@ def descendants(root: int) -> set[int]:
     return found
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @dataclass
 class ServerProcess:
     """A server as a subprocess in its own process group, logging to a file."""
@@ -377,6 +386,9 @@ class ServerProcess:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 10   # SIGKILL lands asynchronously
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
 
