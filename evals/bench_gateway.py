@@ -115,19 +115,6 @@ def use_cases_in_order(records: Iterable[dict]) -> list[str]:
     return list(dict.fromkeys(r["use_case"] for r in records))
 
 
-def per_use_case(records: list[dict], limit: int | None) -> list[dict]:
-    """The first `limit` records of each use case (all when None), in file order."""
-    if limit is None:
-        return list(records)
-    seen: dict[str, int] = {}
-    out = []
-    for r in records:
-        if seen.get(r["use_case"], 0) < limit:
-            seen[r["use_case"]] = seen.get(r["use_case"], 0) + 1
-            out.append(r)
-    return out
-
-
 def interleave(records: list[dict]) -> list[dict]:
     """Record 0 of each use case, then record 1 of each, ... (use cases in first-seen order;
     a use case with fewer records drops out of later rounds)."""
@@ -516,11 +503,23 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
 
 
 # -- the benchmark ------------------------------------------------------------------------------
-def _loadavg() -> str:
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages: on 2 cores, above ~1 the figures are noisy."""
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "?"
+
+
+def emit(result: dict, text: str, json_path: str | None) -> None:
+    """The table on stdout (stderr when the JSON goes to stdout: `json_path` "-"), and the
+    figures as JSON to `json_path` when given."""
+    print(text, file=sys.stderr if json_path == "-" else sys.stdout, flush=True)
+    data = json.dumps(result, indent=2, default=str)
+    if json_path == "-":
+        print(data)
+    elif json_path:
+        Path(json_path).write_text(data + "\n")
 
 
 def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
@@ -532,7 +531,7 @@ def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
 
     tok = Tokenizer(path)
     template = load_chat_template(tok)
-    records = per_use_case(read_corpus(data), limit)
+    records = read_corpus(data, per_use_case=limit)
     fit, over = split_by_context(records, lambda m: len(tok.encode(template.render(m))),
                                  n_ctx, max_tokens=1)
     text = "\n\n".join(m["content"] for m in records[0]["messages"]) if records else \
@@ -561,7 +560,7 @@ def bench(args) -> dict:
                            "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
                            "clients": args.clients, "requests_per_client": args.requests,
                            **facts},
-              "loadavg_before": _loadavg(), "servers": {}}
+              "loadavg_before": loadavg(), "servers": {}}
     env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     for cfg in configs:
         port = free_port()
@@ -579,7 +578,7 @@ def bench(args) -> dict:
             say(f"[{cfg.label}] failed: {e}")
         finally:
             server.stop()
-    result["loadavg_after"] = _loadavg()
+    result["loadavg_after"] = loadavg()
     result["comparisons"] = comparisons(result["servers"])
     result["targets"] = TARGETS
     return result
@@ -622,13 +621,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     result = bench(args)
-    out = sys.stderr if args.json == "-" else sys.stdout
-    print(table(result), file=out, flush=True)
-    text = json.dumps(result, indent=2, default=str)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
+    emit(result, table(result), args.json)
     return result
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -216,13 +215,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_mesh",
                                 description="Per-hop cost (gRPC vs Ray) and 2-stage decode "
@@ -244,6 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     import ray
 
+    from skippy.evals.bench_gateway import emit, loadavg
     from skippy.mesh.models import resolve_model
     from skippy.mesh.ray_engine import start_ray
 
@@ -251,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
     path = resolve_model(args.model)
     result = {"model": args.model, "file": str(path), "repeats": args.repeats,
-              "runs": args.runs, "decode_tokens": args.tokens, "loadavg_before": _loadavg(),
+              "runs": args.runs, "decode_tokens": args.tokens, "loadavg_before": loadavg(),
               "hops": [], "split": []}
     owns_ray = start_ray()
     try:
@@ -265,14 +258,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if owns_ray:
             ray.shutdown()
-    result["loadavg_after"] = _loadavg()
-    out = sys.stderr if args.json == "-" else sys.stdout
-    print(table(result), file=out, flush=True)
-    text = json.dumps(result, indent=2)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
+    result["loadavg_after"] = loadavg()
+    emit(result, table(result), args.json)
     return result
 
 

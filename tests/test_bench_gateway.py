@@ -33,12 +33,6 @@ def test_interleave_keeps_first_seen_use_case_order():
     assert [r["id"] for r in bg.interleave(rs)] == ["z-0", "a-0", "z-1", "a-1"]
 
 
-def test_limit_is_per_use_case_and_keeps_file_order():
-    rs = records({"a": 3, "b": 3})
-    assert [r["id"] for r in bg.per_use_case(rs, 2)] == ["a-0", "a-1", "b-0", "b-1"]
-    assert bg.per_use_case(rs, None) == rs
-
-
 def test_records_over_the_context_are_split_off():
     rs = records({"a": 4})
     sizes = {"a-0": 10, "a-1": 100, "a-2": 83, "a-3": 84}
