@@ -9,11 +9,12 @@ prefix, one generated token, one lane, the same GGUF on both sides, 2 threads ea
 - exact_repeat: the same 128-token prompt again. Ours: the last stage's exact-result
   cache. llama.cpp: llama-cpp-python's `create_completion` with the prompt still in its
   context (it samples from the live logits, or re-runs the last token).
-- changed_tail: the cached 128-token prefix + a new 16-token tail. Ours: restore the
-  prefix from the stage cache into a fresh lane (ResidentKv copy or KvRecurrent import),
-  prefill the tail. llama.cpp: the prefix is put back into its context first (untimed),
-  then prefix + tail is timed; on a dense model only the tail is run, on a recurrent or
-  hybrid model llama-cpp-python cannot cut the recurrent state back to the prefix and
+- changed_tail: the cached 128-token prefix + a new 16-token tail, a new tail each time.
+  Ours: restore the prefix from the stage cache into a fresh lane (ResidentKv copy or
+  KvRecurrent import), prefill the tail (padded to one chunk). llama.cpp: its context
+  holds the previous request (the prefix + the previous tail), as a server slot would;
+  on a dense model it cuts the KV back to the prefix and runs only the tail, on a
+  recurrent or hybrid model the recurrent state cannot be cut back, so llama-cpp-python
   reprocesses the whole prompt (measured as it is, not assumed).
 - changed_tail_1024 (hybrid families): the same with a 1024-token prefix.
 
@@ -252,8 +253,8 @@ def llama(path: Path, rows: list[Row], repeats: int) -> tuple[dict[str, dict], b
             cold = one(prompts[0][:row.prefix])
             samples = []
             for i, ids in enumerate(prompts):
-                if row.tail:
-                    one(ids[:row.prefix])  # the slot holds the prefix again (untimed)
+                # The slot holds the previous request (the prefix + its tail), as a
+                # server's slot would: no untimed reset to the bare prefix.
                 dt = one(ids)
                 if i:
                     samples.append(dt)
