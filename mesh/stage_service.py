@@ -59,10 +59,22 @@ class Downstream:
 
 
 @dataclass
+class _Step:
+    """One session's decode row, possibly run by another session's thread."""
+    lane: int
+    x: object
+    token: int
+    done: bool = False
+    out: object = None
+    error: BaseException | None = None
+
+
+@dataclass
 class _Timing:
     """Seconds spent in this stage's compute, by step kind (for /metrics)."""
     seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     count: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    rows: int = 0  # decode rows: rows / count["decode"] is the mean batch
 
     def add(self, kind: str, dt: float) -> None:
         self.seconds[kind] += dt
@@ -79,6 +91,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.is_last = spec.is_last
         self._lock = threading.Lock()
         self._lane_freed = threading.Condition(self._lock)
+        self._pending: list[_Step] = []        # decode rows waiting for the stage
+        self._pending_lock = threading.Lock()
         self._next: stage_pb2_grpc.StageStub | None = None
         self._channel: grpc.Channel | None = None
         self.timing = _Timing()
@@ -191,11 +205,7 @@ class StageService(stage_pb2_grpc.StageServicer):
     def _decode(self, d: pb.Decode, lane: int, down: Downstream | None,
                 sampler) -> pb.StageResult:
         x = torch.tensor(d.token) if self.spec.is_first else frame_from_proto(d.frame)
-        t = time.perf_counter()
-        with self._lock:
-            out = self.runtime.decode([(lane, x)])[0]
-            self.cache.note_decoded(lane, d.token)
-        self.timing.add("decode", time.perf_counter() - t)
+        out = self._decode_together(_Step(lane, x, d.token))
         if down is None:
             if sampler is None:
                 raise StageError("decode before prefill")
@@ -203,6 +213,35 @@ class StageService(stage_pb2_grpc.StageServicer):
         sent = pb.Decode(token=d.token)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
         return down.ask(pb.StageCall(decode=sent))
+
+    def _decode_together(self, step: _Step):
+        """One decode row for this lane, run in one runtime call with every other
+        session's row that is waiting at the same moment: whoever gets the stage lock
+        runs all pending rows (the runtime pads to its fixed lane batch, so a lane's
+        arithmetic never depends on who else is decoding)."""
+        with self._pending_lock:
+            self._pending.append(step)
+        with self._lock:
+            if not step.done:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                t = time.perf_counter()
+                try:
+                    outs = self.runtime.decode([(s.lane, s.x) for s in batch])
+                    for s, out in zip(batch, outs):
+                        s.out = out
+                        self.cache.note_decoded(s.lane, s.token)
+                except Exception as e:  # every row of the batch learns it
+                    for s in batch:
+                        s.error = e
+                finally:
+                    for s in batch:
+                        s.done = True
+                self.timing.add("decode", time.perf_counter() - t)
+                self.timing.rows += len(batch)
+        if step.error is not None:
+            raise step.error
+        return step.out
 
     def GetBlocks(self, request, context):
         store = self.cache.store
@@ -222,6 +261,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         s["layers"] = [self.spec.layer_start, self.spec.layer_end]
         s["seconds"] = dict(self.timing.seconds)
         s["steps"] = dict(self.timing.count)
+        s["decode_rows"] = self.timing.rows
         s["sessions"] = self.sessions
         return s
 

@@ -1,0 +1,79 @@
+"""A stage over gRPC, in-process: sessions, decode rows batched across sessions."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import pytest
+
+from skippy.cache.config import CacheConfig
+from skippy.mesh.pipeline import LocalPipeline
+from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.stage_service import StageService, start_server
+from skippy.proto import stage_pb2 as pb
+from skippy.proto import stage_pb2_grpc
+from skippy.stages.runtime import StageSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[1] + [(i * 37 + k * 101) % 30000 + 50 for i in range(40 + 9 * k)] for k in range(4)]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def stage(smollm2):
+    spec = StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, lane_batch=4)
+    service = StageService(spec, CacheConfig(), policy="ResidentKv")
+    server, address = start_server(service, "127.0.0.1")
+    yield service, address
+    server.stop(None)
+
+
+def session(address: str, tokens: list[int], steps: int) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        q: queue.Queue = queue.Queue()
+        replies = stub.Session(iter(q.get, None))
+        q.put(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=0)))
+        start = next(replies).plan.start
+        q.put(pb.StageCall(prefill=pb.Prefill(tokens=tokens, start=start)))
+        out = [next(replies).token.id]
+        for _ in range(steps - 1):
+            q.put(pb.StageCall(decode=pb.Decode(token=out[-1])))
+            reply = next(replies)
+            assert reply.WhichOneof("result") == "token", reply
+            out.append(reply.token.id)
+        q.put(None)
+        return out
+
+
+def test_concurrent_sessions_batch_their_decode_rows_and_match_alone(stage, smollm2):
+    service, address = stage
+    pipe = LocalPipeline(smollm2, 1, n_ctx=512)
+    want = [list(pipe.generate(p, STEPS, Sampler(SamplingParams()))) for p in PROMPTS]
+    got: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+        i, session(address, PROMPTS[i], STEPS))) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    s = service.stats()
+    assert s["decode_rows"] > s["steps"]["decode"]   # some steps ran several lanes at once
+    deadline = time.monotonic() + 10                 # the server ends streams on its own time
+    while service.stats()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.stats()["sessions"] == 0          # every lane freed
+
+
+def test_a_bad_call_is_an_error_reply_not_a_dead_stream(stage):
+    _, address = stage
+    with grpc.insecure_channel(address) as channel:
+        stub = stage_pb2_grpc.StageStub(channel)
+        replies = stub.Session(iter([pb.StageCall(decode=pb.Decode(token=5))]))
+        reply = next(replies)
+        assert reply.WhichOneof("result") == "error"
