@@ -27,7 +27,9 @@ Ours runs in each runtime given (`--runtime`, both by default): the torch runtim
 stage and the llama.cpp runtime (one whole-model stage). Every timed answer of ours is
 checked against the same prompt computed without the cache (a fresh runtime lane, no
 cache involved): the next token must be equal, or the bench fails (a bench that measures
-a wrong answer is worthless); whether the logits are also bitwise equal is reported.
+a wrong answer is worthless); whether the logits are also bitwise equal is reported
+(`exact` column). `reused` is the fewest prompt tokens our cache served in a timed run:
+the whole prompt on exact_repeat, the whole prefix on a changed-tail hit.
 Medians of --repeats after one warm-up; targets (from the issue): dense families at
 least 1.2x llama.cpp on exact_repeat, hybrid families at least 8x on changed_tail.
 """
@@ -303,7 +305,7 @@ def bench(family: Family, *, repeats: int = 5, runtimes: tuple[str, ...] = RUNTI
 
 # -- the command ------------------------------------------------------------------------------
 HEADER = (f"{'family':<12} {'row':<18} {'ours':<10} {'ours ms':>9} {'llama.cpp ms':>13} "
-          f"{'speedup':>8} {'target':>7}  met   exact")
+          f"{'speedup':>8} {'target':>7}  met  {'reused':>6}  exact")
 
 
 def format_row(family: str, r: dict) -> str:
@@ -311,7 +313,8 @@ def format_row(family: str, r: dict) -> str:
     met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
     exact = "bitwise" if r["ours"]["logits_bitwise"] else "token"
     return (f"{family:<12} {r['row']:<18} {r['runtime']:<10} {r['ours_ms']:>9.2f} "
-            f"{r['llama_cpp_ms']:>13.2f} {r['speedup']:>7.2f}x {target:>7}  {met:<5} {exact}")
+            f"{r['llama_cpp_ms']:>13.2f} {r['speedup']:>7.2f}x {target:>7}  {met:<4} "
+            f"{r['ours']['reused_tokens']:>6}  {exact}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -61,7 +61,8 @@ def test_bench_shapes_are_realistic_and_named() -> None:
 
 def test_format_row_marks_targets() -> None:
     r = {"row": "exact_repeat", "runtime": "torch", "ours_ms": 1.0, "llama_cpp_ms": 3.0,
-         "speedup": 3.0, "target": 1.2, "met": True, "ours": {"logits_bitwise": True}}
+         "speedup": 3.0, "target": 1.2, "met": True,
+         "ours": {"logits_bitwise": True, "reused_tokens": 128}}
     line = bench.format_row("smollm2", r)
     assert "3.00x" in line and "1.2x" in line and "yes" in line and "bitwise" in line
     line = bench.format_row("lfm2", {**r, "target": None, "met": None})
