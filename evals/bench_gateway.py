@@ -427,7 +427,7 @@ def run_concurrent(base_url: str, per_client: list[list[dict]]) -> dict:
     """One thread per client, all released together, each sending its bodies in turn;
     aggregate completion tokens over the wall time from release to the last answer."""
     latencies: list[float] = []
-    tokens, errors, first_error = [0], [0], [None]
+    tokens, prompt, errors, first_error = [0], [0], [0], [None]
     lock = threading.Lock()
     barrier = threading.Barrier(len(per_client) + 1)
 
@@ -442,7 +442,9 @@ def run_concurrent(base_url: str, per_client: list[list[dict]]) -> dict:
                         first_error[0] = first_error[0] or error
                     else:
                         latencies.append(dt * 1e3)
-                        tokens[0] += (reply.get("usage") or {}).get("completion_tokens", 0)
+                        usage = reply.get("usage") or {}
+                        tokens[0] += usage.get("completion_tokens", 0)
+                        prompt[0] += usage.get("prompt_tokens", 0)
 
     threads = [threading.Thread(target=client_loop, args=(b,), daemon=True) for b in per_client]
     for t in threads:
@@ -454,7 +456,7 @@ def run_concurrent(base_url: str, per_client: list[list[dict]]) -> dict:
     wall = time.perf_counter() - t0
     out = summarize(latencies)
     out.update(clients=len(per_client), requests=sum(len(b) for b in per_client),
-               completion_tokens=tokens[0], wall_s=wall,
+               completion_tokens=tokens[0], prompt_tokens=prompt[0], wall_s=wall,
                tokens_per_s=tokens[0] / wall if wall > 0 else math.nan,
                samples_ms=latencies, errors=errors[0], first_error=first_error[0])
     return out

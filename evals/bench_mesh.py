@@ -131,14 +131,14 @@ async def _decode_runs(engine, tokens: list[int], runs: int, n_tokens: int) -> l
 
     request = GenerationRequest(tokens=tuple(tokens), max_tokens=n_tokens, probe=True)
     out = []
-    for _ in range(runs + 1):   # the first run warms up
+    for _ in range(runs):
         stamps = []
         async for _step in engine.generate(request):
             stamps.append(time.perf_counter())
         if len(stamps) != n_tokens:
             raise RuntimeError(f"expected {n_tokens} tokens, got {len(stamps)}")
         out.append((stamps[-1] - stamps[0]) / (n_tokens - 1) * 1e3)
-    return out[1:]
+    return out
 
 
 def _stage_decode_ms(before: dict, after: dict) -> list[float]:
@@ -168,15 +168,17 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
         engine = RayEngine(path, n, runtime="torch", n_ctx=n_ctx, progress=lambda m: None)
         load_s = time.perf_counter() - t
         try:
+            asyncio.run(_decode_runs(engine, tokens, 1, n_tokens))   # warm-up
             before = engine.stats()
             per_token = asyncio.run(_decode_runs(engine, tokens, runs, n_tokens))
             stage_ms = _stage_decode_ms(before, engine.stats())
         finally:
             asyncio.run(engine.close())
-        median = statistics.median(per_token)
-        results.append({"stages": n, "load_s": load_s, "per_token_ms": median,
+        # the stages' figures are means over the same steps: compare means
+        results.append({"stages": n, "load_s": load_s,
+                        "per_token_ms": statistics.median(per_token),
                         "samples_ms": per_token, "stage_compute_ms": stage_ms,
-                        "chain_overhead_ms": median - sum(stage_ms)})
+                        "chain_overhead_ms": statistics.mean(per_token) - sum(stage_ms)})
     return results
 
 
@@ -201,7 +203,7 @@ def table(result: dict) -> str:
     lines += ["", f"(ii) decode through RayEngine, torch runtime, {result['decode_tokens']} "
                   f"greedy tokens, median of {result['runs']} runs after a warm-up",
               f"{'stages':>6} {'per token ms':>13} {'stage compute ms':>20} "
-              f"{'chain adds ms':>14}"]
+              f"{'chain adds ms':>14}"]  # mean per token - stages' mean compute
     for s in result["split"]:
         compute = " + ".join(f"{x:.2f}" for x in s["stage_compute_ms"])
         lines.append(f"{s['stages']:>6} {s['per_token_ms']:>13.2f} {compute:>20} "
