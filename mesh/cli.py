@@ -120,9 +120,28 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# -- package ----------------------------------------------------------------------------------
+def cmd_package_split(args) -> int:
+    from skippy.stages.package import split_package
+    from .models import resolve_model
+    manifest = split_package(resolve_model(args.model), args.out, progress=_say)
+    size = sum(p.size for p in manifest.parts)
+    print(f"{args.out}: {len(manifest.parts)} parts, {size / 2**20:.1f} MiB, "
+          f"model {manifest.model_digest[:16]}")
+    return 0
+
+
+def cmd_package_verify(args) -> int:
+    from skippy.topology.model_package import verify_package
+    manifest = verify_package(args.dir, progress=_say if args.verbose else None)
+    print(f"{args.dir}: {len(manifest.parts)} parts verified")
+    return 0
+
+
 # -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
     from skippy.cache.config import CacheConfig
+    from skippy.topology.model_package import is_package, verify_package
     from .models import resolve_model
 
     if args.stages is not None and args.stages < 1:
@@ -135,7 +154,9 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port must be in 1..65535, not {args.port}")
     if args.api_keys_file and not Path(args.api_keys_file).is_file():
         raise UsageError(f"no API key file at {args.api_keys_file}")
-    path = resolve_model(args.model)
+    path = resolve_model(args.package or args.model)
+    if is_package(path):  # a bad part fails here, named, before any stage starts
+        verify_package(path)
     cache = CacheConfig.from_args(args)
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .gateway import serve
@@ -216,8 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--json", action="store_true", help="print the plan as JSON")
     pln.set_defaults(run=cmd_plan)
 
+    pkg = sub.add_parser("package", help="split a model by layer; verify a package")
+    psub = pkg.add_subparsers(dest="package_command", required=True, parser_class=_Parser)
+    spl = psub.add_parser("split", help="write a package: one GGUF part per layer, "
+                          "shared parts, a manifest of hashes")
+    spl.add_argument("model", metavar="MODEL", help="model name, .gguf, or one shard of a "
+                     "split set (*-00001-of-0000N.gguf)")
+    spl.add_argument("--out", required=True, metavar="DIR", help="new or empty directory")
+    spl.set_defaults(run=cmd_package_split)
+    ver = psub.add_parser("verify", help="check every part's size and BLAKE3")
+    ver.add_argument("dir", metavar="DIR")
+    ver.add_argument("-v", "--verbose", action="store_true", help="name each part checked")
+    ver.set_defaults(run=cmd_package_verify)
+
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray stages")
-    srv.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
+    srv.add_argument("--model", default="smollm2", help="model name, path to a .gguf, or a "
+                     "package directory")
+    srv.add_argument("--package", metavar="DIR", help="serve a package (as --model DIR)")
     srv.add_argument("--model-name", help="the name clients ask for (default: --model)")
     srv.add_argument("--stages", type=int, help="stages to split into (default: the fewest "
                      "that fit the cluster)")

@@ -31,6 +31,7 @@ from typing import Callable
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from skippy.topology.gguf_file import GGUFError, GGUFFile
+from skippy.topology.model_package import is_package
 
 CHUNK = 1 << 20  # extraction and hashing move 1 MiB at a time: flat memory on 250 MB files
 
@@ -258,6 +259,8 @@ def resolve_model(spec: str) -> Path:
             return held
         raise ModelError(f"no such model file: {spec} (known models: "
                          f"{', '.join(sorted(KNOWN_MODELS))})")
+    if is_package(path):  # stages check its parts' hashes as they open them
+        return path
     _check_gguf(path)
     return path
 

@@ -18,8 +18,8 @@ from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import StageOutput, StageSpec
 from skippy.stages.stage_cache import StageCache
 from skippy.topology.capabilities import capability_for
-from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
+from skippy.topology.model_package import open_model
 from skippy.topology.planner import even_ranges
 
 from .sampler import Sampler
@@ -32,7 +32,7 @@ IDLE_LANE_SETS = 4  # finished requests' lanes kept warm: a follow-up continues 
 class LocalPipeline:
     def __init__(self, model_path: str | Path, n_stages: int, *, wire_dtype: str = "f16",
                  cache: CacheConfig | None = None, runtime: str = "torch", **spec_options):
-        f = GGUFFile(model_path)
+        f = open_model(model_path)
         self.config = ModelConfig.from_gguf(f)
         capability = capability_for(f)
         f.close()

@@ -29,7 +29,7 @@ from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
-from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_package import open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
 from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step
@@ -118,7 +118,7 @@ class RayEngine:
         path = Path(model_path)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
-        f = GGUFFile(path)
+        f = open_model(path)
         policy = capability_for(f).policy
         f.close()
         facts = ModelFacts.from_gguf(path)

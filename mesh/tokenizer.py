@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 import llama_cpp
 
 from skippy.topology.gguf_file import GGUFError, GGUFFile
+from skippy.topology.model_package import is_package, metadata_gguf
 
 _LOAD_LOCK = threading.Lock()  # fd 2 is process-wide: one quiet load at a time
 
@@ -63,7 +64,8 @@ class Tokenizer:
     """llama.cpp's vocabulary of one GGUF file: encode, decode, special ids."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        # a package's vocabulary is in its shared part
+        self.path = metadata_gguf(path) if is_package(path) else Path(path)
         if not self.path.is_file():
             raise TokenizerError(f"no such model file: {self.path}")
         try:  # a readable reason for a bad file; llama.cpp only says "failed to load"

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
+from skippy.topology.model_package import open_model
 
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
@@ -42,7 +42,7 @@ class _Lane:
 
 class TorchStageRuntime(StageRuntime):
     def __init__(self, spec: StageSpec):
-        f = GGUFFile(spec.model_path)
+        f = open_model(spec.model_path)
         cfg = ModelConfig.from_gguf(f)
         if not 0 <= spec.layer_start < spec.layer_end <= cfg.n_layers:
             raise StageError(f"layer range [{spec.layer_start}, {spec.layer_end}) is not "

@@ -68,6 +68,9 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: cannot open ({e})") from e
         self._buf = memoryview(self._mm)
         self.metadata: dict[str, object] = {}
+        # Where each key-value entry's bytes lie, [start, end): a package part copies
+        # entries verbatim, so every value keeps its exact GGUF type.
+        self.kv_spans: dict[str, tuple[int, int]] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
             self._parse()
@@ -85,10 +88,12 @@ class GGUFFile:
         self.version = version
         pos = 24
         for _ in range(n_kv):
+            start = pos
             key, pos = self._string(pos)
             (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
             value, pos = self._value(vtype, pos)
             self.metadata[key] = value
+            self.kv_spans[key] = (start, pos)
         infos = []
         for _ in range(n_tensors):
             name, pos = self._string(pos)
@@ -172,6 +177,11 @@ class GGUFFile:
     def arch_key(self, suffix: str, default=None):
         """`{arch}.{suffix}`, e.g. arch_key("block_count")."""
         return self.get(f"{self.architecture}.{suffix}", default)
+
+    def kv_entry(self, key: str) -> bytes:
+        """One metadata entry exactly as stored (key, type, value), for copying."""
+        start, end = self.kv_spans[key]
+        return bytes(self._buf[start:end])
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes, memory-mapped (no copy)."""

@@ -24,6 +24,7 @@ from skippy.cache.config import parse_bytes
 
 from .gguf_file import GGUFFile
 from .model_config import ModelConfig
+from .model_package import ModelPackage, open_model
 
 MiB = 2**20
 
@@ -63,11 +64,14 @@ def even_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 # -- digests ----------------------------------------------------------------------------------
-def gguf_model_digest(f: GGUFFile) -> str:
+def gguf_model_digest(f: GGUFFile | ModelPackage) -> str:
     """BLAKE3 of a GGUF's header (all metadata and the tensor index) and of its small 1-D
     tensors (norms, biases). Cheap on any size of model: the large matrices are not read.
     It names the model for the topology digest; the cache identity carries, besides, the
-    content hash of the bytes each stage actually loaded."""
+    content hash of the bytes each stage actually loaded. A package's digest is the one
+    its manifest recorded when it was split."""
+    if isinstance(f, ModelPackage):
+        return f.model_digest
     h = blake3.blake3()
     h.update(b"skippy-gguf-model-v1|")
     with open(f.path, "rb") as fh:
@@ -119,10 +123,11 @@ class ModelFacts:
     def from_gguf(cls, path: str | Path, *, weight_bytes: float = RUNTIME_WEIGHT_BYTES,
                   kv_bytes: int = RUNTIME_KV_BYTES,
                   model_digest: str | None = None) -> ModelFacts:
-        """Facts from the header and tensor index only. `weight_bytes`: bytes per weight
-        element in the runtime's weight format (fp32 torch: 4). `model_digest`: pass the
-        weights digest when the caller already has one; else `gguf_model_digest`."""
-        f = GGUFFile(path)
+        """Facts from the header and tensor index only (of a GGUF, or of a package's
+        manifest and shared part). `weight_bytes`: bytes per weight element in the
+        runtime's weight format (fp32 torch: 4). `model_digest`: pass the weights digest
+        when the caller already has one; else `gguf_model_digest`."""
+        f = open_model(path)
         try:
             cfg = ModelConfig.from_gguf(f)
             digest = model_digest or gguf_model_digest(f)

@@ -1,0 +1,255 @@
+"""A model package: one model split by layer into GGUF parts, plus a manifest of hashes.
+
+A package directory holds `manifest.json` and these parts, each a valid GGUF that carries
+the model's metadata (so gguf tools can read any part on its own):
+
+- `shared.gguf`: all metadata, the tokenizer included, and the small tensors that belong
+  to no layer and neither end (rope tables and the like); every stage opens it.
+- `embeddings.gguf`: the token embeddings (stage 0; also the last stage of a tied model).
+- `output.gguf`: the final norm and, when untied, the output head (the last stage).
+- `layer-NNN.gguf`: the tensors of one layer.
+
+Tensors keep the bytes of the original file, quantization included, so a stage loaded from
+a package holds bitwise the same weights as one loaded from the GGUF. `ModelPackage` reads
+a package through the same interface as `GGUFFile` (metadata, tensor index, `raw`), and
+opens a part only when one of its tensors is read, checking the part's BLAKE3 first: a
+stage never reads, hashes or maps another stage's parts. The model digest is written by
+the splitter into the manifest; nothing hashes the whole model at load.
+
+`open_model(path)` is the one place that decides between a GGUF file and a package.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from .gguf_file import GGUFFile, TensorInfo
+
+MANIFEST = "manifest.json"
+PACKAGE_FORMAT = "skippy-package"
+PACKAGE_VERSION = 1
+
+# Roles of parts; "layer" parts also carry their layer index.
+SHARED, EMBEDDINGS, OUTPUT, LAYER = "shared", "embeddings", "output", "layer"
+
+_HASH_CHUNK = 8 * 2**20
+
+
+class PackageError(ValueError):
+    """A package is missing, malformed or corrupted; the message names the part."""
+
+
+@dataclass(frozen=True)
+class PartEntry:
+    """One part as the manifest lists it."""
+
+    name: str                  # "shared", "embeddings", "output", "layer-007"
+    file: str
+    role: str
+    layer: int | None
+    size: int
+    blake3: str
+    tensors: tuple[TensorInfo, ...]  # offsets are package-wide order, not file offsets
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_digest: str
+    architecture: str
+    family: str | None
+    n_layers: int
+    tied_head: bool
+    source: tuple[str, ...]
+    parts: tuple[PartEntry, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": PACKAGE_FORMAT,
+            "version": PACKAGE_VERSION,
+            "model_digest": self.model_digest,
+            "architecture": self.architecture,
+            "family": self.family,
+            "n_layers": self.n_layers,
+            "tied_head": self.tied_head,
+            "source": list(self.source),
+            "parts": [{
+                "name": p.name, "file": p.file, "role": p.role, "layer": p.layer,
+                "size": p.size, "blake3": p.blake3,
+                "tensors": [{"name": t.name, "shape": list(t.shape), "qtype": t.qtype.name,
+                             "nbytes": t.nbytes} for t in p.tensors],
+            } for p in self.parts],
+        }, indent=1) + "\n"
+
+    @classmethod
+    def load(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise PackageError(f"{directory}: not a package (no {MANIFEST})")
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != PACKAGE_FORMAT:
+                raise PackageError(f"{path}: not a skippy package manifest")
+            if d.get("version") != PACKAGE_VERSION:
+                raise PackageError(f"{path}: package version {d.get('version')} is not "
+                                   f"supported (this skippy reads {PACKAGE_VERSION})")
+            order = 0
+            parts = []
+            for p in d["parts"]:
+                infos = []
+                for t in p["tensors"]:
+                    infos.append(TensorInfo(t["name"], tuple(int(x) for x in t["shape"]),
+                                            GGMLQuantizationType[t["qtype"]], order,
+                                            int(t["nbytes"])))
+                    order += 1
+                layer = p.get("layer")
+                parts.append(PartEntry(str(p["name"]), str(p["file"]), str(p["role"]),
+                                       None if layer is None else int(layer), int(p["size"]),
+                                       str(p["blake3"]), tuple(infos)))
+            return cls(str(d["model_digest"]), str(d["architecture"]), d.get("family"),
+                       int(d["n_layers"]), bool(d["tied_head"]),
+                       tuple(d.get("source", ())), tuple(parts))
+        except PackageError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise PackageError(f"{path}: malformed manifest ({e!r})") from None
+
+    def part(self, name: str) -> PartEntry:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise PackageError(f"package has no part {name!r}")
+
+
+def is_package(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def file_blake3(path: Path, progress: Callable[[int], None] | None = None) -> str:
+    """BLAKE3 of a file, read in chunks (no mapping: the pages never count as ours)."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return h.hexdigest()
+
+
+def check_part(directory: Path, part: PartEntry) -> None:
+    """Raise PackageError naming the part unless its file exists with the manifest's size
+    and BLAKE3."""
+    path = directory / part.file
+    if not path.is_file():
+        raise PackageError(f"{directory}: part {part.file} is missing")
+    size = path.stat().st_size
+    if size != part.size:
+        raise PackageError(f"{directory}: part {part.file} has {size} bytes, the manifest "
+                           f"says {part.size} (truncated or replaced)")
+    if file_blake3(path) != part.blake3:
+        raise PackageError(f"{directory}: part {part.file} is corrupted (BLAKE3 mismatch)")
+
+
+def verify_package(directory: str | Path,
+                   progress: Callable[[str], None] | None = None) -> Manifest:
+    """Check every part's size and BLAKE3; raise PackageError naming the first bad one."""
+    directory = Path(directory)
+    manifest = Manifest.load(directory)
+    for i, part in enumerate(manifest.parts):
+        if progress is not None:
+            progress(f"[{i + 1}/{len(manifest.parts)}] {part.file}")
+        check_part(directory, part)
+    return manifest
+
+
+class ModelPackage:
+    """A package read like a `GGUFFile`: metadata and the tensor index of the whole model,
+    tensor bytes only from the parts actually read (each hash-checked when first opened)."""
+
+    def __init__(self, directory: str | Path, *, verify: bool = True):
+        self.path = Path(directory)
+        self.manifest = Manifest.load(self.path)
+        self.model_digest = self.manifest.model_digest
+        self._verify = verify
+        self._checked: set[str] = set()
+        self._part_of: dict[str, PartEntry] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for part in self.manifest.parts:
+            for info in part.tensors:
+                self.tensors[info.name] = info
+                self._part_of[info.name] = part
+        self._offsets: dict[str, dict[str, int]] = {}  # part name -> tensor -> file offset
+        shared = self.manifest.part(SHARED)
+        self._shared = GGUFFile(self._checked_path(shared))
+        self.metadata = self._shared.metadata
+
+    # -- GGUFFile's interface ----------------------------------------------------------------
+    def get(self, key: str, default=None):
+        return self._shared.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        return self._shared.architecture
+
+    def arch_key(self, suffix: str, default=None):
+        return self._shared.arch_key(suffix, default)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes, read from its part (a copy: no mapping outlives the read)."""
+        part = self._part_of[name]
+        offsets = self._offsets.get(part.name)
+        if offsets is None:
+            path = self._checked_path(part)
+            f = GGUFFile(path)
+            try:
+                offsets = {n: t.offset for n, t in f.tensors.items()}
+                for t in part.tensors:
+                    got = f.tensors.get(t.name)
+                    if got is None or (got.shape, got.qtype, got.nbytes) != \
+                            (t.shape, t.qtype, t.nbytes):
+                        raise PackageError(f"{self.path}: part {part.file} does not hold "
+                                           f"{t.name} as the manifest says")
+            finally:
+                f.close()
+            self._offsets[part.name] = offsets
+        info = self.tensors[name]
+        return np.fromfile(self.path / part.file, dtype=np.uint8, count=info.nbytes,
+                           offset=offsets[name])
+
+    def close(self) -> None:
+        self._shared.close()
+
+    # -- package ---------------------------------------------------------------------------
+    def parts_for(self, names: Iterable[str]) -> list[PartEntry]:
+        """The parts holding these tensors, in package order."""
+        wanted = {self._part_of[n].name for n in names}
+        return [p for p in self.manifest.parts if p.name in wanted]
+
+    def _checked_path(self, part: PartEntry) -> Path:
+        if self._verify and part.name not in self._checked:
+            check_part(self.path, part)
+            self._checked.add(part.name)
+        return self.path / part.file
+
+
+def open_model(path: str | Path, *, verify: bool = True) -> GGUFFile | ModelPackage:
+    """A GGUF file or a package directory, read through the same interface."""
+    path = Path(path)
+    if path.is_dir():
+        return ModelPackage(path, verify=verify)
+    return GGUFFile(path)
+
+
+def metadata_gguf(path: str | Path) -> Path:
+    """The GGUF that holds a model's full metadata and tokenizer: the file itself, or a
+    package's shared part (for tools that need a file, such as llama.cpp's vocabulary)."""
+    path = Path(path)
+    if path.is_dir():
+        return path / Manifest.load(path).part(SHARED).file
+    return path
