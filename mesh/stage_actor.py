@@ -33,3 +33,10 @@ class StageActor:
 
     def stats(self) -> dict:
         return self.service.stats()
+
+    def memory(self) -> dict[str, int]:
+        """This process's resident bytes now and at its peak (VmRSS, VmHWM)."""
+        with open("/proc/self/status") as fh:
+            status = dict(line.split(":", 1) for line in fh)
+        return {"rss": int(status["VmRSS"].split()[0]) * 1024,
+                "peak_rss": int(status["VmHWM"].split()[0]) * 1024}

@@ -22,6 +22,7 @@ the splitter into the manifest; nothing hashes the whole model at load.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,7 @@ class ModelPackage:
                 self.tensors[info.name] = info
                 self._part_of[info.name] = part
         self._offsets: dict[str, dict[str, int]] = {}  # part name -> tensor -> file offset
+        self._last: tuple[str, weakref.ref] | None = None
         shared = self.manifest.part(SHARED)
         self._shared = GGUFFile(self._checked_path(shared))
         self.metadata = self._shared.metadata
@@ -218,11 +220,21 @@ class ModelPackage:
             finally:
                 f.close()
             self._offsets[part.name] = offsets
+        # The loader reads each tensor twice in a row (hash, then dequantize) while it holds
+        # the first read: hand back that same array rather than a second copy of a
+        # possibly huge tensor; held weakly, so nothing outlives the loader's own use.
+        if self._last is not None and self._last[0] == name:
+            data = self._last[1]()
+            if data is not None:
+                return data
         info = self.tensors[name]
-        return np.fromfile(self.path / part.file, dtype=np.uint8, count=info.nbytes,
+        data = np.fromfile(self.path / part.file, dtype=np.uint8, count=info.nbytes,
                            offset=offsets[name])
+        self._last = (name, weakref.ref(data))
+        return data
 
     def close(self) -> None:
+        self._last = None
         self._shared.close()
 
     # -- package ---------------------------------------------------------------------------
