@@ -163,7 +163,8 @@ def cmd_serve(args) -> int:
     from .ray_engine import RayEngine
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines,
-                       model_name=args.model_name or args.model, address=args.address,
+                       model_name=args.model_name or (path.name if args.package else args.model),
+                       address=args.address,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
                        n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
