@@ -143,8 +143,9 @@ def table(r: dict) -> str:
              "stage  layers    peak RSS MiB  RSS MiB  under limit"]
     for i, s in enumerate(r["stages"]):
         a, b = s["layers"]
+        under = "yes" if s["peak_rss"] < r["limit_bytes"] else "NO"
         lines.append(f"{i:<5}  {a:>3}-{b - 1:<4}  {s['peak_rss'] / mib:>12.0f}  "
-                     f"{s['rss'] / mib:>7.0f}  {'yes' if s['peak_rss'] < r['limit_bytes'] else 'NO'}")
+                     f"{s['rss'] / mib:>7.0f}  {under}")
     lines.append("PASS" if r["passed"] else "FAIL: a stage's peak RSS is over the limit")
     return "\n".join(lines)
 
