@@ -33,6 +33,8 @@ class Rope:
         self.dim, self.base, self.scale, self.style = dim, base, scale, style
         self.cos = torch.empty(0, dim // 2)
         self.sin = torch.empty(0, dim // 2)
+        self._positions: torch.Tensor | None = None  # the last positions looked up
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self.cos.shape[0], 256)
@@ -45,13 +47,20 @@ class Rope:
         angles = torch.stack(cols, dim=1)
         self.cos, self.sin = torch.cos(angles), torch.sin(angles)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin rows for `positions`, [T, 1, dim // 2]. Every layer of a forward
+        asks for the same positions tensor: the rows are looked up once per forward."""
+        if positions is not self._positions:
+            need = int(positions.max()) + 1
+            if need > self.cos.shape[0]:
+                self._grow(need)
+            self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            self._positions = positions
+        return self._rows
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; positions: [T] int64."""
-        need = int(positions.max()) + 1
-        if need > self.cos.shape[0]:
-            self._grow(need)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.tables(positions)
         rot, rest = x[..., : self.dim], x[..., self.dim:]
         if self.style == "norm":
             x0, x1 = rot[..., 0::2], rot[..., 1::2]
@@ -74,6 +83,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, H, D = q.shape
     L, KVH, Dv = v.shape
     G = H // KVH
+    if T == 1:  # decode: the same bmm shapes as below, fewer ops to get there
+        scores = torch.bmm(q.reshape(KVH, G, D), k.permute(1, 2, 0)).mul_(scale)
+        if mask is not None:
+            scores = scores + mask
+        out = torch.bmm(torch.softmax(scores, dim=-1), v.permute(1, 0, 2))
+        return out.reshape(1, H * Dv)
     qg = q.reshape(T, KVH, G, D).permute(1, 2, 0, 3).reshape(KVH, G * T, D)
     scores = torch.bmm(qg, k.permute(1, 2, 0)).mul_(scale).view(KVH, G, T, L)
     if mask is not None:

@@ -1,15 +1,65 @@
 """The one linear-layer abstraction: every weight matrix of a stage goes through it.
 
 A format is chosen per model at load and is part of the cache identity (it changes the
-arithmetic). Faster formats (bf16, int8/int4 weight-only) drop in here as new classes.
+arithmetic):
+
+- ``fp32``: the reference; float32 weights, float32 GEMM.
+- ``bf16``: bfloat16 weights; rows are rounded to bfloat16 on the way in, accumulated
+  by the bf16 GEMM, returned as float32.
+- ``int8``: weight-only int8, one scale per output row (symmetric, from the float32
+  values); ``torch._weight_int8pack_mm``.
+- ``int4``: weight-only int4 in groups of 32 inputs with a scale and an offset per group;
+  ``torch._weight_int4pack_mm_for_cpu``. A matrix stored in the GGUF as 4-bit blocks
+  (Q4_0, Q4_1) keeps the file's own codes, scales and offsets; any other matrix (the
+  Q8_0 / F16 head and embeddings, F32 files) is never stored in fewer bits than the file
+  gives it, so it goes to int8 instead.
+
+The integer kernels are fast only with bfloat16 activations (with float32 rows torch
+takes a path 10-50x slower here), so int8/int4 also round rows to bfloat16 on the way in.
+They are made for a few rows (decode): they dequantize the weights again for every few
+rows, so above SMALL_ROWS rows (prefill chunks) int8/int4 multiply by a bfloat16 copy of
+the same weights instead (a GEMM twice as fast as fp32 here; it costs 2 bytes per weight
+of memory, never read by decode). Which kernel runs is a function of the row count only:
+equal shapes give equal bits, which is all the exactness contract (DESIGN.md §5.3)
+needs; prefill rows and decode rows were never bitwise comparable anyway.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("fp32",)
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+GROUP = 32  # int4 group size: a GGUF Q4 block
+SMALL_ROWS = 16  # int8/int4: the integer kernel up to this many rows, bf16 GEMM above
+_INNER_K_TILES = 2
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A matrix's 4-bit codes as the GGUF stores them: value = code * scale + offset per
+    group of GROUP consecutive inputs. codes: uint8 [out, in] in 0..15; scale, offset:
+    float32 [out, in // GROUP]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        w = self.codes.to(torch.float32).view(n, k // GROUP, GROUP)
+        return (w * self.scale[..., None] + self.offset[..., None]).view(n, k)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A weight as loaded: float32 values (out, in), plus the file's 4-bit blocks when it
+    was stored that way (None otherwise)."""
+
+    values: torch.Tensor
+    int4: Int4Blocks | None = None
 
 
 class Linear:
@@ -26,16 +76,104 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
+        """Weight bytes one call reads."""
         return self.weight.numel() * self.weight.element_size()
 
 
-def make_linear(weight: torch.Tensor, fmt: str = "fp32") -> Linear:
-    if fmt != "fp32":
-        raise ValueError(f"weight format '{fmt}' is not supported (supported: {', '.join(WEIGHT_FORMATS)})")
-    return Linear(weight)
+class Bf16Linear(Linear):
+    fmt = "bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.to(torch.bfloat16).contiguous()
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).float()
 
 
-def fuse_linear(weights: list[torch.Tensor], fmt: str = "fp32") -> tuple[Linear, list[int]]:
+class Int8Linear(Linear):
+    """Symmetric per-row int8: w ≈ q * scale, |q| <= 127."""
+
+    fmt = "int8"
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.to(torch.float32)
+        self.out_features, self.in_features = w.shape
+        amax = w.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        self.weight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.scale = scale.to(torch.bfloat16)
+        self.dense = w.to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if x.shape[0] > SMALL_ROWS:
+            return F.linear(x, self.dense).float()
+        return torch._weight_int8pack_mm(x, self.weight, self.scale).float()
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode call reads (the bf16 copy serves prefill only)."""
+        return self.weight.numel() + self.scale.numel() * 2
+
+
+class Int4Linear(Linear):
+    """Group-wise int4 from the file's blocks. torch's kernel computes
+    w = (q - 8) * scale + zero, so zero = offset + 8 * scale (0 for Q4_0 blocks)."""
+
+    fmt = "int4"
+
+    def __init__(self, blocks: Int4Blocks):
+        self.out_features, self.in_features = blocks.codes.shape
+        if self.in_features % GROUP:
+            raise ValueError(f"int4 needs inputs in multiples of {GROUP}")
+        self.weight = torch._convert_weight_to_int4pack_for_cpu(
+            blocks.codes.to(torch.int32).contiguous(), _INNER_K_TILES)
+        zero = blocks.offset + 8.0 * blocks.scale
+        # [in // GROUP, out, 2]
+        self.scale_zero = torch.stack([blocks.scale.t(), zero.t()], dim=-1) \
+            .to(torch.bfloat16).contiguous()
+        self.dense = blocks.dequantize().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if x.shape[0] > SMALL_ROWS:
+            return F.linear(x, self.dense).float()
+        return torch._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scale_zero).float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + self.scale_zero.numel() * 2
+
+
+def _as_matrix(weight: torch.Tensor | Matrix) -> Matrix:
+    return weight if isinstance(weight, Matrix) else Matrix(weight)
+
+
+def make_linear(weight: torch.Tensor | Matrix, fmt: str = "fp32") -> Linear:
+    """The Linear of one weight in format `fmt` (see the module docstring)."""
+    m = _as_matrix(weight)
+    if fmt == "fp32":
+        return Linear(m.values)
+    if fmt == "bf16":
+        return Bf16Linear(m.values)
+    if fmt == "int8":
+        return Int8Linear(m.values)
+    if fmt == "int4":
+        return Int4Linear(m.int4) if m.int4 is not None else Int8Linear(m.values)
+    raise ValueError(f"weight format '{fmt}' is not supported "
+                     f"(supported: {', '.join(WEIGHT_FORMATS)})")
+
+
+def fuse_linear(weights: list[torch.Tensor | Matrix],
+                fmt: str = "fp32") -> tuple[Linear, list[int]]:
     """One Linear for several projections of the same input (QKV, gate/up): fewer calls
-    per token; returns the split sizes of its output."""
-    return make_linear(torch.cat(weights, dim=0), fmt), [w.shape[0] for w in weights]
+    per token; returns the split sizes of its output. int4 fuses the files' blocks only
+    when every part has them (else the fused matrix goes to int8)."""
+    ms = [_as_matrix(w) for w in weights]
+    values = torch.cat([m.values for m in ms], dim=0)
+    int4 = None
+    if all(m.int4 is not None for m in ms):
+        int4 = Int4Blocks(*(torch.cat([getattr(m.int4, f) for m in ms], dim=0)
+                            for f in ("codes", "scale", "offset")))
+    return make_linear(Matrix(values, int4), fmt), [m.values.shape[0] for m in ms]

@@ -52,8 +52,8 @@ class Mamba2:
         self.conv_dim = self.d_inner + 2 * self.n_group * self.d_state
         self.d_conv = cfg.ssm_d_conv - 1  # rows of conv state
         self.eps = cfg.rms_eps
-        self.in_proj = make_linear(t[p + "ssm_in.weight"], fmt)
-        self.out_proj = make_linear(t[p + "ssm_out.weight"], fmt)
+        self.in_proj = make_linear(t.matrix(p + "ssm_in.weight"), fmt)
+        self.out_proj = make_linear(t.matrix(p + "ssm_out.weight"), fmt)
         kernel = t[p + "ssm_conv1d.weight"]  # [conv_dim, d_conv]; tap 0 weighs the oldest row
         if tuple(kernel.shape) != (self.conv_dim, cfg.ssm_d_conv):
             raise ValueError(f"{p}ssm_conv1d.weight has shape {tuple(kernel.shape)}, expected "

@@ -23,8 +23,8 @@ class ShortConv:
     def __init__(self, index: int, slot: int, cfg: ModelConfig, t: StageTensors, fmt: str):
         p = f"blk.{index}.shortconv."
         self.slot, self.hidden = slot, cfg.hidden  # slot: this layer's conv state in LaneKv
-        self.in_proj = make_linear(t[p + "in_proj.weight"], fmt)
-        self.out_proj = make_linear(t[p + "out_proj.weight"], fmt)
+        self.in_proj = make_linear(t.matrix(p + "in_proj.weight"), fmt)
+        self.out_proj = make_linear(t.matrix(p + "out_proj.weight"), fmt)
         kernel = t[p + "conv.weight"]  # [hidden, l_cache]; tap 0 weighs the oldest row
         if tuple(kernel.shape) != (cfg.hidden, cfg.conv_l_cache):
             raise ValueError(f"{p}conv.weight has shape {tuple(kernel.shape)}, expected "

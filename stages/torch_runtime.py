@@ -88,8 +88,8 @@ class TorchStageRuntime(StageRuntime):
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
             self.norm = t[cfg.family.output_norm]
-            head = t["token_embd.weight"] if cfg.tied_head else t["output.weight"]
-            self.head = make_linear(head, spec.weight_format)
+            head = "token_embd.weight" if cfg.tied_head else "output.weight"
+            self.head = make_linear(t.matrix(head), spec.weight_format)
         f.close()
         self._lanes: dict[int, _Lane] = {}
         self._next_lane = 0

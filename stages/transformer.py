@@ -68,25 +68,31 @@ class Attention:
         self.slot, self.cfg, self.rope = slot, cfg, rope  # slot: this layer's KV in LaneKv
         self.window = cfg.sliding_window if cfg.is_swa_layer(index) else 0
         self.qkv, self.qkv_split = fuse_linear(
-            [t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]], fmt)
-        self.out = make_linear(t[p + "attn_output.weight"], fmt)
+            [t.matrix(p + "attn_q.weight"), t.matrix(p + "attn_k.weight"),
+             t.matrix(p + "attn_v.weight")], fmt)
+        self.out = make_linear(t.matrix(p + "attn_output.weight"), fmt)
         self.q_norm = t[p + "attn_q_norm.weight"] if fam.qk_norm else None
         self.k_norm = t[p + "attn_k_norm.weight"] if fam.qk_norm else None
+        # Q and K heads side by side ([n, H + KVH, D], adjacent in the QKV output) take
+        # their norms and rope in one pass: per element the same arithmetic as separately.
+        self.qk_cols = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+        self.qk_norm = None
+        if fam.qk_norm:
+            self.qk_norm = torch.cat([self.q_norm.expand(cfg.n_heads, -1),
+                                      self.k_norm.expand(cfg.n_kv_heads, -1)]).contiguous()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_eps
         n = h.shape[0]
-        q, k, v = self.qkv(h).split(self.qkv_split, dim=-1)
-        q = q.view(n, cfg.n_heads, cfg.head_dim)
-        k = k.view(n, cfg.n_kv_heads, cfg.head_dim)
-        v = v.view(n, cfg.n_kv_heads, cfg.v_head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, eps)
-            k = rms_norm(k, self.k_norm, eps)
-        q = self.rope.apply(q, positions)
-        k = self.rope.apply(k, positions)
+        y = self.qkv(h)
+        qk = y[:, :self.qk_cols].view(n, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
+        v = y[:, self.qk_cols:].view(n, cfg.n_kv_heads, cfg.v_head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, eps)
+        qk = self.rope.apply(qk, positions)
+        q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
         if len(segments) == 1 and segments[0].n == n:
             attn = self._attend(segments[0], q, k, v)
         else:  # decode batch: padding rows belong to no lane and stay zero
@@ -120,8 +126,8 @@ class DecoderLayer:
         norm = t.get(p + fam.ffn_norm)
         self.ffn_norm = norm if norm is not None else t[p + "ffn_norm.weight"]
         self.gate_up, self.gate_up_split = fuse_linear(
-            [t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt)
-        self.down = make_linear(t[p + "ffn_down.weight"], fmt)
+            [t.matrix(p + "ffn_gate.weight"), t.matrix(p + "ffn_up.weight")], fmt)
+        self.down = make_linear(t.matrix(p + "ffn_down.weight"), fmt)
         self.post_ffn_norm = t[p + "post_ffw_norm.weight"] if fam.post_norms else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,

@@ -15,8 +15,12 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
+from gguf import GGMLQuantizationType
+
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
+
+from .linear import GROUP, Int4Blocks, Matrix
 
 
 class MissingTensor(ValueError):
@@ -28,6 +32,8 @@ class StageTensors:
     """Float32 tensors of one stage, keyed by GGUF name; Linear layout (out, in)."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The file's own 4-bit blocks of the matrices stored as Q4_0 / Q4_1 (int4 format)
+    int4: dict[str, Int4Blocks] = field(default_factory=dict)
     digest: str = ""
     source_bytes: int = 0  # bytes read from the file (quantized size)
 
@@ -36,6 +42,10 @@ class StageTensors:
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.tensors.get(name)
+
+    def matrix(self, name: str) -> Matrix:
+        """A weight matrix for make_linear: its values and, if stored so, its 4-bit blocks."""
+        return Matrix(self.tensors[name], self.int4.get(name))
 
 
 def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
@@ -64,6 +74,32 @@ def dequantize_tensor(f: GGUFFile, name: str) -> torch.Tensor:
     return torch.from_numpy(values.reshape(tuple(reversed(info.shape))).copy())
 
 
+# Block layouts (ggml): Q4_0 = f16 d, 16 bytes of nibbles (value = (q - 8) * d);
+# Q4_1 = f16 d, f16 m, 16 bytes of nibbles (value = q * d + m). Byte j holds element j in
+# its low nibble and element j + 16 in its high nibble.
+_Q4_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+
+
+def int4_blocks(f: GGUFFile, name: str) -> Int4Blocks | None:
+    """The 4-bit blocks of a Q4_0 / Q4_1 matrix as codes, scales and offsets; None for any
+    other type (those are quantized from their float values if at all)."""
+    info = f.tensors[name]
+    header = _Q4_HEADER.get(info.qtype)
+    if header is None or len(info.shape) != 2 or info.shape[0] % GROUP:
+        return None
+    k, n = info.shape
+    blocks = np.asarray(f.raw(name)).reshape(n, k // GROUP, header + GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if info.qtype == GGMLQuantizationType.Q4_1:
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        offset = -8.0 * d
+    qs = blocks[..., header:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return Int4Blocks(torch.from_numpy(codes.copy()), torch.from_numpy(d),
+                      torch.from_numpy(np.ascontiguousarray(offset)))
+
+
 def load_stage_tensors(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
                        first: bool, last: bool) -> StageTensors:
     out = StageTensors()
@@ -76,5 +112,8 @@ def load_stage_tensors(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
         hasher.update(memoryview(raw))
         out.source_bytes += info.nbytes
         out.tensors[name] = dequantize_tensor(f, name)
+        blocks = int4_blocks(f, name)
+        if blocks is not None:
+            out.int4[name] = blocks
     out.digest = hasher.hexdigest()
     return out
