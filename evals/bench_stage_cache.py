@@ -165,13 +165,6 @@ def _ms(samples: list[float]) -> float:
 
 
 # -- our side ---------------------------------------------------------------------------------
-def _drop_warm_lanes(pipe: LocalPipeline) -> None:
-    """Free the lanes the pipeline keeps warm: every hit must come from the stage cache."""
-    while pipe._idle:
-        for cache, lane in zip(pipe.caches, pipe._idle.pop()):
-            cache.free_lane(lane)
-
-
 def _uncached(pipe: LocalPipeline, ids: list[int]) -> torch.Tensor:
     """The prompt's next-token logits on fresh runtime lanes, no cache involved."""
     lanes = [s.alloc_lane() for s in pipe.stages]
@@ -197,7 +190,7 @@ def ours(path: Path, runtime: str, rows: list[Row], repeats: int,
         int(logits.argmax())
         dt = time.perf_counter() - t
         pipe.free(lanes)
-        _drop_warm_lanes(pipe)
+        pipe.drop_warm_lanes()
         return dt, logits, reused
 
     out = {}

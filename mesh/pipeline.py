@@ -71,6 +71,12 @@ class LocalPipeline:
         for stage, lane in zip(self.stages, lanes):
             stage.free_lane(lane)
 
+    def drop_warm_lanes(self) -> None:
+        """Free the lanes kept warm for follow-ups: later hits must come from the caches."""
+        while self._idle:
+            for c, lane in zip(self.caches, self._idle.pop()):
+                c.free_lane(lane)
+
     # -- uncached steps (certification and tests drive these directly) --------------------
     def prefill(self, lanes: list[int], ids: list[int] | torch.Tensor, start: int = 0,
                 logits: str = "last") -> torch.Tensor | None:

@@ -95,7 +95,7 @@ def test_payload_restore_equals_recompute_and_dedupes(qwen3_f32):
     print(f"\ntwo payloads of {larger} bytes sharing 960 of 992 tokens: "
           f"{store.physical_bytes} physical bytes ({store.physical_bytes / larger:.2f}x)")
     assert store.physical_bytes < 1.2 * larger
-    on._idle.clear()  # restore from the store, not from a warm lane
+    on.drop_warm_lanes()  # restore from the store, not from a warm lane
     assert first_logits_and_tokens(on, b)[1] == first_logits_and_tokens(off, b)[1]
     assert cache.stats()["prefix"]["counters"]["hits"] > 0
 
@@ -107,7 +107,7 @@ def test_corrupt_block_costs_time_not_correctness(qwen3_f32):
     for manifest in cache._entry_payloads.values():
         for h in manifest.blocks:
             cache.store._corrupt_for_test(h, 0)
-    on._idle.clear()  # no hot lane: force a restore from the store
+    on.drop_warm_lanes()  # no hot lane: force a restore from the store
     got = first_logits_and_tokens(on, PROMPTS[4])
     assert got[1] == first_logits_and_tokens(off, PROMPTS[4])[1]
     assert cache.store.stats().corrupt_reads > 0
@@ -129,13 +129,13 @@ def test_downstream_miss_is_served_from_upstream_frames(qwen3_f32, wire):
     off = LocalPipeline(qwen3_f32, 2, wire_dtype=wire, chunk=32, n_ctx=1024)
     on = LocalPipeline(qwen3_f32, 2, wire_dtype=wire, cache=cfg(), n_ctx=1024)
     first_logits_and_tokens(on, PROMPTS[0])
-    on._idle.clear()                      # no warm lanes: hits must come from the caches
+    on.drop_warm_lanes()                      # no warm lanes: hits must come from the caches
     on.caches[1].clear()                  # the downstream stage forgets everything
     lanes = on.alloc()
     starts = on.plan(lanes, PROMPTS[1])
     assert starts[0] > 0 and starts[1] == 0
     on.free(lanes)
-    on._idle.clear()
+    on.drop_warm_lanes()
     want = first_logits_and_tokens(off, PROMPTS[1])
     got = first_logits_and_tokens(on, PROMPTS[1])
     assert got[1] == want[1] and torch.equal(got[0], want[0])
@@ -148,7 +148,7 @@ def test_namespaces_do_not_share_entries(qwen3_f32):
     lanes = on.alloc()
     on.first_logits(lanes, PROMPTS[0], namespace="tenant-a")
     on.free(lanes)
-    on._idle.clear()
+    on.drop_warm_lanes()
     lanes = on.alloc()
     assert on.plan(lanes, PROMPTS[1], namespace="tenant-b") == [0]
     assert on.plan(lanes, PROMPTS[1], namespace="tenant-a")[0] > 0
