@@ -165,14 +165,32 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}] must be an object with role and content, "
                              f"not {type(m).__name__}")
         role, content = m.get("role"), m.get("content")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)} "
                              f"(got {role!r})")
+        if isinstance(content, list):
+            content = _text_parts(content, i)
         if not isinstance(content, str):
             what = "missing" if content is None else type(content).__name__
-            raise ValueError(f"messages[{i}].content must be a string (got {what})")
+            raise ValueError(f"messages[{i}].content must be a string or a list of text "
+                             f"parts (got {what})")
         out.append({"role": role, "content": content})
     return out
+
+
+def _text_parts(parts: list, i: int) -> str:
+    """Content given as [{"type": "text", "text": ...}, ...] (as many clients send it)."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(f"messages[{i}].content[{j}] must be a text part "
+                             f"(got {kind!r}: this model reads text only)")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 # -- internals -----------------------------------------------------------------------------

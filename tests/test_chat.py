@@ -153,9 +153,9 @@ def test_no_template_and_no_family_template_is_chat_template_missing():
     ([["user", "hi"]], r"messages\[0\] must be an object"),
     ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role must be one of system, user"),
     ([{"role": "user", "content": "a"}, {"role": "assistant"}],
-     r"messages\[1\]\.content must be a string \(got missing\)"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-     r"must be a string \(got list\)"),
+     r"messages\[1\]\.content must be a string or a list of text parts \(got missing\)"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+     r"messages\[0\]\.content\[0\] must be a text part"),
 ])
 def test_bad_message_shapes_are_one_line_value_errors(smollm2_path, messages, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -182,3 +182,14 @@ def test_template_sandbox_and_errors_are_chat_template_errors():
                "tokenizer.chat_template": "{{ raise_exception('no system role') }}"}
     with pytest.raises(ChatTemplateError, match="^no system role$"):
         render_chat(raising, msgs)
+
+
+def test_content_parts_and_the_developer_role_are_accepted():
+    from skippy.mesh.chat import validate_messages
+    got = validate_messages([{"role": "developer", "content": "Be brief."},
+                             {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                          {"type": "text", "text": "there"}]}])
+    assert got == [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "Hi there"}]
+    with pytest.raises(ValueError, match=r"content\[0\] must be a text part"):
+        validate_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
