@@ -18,6 +18,10 @@ weights (fp32 today) and for the llama.cpp file.
     python -m skippy.evals.bench_runtime                      # smollm2, Q4_0, 5 repeats
     python -m skippy.evals.bench_runtime --model smollm2 --model gemma3-270m \\
         --format q4_0 --format q8_0 --json bench.json        # --json - : JSON on stdout
+    python -m skippy.evals.bench_runtime --weight-format fp32 --weight-format int4
+
+--format picks llama.cpp's file (both sides load it); --weight-format picks the format our
+runtime keeps those weights in (stages/linear.py), one row per (model, file, format).
 
 With `--json PATH` the figures are also written to PATH; with `--json -` the JSON goes to
 stdout and the table to stderr.
@@ -38,6 +42,8 @@ import numpy as np
 import torch
 
 from skippy.evals.reference import _quiet_stderr
+from skippy.stages.linear import WEIGHT_FORMATS
+from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -117,7 +123,7 @@ def prompt_ids(llm, text: str, n: int) -> tuple[list[int], int]:
 class Ours:
     name = "ours"
 
-    def __init__(self, path: Path, threads: int):
+    def __init__(self, path: Path, threads: int, weight_format: str | None = None):
         from skippy.stages.runtime import StageSpec
         from skippy.stages.torch_runtime import TorchStageRuntime
         from skippy.topology.gguf_file import GGUFFile
@@ -127,7 +133,8 @@ class Ours:
         n_layers = ModelConfig.from_gguf(f).n_layers
         f.close()
         torch.set_num_threads(threads)
-        self.rt = TorchStageRuntime(StageSpec(str(path), 0, n_layers, threads=threads))
+        extra = {"weight_format": weight_format} if weight_format else {}
+        self.rt = TorchStageRuntime(StageSpec(str(path), 0, n_layers, threads=threads, **extra))
         self.lane = self.rt.alloc_lane()
         self.weight_format = self.rt.spec.weight_format
 
@@ -206,18 +213,19 @@ def file_decode_bytes(path: Path) -> int:
 # -- the benchmark --------------------------------------------------------------------------------
 
 def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
-              data: Path, say=print) -> dict:
+              data: Path, say=print, weight_format: str | None = None) -> dict:
     from skippy.mesh.models import requantize, resolve_model
 
     src = resolve_model(model)
     with _quiet_stderr():
         path = requantize(src, fmt)
-    say(f"[{model} {fmt.upper()}] loading {path.name} into both runtimes ...")
+    say(f"[{model} {fmt.upper()} {weight_format or 'default'}] loading {path.name} into both "
+        "runtimes ...")
     ref = LlamaCpp(path, threads)
     text, source = prompt_text(data)
     ids, tok = prompt_ids(ref.llm, text, PROMPT_TOKENS)
     t = time.perf_counter()
-    ours = Ours(path, threads)
+    ours = Ours(path, threads, weight_format)
     load_s = time.perf_counter() - t
     lane_batch = ours.rt.spec.lane_batch
     samples = {"ours": {"prefill": [], "decode": []},
@@ -287,14 +295,15 @@ def _table(result: dict) -> str:
         f"median of {result['repeats']} repeats after {result['warmup']} warm-up, "
         f"sides alternating; prompt: {runs[0]['prompt_source'] if runs else '-'}",
         "",
-        f"{'model':<12} {'file':<5} {'step':<16} {'ours ms':>9} {'llama.cpp ms':>13} "
-        f"{'ours/llama.cpp':>15}",
+        f"{'model':<12} {'file':<5} {'ours':<5} {'step':<16} {'ours ms':>9} "
+        f"{'llama.cpp ms':>13} {'ours/llama.cpp':>15}",
     ]
     for r in runs:
+        wf = r["decode_bandwidth_floor"]["ours_weight_format"]
         for key, label in (("prefill", f"prefill {r['prompt_tokens']} tok"),
                            ("decode", "decode 1 tok")):
             s = r[key]
-            lines.append(f"{r['model']:<12} {r['format'].upper():<5} {label:<16} "
+            lines.append(f"{r['model']:<12} {r['format'].upper():<5} {wf:<5} {label:<16} "
                          f"{s['ours_ms']:>9.1f} {s['reference_ms']:>13.1f} "
                          f"{s['ratio']:>14.2f}x")
     lines += [
@@ -341,6 +350,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model to bench; repeat for several (default: smollm2)")
     p.add_argument("--format", action="append", choices=FORMATS, dest="formats",
                    help="llama.cpp fast-path file type; repeat for several (default: q4_0)")
+    p.add_argument("--weight-format", action="append", choices=WEIGHT_FORMATS,
+                   dest="weight_formats",
+                   help="our runtime's weight format; repeat for several (default: the "
+                        f"runtime's default, {DEFAULT_WEIGHT_FORMAT})")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="discarded warm-up repeats (default 1)")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
@@ -355,6 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--repeats and --threads must be >= 1, --warmup >= 0")
     args.model = list(dict.fromkeys(args.model or ["smollm2"]))
     args.formats = list(dict.fromkeys(args.formats or ["q4_0"]))
+    args.weight_formats = list(dict.fromkeys(args.weight_formats or [DEFAULT_WEIGHT_FORMAT]))
     return args
 
 
@@ -373,8 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup": args.warmup,
         "bandwidth_gb_s": BANDWIDTH_GB_S,
         "runs": [bench_one(m, f, repeats=args.repeats, warmup=args.warmup,
-                           threads=args.threads, data=args.data, say=say)
-                 for m in args.model for f in args.formats],
+                           threads=args.threads, data=args.data, say=say, weight_format=w)
+                 for m in args.model for f in args.formats for w in args.weight_formats],
     }
     print(_table(result), file=out, flush=True)
     if args.json == "-":

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 
-from .linear import GROUP, Int4Blocks, Matrix
+from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix
 
 
 class MissingTensor(ValueError):
@@ -34,6 +34,7 @@ class StageTensors:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     # The file's own 4-bit blocks of the matrices stored as Q4_0 / Q4_1 (int4 format)
     int4: dict[str, Int4Blocks] = field(default_factory=dict)
+    int8: dict[str, Int8Blocks] = field(default_factory=dict)  # Q8_0 matrices
     digest: str = ""
     source_bytes: int = 0  # bytes read from the file (quantized size)
 
@@ -45,7 +46,7 @@ class StageTensors:
 
     def matrix(self, name: str) -> Matrix:
         """A weight matrix for make_linear: its values and, if stored so, its 4-bit blocks."""
-        return Matrix(self.tensors[name], self.int4.get(name))
+        return Matrix(self.tensors[name], self.int4.get(name), self.int8.get(name))
 
 
 def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
@@ -100,6 +101,18 @@ def int4_blocks(f: GGUFFile, name: str) -> Int4Blocks | None:
                       torch.from_numpy(np.ascontiguousarray(offset)))
 
 
+def int8_blocks(f: GGUFFile, name: str) -> Int8Blocks | None:
+    """A Q8_0 matrix's blocks (f16 d, 32 int8 codes; value = code * d); None otherwise."""
+    info = f.tensors[name]
+    if info.qtype != GGMLQuantizationType.Q8_0 or len(info.shape) != 2:
+        return None
+    k, n = info.shape
+    blocks = np.asarray(f.raw(name)).reshape(n, k // GROUP, 2 + GROUP)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return Int8Blocks(torch.from_numpy(codes), torch.from_numpy(d))
+
+
 def load_stage_tensors(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
                        first: bool, last: bool) -> StageTensors:
     out = StageTensors()
@@ -115,5 +128,8 @@ def load_stage_tensors(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
         blocks = int4_blocks(f, name)
         if blocks is not None:
             out.int4[name] = blocks
+        q8 = int8_blocks(f, name)
+        if q8 is not None:
+            out.int8[name] = q8
     out.digest = hasher.hexdigest()
     return out

@@ -82,4 +82,4 @@ def test_json_path_writes_file_and_table_on_stdout(
         ("smollm2", "q4_0"), ("smollm2", "q8_0"), ("gemma3-270m", "q4_0"),
         ("gemma3-270m", "q8_0")]
     out = capsys.readouterr().out
-    assert "gemma3-270m  Q8_0  decode 1 tok" in out and "3.00x" in out
+    assert "gemma3-270m  Q8_0  fp32  decode 1 tok" in out and "3.00x" in out

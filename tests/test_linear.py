@@ -1,0 +1,118 @@
+"""Weight formats (stages/linear.py): the file's blocks kept as they are, every format
+exact by construction (cache on = cache off, resume = cold), the format in the identity."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from skippy.cache.config import CacheConfig
+from skippy.evals.cache_exactness import run_one
+from skippy.stages.linear import WEIGHT_FORMATS, Int4Linear, Int8AsInt4Linear, make_linear
+from skippy.stages.runtime import StageSpec
+from skippy.stages.stage_cache import stage_key_for
+from skippy.stages.torch_runtime import TorchStageRuntime
+from skippy.stages.weights import dequantize_tensor, int4_blocks, int8_blocks
+from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_config import ModelConfig
+
+CHUNK = 32
+PROMPT = [(i * 7919) % 40000 + 100 for i in range(110)]
+FAST = ["bf16", "int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_0(smollm2):
+    from skippy.mesh.models import requantize
+    return requantize(smollm2, "q4_0")
+
+
+def runtime(path, fmt, **kw) -> TorchStageRuntime:
+    n = ModelConfig.from_gguf(GGUFFile(path)).n_layers
+    return TorchStageRuntime(StageSpec(str(path), 0, n, n_ctx=512, chunk=CHUNK,
+                                       weight_format=fmt, **kw))
+
+
+def greedy(rt, lane, logits, steps=3):
+    out = [logits]
+    for _ in range(steps):
+        out.append(rt.decode([(lane, torch.tensor(int(out[-1].argmax())))])[0].logits)
+    return torch.stack(out)
+
+
+def test_q4_blocks_and_q8_pairs_hold_the_files_exact_values(smollm2, smollm2_q4_0):
+    for path, name in ((smollm2, "blk.2.ffn_up.weight"), (smollm2_q4_0, "blk.2.attn_q.weight")):
+        f = GGUFFile(path)  # Q4_1 as shipped, Q4_0 requantized
+        assert torch.equal(int4_blocks(f, name).dequantize(), dequantize_tensor(f, name))
+    f = GGUFFile(smollm2_q4_0)
+    q8 = int8_blocks(f, "token_embd.weight")
+    pair = q8.as_int4_pair().dequantize()
+    k = pair.shape[1] // 2
+    assert torch.equal(pair[:, :k] + pair[:, k:], dequantize_tensor(f, "token_embd.weight"))
+
+
+def test_int4_uses_the_files_blocks_and_never_fewer_bits(smollm2_q4_0):
+    rt = runtime(smollm2_q4_0, "int4")
+    assert isinstance(rt.layers[0].mixer.qkv, Int4Linear)
+    assert isinstance(rt.head, Int8AsInt4Linear)  # the Q8_0 head keeps its 8 bits
+    assert make_linear(torch.randn(64, 64), "int4").fmt == "int8"  # no blocks: int8
+
+
+def test_unknown_format_is_refused():
+    with pytest.raises(ValueError, match="not supported"):
+        make_linear(torch.randn(4, 4), "int3")
+
+
+def test_format_is_part_of_the_stage_identity(qwen3_f32):
+    keys = {fmt: stage_key_for(runtime(qwen3_f32, fmt)).digest for fmt in WEIGHT_FORMATS}
+    assert len(set(keys.values())) == len(WEIGHT_FORMATS)
+
+
+@pytest.mark.parametrize("model, fmt", [("qwen3_f32", f) for f in FAST]
+                         + [("smollm2_q4_0", "int8"), ("smollm2_q4_0", "int4")])
+def test_resume_at_every_chunk_boundary_is_bitwise_cold(model, fmt, request):
+    rt = runtime(request.getfixturevalue(model), fmt)
+    cold = rt.alloc_lane()
+    all_cold = rt.prefill(cold, torch.tensor(PROMPT), logits="all").logits
+    cold_run = greedy(rt, cold, all_cold[-1])
+    for b in range(CHUNK, len(PROMPT), CHUNK):
+        other = rt.alloc_lane()
+        rt.prefill(other, torch.tensor(PROMPT[:b] + [5] * 40), logits="none")
+        state = rt.export_state(other, b)
+        rt.free_lane(other)
+        lane = rt.alloc_lane()
+        rt.import_state(lane, state)
+        rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
+        assert torch.equal(rows, all_cold[b:]), f"{fmt}: prefill rows differ at {b}"
+        assert torch.equal(greedy(rt, lane, rows[-1]), cold_run), f"{fmt}: decode differs"
+        rt.free_lane(lane)
+
+
+@pytest.mark.parametrize("model, stages, fmt", [("qwen3_f32", 2, "int4"),
+                                                ("smollm2_q4_0", 2, "int4")])
+def test_cache_on_equals_cache_off(model, stages, fmt, request, monkeypatch):
+    import skippy.mesh.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "StageSpec", functools.partial(StageSpec, weight_format=fmt))
+    path = request.getfixturevalue(model)
+    cfg = CacheConfig(chunk=32, stride=32, min_prefix=32, admit_after=1)
+    off = pipeline.LocalPipeline(path, stages, wire_dtype="f32", chunk=32, n_ctx=1024)
+    on = pipeline.LocalPipeline(path, stages, wire_dtype="f32", cache=cfg, n_ctx=1024)
+    stem = PROMPT[:100]
+    reused = 0
+    for ids in (stem + [5, 6, 7], stem + [8, 9] * 10, stem + [5, 6, 7]):
+        want_logits, want_tokens, _ = run_one(off, ids)
+        got_logits, got_tokens, r = run_one(on, ids)
+        assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+        reused += r
+    assert reused > 0
+
+
+def test_formats_stay_close_to_fp32(smollm2_q4_0):
+    ref = runtime(smollm2_q4_0, "fp32")
+    want = ref.prefill(ref.alloc_lane(), torch.tensor(PROMPT)).logits
+    for fmt in FAST:
+        rt = runtime(smollm2_q4_0, fmt)
+        got = rt.prefill(rt.alloc_lane(), torch.tensor(PROMPT)).logits
+        assert torch.cosine_similarity(got, want, dim=0) > 0.999, fmt
