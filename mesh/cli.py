@@ -150,6 +150,14 @@ def cmd_serve(args) -> int:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
     if args.pipelines < 1:
         raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
+    if args.lane_batch < 1:
+        raise UsageError(f"--lane-batch must be at least 1, not {args.lane_batch}")
+    from skippy.stages.linear import WEIGHT_FORMATS
+    from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
+    args.weight_format = args.weight_format or DEFAULT_WEIGHT_FORMAT
+    if args.weight_format not in WEIGHT_FORMATS:
+        raise UsageError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, "
+                         f"not {args.weight_format!r}")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, not {args.port}")
     if args.api_keys_file and not Path(args.api_keys_file).is_file():
@@ -162,7 +170,8 @@ def cmd_serve(args) -> int:
     from .gateway import serve
     from .ray_engine import RayEngine
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
-                       pipelines=args.pipelines,
+                       pipelines=args.pipelines, weight_format=args.weight_format,
+                       lane_batch=args.lane_batch,
                        model_name=args.model_name or (path.name if args.package else args.model),
                        address=args.address,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
@@ -270,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="context per request in tokens (capped at the model's)")
     srv.add_argument("--wire", choices=("f16", "f32"), default="f16",
                      help="activation dtype between stages")
+    srv.add_argument("--weight-format", help="how the torch runtime holds weights: fp32 "
+                     "(default: the reference), bf16, int8, int4 (fastest; keeps the file's "
+                     "4-bit blocks)")
+    srv.add_argument("--lane-batch", type=int, default=1,
+                     help="decode rows a stage runs per step, padded (concurrent requests "
+                          "share a step)")
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated)")
     add_cache_arguments(srv)

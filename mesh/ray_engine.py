@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from skippy.cache.config import CacheConfig
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
-from skippy.stages.runtime import StageSpec
+from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
@@ -112,7 +112,8 @@ class RayEngine:
                  pipelines: int = 1, model_name: str | None = None,
                  address: str | None = None, cache: CacheConfig | None = None,
                  runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
-                 threads: int | None = None, progress: Callable[[str], None] = log.info):
+                 threads: int | None = None, weight_format: str = DEFAULT_WEIGHT_FORMAT,
+                 lane_batch: int = 1, progress: Callable[[str], None] = log.info):
         if pipelines < 1:
             raise ValueError(f"pipelines must be at least 1, not {pipelines}")
         path = Path(model_path)
@@ -137,7 +138,8 @@ class RayEngine:
             for st in self.plan.stages:
                 spec = StageSpec(str(path), st.start, st.end, st.index, n, wire_dtype,
                                  n_ctx=n_ctx, chunk=self.cache.chunk,
-                                 threads=threads or st.node.cpus)
+                                 threads=threads or st.node.cpus, lane_batch=lane_batch,
+                                 weight_format=weight_format)
                 progress(f"pipeline {r} stage {st.index}: layers {st.start}-{st.end - 1} on "
                          f"node {st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB")
                 actors.append(StageActor.options(
@@ -153,7 +155,8 @@ class RayEngine:
         self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
                                n_stages=n, topology_digest=self.plan.digest,
                                extra={"runtime": runtime, "policy": policy,
-                                      "pipelines": pipelines})
+                                      "pipelines": pipelines, "weight_format": weight_format,
+                                      "lane_batch": lane_batch})
 
     @property
     def actors(self) -> list:

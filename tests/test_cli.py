@@ -59,6 +59,14 @@ def test_seeded_sampling_repeats(smollm2):
     (("generate",), "PROMPT"),
     (("models", "pull", "nonexistent"), "unknown model"),
     (("models", "synth", "--arch", "nope", "--layers", "2", "--seed", "1"), "nope"),
+    (("serve", "--stages", "0"), "at least 1"),
+    (("serve", "--runtime", "llama.cpp", "--stages", "2"), "--stages 1"),
+    (("serve", "--weight-format", "int3"), "weight-format"),
+    (("serve", "--lane-batch", "0"), "lane-batch"),
+    (("serve", "--pipelines", "0"), "pipelines"),
+    (("serve", "--port", "70000"), "port"),
+    (("serve", "--model", "no-such-model"), "no such model file"),
+    (("serve", "--cache-bytes", "lots"), "cache"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message):
     r = skippy(*args)
