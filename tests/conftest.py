@@ -19,6 +19,13 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_q4_0(smollm2):
+    """SmolLM2 requantized to Q4_0: the blocks the int4 weight format keeps as they are."""
+    from skippy.mesh.models import requantize
+    return requantize(smollm2, "q4_0")
+
+
+@pytest.fixture(scope="session")
 def gemma3():
     from skippy.mesh.models import pull
     return pull("gemma3-270m")

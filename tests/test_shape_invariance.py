@@ -37,8 +37,12 @@ def model(request):
     return request.getfixturevalue(request.param)
 
 
-def test_resume_at_every_chunk_boundary_is_bitwise_cold(model):
-    rt = runtime(model)
+@pytest.mark.parametrize("name, fmt", [("qwen3_f32", "fp32"), ("smollm2", "fp32"),
+                                       ("qwen3_f32", "bf16"), ("qwen3_f32", "int8"),
+                                       ("qwen3_f32", "int4"), ("smollm2_q4_0", "int8"),
+                                       ("smollm2_q4_0", "int4")])
+def test_resume_at_every_chunk_boundary_is_bitwise_cold(name, fmt, request):
+    rt = runtime(request.getfixturevalue(name), weight_format=fmt)
     cold = rt.alloc_lane()
     all_cold = rt.prefill(cold, torch.tensor(PROMPT), logits="all").logits
     cold_run = continue_greedy(rt, cold, all_cold[-1])
@@ -51,9 +55,9 @@ def test_resume_at_every_chunk_boundary_is_bitwise_cold(model):
         lane = rt.alloc_lane()
         rt.import_state(lane, state)
         rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
-        assert torch.equal(rows, all_cold[b:]), f"prefill rows differ after resuming at {b}"
+        assert torch.equal(rows, all_cold[b:]), f"{fmt}: prefill rows differ after resuming at {b}"
         assert torch.equal(continue_greedy(rt, lane, rows[-1]), cold_run), \
-            f"decode differs after resuming at {b}"
+            f"{fmt}: decode differs after resuming at {b}"
         rt.free_lane(lane)
 
 
