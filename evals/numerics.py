@@ -107,6 +107,30 @@ def margin_agreement(rt, ref: LlamaCppReference, prompts: list[list[int]],
             "top1_where_clear": agree}
 
 
+def greedy_logits(rt, lane: int, logits: torch.Tensor, steps: int) -> torch.Tensor:
+    """`logits` (after a prefill), then the logits after each of `steps` greedy decode
+    steps on the lane: [steps + 1, vocab]."""
+    out = [logits]
+    for _ in range(steps):
+        out.append(rt.decode([(lane, torch.tensor(int(out[-1].argmax())))])[0].logits)
+    return torch.stack(out)
+
+
+def split_logits(path, n_stages: int, ids: list[int], wire: str = "f32",
+                 steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits at every position, logits of `steps` greedy decode steps) of the
+    model cut into `n_stages` stages: the same at any split with the f32 wire."""
+    from skippy.mesh.pipeline import LocalPipeline
+    pipe = LocalPipeline(path, n_stages, wire_dtype=wire, n_ctx=512)
+    lanes = pipe.alloc()
+    all_logits = pipe.prefill(lanes, ids, logits="all")
+    decoded, token = [], int(all_logits[-1].argmax())
+    for _ in range(steps):
+        decoded.append(pipe.decode(lanes, token))
+        token = int(decoded[-1].argmax())
+    return all_logits, torch.stack(decoded)
+
+
 def decode_vs_recompute(path, ids: list[int], steps: int = 8) -> dict:
     rt = whole_model(path)
     lane = rt.alloc_lane()

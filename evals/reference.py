@@ -45,6 +45,17 @@ class LlamaCppReference:
         self.llm.eval(list(ids))
         return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
 
+    def greedy_logits(self, ids: list[int], steps: int) -> np.ndarray:
+        """The last prompt row's logits, then those after each of `steps` greedy decode
+        steps: [steps + 1, vocab] float32."""
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        rows = [np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)]
+        for _ in range(steps):
+            self.llm.eval([int(rows[-1].argmax())])
+            rows.append(np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32))
+        return np.stack(rows)
+
     def greedy(self, ids: list[int], max_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
         """llama.cpp's own greedy continuation (argmax after every step)."""
         self.llm.reset()

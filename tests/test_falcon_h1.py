@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from skippy.evals.numerics import margin_agreement
+from skippy.evals.numerics import greedy_logits, margin_agreement, split_logits
 from skippy.evals.certify import certify
 from skippy.evals.reference import LlamaCppReference
-from skippy.mesh.pipeline import LocalPipeline
 from skippy.stages.layers import rms_norm
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.synth import FALCON_H1_SSM, falcon_h1_conv_dim, write_synthetic
@@ -36,15 +35,6 @@ def reference(falcon_h1_f32):
 
 def runtime(path, **kw) -> TorchStageRuntime:
     return TorchStageRuntime(StageSpec(str(path), 0, LAYERS, n_ctx=512, **kw))
-
-
-def greedy_decode(rt, lane, logits, steps):
-    """Logits after prefill, then after each greedy decode step: [steps + 1, vocab]."""
-    out = [logits]
-    for _ in range(steps):
-        token = torch.tensor(int(out[-1].argmax()))
-        out.append(rt.decode([(lane, token)])[0].logits)
-    return torch.stack(out)
 
 
 # -- the family and its file ------------------------------------------------------------------
@@ -86,15 +76,8 @@ def test_decode_after_prefill_matches_llama_cpp(falcon_h1_f32, reference):
     """150 = 128 + 22: the padded last chunk must leave the state of its real rows."""
     rt = runtime(falcon_h1_f32)
     lane = rt.alloc_lane()
-    ours = greedy_decode(rt, lane, rt.prefill(lane, torch.tensor(PROMPT)).logits, 16)
-    llm = reference.llm
-    llm.reset()
-    llm.eval(PROMPT)
-    theirs = [np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)]
-    for _ in range(16):
-        llm.eval([int(theirs[-1].argmax())])
-        theirs.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
-    theirs = np.stack(theirs)
+    ours = greedy_logits(rt, lane, rt.prefill(lane, torch.tensor(PROMPT)).logits, 16)
+    theirs = reference.greedy_logits(PROMPT, 16)
     delta = float(np.abs(ours.numpy() - theirs).max())
     print(f"\nfalcon-h1 decode: max |dlogit| {delta:.2e} over 17 steps")
     assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
@@ -124,22 +107,10 @@ def test_f16_file_keeps_ssm_params_f32_and_matches_llama_cpp(smollm2, tmp_path):
 
 
 # -- split equivalence ------------------------------------------------------------------------
-def pipeline_run(path, n_stages: int, decode_steps: int = 4):
-    pipe = LocalPipeline(path, n_stages, wire_dtype="f32", n_ctx=512)
-    lanes = pipe.alloc()
-    all_logits = pipe.prefill(lanes, PROMPT, logits="all")
-    steps, token = [], int(all_logits[-1].argmax())
-    for _ in range(decode_steps):
-        logits = pipe.decode(lanes, token)
-        steps.append(logits)
-        token = int(logits.argmax())
-    return all_logits, torch.stack(steps)
-
-
 def test_stages_give_bitwise_equal_logits_with_f32_wire(falcon_h1_f32):
-    prefill1, decode1 = pipeline_run(falcon_h1_f32, 1)
+    prefill1, decode1 = split_logits(falcon_h1_f32, 1, PROMPT)
     for n in (2, 3):
-        prefill_n, decode_n = pipeline_run(falcon_h1_f32, n)
+        prefill_n, decode_n = split_logits(falcon_h1_f32, n, PROMPT)
         assert torch.equal(prefill1, prefill_n), f"prefill logits differ at {n} stages"
         assert torch.equal(decode1, decode_n), f"decode logits differ at {n} stages"
 
@@ -151,7 +122,7 @@ def test_resume_from_a_snapshot_at_every_chunk_boundary_is_bitwise_cold(falcon_h
     cold = rt.alloc_lane()
     out = rt.prefill(cold, torch.tensor(PROMPT), logits="all", snapshots=boundaries)
     assert sorted(out.snapshots) == list(boundaries)
-    cold_run = greedy_decode(rt, cold, out.logits[-1], 4)
+    cold_run = greedy_logits(rt, cold, out.logits[-1], 4)
     names = sorted(f"{kind}.{i}" for i in range(LAYERS) for kind in ("conv", "ssm"))
     for b in boundaries:
         snap = out.snapshots[b]
@@ -170,7 +141,7 @@ def test_resume_from_a_snapshot_at_every_chunk_boundary_is_bitwise_cold(falcon_h
             assert rt.prefill_boundary(lane) == b
             rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
             assert torch.equal(rows, out.logits[b:]), f"prefill rows differ after resuming at {b}"
-            assert torch.equal(greedy_decode(rt, lane, rows[-1], 4), cold_run), \
+            assert torch.equal(greedy_logits(rt, lane, rows[-1], 4), cold_run), \
                 f"decode differs after resuming at {b}"
             rt.free_lane(lane)
 

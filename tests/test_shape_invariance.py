@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skippy.evals.numerics import decode_vs_recompute
+from skippy.evals.numerics import decode_vs_recompute, greedy_logits
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
@@ -22,14 +22,6 @@ PROMPT = [(i * 7919) % 40000 + 100 for i in range(150)]  # boundaries 32, 64, 96
 def runtime(path, **kw) -> TorchStageRuntime:
     n = ModelConfig.from_gguf(GGUFFile(path)).n_layers
     return TorchStageRuntime(StageSpec(str(path), 0, n, n_ctx=512, chunk=CHUNK, **kw))
-
-
-def continue_greedy(rt, lane, logits, steps=4):
-    out = [logits]
-    for _ in range(steps):
-        token = torch.tensor(int(out[-1].argmax()))
-        out.append(rt.decode([(lane, token)])[0].logits)
-    return torch.stack(out)
 
 
 @pytest.fixture(scope="module", params=["qwen3_f32", "smollm2"])
@@ -45,7 +37,7 @@ def test_resume_at_every_chunk_boundary_is_bitwise_cold(name, fmt, request):
     rt = runtime(request.getfixturevalue(name), weight_format=fmt)
     cold = rt.alloc_lane()
     all_cold = rt.prefill(cold, torch.tensor(PROMPT), logits="all").logits
-    cold_run = continue_greedy(rt, cold, all_cold[-1])
+    cold_run = greedy_logits(rt, cold, all_cold[-1], 4)
     for b in range(CHUNK, len(PROMPT), CHUNK):
         # the saved state comes from another prompt that only shares the first b tokens
         other = rt.alloc_lane()
@@ -56,7 +48,7 @@ def test_resume_at_every_chunk_boundary_is_bitwise_cold(name, fmt, request):
         rt.import_state(lane, state)
         rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
         assert torch.equal(rows, all_cold[b:]), f"{fmt}: prefill rows differ after resuming at {b}"
-        assert torch.equal(continue_greedy(rt, lane, rows[-1]), cold_run), \
+        assert torch.equal(greedy_logits(rt, lane, rows[-1], 4), cold_run), \
             f"{fmt}: decode differs after resuming at {b}"
         rt.free_lane(lane)
 
