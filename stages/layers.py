@@ -12,6 +12,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def conv_taps(kernel: torch.Tensor, name: str, channels: int, width: int) -> list[torch.Tensor]:
+    """A depthwise causal conv kernel [channels, width] as one [channels] vector per tap;
+    tap 0 weighs the oldest row."""
+    if tuple(kernel.shape) != (channels, width):
+        raise ValueError(f"{name} has shape {tuple(kernel.shape)}, expected {(channels, width)}")
+    return [kernel[:, j].contiguous() for j in range(width)]
+
+
+def causal_conv(full: torch.Tensor, taps: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The n output rows of a depthwise causal conv over [state; rows] (`full`), the taps
+    summed oldest first from the first product, as ggml_ssm_conv sums them."""
+    out = full[0:n] * taps[0]
+    for j in range(1, len(taps)):
+        out = out + full[j:j + n] * taps[j]
+    return out
+
+
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "silu":
         return F.silu(gate) * up

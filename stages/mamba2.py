@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from skippy.topology.model_config import ModelConfig
 
-from .layers import rms_norm
+from .layers import causal_conv, conv_taps, rms_norm
 from .linear import make_linear
 from .weights import StageTensors
 
@@ -54,11 +54,8 @@ class Mamba2:
         self.eps = cfg.rms_eps
         self.in_proj = make_linear(t.matrix(p + "ssm_in.weight"), fmt)
         self.out_proj = make_linear(t.matrix(p + "ssm_out.weight"), fmt)
-        kernel = t[p + "ssm_conv1d.weight"]  # [conv_dim, d_conv]; tap 0 weighs the oldest row
-        if tuple(kernel.shape) != (self.conv_dim, cfg.ssm_d_conv):
-            raise ValueError(f"{p}ssm_conv1d.weight has shape {tuple(kernel.shape)}, expected "
-                             f"{(self.conv_dim, cfg.ssm_d_conv)}")
-        self.taps = [kernel[:, j].contiguous() for j in range(cfg.ssm_d_conv)]
+        self.taps = conv_taps(t[p + "ssm_conv1d.weight"], p + "ssm_conv1d.weight",
+                              self.conv_dim, cfg.ssm_d_conv)
         self.conv_bias = t.get(p + "ssm_conv1d.bias")
         self.dt_bias = t[p + "ssm_dt.bias"].reshape(self.n_head)
         self.A = t[p + "ssm_a"].reshape(self.n_head)
@@ -91,11 +88,8 @@ class Mamba2:
     def _mix(self, seg, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         n, end = xbc.shape[0], seg.n_real
         kv = seg.kv
-        # causal depthwise conv over [conv state; xBC], taps summed oldest first
         full = torch.cat([kv.conv[self.slot], xbc])  # [d_conv + n, conv_dim]
-        conv = full[0:n] * self.taps[0]
-        for j in range(1, self.d_conv + 1):
-            conv = conv + full[j:j + n] * self.taps[j]
+        conv = causal_conv(full, self.taps, n)
         kv.conv[self.slot] = full[end:end + self.d_conv].clone()  # replaced, never in place
         if self.conv_bias is not None:
             conv = conv + self.conv_bias

@@ -15,6 +15,7 @@ import torch
 
 from skippy.topology.model_config import ModelConfig
 
+from .layers import causal_conv, conv_taps
 from .linear import make_linear
 from .weights import StageTensors
 
@@ -25,11 +26,8 @@ class ShortConv:
         self.slot, self.hidden = slot, cfg.hidden  # slot: this layer's conv state in LaneKv
         self.in_proj = make_linear(t.matrix(p + "in_proj.weight"), fmt)
         self.out_proj = make_linear(t.matrix(p + "out_proj.weight"), fmt)
-        kernel = t[p + "conv.weight"]  # [hidden, l_cache]; tap 0 weighs the oldest row
-        if tuple(kernel.shape) != (cfg.hidden, cfg.conv_l_cache):
-            raise ValueError(f"{p}conv.weight has shape {tuple(kernel.shape)}, expected "
-                             f"{(cfg.hidden, cfg.conv_l_cache)}")
-        self.taps = [kernel[:, j].contiguous() for j in range(cfg.conv_l_cache)]
+        self.taps = conv_taps(t[p + "conv.weight"], p + "conv.weight", cfg.hidden,
+                              cfg.conv_l_cache)
         self.d_conv = cfg.conv_l_cache - 1
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
@@ -53,10 +51,7 @@ class ShortConv:
     def _conv(self, seg, bx: torch.Tensor) -> torch.Tensor:
         n = bx.shape[0]
         full = torch.cat([seg.kv.conv[self.slot], bx])  # [d_conv + n, hidden]
-        # Taps summed oldest first from the first product, as ggml_ssm_conv sums them.
-        out = full[0:n] * self.taps[0]
-        for j in range(1, self.d_conv + 1):
-            out = out + full[j:j + n] * self.taps[j]
+        out = causal_conv(full, self.taps, n)
         # The new state ends at the last real row: rows padding a short chunk sit after it
         # and must not enter the state (a resumed lane would otherwise differ from a cold one).
         end = seg.n_real
