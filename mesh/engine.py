@@ -50,6 +50,15 @@ class EngineInfo:
     extra: dict = field(default_factory=dict)
 
 
+def check_fits(request: GenerationRequest, n_ctx: int) -> None:
+    """ValueError (one line) unless the prompt is non-empty and it fits with max_tokens."""
+    if not request.tokens:
+        raise ValueError("the prompt has no tokens")
+    if len(request.tokens) + request.max_tokens > n_ctx:
+        raise ValueError(f"prompt ({len(request.tokens)} tokens) + max_tokens "
+                         f"({request.max_tokens}) exceed the context of {n_ctx}")
+
+
 class Engine(Protocol):
     info: EngineInfo
 
@@ -77,11 +86,7 @@ class LocalEngine:
             return fn(*args, **kwargs)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
-        if not request.tokens:
-            raise ValueError("the prompt has no tokens")
-        if len(request.tokens) + request.max_tokens > self.info.n_ctx:
-            raise ValueError(f"prompt ({len(request.tokens)} tokens) + max_tokens "
-                             f"({request.max_tokens}) exceed the context of {self.info.n_ctx}")
+        check_fits(request, self.info.n_ctx)
         pipe, ids = self.pipeline, list(request.tokens)
         sampler = Sampler(request.sampling)
         lanes = await asyncio.to_thread(self._run, pipe.alloc)

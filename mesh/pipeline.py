@@ -64,17 +64,16 @@ class LocalPipeline:
     def free(self, lanes: list[int]) -> None:
         if self.caches is not None:
             self._idle.append(lanes)
-            while len(self._idle) > IDLE_LANE_SETS:
-                for c, lane in zip(self.caches, self._idle.pop(0)):
-                    c.free_lane(lane)
+            self.drop_warm_lanes(keep=IDLE_LANE_SETS)
             return
         for stage, lane in zip(self.stages, lanes):
             stage.free_lane(lane)
 
-    def drop_warm_lanes(self) -> None:
-        """Free the lanes kept warm for follow-ups: later hits must come from the caches."""
-        while self._idle:
-            for c, lane in zip(self.caches, self._idle.pop()):
+    def drop_warm_lanes(self, keep: int = 0) -> None:
+        """Free the lanes kept warm for follow-ups, oldest first, down to `keep` sets
+        (0: later hits must come from the caches)."""
+        while len(self._idle) > keep:
+            for c, lane in zip(self.caches, self._idle.pop(0)):
                 c.free_lane(lane)
 
     # -- uncached steps (certification and tests drive these directly) --------------------

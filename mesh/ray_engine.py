@@ -32,7 +32,7 @@ from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
-from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step
+from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
 
 log = logging.getLogger(__name__)
@@ -169,12 +169,7 @@ class RayEngine:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
-        n = len(request.tokens)
-        if not n:
-            raise ValueError("the prompt has no tokens")
-        if n + request.max_tokens > self.info.n_ctx:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) "
-                             f"exceed the context of {self.info.n_ctx}")
+        check_fits(request, self.info.n_ctx)
         p = self.router.choose(request.tokens, request.namespace)
         pipe = self.pipelines[p]
         produced: list[int] = []

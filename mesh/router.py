@@ -35,14 +35,14 @@ class Router:
     def choose(self, tokens: Sequence[int], namespace: str = "") -> int:
         """The pipeline for this request; counted as in flight until `finished`."""
         digests = self._digests(tokens, namespace)
+        longest_first = sorted(digests, reverse=True)
         with self._lock:
             idlest = min(range(len(self.load)), key=lambda p: (self.load[p], p))
             best, best_len = idlest, 0
             for p, seen in enumerate(self._seen):
                 if self.load[p] - self.load[idlest] > MAX_IMBALANCE:
                     continue
-                length = next((n for n in sorted(digests, reverse=True)
-                               if digests[n] in seen), 0)
+                length = next((n for n in longest_first if digests[n] in seen), 0)
                 if length > best_len or (length == best_len and length
                                          and self.load[p] < self.load[best]):
                     best, best_len = p, length
