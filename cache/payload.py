@@ -299,8 +299,10 @@ def _nbytes(name: str, dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def _check_kind(kind: PayloadKind, tokens, fixed, error: type[Exception]) -> None:
-    if kind is PayloadKind.ResidentKv and fixed:
-        raise error("a ResidentKv payload holds attention KV only; got fixed-size state")
+    # ResidentKv is attention KV only: token rows, or a runtime's own opaque KV bytes
+    # (llama.cpp's sequence state of a dense model), never both.
+    if kind is PayloadKind.ResidentKv and fixed and tokens:
+        raise error("a ResidentKv payload holds KV rows or one opaque KV state, not both")
     if kind is PayloadKind.RecurrentOnly and tokens:
         raise error("a RecurrentOnly payload holds no token rows")
     if kind is PayloadKind.KvRecurrent and not fixed:

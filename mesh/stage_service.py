@@ -9,8 +9,10 @@ request and passes the last stage's answers back up:
     prefill  -> restore, prefill, send rows [d, n) down; the last stage samples
     decode   -> one row, sent down; the last stage samples
 
-Torch work is serialized per stage by one lock; different stages work on different
-requests at the same time, so a 2-stage chain pipelines concurrent requests.
+Runtime work is serial per stage (one turn at a time); different stages work on
+different requests at the same time, so a 2-stage chain pipelines concurrent requests.
+Decode rows that arrive while the stage is busy run together in one runtime call; a long
+prefill runs them between its chunks, so one long prompt never stalls other streams.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import queue
 import threading
 import time
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -89,10 +92,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.runtime = make_runtime(spec, runtime)
         self.cache = StageCache(self.runtime, cache, policy=policy)
         self.is_last = spec.is_last
-        self._lock = threading.Lock()
-        self._lane_freed = threading.Condition(self._lock)
-        self._pending: list[_Step] = []        # decode rows waiting for the stage
-        self._pending_lock = threading.Lock()
+        self._cv = threading.Condition()  # guards _busy and _pending; wakes waiters
+        self._busy = False                 # someone holds the stage's turn
+        self._pending: list[_Step] = []    # decode rows waiting for the stage
         self._next: stage_pb2_grpc.StageStub | None = None
         self._channel: grpc.Channel | None = None
         self.timing = _Timing()
@@ -146,21 +148,35 @@ class StageService(stage_pb2_grpc.StageServicer):
             if down is not None:
                 down.close()
             if lane is not None:
-                with self._lock:
+                with self._turn():
                     self.cache.free_lane(lane)
-                    self._lane_freed.notify()
+
+    @contextmanager
+    def _turn(self):
+        """The stage's one turn: runtime and cache calls are serial."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._busy)
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def _alloc_lane(self) -> int:
         """A lane, waiting for one to come free where the runtime has a fixed number."""
         deadline = time.monotonic() + LANE_WAIT_S
-        with self._lock:
-            while True:
+        while True:
+            with self._turn():
                 try:
                     return self.cache.alloc_lane()
                 except StageError as e:
-                    if time.monotonic() > deadline:
-                        raise _Busy(str(e)) from e
-                    self._lane_freed.wait(timeout=1.0)
+                    error = e
+            if time.monotonic() > deadline:
+                raise _Busy(str(error)) from error
+            with self._cv:  # every turn's end (a freed lane among them) wakes this
+                self._cv.wait(timeout=1.0)
 
     def _plan(self, plan: pb.Plan, lane: int, down: Downstream | None, planned) -> pb.StageResult:
         d = None
@@ -169,7 +185,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             if reply.WhichOneof("result") != "plan":
                 return reply
             d = reply.plan.start
-        with self._lock:
+        with self._turn():
             start = self.cache.plan(lane, list(plan.tokens), plan.limit, d, probe=plan.probe,
                                     namespace=plan.namespace)
         planned["downstream"] = d
@@ -185,12 +201,13 @@ class StageService(stage_pb2_grpc.StageServicer):
             if inputs.start != start:
                 raise StageError(f"frame starts at {inputs.start}, not {start}")
         t = time.perf_counter()
-        with self._lock:
+        with self._turn():
             if not self.cache.restore(lane, tokens, start, namespace=p.namespace):
                 return _error("cached state went away before the prefill", retryable=True)
             out = self.cache.prefill(lane, tokens, inputs, start, probe=p.probe,
                                      namespace=p.namespace,
-                                     downstream=planned["downstream"] if down else None)
+                                     downstream=planned["downstream"] if down else None,
+                                     between_chunks=self._run_waiting_rows)
         self.timing.add("prefill", time.perf_counter() - t)
         if down is None:
             return pb.StageResult(token=pb.Token(id=sampler(out.logits), cached_tokens=start))
@@ -216,32 +233,55 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _decode_together(self, step: _Step):
         """One decode row for this lane, run in one runtime call with every other
-        session's row that is waiting at the same moment: whoever gets the stage lock
-        runs all pending rows (the runtime pads to its fixed lane batch, so a lane's
-        arithmetic never depends on who else is decoding)."""
-        with self._pending_lock:
+        session's row that is waiting at the same moment: whoever takes the stage's turn
+        runs all pending rows, and a prefill runs them between its chunks (the runtime
+        pads to its fixed lane batch, so a lane's arithmetic never depends on who else is
+        decoding)."""
+        with self._cv:
             self._pending.append(step)
-        with self._lock:
-            if not step.done:
-                with self._pending_lock:
-                    batch, self._pending = self._pending, []
-                t = time.perf_counter()
-                try:
-                    outs = self.runtime.decode([(s.lane, s.x) for s in batch])
-                    for s, out in zip(batch, outs):
-                        s.out = out
-                        self.cache.note_decoded(s.lane, s.token)
-                except Exception as e:  # every row of the batch learns it
-                    for s in batch:
-                        s.error = e
-                finally:
-                    for s in batch:
-                        s.done = True
-                self.timing.add("decode", time.perf_counter() - t)
-                self.timing.rows += len(batch)
+            self._cv.wait_for(lambda: step.done or not self._busy)
+            if step.done:
+                batch = None
+            else:
+                self._busy = True
+                batch, self._pending = self._pending, []
+        if batch is not None:
+            try:
+                self._run_rows(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
         if step.error is not None:
             raise step.error
         return step.out
+
+    def _run_waiting_rows(self) -> None:
+        """Between a prefill's chunks (its caller holds the turn): run the decode rows
+        that arrived meanwhile and wake their sessions."""
+        with self._cv:
+            batch, self._pending = self._pending, []
+        if batch:
+            self._run_rows(batch)
+            with self._cv:
+                self._cv.notify_all()
+
+    def _run_rows(self, batch: list[_Step]) -> None:
+        """One runtime decode call for the rows; each row learns its output or the error."""
+        t = time.perf_counter()
+        try:
+            outs = self.runtime.decode([(s.lane, s.x) for s in batch])
+            for s, out in zip(batch, outs):
+                s.out = out
+                self.cache.note_decoded(s.lane, s.token)
+        except Exception as e:  # every row of the batch learns it
+            for s in batch:
+                s.error = e
+        finally:
+            for s in batch:
+                s.done = True
+        self.timing.add("decode", time.perf_counter() - t)
+        self.timing.rows += len(batch)
 
     def GetBlocks(self, request, context):
         store = self.cache.store

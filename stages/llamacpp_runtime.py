@@ -1,37 +1,38 @@
 """The llama.cpp stage runtime: a whole model at llama.cpp speed (DESIGN.md §6).
 
-One llama.cpp context serves every lane. A lane is a sequence id in one unified KV cache
-(`kv_unified=True`: a state exported here loads into any other context of the same model;
-per-sequence streams would refuse it with "n_stream mismatch"). Resident prefixes move
-between lanes with `llama_memory_seq_cp`, which shares cells instead of copying them;
-payloads are llama.cpp's own per-sequence state bytes, opaque to us.
+One llama.cpp context serves every lane. A lane is a sequence id with a KV stream of its
+own (`kv_unified=False`): n_ctx cells that no other lane touches. Payloads are llama.cpp's
+own per-sequence state bytes, opaque to us.
 
-Exactness (DESIGN.md §5.3) on llama.cpp's CPU kernels. Prefill runs each lane in
-position-aligned chunks, decode in fixed groups of `lane_batch` rows. That alone is not
-enough, because in a shared cache a lane's cells sit wherever free cells were. These
-settings make a lane's arithmetic independent of that placement, measured on this build
-(SmolLM2 Q4_1; the max |Δlogit| each one removes is given in brackets):
+Why per-lane streams (measured on this build, SmolLM2 Q4_0/Q4_1):
+- Speed. In one unified cache every lane's prefill attends over the cells of all lanes
+  (masked out, but walked): a 512-token prefill took 1,700 ms with six other lanes holding
+  1,500 tokens, against 850 ms alone. In its own stream it takes 830 ms either way.
+- Exactness. In a shared cache llama.cpp puts a new row into the first free cell, which
+  can be a hole another lane left ahead of the lane's own cells; the flash-attention
+  kernel then adds the lane's keys up in another order (max |Δlogit| 0.36-0.50 on the
+  next step). A private stream has no holes: a lane's cells are always [0, length) in
+  order, so where they sit never depends on other lanes.
 
-- Flash attention on. Its CPU kernel walks the cells in index order and skips the cells
-  masked for the row, so other lanes' cells drop out exactly. Without flash attention,
-  softmax and V products reduce over every cell, and the result changes when the same
-  prompt lands elsewhere in the cache [0.43-0.57].
-- Micro-batches of fewer than 64 rows. From 64 rows the kernel switches to a tiled
-  algorithm whose 64-cell KV tiles are aligned to cell indices, so placement matters
-  again [0.54]. `n_ubatch` is the largest divisor of the chunk below 64, so chunk
-  boundaries stay micro-batch boundaries.
-- Single-token micro-batches on one thread. A one-row micro-batch over >= 512 cells
-  takes a split-KV path with one slice of cells per thread, and those slices are
-  aligned to cell indices too [0.45]. Batches of 2 or more rows use n_threads_batch.
+The remaining settings make the arithmetic independent of the batch a row runs in:
+- Flash attention on. Its CPU kernel walks the cells in index order and skips masked
+  ones, so cells past a lane's end (a decode group spans the longest lane's extent) drop
+  out exactly. Without it softmax reduces over every cell [0.43-0.57].
+- One micro-batch per prefill chunk (`n_ubatch` = chunk). From 64 rows the kernel takes
+  a tiled algorithm, below it a per-row one, and the two give different sums [0.57]. A
+  chunk's rows run in the same micro-batch whether a cache served the rows before it or
+  not, so they always take the same path. (In a shared cache the tiled path also
+  depended on where the cells sat, which forced micro-batches below 64 rows: 2,048
+  tokens of SmolLM2 Q4_0 took 7.9 s in 32-row micro-batches, 5.4 s in 64-row ones.)
+- A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
+  takes a split-KV path with one slice of cells per thread [0.45]. In a private stream
+  the slices depend only on the lane's own length, so the path is exact for a given
+  thread count. A decode group of B >= 2 lanes is one micro-batch over B streams, which
+  never takes that path.
 
-What is NOT covered is cell *order*. llama.cpp puts new rows into the first free cells,
-so a lane's next token can land in a hole another lane left, ahead of the lane's own
-earlier cells. The kernel then adds up that lane's keys in a different order. On the
-Q4_1 file that gave max |Δ| 0.36-0.50 on the next step. The greedy path held for 16
-steps on one prompt, and on a random-token prompt it changed after 4. On an F16
-requantization the next step moved by 0.01-0.02. Per-lane KV streams
-(`kv_unified=False`) rule this out: they measured bitwise. The costs are a state format
-tied to n_seq_max, and partial copies, which llama.cpp does not support across streams.
+The cost of streams: llama.cpp shares cells only inside a stream and copies across
+streams only whole and only at the next decode, so copies between lanes go through the
+state bytes (export, import, cut the tail): a few ms per MB-sized prefix, not free.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,11 +70,6 @@ KV_DTYPE = "f16"
 class LlamaCppError(RuntimeError):
     """llama.cpp refused an operation: a decode failed, or a state would not load. The
     message carries llama.cpp's own last error line where it logged one."""
-
-
-class KvCacheFull(LlamaCppError):
-    """No free KV cells for the rows: the lanes together hold the context's n_ctx cells.
-    Free a lane, or shorten one, and retry."""
 
 
 # -- llama.cpp process setup ---------------------------------------------------------------
@@ -135,11 +132,6 @@ def weights_digest(path: str | Path) -> str:
         f.close()
 
 
-def micro_batch_rows(chunk: int) -> int:
-    """The largest divisor of `chunk` below FA_TILED_MIN_ROWS."""
-    return max(d for d in range(1, min(chunk, FA_TILED_MIN_ROWS - 1) + 1) if chunk % d == 0)
-
-
 @dataclass
 class _Lane:
     length: int = 0      # positions held (prefill + decode)
@@ -148,18 +140,20 @@ class _Lane:
 
 class LlamaCppStageRuntime(StageRuntime):
     """A whole-model stage on llama.cpp. Lanes are sequence ids 1..max_lanes of one
-    context, and they share its KV cache of `kv_cells` cells. By default that is
-    n_ctx * max_lanes, so that every lane can reach n_ctx positions as on the torch
-    runtime; shared prefixes (copy_lane) share cells. The cache is allocated and zeroed up
-    front: SmolLM2 takes 23 KB a cell, so 1024 x 8 cells come to 189 MB. A smaller
-    `kv_cells` saves memory, and KvCacheFull then says when it runs out.
+    context, each with its own KV stream of n_ctx cells. The streams are allocated and
+    zeroed up front: SmolLM2 takes 23 KB a cell, so 9 streams of 1024 cells come to
+    212 MB.
 
     Sequence 0 is scratch: it pads decode groups, and every export goes through it.
     llama.cpp writes the sequence id into the state bytes (and ignores it on import), so
     exporting from one fixed id makes a prefix's bytes the same whichever lane held it:
     payloads dedupe, and re-exports match."""
 
-    def __init__(self, spec: StageSpec, *, max_lanes: int = 8, kv_cells: int | None = None):
+    # Lanes are few (each a preallocated stream) and copies between them go through the
+    # state bytes anyway: cache entries live as payloads, not as lanes.
+    lane_entries = False
+
+    def __init__(self, spec: StageSpec, *, max_lanes: int = 8):
         f = GGUFFile(spec.model_path)
         n_layers = int(f.arch_key("block_count", 0))
         arch = f.architecture
@@ -169,16 +163,16 @@ class LlamaCppStageRuntime(StageRuntime):
             raise StageError("the llama.cpp runtime serves a whole model (--stages 1)")
         if spec.chunk < 1 or spec.lane_batch < 1 or max_lanes < 1:
             raise StageError("chunk, lane_batch and max_lanes must be >= 1")
-        if spec.lane_batch > micro_batch_rows(spec.chunk):
+        if spec.lane_batch > spec.chunk:
             # A decode group must be one micro-batch, or a row's shapes would depend on
             # its place in the group.
             raise StageError(f"lane_batch {spec.lane_batch} exceeds the micro-batch of "
-                             f"{micro_batch_rows(spec.chunk)} rows (chunk {spec.chunk})")
+                             f"{spec.chunk} rows (the chunk)")
         self._ll = ll = _init_llama_cpp()
         self.spec, self.architecture, self.n_layers = spec, arch, n_layers
         self.max_lanes = max_lanes
         self.threads = spec.threads or 2
-        self.micro_batch = micro_batch_rows(spec.chunk)
+        self.micro_batch = spec.chunk
         self._model = self._ctx = self._batch = None
 
         mparams = ll.llama_model_default_params()
@@ -189,19 +183,25 @@ class LlamaCppStageRuntime(StageRuntime):
         self.recurrent = bool(ll.llama_model_is_recurrent(self._model)
                               or ll.llama_model_is_hybrid(self._model))
         self.n_ctx = min(spec.n_ctx, ll.llama_model_n_ctx_train(self._model))
-        self.kv_cells = kv_cells or self.n_ctx * max_lanes
+
+        # Recurrent state cannot take a padding row and give it back: one lane per group.
+        self.lane_batch = 1 if self.recurrent else spec.lane_batch
+        # Sequence 0 is scratch; lanes are 1..max_lanes, and the last decode group is
+        # filled up with padding sequences.
+        B = self.lane_batch
+        n_seq = 1 + -(-max_lanes // B) * B
 
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = self.kv_cells  # llama.cpp's n_ctx: cells; we cap positions per lane
+        # llama.cpp's n_ctx counts the cells of all streams. One cell beyond n_ctx: a
+        # padding row can then always go into a neighbour's stream, even a full one.
+        cparams.n_ctx = (self.n_ctx + 1) * n_seq
         cparams.n_batch = spec.chunk
         cparams.n_ubatch = self.micro_batch
-        cparams.n_seq_max = max_lanes + 1  # + the scratch sequence
-        cparams.kv_unified = True
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False
         cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.type_k = cparams.type_v = ll.GGML_TYPE_F16
-        # Single-token micro-batches on one thread: no split-KV path (module docstring).
-        cparams.n_threads = 1
-        cparams.n_threads_batch = self.threads
+        cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.no_perf = True
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
@@ -286,9 +286,6 @@ class LlamaCppStageRuntime(StageRuntime):
             self._seq_ids[i][0] = seq
         self._wants[:n] = want
         rc = self._ll.llama_decode(self._ctx, self._batch)
-        if rc == 1:
-            raise KvCacheFull(f"no free KV cells for {n} rows: the lanes hold all "
-                              f"{self.kv_cells} cells")
         if rc != 0:
             raise LlamaCppError(f"llama_decode failed with {rc}{_last_error()}")
 
@@ -297,7 +294,8 @@ class LlamaCppStageRuntime(StageRuntime):
         return np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy()
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
-                logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
+                logits: str = "last", snapshots: tuple[int, ...] = (),
+                between_chunks: Callable[[], None] | None = None) -> StageOutput:
         """Positions [start, start + n) in chunks of `chunk` rows at multiples of the chunk.
         The last chunk may be short, and it is not padded. Exactness does not need the
         padding: a later prefill never reuses a short chunk's rows (prefill_boundary
@@ -338,6 +336,8 @@ class LlamaCppStageRuntime(StageRuntime):
             if s + m in snapshots:
                 # Captured as the prefill passes b: recurrent state cannot go back later.
                 out.snapshots[s + m] = self._export(lane, s + m, st.prefilled)
+            if between_chunks is not None and s + m < end:
+                between_chunks()
         if logits == "all":
             out.logits = torch.from_numpy(np.concatenate(rows_out))
         elif logits == "last":
@@ -345,13 +345,16 @@ class LlamaCppStageRuntime(StageRuntime):
         return out
 
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
-        """One position per lane, in groups of exactly `lane_batch` rows: a short group
-        is padded with scratch rows, and every row asks for logits. The shapes are then the
-        same whichever lanes decode together."""
+        """One position per lane. Lanes decode in fixed groups: sequences
+        [1 + kB, 1 + (k+1)B) for B = lane_batch, one row each, in order (llama.cpp runs
+        rows of several streams as one micro-batch only for consecutive sequence ids).
+        A group member that is not decoding gets a padding row at its next position,
+        removed afterwards. Every row asks for logits. A row's shapes are then the same
+        whichever lanes decode beside it."""
         lanes = [lane for lane, _ in steps]
         if len(set(lanes)) != len(lanes):
             raise StageError("a lane may appear once per decode step")
-        tokens = []
+        token: dict[int, int] = {}
         for lane, inp in steps:
             st = self._lane(lane)
             ids = self._ids(inp)
@@ -359,27 +362,29 @@ class LlamaCppStageRuntime(StageRuntime):
                 raise StageError("decode takes exactly one token per lane")
             if st.length + 1 > self.n_ctx:
                 raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
-            tokens.append(ids[0])
-        B = self.spec.lane_batch
-        results: list[StageOutput] = []
-        for g in range(0, len(steps), B):
-            rows = [(tokens[g + r], self._lanes[lane].length, lane)
-                    for r, lane in enumerate(lanes[g:g + B])]
-            real = len(rows)
-            rows += [(0, p, self._scratch) for p in range(B - real)]  # padding
+            token[lane] = ids[0]
+        B = self.lane_batch
+        logits: dict[int, torch.Tensor] = {}
+        for first in sorted({1 + (lane - 1) // B * B for lane in lanes}):
+            seqs = range(first, first + B)
+            rows = [(token[q], self._lanes[q].length, q) if q in token else
+                    (0, self._lanes[q].length if q in self._lanes else 0, q) for q in seqs]
             try:
                 self._run(rows, [True] * B)
             except LlamaCppError:
-                for _, pos, lane in rows[:real]:
-                    self._drop_from(lane, pos)
+                for _, pos, q in rows:
+                    if q in token:
+                        self._drop_from(q, pos)
                 raise
             finally:
-                if real < B:
-                    self._ll.llama_memory_seq_rm(self._mem, self._scratch, -1, -1)
-            for r, lane in enumerate(lanes[g:g + B]):
-                results.append(StageOutput(logits=torch.from_numpy(self._logits_row(r))))
-                self._lanes[lane].length += 1
-        return results
+                for _, pos, q in rows:
+                    if q not in token:
+                        self._ll.llama_memory_seq_rm(self._mem, q, pos, -1)
+            for r, q in enumerate(seqs):
+                if q in token:
+                    logits[q] = torch.from_numpy(self._logits_row(r))
+                    self._lanes[q].length += 1
+        return [StageOutput(logits=logits[lane]) for lane in lanes]
 
     def _drop_from(self, lane: int, pos: int) -> None:
         """After a failed llama_decode: the lane keeps [0, pos), or, where recurrent state
@@ -393,21 +398,20 @@ class LlamaCppStageRuntime(StageRuntime):
 
     # -- state -----------------------------------------------------------------------------
     def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
-        """ResidentKv: dst shares src's cells for [0, n_tokens) (no KV bytes move)."""
+        """ResidentKv: dst holds src's [0, n_tokens), by way of the state bytes (module
+        docstring: streams do not share cells)."""
         s, d = self._lane(src), self._lane(dst)
         if not 0 <= n_tokens <= s.length:
             raise StageError(f"lane {src} holds {s.length} tokens, not {n_tokens}")
         if self.recurrent and n_tokens != s.length:
             raise StageError(f"recurrent state cannot be cut: lane {src} holds {s.length} "
                              f"tokens, not {n_tokens}")
-        if src == dst:
-            if n_tokens < s.length:
-                self._ll.llama_memory_seq_rm(self._mem, src, n_tokens, -1)
-        else:
-            self._ll.llama_memory_seq_rm(self._mem, dst, -1, -1)
-            self._ll.llama_memory_seq_cp(self._mem, src, dst, 0, -1 if self.recurrent
-                                         else n_tokens)
-        d.length, d.prefilled = n_tokens, min(n_tokens, s.prefilled)
+        prefilled = min(n_tokens, s.prefilled)
+        if src != dst:
+            self._load(dst, self._get(src), s.length)
+        if n_tokens < s.length:
+            self._ll.llama_memory_seq_rm(self._mem, dst, n_tokens, -1)
+        d.length, d.prefilled = n_tokens, prefilled
 
     def export_state(self, lane: int, n_tokens: int) -> LaneState:
         """The lane's llama.cpp state for [0, n_tokens), as opaque bytes in
@@ -421,22 +425,44 @@ class LlamaCppStageRuntime(StageRuntime):
         return self._export(lane, n_tokens, min(n_tokens, st.prefilled))
 
     def _export(self, lane: int, n_tokens: int, prefilled: int) -> LaneState:
-        """[0, n_tokens) of the lane, by way of the scratch sequence (shared cells, no
-        KV copy), which also cuts a dense lane shorter."""
-        ll, scratch = self._ll, self._scratch
-        ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
-        ll.llama_memory_seq_cp(self._mem, lane, scratch, 0, -1 if self.recurrent else n_tokens)
+        """[0, n_tokens) of the lane, by way of the scratch sequence, which also cuts a
+        dense lane shorter."""
+        scratch = self._scratch
+        self._load(scratch, self._get(lane), self._lanes[lane].length)
         try:
-            size = ll.llama_state_seq_get_size(self._ctx, scratch)
-            blob = torch.empty(size, dtype=torch.uint8)
-            ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
-            written = ll.llama_state_seq_get_data(self._ctx, ptr, size, scratch)
+            if n_tokens < self._lanes[lane].length:
+                self._ll.llama_memory_seq_rm(self._mem, scratch, n_tokens, -1)
+            blob = self._get(scratch)
         finally:
-            ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+            self._ll.llama_memory_seq_rm(self._mem, scratch, -1, -1)
+        return LaneState(n_tokens=n_tokens, prefilled=prefilled, fixed={STATE_KEY: blob})
+
+    def _get(self, seq: int) -> torch.Tensor:
+        """llama.cpp's state bytes of one sequence."""
+        ll = self._ll
+        size = ll.llama_state_seq_get_size(self._ctx, seq)
+        blob = torch.empty(size, dtype=torch.uint8)
+        ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        written = ll.llama_state_seq_get_data(self._ctx, ptr, size, seq)
         if written != size:
             raise LlamaCppError(f"llama.cpp wrote {written} of {size} state bytes"
                                 f"{_last_error()}")
-        return LaneState(n_tokens=n_tokens, prefilled=prefilled, fixed={STATE_KEY: blob})
+        return blob
+
+    def _load(self, seq: int, blob: torch.Tensor, n_tokens: int) -> None:
+        """Sequence `seq` becomes the state bytes (cleared first; left empty where
+        llama.cpp refuses them or they hold other than n_tokens positions)."""
+        ll = self._ll
+        ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        blob = blob.cpu().contiguous()
+        ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        if not ll.llama_state_seq_set_data(self._ctx, ptr, blob.numel(), seq):
+            ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise LlamaCppError(f"llama.cpp refused the state{_last_error()}")
+        held = ll.llama_memory_seq_pos_max(self._mem, seq) + 1
+        if held != n_tokens:
+            ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise LlamaCppError(f"the state holds {held} positions, not {n_tokens}")
 
     def import_state(self, lane: int, state: LaneState) -> None:
         """The lane becomes `state` (cleared first). Raises LlamaCppError, leaving the lane
@@ -445,17 +471,8 @@ class LlamaCppStageRuntime(StageRuntime):
         blob = state.fixed.get(STATE_KEY)
         if blob is None or blob.dtype != torch.uint8 or state.keys or state.values:
             raise StageError("not a llama.cpp state (no fixed['llama_state'] uint8 bytes)")
-        blob = blob.cpu().contiguous()
-        self._ll.llama_memory_seq_rm(self._mem, lane, -1, -1)
         st.length = st.prefilled = 0
-        ptr = ctypes.cast(blob.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
-        if not self._ll.llama_state_seq_set_data(self._ctx, ptr, blob.numel(), lane):
-            self._ll.llama_memory_seq_rm(self._mem, lane, -1, -1)
-            raise LlamaCppError(f"llama.cpp refused the state{_last_error()}")
-        held = self._ll.llama_memory_seq_pos_max(self._mem, lane) + 1
-        if held != state.n_tokens:
-            self._ll.llama_memory_seq_rm(self._mem, lane, -1, -1)
-            raise LlamaCppError(f"the state holds {held} positions, not {state.n_tokens}")
+        self._load(lane, blob, state.n_tokens)
         st.length, st.prefilled = state.n_tokens, min(state.prefilled, state.n_tokens)
 
     def identity(self) -> dict[str, object]:
@@ -468,7 +485,7 @@ class LlamaCppStageRuntime(StageRuntime):
             "stage_index": 0,
             "layer_range": [0, self.n_layers],
             "runtime_abi": f"llama.cpp/{llama_cpp.__version__}",
-            "kv_layout": "llama.cpp-seq-state/unified",
+            "kv_layout": "llama.cpp-seq-state/stream",
             "kv_dtype": KV_DTYPE,
             "wire_dtype": spec.wire_dtype,
             "n_ctx": self.n_ctx,
@@ -477,9 +494,8 @@ class LlamaCppStageRuntime(StageRuntime):
                 "compute": "llama.cpp-cpu",
                 "flash_attn": True,
                 "threads": self.threads,
-                "decode_threads": 1 if spec.lane_batch == 1 else self.threads,
                 "chunk": spec.chunk,
                 "micro_batch": self.micro_batch,
-                "lane_batch": spec.lane_batch,
+                "lane_batch": self.lane_batch,
             },
         }

@@ -15,6 +15,7 @@ return a Frame in the wire dtype; the final stage returns logits.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,9 @@ class StageOutput:
 
 class StageRuntime(abc.ABC):
     spec: StageSpec
+    # Whether a dense cache entry may hold a lane of its own (copy_lane is cheap and lanes
+    # are plentiful). False: entries are exported payloads in the block store instead.
+    lane_entries: bool = True
 
     @abc.abstractmethod
     def alloc_lane(self) -> int:
@@ -105,13 +109,15 @@ class StageRuntime(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
-                logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
+                logits: str = "last", snapshots: tuple[int, ...] = (),
+                between_chunks: Callable[[], None] | None = None) -> StageOutput:
         """Run positions [start, start + n) for the lane; start must be a multiple of the
         chunk and <= prefill_boundary(lane). State beyond start is discarded.
         `logits` (final stage): "last", "all" or "none". `snapshots`: chunk-aligned
         boundaries b with start < b <= start + n whose state [0, b) is returned in
         StageOutput.snapshots (recurrent state cannot be rolled back afterwards, so it
-        is captured while the prefill passes b)."""
+        is captured while the prefill passes b). `between_chunks` runs after every chunk
+        but the last: other lanes may decode there (a long prompt must not stall them)."""
 
     @abc.abstractmethod
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:

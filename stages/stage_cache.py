@@ -7,7 +7,9 @@ entries — by policy:
 - ResidentKv (dense families): an entry is a runtime lane holding KV rows [0, L); it
   serves any chunk-aligned prefix it shares with a request (rows are copied into the
   request's lane). A lane that still holds the prefix itself (the hot lane) continues
-  from its own state: no copy, no admission.
+  from its own state: no copy, no admission. On a runtime whose lanes are few
+  (`lane_entries` False: llama.cpp) the entry is the exported state [0, L) as a payload
+  in the block store instead, imported and cut to the hit's length.
 - KvRecurrent (hybrid families): recurrent state cannot be rolled back, so state is
   captured as snapshots at admitted boundaries while the prefill passes them, exported as
   payloads into the block store, and imported whole on a hit.
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,13 +93,15 @@ class StageCache:
         self.key = stage_key or stage_key_for(runtime)
         self.stage = self.key.digest
         recurrent = self.policy == "KvRecurrent"
+        # dense entries as payloads rather than lanes (module docstring)
+        self._stored = self.policy == "ResidentKv" and not runtime.lane_entries
         self.prefixes = PrefixCache(block=config.stride, max_entries=config.max_entries,
                                     max_bytes=config.max_bytes,
                                     max_tokens=config.max_tokens_per_entry, kind=self.policy,
                                     whole_entry=recurrent)
         self.admission = Admission(config.admit_after)
         self.store = store if store is not None else (
-            BlockStore(config.block_store_max_bytes) if recurrent else None)
+            BlockStore(config.block_store_max_bytes) if recurrent or self._stored else None)
         self.results = ExactResults(config.max_entries, config.activation_max_bytes) \
             if runtime.spec.is_last else None
         self.frames = ActivationCache(config.activation_max_entries,
@@ -112,19 +116,9 @@ class StageCache:
 
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self) -> int:
-        """A lane for a request. A runtime with a fixed number of lanes (llama.cpp) may
-        have them all holding cache entries: the oldest entry then gives its lane up."""
-        while True:
-            try:
-                lane = self.runtime.alloc_lane()
-                break
-            except StageError:
-                victim = next(iter(self._entry_lanes), None)
-                if victim is None:
-                    raise
-                self._drop(self.prefixes.remove(victim))
-                if victim in self._entry_lanes:  # pinned by a hit in progress
-                    raise
+        """A lane for a request. (Cache entries hold lanes only on runtimes whose lanes
+        are unlimited, so they never keep one from a request.)"""
+        lane = self.runtime.alloc_lane()
         self._lanes[lane] = _LaneInfo()
         return lane
 
@@ -194,11 +188,13 @@ class StageCache:
                 self.prefixes.release(hit)
             return False
         try:
-            if self.policy == "ResidentKv":
+            if hit.entry_id in self._entry_lanes:
                 self.runtime.copy_lane(self._entry_lanes[hit.entry_id], lane, start)
             else:
                 state = self._load(self._entry_payloads[hit.entry_id])
                 self.runtime.import_state(lane, state)
+                if state.n_tokens > start:  # a dense entry serves its shorter prefixes
+                    self.runtime.copy_lane(lane, lane, start)
             self._lanes[lane].tokens = list(tokens[:start])
             self._lanes[lane].namespace = namespace
             return True
@@ -213,7 +209,8 @@ class StageCache:
     # -- prefill ---------------------------------------------------------------------------
     def prefill(self, lane: int, tokens: Sequence[int], inputs, start: int,
                 logits: str = "last", *, probe: bool = False, namespace: str = "",
-                downstream: int | None = None) -> StageOutput:
+                downstream: int | None = None,
+                between_chunks: Callable[[], None] | None = None) -> StageOutput:
         """Prefill tokens [start, n) (inputs are ids for stage 0, a Frame otherwise) on a
         lane that holds [0, start), then record what was admitted. A non-final stage's
         frame covers rows [downstream, n) (default: [start, n)): rows before `start`
@@ -222,10 +219,14 @@ class StageCache:
         scope = self.scope(namespace)
         boundaries = self._admitted(tokens, start, probe, scope)
         snapshots = tuple(boundaries) if self.policy == "KvRecurrent" else ()
-        out = self.runtime.prefill(lane, inputs, start, logits, snapshots=snapshots)
+        out = self.runtime.prefill(lane, inputs, start, logits, snapshots=snapshots,
+                                   between_chunks=between_chunks)
         info = self._lanes[lane]
         info.tokens, info.namespace = list(tokens[:n]), namespace
-        if self.policy == "ResidentKv" and boundaries:
+        if self._stored and boundaries:
+            b = max(boundaries)
+            self._record_payload(tokens, b, self.runtime.export_state(lane, b), scope)
+        elif self.policy == "ResidentKv" and boundaries:
             self._record_resident(lane, tokens, max(boundaries), scope)
         elif self.policy == "KvRecurrent":
             for b, state in sorted(out.snapshots.items(), reverse=True):
@@ -318,8 +319,10 @@ class StageCache:
         if r is None:
             return
         self._drop(list(r.evicted))
-        # Recurrent state travels with its KV; a dense model's exported KV is ResidentKv.
-        kind = PayloadKind.KvRecurrent if fixed else PayloadKind.ResidentKv
+        # Recurrent state travels with its KV; a dense model's is ResidentKv (rows, or
+        # the runtime's opaque KV bytes).
+        kind = PayloadKind.KvRecurrent if fixed and self.policy == "KvRecurrent" else \
+            PayloadKind.ResidentKv
         try:
             manifest = encode_payload(kind,
                                       prefix_digest(scope, tokens[:b]),

@@ -9,6 +9,7 @@ copies and prefill starts are limited to those lengths (and 0).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -186,7 +187,8 @@ class TorchStageRuntime(StageRuntime):
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
-                logits: str = "last", snapshots: tuple[int, ...] = ()) -> StageOutput:
+                logits: str = "last", snapshots: tuple[int, ...] = (),
+                between_chunks: Callable[[], None] | None = None) -> StageOutput:
         st = self._lane(lane)
         C = self.spec.chunk
         x_in = self._inputs(inputs, start)
@@ -215,6 +217,8 @@ class TorchStageRuntime(StageRuntime):
             if self.recurrent and s + C in snapshots:
                 # recurrent state moves on with the next chunk: capture it while passing
                 st.saved[s + C] = list(st.kv.conv)
+            if between_chunks is not None and s + C < end:
+                between_chunks()
         st.length = st.prefilled = end
         # Attention state is token-major: a prefix snapshot is a slice of the final one.
         out = StageOutput(snapshots={b: self.export_state(lane, b) for b in snapshots})

@@ -156,19 +156,23 @@ def test_namespaces_do_not_share_entries(qwen3_f32):
     on.free(lanes)
 
 
-def test_cache_entries_give_their_lanes_up_to_requests(smollm2):
-    """llama.cpp has a fixed number of lanes: entries holding them yield to requests."""
+def test_llama_cpp_entries_are_payloads_and_take_no_lane(smollm2):
+    """llama.cpp has a fixed number of lanes: its dense entries live in the block store,
+    and a hit imports one (cut to the hit's length) bitwise."""
     from skippy.stages.llamacpp_runtime import LlamaCppStageRuntime
     from skippy.stages.runtime import StageError, StageSpec
     rt = LlamaCppStageRuntime(StageSpec(str(smollm2), 0, 30, chunk=32, n_ctx=512), max_lanes=2)
     cache = StageCache(rt, cfg(), policy="ResidentKv")
     a = cache.alloc_lane()
-    cache.prefill(a, PROMPTS[0], torch.tensor(PROMPTS[0]), 0)
-    assert cache.stats()["entries"] == 1              # its holder lane is the second lane
-    b = cache.alloc_lane()                            # the entry gave its lane up
-    assert cache.stats()["entries"] == 0 and a != b
+    cold = cache.prefill(a, PROMPTS[0], torch.tensor(PROMPTS[0]), 0).logits
+    assert cache.stats()["entries"] == 1 and cache.store.stats().blocks > 0
+    b = cache.alloc_lane()                            # the entry holds no lane
     with pytest.raises(StageError):
-        cache.alloc_lane()                            # both lanes serve requests now
+        cache.alloc_lane()
     cache.free_lane(a)
+    start = cache.available(b, PROMPTS[0], len(PROMPTS[0]) - 1)
+    assert start > 0 and cache.restore(b, PROMPTS[0], start)
+    warm = cache.prefill(b, PROMPTS[0], torch.tensor(PROMPTS[0][start:]), start).logits
+    assert torch.equal(warm, cold)
     cache.free_lane(b)
     rt.close()

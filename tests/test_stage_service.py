@@ -77,3 +77,53 @@ def test_a_bad_call_is_an_error_reply_not_a_dead_stream(stage):
         replies = stub.Session(iter([pb.StageCall(decode=pb.Decode(token=5))]))
         reply = next(replies)
         assert reply.WhichOneof("result") == "error"
+
+
+def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smollm2):
+    # The stage runs waiting decode rows after each chunk of a prefill, so a stream never
+    # stalls for a whole long prompt. The decoding session's output stays exact.
+    _, address = stage
+    long_prompt = [1] + [(i * 53) % 30000 + 50 for i in range(447)]  # 7 chunks of 64
+    steps = 24
+    pipe = LocalPipeline(smollm2, 1, n_ctx=512)
+    want = list(pipe.generate(PROMPTS[0], steps, Sampler(SamplingParams())))
+    replies_at: list[float] = []
+    window: dict[str, float] = {}
+    started = threading.Event()
+
+    def decoder():
+        with grpc.insecure_channel(address) as channel:
+            q: queue.Queue = queue.Queue()
+            replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+            q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPTS[0], limit=0)))
+            start = next(replies).plan.start
+            q.put(pb.StageCall(prefill=pb.Prefill(tokens=PROMPTS[0], start=start)))
+            out = [next(replies).token.id]
+            started.set()
+            for _ in range(steps - 1):
+                q.put(pb.StageCall(decode=pb.Decode(token=out[-1])))
+                out.append(next(replies).token.id)
+                replies_at.append(time.monotonic())
+            q.put(None)
+            window["tokens"] = out
+
+    def prefiller():
+        started.wait(60)
+        time.sleep(0.05)  # the decoder is streaming
+        with grpc.insecure_channel(address) as channel:
+            q: queue.Queue = queue.Queue()
+            replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+            q.put(pb.StageCall(prefill=pb.Prefill(tokens=long_prompt, start=0, probe=True)))
+            window["start"] = time.monotonic()
+            assert next(replies).WhichOneof("result") == "token"
+            window["end"] = time.monotonic()
+            q.put(None)
+
+    threads = [threading.Thread(target=decoder), threading.Thread(target=prefiller)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert window["tokens"] == want
+    during = [t for t in replies_at if window["start"] < t < window["end"]]
+    assert len(during) >= 3, (len(during), window["end"] - window["start"])
