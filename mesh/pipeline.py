@@ -26,9 +26,6 @@ from .sampler import Sampler
 
 log = logging.getLogger(__name__)
 
-IDLE_LANE_SETS = 4  # finished requests' lanes kept warm: a follow-up continues in place
-
-
 class LocalPipeline:
     def __init__(self, model_path: str | Path, n_stages: int, *, wire_dtype: str = "f16",
                  cache: CacheConfig | None = None, runtime: str = "torch", **spec_options):
@@ -50,31 +47,29 @@ class LocalPipeline:
         if cache is not None:
             log.info("cache policy: %s", capability.reason)
             self.caches = [StageCache(rt, cache, policy=capability.policy) for rt in self.stages]
-        self._idle: list[list[int]] = []
 
     # -- lanes -----------------------------------------------------------------------------
-    def alloc(self) -> list[int]:
-        """One lane in every stage for one request (a warm one when there is one)."""
-        if self._idle:
-            return self._idle.pop()
+    def alloc(self, ids: list[int] | None = None, namespace: str = "") -> list[int]:
+        """One lane in every stage for one request: with the prompt, each stage's warm
+        lane that holds most of it (StageCache.alloc_lane)."""
         if self.caches is not None:
-            return [c.alloc_lane() for c in self.caches]
+            return [c.alloc_lane(ids, namespace) for c in self.caches]
         return [s.alloc_lane() for s in self.stages]
 
-    def free(self, lanes: list[int]) -> None:
+    def free(self, lanes: list[int], *, probe: bool = False) -> None:
+        """The request is over: with caches, its lanes stay warm for a follow-up."""
         if self.caches is not None:
-            self._idle.append(lanes)
-            self.drop_warm_lanes(keep=IDLE_LANE_SETS)
+            for c, lane in zip(self.caches, lanes):
+                c.free_lane(lane, keep_warm=not probe)
             return
         for stage, lane in zip(self.stages, lanes):
             stage.free_lane(lane)
 
     def drop_warm_lanes(self, keep: int = 0) -> None:
-        """Free the lanes kept warm for follow-ups, oldest first, down to `keep` sets
-        (0: later hits must come from the caches)."""
-        while len(self._idle) > keep:
-            for c, lane in zip(self.caches, self._idle.pop(0)):
-                c.free_lane(lane)
+        """Free the lanes kept warm for follow-ups (0: later hits must come from the
+        cache entries)."""
+        for c in self.caches or ():
+            c.drop_warm_lanes(keep)
 
     # -- uncached steps (certification and tests drive these directly) --------------------
     def prefill(self, lanes: list[int], ids: list[int] | torch.Tensor, start: int = 0,
@@ -150,7 +145,7 @@ class LocalPipeline:
         if len(ids) + max_tokens > self.n_ctx:
             raise ValueError(f"prompt ({len(ids)} tokens) + max tokens ({max_tokens}) "
                              f"exceed the context of {self.n_ctx}")
-        lanes = self.alloc()
+        lanes = self.alloc([] if probe else ids)  # a probe gets a fresh lane
         try:
             logits, _, prefilled = self.first_logits(lanes, ids, probe=probe)
             for i in range(max_tokens):
@@ -164,7 +159,7 @@ class LocalPipeline:
                         prefilled = True
                     logits = self.decode(lanes, token)
         finally:
-            self.free(lanes)
+            self.free(lanes, probe=probe)
 
     def cache_stats(self) -> list[dict]:
         return [c.stats() for c in self.caches] if self.caches else []

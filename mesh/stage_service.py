@@ -111,7 +111,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     # -- the data plane ----------------------------------------------------------------------
     def Session(self, calls, context):
-        lane, down, sampler = None, None, None
+        lane, down, sampler, probe = None, None, None, False
         planned: dict[str, int | None] = {"downstream": None}
         self.sessions += 1
         try:
@@ -119,7 +119,12 @@ class StageService(stage_pb2_grpc.StageServicer):
                 kind = call.WhichOneof("call")
                 try:
                     if lane is None:
-                        lane = self._alloc_lane()
+                        # the warm lane holding most of the prompt (a probe: a fresh one)
+                        first = call.plan if kind == "plan" else call.prefill
+                        probe = kind in ("plan", "prefill") and first.probe
+                        tokens = list(first.tokens) if kind in ("plan", "prefill") and \
+                            not probe else []
+                        lane = self._alloc_lane(tokens, first.namespace if tokens else "")
                     if not self.is_last and down is None:
                         if self._next is None:
                             raise StageError(f"stage {self.spec.stage_index} has no next stage")
@@ -149,7 +154,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 down.close()
             if lane is not None:
                 with self._turn():
-                    self.cache.free_lane(lane)
+                    self.cache.free_lane(lane, keep_warm=not probe)
 
     @contextmanager
     def _turn(self):
@@ -164,13 +169,13 @@ class StageService(stage_pb2_grpc.StageServicer):
                 self._busy = False
                 self._cv.notify_all()
 
-    def _alloc_lane(self) -> int:
+    def _alloc_lane(self, tokens: list[int], namespace: str) -> int:
         """A lane, waiting for one to come free where the runtime has a fixed number."""
         deadline = time.monotonic() + LANE_WAIT_S
         while True:
             with self._turn():
                 try:
-                    return self.cache.alloc_lane()
+                    return self.cache.alloc_lane(tokens, namespace)
                 except StageError as e:
                     error = e
             if time.monotonic() > deadline:

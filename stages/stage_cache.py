@@ -50,6 +50,9 @@ from .runtime import LaneState, StageError, StageOutput, StageRuntime
 log = logging.getLogger(__name__)
 
 POLICIES = ("ResidentKv", "KvRecurrent", "disabled")
+# Finished requests' lanes kept warm, on runtimes whose lanes are unlimited (each holds
+# memory). A fixed-lane runtime (llama.cpp) keeps every idle lane warm until it is needed.
+WARM_LANES = 4
 
 
 def stage_key_for(runtime: StageRuntime, topology_digest: str = "",
@@ -112,17 +115,58 @@ class StageCache:
         self._entry_lanes: dict[int, int] = {}          # ResidentKv entry -> runtime lane
         self._entry_payloads: dict[int, Manifest] = {}  # KvRecurrent entry -> manifest
         self._lanes: dict[int, _LaneInfo] = {}
+        self._warm: dict[int, None] = {}  # idle lanes that keep their rows, oldest first
         self._bytes_per_token: int | None = None
 
     # -- lanes -----------------------------------------------------------------------------
-    def alloc_lane(self) -> int:
-        """A lane for a request. (Cache entries hold lanes only on runtimes whose lanes
-        are unlimited, so they never keep one from a request.)"""
-        lane = self.runtime.alloc_lane()
+    def alloc_lane(self, tokens: Sequence[int] | None = None, namespace: str = "") -> int:
+        """A lane for a request. With its tokens: the warm lane holding the longest
+        reusable prefix of them (a follow-up continues in place, nothing copied), else a
+        fresh lane. Without (None): the most recently warmed lane, else a fresh one.
+        A runtime out of lanes gives up its oldest warm lane. (Cache entries hold lanes
+        only on runtimes whose lanes are unlimited, so they never keep one from a
+        request.)"""
+        if tokens is None:
+            best = next(reversed(self._warm), None)
+        else:
+            best, most = None, 0
+            for lane in self._warm:
+                n = self._own_reuse(lane, tokens, len(tokens), namespace)
+                if n > most:
+                    best, most = lane, n
+        if best is not None:
+            del self._warm[best]
+            return best
+        while True:
+            try:
+                lane = self.runtime.alloc_lane()
+                break
+            except StageError:
+                if not self._warm:
+                    raise
+                self._free(next(iter(self._warm)))
         self._lanes[lane] = _LaneInfo()
         return lane
 
-    def free_lane(self, lane: int) -> None:
+    def free_lane(self, lane: int, *, keep_warm: bool = False) -> None:
+        """The request is over. `keep_warm`: the lane keeps its rows for a follow-up
+        (never for a probe's rows, which bypass every cache)."""
+        info = self._lanes.get(lane)
+        if keep_warm and self.policy != "disabled" and info is not None and info.tokens:
+            self._warm[lane] = None
+            while self.runtime.lane_entries and len(self._warm) > WARM_LANES:
+                self._free(next(iter(self._warm)))
+            return
+        self._free(lane)
+
+    def drop_warm_lanes(self, keep: int = 0) -> None:
+        """Free warm lanes, oldest first, down to `keep` (0: later hits must come from
+        the cache entries)."""
+        while len(self._warm) > keep:
+            self._free(next(iter(self._warm)))
+
+    def _free(self, lane: int) -> None:
+        self._warm.pop(lane, None)
         self._lanes.pop(lane, None)
         self.runtime.free_lane(lane)
 

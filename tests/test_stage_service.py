@@ -127,3 +127,33 @@ def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smo
     assert window["tokens"] == want
     during = [t for t in replies_at if window["start"] < t < window["end"]]
     assert len(during) >= 3, (len(during), window["end"] - window["start"])
+
+
+def first_token(address: str, tokens: list[int], probe: bool = False) -> tuple[int, int]:
+    """(first token, prompt tokens the stage did not compute) of one plan + prefill."""
+    with grpc.insecure_channel(address) as channel:
+        q: queue.Queue = queue.Queue()
+        replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+        limit = (len(tokens) - 1) // 64 * 64
+        q.put(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=limit, probe=probe)))
+        start = next(replies).plan.start
+        q.put(pb.StageCall(prefill=pb.Prefill(tokens=tokens, start=start, probe=probe)))
+        token = next(replies).token
+        q.put(None)
+        return token.id, token.cached_tokens
+
+
+def test_a_follow_up_continues_in_the_warm_lane_of_the_last_request(stage):
+    # Seen once, so not yet a cache entry (admit_after 2): the rows come from the lane
+    # the first request left warm. A probe gets a fresh lane and computes everything.
+    service, address = stage
+    first = [1] + [(i * 61) % 30000 + 50 for i in range(200)]
+    follow = first + [7, 8, 9]
+    assert first_token(address, first)[1] == 0
+    token, cached = first_token(address, follow)
+    assert cached == 192                       # three 64-row chunks, nothing copied
+    assert first_token(address, follow, probe=True) == (token, 0)
+    deadline = time.monotonic() + 10
+    while service.stats()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.cache.stats()["entries"] == 0  # no entry was recorded for it
