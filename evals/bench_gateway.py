@@ -566,7 +566,10 @@ def bench(args) -> dict:
     env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     for cfg in configs:
         port = free_port()
-        server = ServerProcess(cfg.command(path, args.model, port, args.ctx),
+        command = cfg.command(path, args.model, port, args.ctx)
+        if cfg.ours:
+            command += args.ours_args
+        server = ServerProcess(command,
                                f"http://{HOST}:{port}", cfg.ready_path, env)
         entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command}
         say(f"[{cfg.label}] starting on port {port} ...")
@@ -602,6 +605,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server", action="append", dest="servers",
                    choices=[c.key for c in (REFERENCE, *OURS)],
                    help="bench only these servers (repeatable; default: all three)")
+    p.add_argument("--ours-arg", action="append", dest="ours_args", default=[],
+                   metavar="ARG", help="one more `skippy serve` argument for our servers "
+                   "(repeatable), e.g. --ours-arg=--lane-batch=4")
     p.add_argument("--scenario", action="append", dest="scenarios", choices=SCENARIOS,
                    help="run only these scenarios (repeatable; default: all)")
     p.add_argument("--json", metavar="PATH", help="also write everything as JSON to PATH "

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 64  # concurrent request streams a stage serves (each holds a thread)
 LANE_WAIT_S = 120  # how long a request waits for a lane before it is told "busy"
+# How long a free stage waits for the other decoding sessions' rows to join a batch.
+# Without it, rows settle into groups that take turns (each group's next rows arrive
+# while the other group runs) and a lane batch of 8 runs half-empty.
+GATHER_S = 0.003
 
 
 class Downstream:
@@ -95,6 +99,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         self._cv = threading.Condition()  # guards _busy and _pending; wakes waiters
         self._busy = False                 # someone holds the stage's turn
         self._pending: list[_Step] = []    # decode rows waiting for the stage
+        self._decoding = 0                 # sessions past their prefill: rows to expect
+        self._free_at = 0.0                # when the last turn ended
         self._next: stage_pb2_grpc.StageStub | None = None
         self._channel: grpc.Channel | None = None
         self.timing = _Timing()
@@ -111,7 +117,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     # -- the data plane ----------------------------------------------------------------------
     def Session(self, calls, context):
-        lane, down, sampler, probe = None, None, None, False
+        lane, down, sampler, probe, decoding = None, None, None, False, False
         planned: dict[str, int | None] = {"downstream": None}
         self.sessions += 1
         try:
@@ -135,7 +141,12 @@ class StageService(stage_pb2_grpc.StageServicer):
                         p = call.prefill
                         if self.is_last:
                             sampler = Sampler(_sampling(p.sampling))
-                        yield self._prefill(p, lane, down, sampler, planned)
+                        reply = self._prefill(p, lane, down, sampler, planned)
+                        if not decoding and reply.WhichOneof("result") != "error":
+                            decoding = True
+                            with self._cv:
+                                self._decoding += 1
+                        yield reply
                     elif kind == "decode":
                         yield self._decode(call.decode, lane, down, sampler)
                     else:
@@ -150,6 +161,10 @@ class StageService(stage_pb2_grpc.StageServicer):
                     down = None
         finally:
             self.sessions -= 1
+            if decoding:
+                with self._cv:
+                    self._decoding -= 1
+                    self._cv.notify_all()  # a gathering row may now have all it expects
             if down is not None:
                 down.close()
             if lane is not None:
@@ -167,6 +182,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         finally:
             with self._cv:
                 self._busy = False
+                self._free_at = time.monotonic()
                 self._cv.notify_all()
 
     def _alloc_lane(self, tokens: list[int], namespace: str) -> int:
@@ -244,7 +260,15 @@ class StageService(stage_pb2_grpc.StageServicer):
         decoding)."""
         with self._cv:
             self._pending.append(step)
-            self._cv.wait_for(lambda: step.done or not self._busy)
+            self._cv.notify_all()  # a row gathering its batch may have waited for this one
+            while not step.done:
+                if not self._busy:
+                    wait = self._free_at + GATHER_S - time.monotonic()
+                    if len(self._pending) >= self._decoding or wait <= 0:
+                        break
+                    self._cv.wait(timeout=wait)
+                else:
+                    self._cv.wait()
             if step.done:
                 batch = None
             else:
@@ -256,6 +280,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             finally:
                 with self._cv:
                     self._busy = False
+                    self._free_at = time.monotonic()
                     self._cv.notify_all()
         if step.error is not None:
             raise step.error
