@@ -1,7 +1,8 @@
 """Cache on vs cache off on real prompts: identical tokens, bitwise-equal first logits.
 
     python -m skippy.evals.cache_exactness [--model smollm2 ...] [--stages 1 --stages 2]
-        [--data ../shared/data/usecases.jsonl] [--per-use-case N] [--cap 512] [--json PATH]
+        [--runtime torch|llama.cpp] [--data ../shared/data/usecases.jsonl]
+        [--per-use-case N] [--cap 512] [--json PATH]
 
 Prompts are rendered with the model's chat template (plain concatenation where it has
 none), capped at --cap tokens (their first tokens, so the shared stems stay shared), and
@@ -38,7 +39,7 @@ def prompt_ids(tokenizer, path, record: dict, cap: int) -> list[int]:
 
 
 def run_one(pipe: LocalPipeline, ids: list[int]):
-    lanes = pipe.alloc()
+    lanes = pipe.alloc(ids)
     try:
         logits, reused, prefilled = pipe.first_logits(lanes, ids)
         tokens, cur = [], logits
@@ -55,12 +56,14 @@ def run_one(pipe: LocalPipeline, ids: list[int]):
 
 
 def compare(path, records: list[dict], stages: int, cap: int = 512,
-            config: CacheConfig | None = None) -> dict:
+            config: CacheConfig | None = None, runtime: str = "torch") -> dict:
     from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(path)
     config = config or CacheConfig()
-    off = LocalPipeline(path, stages, wire_dtype="f16", chunk=config.chunk, n_ctx=cap + 64)
-    on = LocalPipeline(path, stages, wire_dtype="f16", cache=config, n_ctx=cap + 64)
+    off = LocalPipeline(path, stages, wire_dtype="f16", chunk=config.chunk, n_ctx=cap + 64,
+                        runtime=runtime)
+    on = LocalPipeline(path, stages, wire_dtype="f16", cache=config, n_ctx=cap + 64,
+                       runtime=runtime)
     rows, t_on, t_off = [], 0.0, 0.0
     for r in records:
         ids = prompt_ids(tok, path, r, cap)
@@ -74,7 +77,8 @@ def compare(path, records: list[dict], stages: int, cap: int = 512,
                      "reused": reused, "same_tokens": got_tokens == want_tokens,
                      "bitwise_logits": bool(torch.equal(got_logits, want_logits))})
     exact = all(x["same_tokens"] and x["bitwise_logits"] for x in rows)
-    return {"model": Path(path).name, "stages": stages, "prompts": len(rows), "exact": exact,
+    return {"model": Path(path).name, "stages": stages, "runtime": runtime,
+            "prompts": len(rows), "exact": exact,
             "reused_tokens": sum(x["reused"] for x in rows),
             "prompt_tokens": sum(x["tokens"] for x in rows),
             "seconds_cache_on": t_on, "seconds_cache_off": t_off,
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.cache_exactness")
     p.add_argument("--model", action="append")
     p.add_argument("--stages", type=int, action="append")
+    p.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch",
+                   help="stage runtime (llama.cpp: one stage)")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--per-use-case", type=int, default=1000)
     p.add_argument("--cap", type=int, default=512)
@@ -100,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     results, ok = [], True
     for name in args.model or ["smollm2"]:
         for stages in args.stages or [1, 2]:
-            r = compare(resolve_model(name), records, stages, args.cap)
+            r = compare(resolve_model(name), records, stages, args.cap, runtime=args.runtime)
             results.append(r)
             ok &= r["exact"]
-            print(f"{r['model']} x{stages}: {r['prompts']} prompts, exact={r['exact']}, "
+            print(f"{r['model']} x{stages} {args.runtime}: {r['prompts']} prompts, "
+                  f"exact={r['exact']}, "
                   f"reused {r['reused_tokens']}/{r['prompt_tokens']} prompt tokens, "
                   f"cache on {r['seconds_cache_on']:.1f} s vs off {r['seconds_cache_off']:.1f} s",
                   flush=True)

@@ -18,12 +18,17 @@ The remaining settings make the arithmetic independent of the batch a row runs i
 - Flash attention on. Its CPU kernel walks the cells in index order and skips masked
   ones, so cells past a lane's end (a decode group spans the longest lane's extent) drop
   out exactly. Without it softmax reduces over every cell [0.43-0.57].
-- One micro-batch per prefill chunk (`n_ubatch` = chunk). From 64 rows the kernel takes
-  a tiled algorithm, below it a per-row one, and the two give different sums [0.57]. A
-  chunk's rows run in the same micro-batch whether a cache served the rows before it or
-  not, so they always take the same path. (In a shared cache the tiled path also
-  depended on where the cells sat, which forced micro-batches below 64 rows: 2,048
-  tokens of SmolLM2 Q4_0 took 7.9 s in 32-row micro-batches, 5.4 s in 64-row ones.)
+- Every prompt row takes the same attention kernel, cached or not. From 64 rows in a
+  micro-batch the kernel is a tiled one, below it a per-row one, and the two give
+  different sums [0.57]; within the tiled one a row's result does not depend on the
+  other rows of its micro-batch (measured: resuming at 64 or 320 is bitwise, on Q4_0,
+  Q4_1, Q4_K_M and F16 files). So a dense prefill runs micro-batches that end at
+  multiples of `micro_batch` (256 rows), a resumed one starts with the rest of its
+  micro-batch (a multiple of the 64-row chunk: tiled too), and `resume_limit` keeps
+  a resumed prompt's last micro-batch as long as a cold run's. Recurrent models, and
+  chunks that are not multiples of 64, run one chunk per micro-batch. (In a shared
+  cache the tiled kernel also depended on where the cells sat, which forced micro-
+  batches below 64 rows: 2,048 tokens of SmolLM2 Q4_0 took 7.9 s that way, 3.6 s now.)
 - A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
   takes a split-KV path with one slice of cells per thread [0.45]. In a private stream
   the slices depend only on the lane's own length, so the path is exact for a given
@@ -61,6 +66,10 @@ STATE_KEY = "llama_state"  # LaneState.fixed key of the opaque llama.cpp sequenc
 # The CPU flash-attention kernel switches to its tiled algorithm at this many rows
 # (placement-dependent: see the module docstring).
 FA_TILED_MIN_ROWS = 64
+# Rows of a dense prefill's micro-batches: 2,048 tokens of SmolLM2 Q4_0 took 5.4 s in
+# 64-row micro-batches, 3.6 s in 256-row ones (3.6 s in 512-row ones too, which would
+# make other lanes' decode rows wait twice as long between micro-batches).
+PREFILL_ROWS = 256
 
 # The KV cache holds f16. An f32 cache would buy nothing: llama.cpp casts K and V to f16
 # for flash attention (measured: identical logits, twice the state bytes).
@@ -172,7 +181,6 @@ class LlamaCppStageRuntime(StageRuntime):
         self.spec, self.architecture, self.n_layers = spec, arch, n_layers
         self.max_lanes = max_lanes
         self.threads = spec.threads or 2
-        self.micro_batch = spec.chunk
         self._model = self._ctx = self._batch = None
 
         mparams = ll.llama_model_default_params()
@@ -186,16 +194,22 @@ class LlamaCppStageRuntime(StageRuntime):
 
         # Recurrent state cannot take a padding row and give it back: one lane per group.
         self.lane_batch = 1 if self.recurrent else spec.lane_batch
+        # Dense prefills run micro-batches of about PREFILL_ROWS rows, cut at multiples of
+        # it; a chunk that is not a multiple of the tiled kernel's rows, or a recurrent
+        # model (snapshots at chunk ends), one chunk at a time (module docstring).
+        C = spec.chunk
+        self.micro_batch = C * max(1, PREFILL_ROWS // C) \
+            if not self.recurrent and C % FA_TILED_MIN_ROWS == 0 else C
         # Sequence 0 is scratch; lanes are 1..max_lanes, and the last decode group is
         # filled up with padding sequences.
         B = self.lane_batch
-        n_seq = 1 + -(-max_lanes // B) * B
+        n_seq = self.n_seq = 1 + -(-max_lanes // B) * B
 
         cparams = ll.llama_context_default_params()
         # llama.cpp's n_ctx counts the cells of all streams. One cell beyond n_ctx: a
         # padding row can then always go into a neighbour's stream, even a full one.
         cparams.n_ctx = (self.n_ctx + 1) * n_seq
-        cparams.n_batch = spec.chunk
+        cparams.n_batch = self.micro_batch
         cparams.n_ubatch = self.micro_batch
         cparams.n_seq_max = n_seq
         cparams.kv_unified = False
@@ -210,7 +224,7 @@ class LlamaCppStageRuntime(StageRuntime):
         self._mem = ll.llama_get_memory(self._ctx)
         self._scratch = 0
 
-        rows = spec.chunk
+        rows = self.micro_batch
         self._batch = ll.llama_batch_init(rows, 0, 1)
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(rows,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(rows,))
@@ -293,51 +307,75 @@ class LlamaCppStageRuntime(StageRuntime):
         ptr = self._ll.llama_get_logits_ith(self._ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy()
 
+    def _segments(self, start: int, end: int):
+        """A prefill's micro-batches: [start, end) cut at multiples of micro_batch."""
+        U = self.micro_batch
+        s = start
+        while s < end:
+            e = min(end, (s // U + 1) * U)
+            yield s, e
+            s = e
+
+    def resume_limit(self, n_tokens: int) -> int:
+        """The latest start for a prompt of n_tokens. Where its last micro-batch has a
+        tiled kernel's worth of rows in a cold run, a resumed run must keep that many
+        rows too, or its last rows would take the per-row kernel (module docstring)."""
+        C, U, T = self.spec.chunk, self.micro_batch, FA_TILED_MIN_ROWS
+        limit = (n_tokens - 1) // C * C
+        last = (n_tokens - 1) // U * U  # where the last micro-batch of a cold run starts
+        if U == C or n_tokens - last < T:
+            return limit
+        return max(last, (n_tokens - T) // C * C)
+
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
                 between_chunks: Callable[[], None] | None = None) -> StageOutput:
-        """Positions [start, start + n) in chunks of `chunk` rows at multiples of the chunk.
-        The last chunk may be short, and it is not padded. Exactness does not need the
-        padding: a later prefill never reuses a short chunk's rows (prefill_boundary
-        rounds down), and the same request runs the same short chunk whether or not a
-        cache served its prefix. "all" is a diagnostic: it makes every row an output, so
-        llama.cpp runs the last layer over more rows, and its last row need not equal
-        "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
+        """Positions [start, start + n) in micro-batches that end at multiples of
+        micro_batch (module docstring); start <= resume_limit(start + n). The last one may
+        be short, and it is not padded: a later prefill never reuses a short chunk's rows
+        (prefill_boundary rounds down). "all" is a diagnostic: it makes every row an
+        output, so llama.cpp runs the last layer over more rows, and its last row need
+        not equal "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
         st = self._lane(lane)
         C = self.spec.chunk
         ids = self._ids(inputs)
         n = len(ids)
         end = check_prefill(start, n, chunk=C, boundary=self.prefill_boundary(lane),
                             n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
+        if start > self.resume_limit(end):
+            raise StageError(f"prefill start {start} leaves {end - start} rows; a prompt of "
+                             f"{end} tokens resumes at {self.resume_limit(end)} at most")
         if not self._ll.llama_memory_seq_rm(self._mem, lane, start, -1):
             raise StageError(f"lane {lane} holds recurrent state at {st.length} that cannot "
                              f"be rolled back to {start}: import a snapshot at {start} first")
         st.length = st.prefilled = start  # state past start is discarded
         out = StageOutput()
         rows_out: list[np.ndarray] = []
-        for s in range(start, end, C):
-            m = min(C, end - s)
+        for s, e in self._segments(start, end):
+            m = e - s
             if logits == "all":
                 want = [True] * m
             else:
                 want = [False] * m
-                want[-1] = logits == "last" and s + m == end
+                want[-1] = logits == "last" and e == end
             try:
                 self._run([(ids[s - start + j], s + j, lane) for j in range(m)], want)
             except LlamaCppError:
                 self._drop_from(lane, s)
                 raise
-            st.length = st.prefilled = s + m
+            st.length = st.prefilled = e
             if logits == "all":
                 ptr = self._ll.llama_get_logits(self._ctx)
                 rows_out.append(np.ctypeslib.as_array(ptr, shape=(m, self.vocab)).copy())
             elif want[-1]:
                 rows_out.append(self._logits_row(m - 1))
-            if s + m in snapshots:
-                # Captured as the prefill passes b: recurrent state cannot go back later.
-                out.snapshots[s + m] = self._export(lane, s + m, st.prefilled)
-            if between_chunks is not None and s + m < end:
+            if self.recurrent and e in snapshots:
+                # Captured as the prefill passes e: recurrent state cannot go back later.
+                out.snapshots[e] = self._export(lane, e, e)
+            if between_chunks is not None and e < end:
                 between_chunks()
+        for b in snapshots if not self.recurrent else ():
+            out.snapshots[b] = self._export(lane, b, b)  # dense state cuts afterwards
         if logits == "all":
             out.logits = torch.from_numpy(np.concatenate(rows_out))
         elif logits == "last":
@@ -485,7 +523,8 @@ class LlamaCppStageRuntime(StageRuntime):
             "stage_index": 0,
             "layer_range": [0, self.n_layers],
             "runtime_abi": f"llama.cpp/{llama_cpp.__version__}",
-            "kv_layout": "llama.cpp-seq-state/stream",
+            # a state loads only into a context with as many streams ("n_stream mismatch")
+            "kv_layout": f"llama.cpp-seq-state/streams={self.n_seq}",
             "kv_dtype": KV_DTYPE,
             "wire_dtype": spec.wire_dtype,
             "n_ctx": self.n_ctx,

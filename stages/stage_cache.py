@@ -185,6 +185,7 @@ class StageCache:
         """Where this stage starts its prefill, given that the next stage needs rows from
         `downstream` (None at the last stage). Rows [downstream, start) are then served
         from the frame cache; without them the stage starts no later than `downstream`."""
+        limit = min(limit, self.runtime.resume_limit(len(tokens)))
         best = self.available(lane, tokens, limit, probe=probe, namespace=namespace)
         if downstream is None or downstream >= best:
             return best
@@ -242,7 +243,8 @@ class StageCache:
             self._lanes[lane].tokens = list(tokens[:start])
             self._lanes[lane].namespace = namespace
             return True
-        except (BlockError, IncompatiblePayload, KeyError, ValueError) as e:
+        except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
+            # RuntimeError: the runtime refused the state (llama.cpp's LlamaCppError)
             log.warning("stage %s: dropping cache entry %s after a failed restore: %s",
                         self.key.stage_index, hit.entry_id, e)
             self.prefixes.remove(hit.entry_id)

@@ -18,7 +18,7 @@ from skippy.stages.runtime import LaneState, StageError, StageSpec
 from skippy.topology.gguf_file import GGUFFile
 
 CHUNK = 64  # the default chunk: llama.cpp runs it as one micro-batch
-PROMPT = [(i * 7919) % 19000 + 100 for i in range(150)]  # boundaries 64, 128; short tail
+PROMPT = [(i * 7919) % 19000 + 100 for i in range(200)]  # boundaries 64, 128, 192
 STEPS = 16
 TEXT = ("The cache contract is simple: with the cache on, outputs must be identical to the "
         "cache off, the same greedy tokens and bitwise-equal logits for the same request. "
@@ -123,6 +123,24 @@ def test_copy_lane_then_tail_is_bitwise_a_cold_prefill(dense, cold):
         rt.free_lane(dst)
 
 
+def test_resuming_inside_long_prompts_is_bitwise(smollm2):
+    # 600 tokens run as micro-batches [0, 256), [256, 512), [512, 600). Resumed at 64 the
+    # first is [64, 256); at 320, [320, 512); at 512 the last one alone. Every row takes
+    # the tiled kernel as in the cold run. Resuming at 576 would leave 24 rows to the
+    # per-row kernel: resume_limit stops at 512.
+    long = [(i * 4451) % 17000 + 200 for i in range(600)]
+    rt = runtime(smollm2, max_lanes=2)
+    assert rt.micro_batch == 256 and rt.resume_limit(600) == 512
+    assert rt.resume_limit(520) == 512 and rt.resume_limit(200) == 128
+    lane = rt.alloc_lane()
+    cold = rt.prefill(lane, torch.tensor(long)).logits
+    for b in (64, 320, 512):
+        rt.copy_lane(lane, lane, b)
+        warm = rt.prefill(lane, torch.tensor(long[b:]), start=b).logits
+        assert torch.equal(warm, cold), f"resume at {b} differs"
+    rt.close()
+
+
 def test_a_cold_prefill_does_not_depend_on_where_its_cells_sit(dense, cold):
     _, rt, _ = dense
     filler = [rt.alloc_lane() for _ in range(3)]
@@ -148,7 +166,7 @@ def test_export_import_is_bitwise_in_another_lane_and_another_context(dense, col
         target.prefill(dst, torch.tensor([9] * 70), logits="none")  # cleared by import
         target.import_state(dst, state)
         assert target.lane_length(dst) == len(PROMPT)
-        assert target.prefill_boundary(dst) == 2 * CHUNK
+        assert target.prefill_boundary(dst) == 3 * CHUNK
         got_tokens, got_rows = greedy(target, dst, rows[0])
         assert got_tokens == tokens
         assert torch.equal(got_rows, rows)
@@ -158,6 +176,21 @@ def test_export_import_is_bitwise_in_another_lane_and_another_context(dense, col
     assert torch.equal(again.fixed["llama_state"], state.fixed["llama_state"])
     free_all(rt)
     free_all(other)
+
+
+def test_a_state_loads_only_where_the_stream_count_matches(smollm2):
+    # llama.cpp refuses a sequence state from a context with another number of streams;
+    # the identity says so, so that no cache offers one to the other.
+    a, b = runtime(smollm2, max_lanes=2), runtime(smollm2, max_lanes=3)
+    assert a.identity()["kv_layout"] != b.identity()["kv_layout"]
+    lane = a.alloc_lane()
+    a.prefill(lane, torch.tensor(PROMPT[:64]), logits="none")
+    dst = b.alloc_lane()
+    with pytest.raises(LlamaCppError, match="n_stream mismatch"):
+        b.import_state(dst, a.export_state(lane, 64))
+    assert b.lane_length(dst) == 0
+    a.close()
+    b.close()
 
 
 def test_a_trimmed_export_and_a_snapshot_resume_bitwise(dense, cold):
@@ -335,7 +368,7 @@ def test_identity_names_the_engine_and_the_weights(dense):
     assert ident["layer_range"] == [0, int(GGUFFile(path).arch_key("block_count"))]
     assert ident["kv_dtype"] == "f16" and ident["n_ctx"] == 1024
     assert ident["numeric_policy"]["chunk"] == CHUNK
-    assert ident["numeric_policy"]["micro_batch"] == CHUNK
+    assert ident["numeric_policy"]["micro_batch"] == 256
     assert len(ident["weights_digest"]) == 64
 
 
@@ -369,8 +402,10 @@ def test_caller_mistakes_raise_stage_errors(dense):
     rt.prefill(lane, torch.tensor(PROMPT), logits="none")
     with pytest.raises(StageError, match="multiple of 64"):
         rt.prefill(lane, torch.tensor(PROMPT[10:]), start=10)
-    with pytest.raises(StageError, match="at most 128"):
-        rt.prefill(lane, torch.tensor(PROMPT), start=192)
+    with pytest.raises(StageError, match="at most 192"):
+        rt.prefill(lane, torch.tensor(PROMPT), start=256)
+    with pytest.raises(StageError, match="resumes at 128 at most"):
+        rt.prefill(lane, torch.tensor(PROMPT[192:]), start=192)  # 8 rows: per-row kernel
     with pytest.raises(StageError, match="snapshot boundaries"):
         rt.prefill(lane, torch.tensor(PROMPT), snapshots=(100,))
     with pytest.raises(StageError, match="out of range"):
