@@ -151,9 +151,10 @@ def cmd_serve(args) -> int:
     if args.pipelines < 1:
         raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
     if args.lane_batch is None:
-        # llama.cpp: 2 rows cost 12 % more than 1 for a lone request and give 1.7x the
-        # tokens/s at 8 (SmolLM2 Q4_0, measured); torch fp32 decodes fastest one row at a time.
-        args.lane_batch = 2 if args.runtime == "llama.cpp" else 1
+        # One row: the lone request's step is fastest. SmolLM2 Q4_0 on llama.cpp, measured:
+        # 7.5 ms a step alone at 1 row, 11.5 at 2, 28.7 at 8; 8 clients over HTTP got 67,
+        # 71 and 83 tokens/s. Torch fp32 decodes fastest one row at a time too.
+        args.lane_batch = 1
     if args.lane_batch < 1:
         raise UsageError(f"--lane-batch must be at least 1, not {args.lane_batch}")
     from skippy.stages.linear import WEIGHT_FORMATS
@@ -288,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "4-bit blocks)")
     srv.add_argument("--lane-batch", type=int,
                      help="decode rows a stage runs per step, padded (concurrent requests "
-                          "share a step); default 2 on llama.cpp, 1 on torch")
+                          "share a step): 1 (default) is fastest alone, 8 gives the most "
+                          "tokens/s to many clients")
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated)")
     add_cache_arguments(srv)

@@ -23,10 +23,11 @@ The remaining settings make the arithmetic independent of the batch a row runs i
   different sums [0.57]; within the tiled one a row's result does not depend on the
   other rows of its micro-batch (measured: resuming at 64 or 320 is bitwise, on Q4_0,
   Q4_1, Q4_K_M and F16 files). So a dense prefill runs micro-batches that end at
-  multiples of `micro_batch` (256 rows), a resumed one starts with the rest of its
-  micro-batch (a multiple of the 64-row chunk: tiled too), and `resume_limit` keeps
-  a resumed prompt's last micro-batch as long as a cold run's. Recurrent models, and
-  chunks that are not multiples of 64, run one chunk per micro-batch. (In a shared
+  multiples of `micro_batch` (256 rows), and its last chunk (1 to 64 rows) runs alone.
+  A prefill resumed at a chunk boundary then starts with the rest of a micro-batch (a
+  multiple of the 64-row chunk: tiled too) and ends with the same last chunk as a cold
+  run. Recurrent models, and chunks that are not multiples of 64, run one chunk per
+  micro-batch. (In a shared
   cache the tiled kernel also depended on where the cells sat, which forced micro-
   batches below 64 rows: 2,048 tokens of SmolLM2 Q4_0 took 7.9 s that way, 3.6 s now.)
 - A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
@@ -308,31 +309,24 @@ class LlamaCppStageRuntime(StageRuntime):
         return np.ctypeslib.as_array(ptr, shape=(self.vocab,)).copy()
 
     def _segments(self, start: int, end: int):
-        """A prefill's micro-batches: [start, end) cut at multiples of micro_batch."""
+        """A prefill's micro-batches: [start, end) cut at multiples of micro_batch and
+        where the prompt's last chunk begins (module docstring)."""
         U = self.micro_batch
+        last = (end - 1) // self.spec.chunk * self.spec.chunk
         s = start
         while s < end:
             e = min(end, (s // U + 1) * U)
+            if s < last < e:
+                e = last
             yield s, e
             s = e
-
-    def resume_limit(self, n_tokens: int) -> int:
-        """The latest start for a prompt of n_tokens. Where its last micro-batch has a
-        tiled kernel's worth of rows in a cold run, a resumed run must keep that many
-        rows too, or its last rows would take the per-row kernel (module docstring)."""
-        C, U, T = self.spec.chunk, self.micro_batch, FA_TILED_MIN_ROWS
-        limit = (n_tokens - 1) // C * C
-        last = (n_tokens - 1) // U * U  # where the last micro-batch of a cold run starts
-        if U == C or n_tokens - last < T:
-            return limit
-        return max(last, (n_tokens - T) // C * C)
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
                 between_chunks: Callable[[], None] | None = None) -> StageOutput:
         """Positions [start, start + n) in micro-batches that end at multiples of
-        micro_batch (module docstring); start <= resume_limit(start + n). The last one may
-        be short, and it is not padded: a later prefill never reuses a short chunk's rows
+        micro_batch, the prompt's last chunk alone (module docstring). That one may be
+        short, and it is not padded: a later prefill never reuses a short chunk's rows
         (prefill_boundary rounds down). "all" is a diagnostic: it makes every row an
         output, so llama.cpp runs the last layer over more rows, and its last row need
         not equal "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
@@ -342,9 +336,6 @@ class LlamaCppStageRuntime(StageRuntime):
         n = len(ids)
         end = check_prefill(start, n, chunk=C, boundary=self.prefill_boundary(lane),
                             n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
-        if start > self.resume_limit(end):
-            raise StageError(f"prefill start {start} leaves {end - start} rows; a prompt of "
-                             f"{end} tokens resumes at {self.resume_limit(end)} at most")
         if not self._ll.llama_memory_seq_rm(self._mem, lane, start, -1):
             raise StageError(f"lane {lane} holds recurrent state at {st.length} that cannot "
                              f"be rolled back to {start}: import a snapshot at {start} first")

@@ -119,11 +119,6 @@ class StageRuntime(abc.ABC):
         is captured while the prefill passes b). `between_chunks` runs after every chunk
         but the last: other lanes may decode there (a long prompt must not stall them)."""
 
-    def resume_limit(self, n_tokens: int) -> int:
-        """The latest prefill start for a prompt of n_tokens: its last row is always
-        computed (a runtime may need more rows than that: llama.cpp)."""
-        return (n_tokens - 1) // self.spec.chunk * self.spec.chunk
-
     @abc.abstractmethod
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
         """One new position for each (lane, input); input is a token id (0-d tensor) or a

@@ -185,7 +185,6 @@ class StageCache:
         """Where this stage starts its prefill, given that the next stage needs rows from
         `downstream` (None at the last stage). Rows [downstream, start) are then served
         from the frame cache; without them the stage starts no later than `downstream`."""
-        limit = min(limit, self.runtime.resume_limit(len(tokens)))
         best = self.available(lane, tokens, limit, probe=probe, namespace=namespace)
         if downstream is None or downstream >= best:
             return best

@@ -108,7 +108,7 @@ def test_prefill_logits_agree_with_the_llama_cpp_reference(request, name, bound,
 def test_copy_lane_then_tail_is_bitwise_a_cold_prefill(dense, cold):
     _, rt, _ = dense
     tokens, rows = cold
-    for b in (CHUNK, 2 * CHUNK):
+    for b in (CHUNK, 2 * CHUNK, 3 * CHUNK):  # at 192 only the 8-row last chunk runs
         src = rt.alloc_lane()  # a prompt that shares only the first b tokens
         rt.prefill(src, torch.tensor(PROMPT[:b] + [5] * 40), logits="none")
         dst = rt.alloc_lane()
@@ -124,17 +124,17 @@ def test_copy_lane_then_tail_is_bitwise_a_cold_prefill(dense, cold):
 
 
 def test_resuming_inside_long_prompts_is_bitwise(smollm2):
-    # 600 tokens run as micro-batches [0, 256), [256, 512), [512, 600). Resumed at 64 the
-    # first is [64, 256); at 320, [320, 512); at 512 the last one alone. Every row takes
-    # the tiled kernel as in the cold run. Resuming at 576 would leave 24 rows to the
-    # per-row kernel: resume_limit stops at 512.
+    # 600 tokens run as micro-batches [0, 256), [256, 512), [512, 576), [576, 600): the
+    # last chunk alone. Resumed at 64 the first is [64, 256), at 320 [320, 512); every
+    # row takes the same kernel as in the cold run (the tiled one, but for the last 24).
     long = [(i * 4451) % 17000 + 200 for i in range(600)]
     rt = runtime(smollm2, max_lanes=2)
-    assert rt.micro_batch == 256 and rt.resume_limit(600) == 512
-    assert rt.resume_limit(520) == 512 and rt.resume_limit(200) == 128
+    assert rt.micro_batch == 256
+    assert list(rt._segments(0, 600)) == [(0, 256), (256, 512), (512, 576), (576, 600)]
+    assert list(rt._segments(320, 600)) == [(320, 512), (512, 576), (576, 600)]
     lane = rt.alloc_lane()
     cold = rt.prefill(lane, torch.tensor(long)).logits
-    for b in (64, 320, 512):
+    for b in (64, 320, 512, 576):
         rt.copy_lane(lane, lane, b)
         warm = rt.prefill(lane, torch.tensor(long[b:]), start=b).logits
         assert torch.equal(warm, cold), f"resume at {b} differs"
@@ -404,8 +404,6 @@ def test_caller_mistakes_raise_stage_errors(dense):
         rt.prefill(lane, torch.tensor(PROMPT[10:]), start=10)
     with pytest.raises(StageError, match="at most 192"):
         rt.prefill(lane, torch.tensor(PROMPT), start=256)
-    with pytest.raises(StageError, match="resumes at 128 at most"):
-        rt.prefill(lane, torch.tensor(PROMPT[192:]), start=192)  # 8 rows: per-row kernel
     with pytest.raises(StageError, match="snapshot boundaries"):
         rt.prefill(lane, torch.tensor(PROMPT), snapshots=(100,))
     with pytest.raises(StageError, match="out of range"):
