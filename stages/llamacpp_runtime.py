@@ -36,9 +36,11 @@ The remaining settings make the arithmetic independent of the batch a row runs i
   thread count. A decode group of B >= 2 lanes is one micro-batch over B streams, which
   never takes that path.
 
-The cost of streams: llama.cpp shares cells only inside a stream and copies across
+The costs of streams: llama.cpp shares cells only inside a stream and copies across
 streams only whole and only at the next decode, so copies between lanes go through the
-state bytes (export, import, cut the tail): a few ms per MB-sized prefix, not free.
+state bytes (export, import, cut the tail): a few ms per MB-sized prefix, not free. And a
+state loads only into a context with as many streams ("n_stream mismatch"): the count is
+part of the identity.
 """
 
 from __future__ import annotations
