@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from skippy.cache.config import CacheConfig
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
-from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
+from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
@@ -112,7 +112,7 @@ class RayEngine:
                  pipelines: int = 1, model_name: str | None = None,
                  address: str | None = None, cache: CacheConfig | None = None,
                  runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
-                 threads: int | None = None, weight_format: str = DEFAULT_WEIGHT_FORMAT,
+                 threads: int | None = None, weight_format: str = "fp32",
                  lane_batch: int = 1, progress: Callable[[str], None] = log.info):
         if pipelines < 1:
             raise ValueError(f"pipelines must be at least 1, not {pipelines}")

@@ -27,9 +27,10 @@ class StageError(ValueError):
     """A caller mistake the runtime refuses (bad range, misaligned start, unknown lane)."""
 
 
-# The serving default: the fastest weight format whose top-1 agreement with the fp32
-# computation of the same weights is >= 99 % (evals/format_accuracy.py).
-DEFAULT_WEIGHT_FORMAT = "fp32"
+# The serving default (`skippy serve`): the fastest weight format whose top-1 agreement
+# with the fp32 computation of the same weights is >= 99 % (evals/format_accuracy.py).
+# A StageSpec's own default stays fp32, the reference arithmetic.
+DEFAULT_WEIGHT_FORMAT = "int4"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class StageSpec:
     # Decode batch B: decode always runs exactly B rows (padded). 1 by default: fp32
     # F.linear at M=1 takes the GEMV path, 2-3x faster per row than small GEMMs here.
     lane_batch: int = 1
-    weight_format: str = DEFAULT_WEIGHT_FORMAT  # stages/linear.py WEIGHT_FORMATS
+    weight_format: str = "fp32"  # stages/linear.py WEIGHT_FORMATS
     threads: int | None = None
 
     @property

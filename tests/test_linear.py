@@ -10,7 +10,7 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.evals.cache_exactness import run_one
-from skippy.stages.linear import WEIGHT_FORMATS, Int4Linear, Int8AsInt4Linear, make_linear
+from skippy.stages.linear import WEIGHT_FORMATS, Int4Linear, make_linear
 from skippy.stages.runtime import StageSpec
 from skippy.stages.stage_cache import stage_key_for
 from skippy.stages.torch_runtime import TorchStageRuntime
@@ -43,7 +43,7 @@ def test_q4_blocks_and_q8_pairs_hold_the_files_exact_values(smollm2, smollm2_q4_
 def test_int4_uses_the_files_blocks_and_never_fewer_bits(smollm2_q4_0):
     rt = runtime(smollm2_q4_0, "int4")
     assert isinstance(rt.layers[0].mixer.qkv, Int4Linear)
-    assert isinstance(rt.head, Int8AsInt4Linear)  # the Q8_0 head keeps its 8 bits
+    assert rt.head.fmt == "fp32"  # the head stays fp32 in every format
     assert make_linear(torch.randn(64, 64), "int4").fmt == "int8"  # no blocks: int8
 
 
