@@ -8,7 +8,7 @@ per token) stays the same.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ class LocalPipeline:
             self.caches = [StageCache(rt, cache, policy=capability.policy) for rt in self.stages]
 
     # -- lanes -----------------------------------------------------------------------------
-    def alloc(self, ids: list[int] | None = None, namespace: str = "") -> list[int]:
+    def alloc(self, ids: Sequence[int] = (), namespace: str = "") -> list[int]:
         """One lane in every stage for one request: with the prompt, each stage's warm
         lane that holds most of it (StageCache.alloc_lane)."""
         if self.caches is not None:

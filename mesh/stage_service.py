@@ -125,12 +125,12 @@ class StageService(stage_pb2_grpc.StageServicer):
                 kind = call.WhichOneof("call")
                 try:
                     if lane is None:
-                        # the warm lane holding most of the prompt (a probe: a fresh one)
+                        # the warm lane holding most of the prompt (a probe: a fresh one);
+                        # a call of another kind reads as an empty Prefill here
                         first = call.plan if kind == "plan" else call.prefill
-                        probe = kind in ("plan", "prefill") and first.probe
-                        tokens = list(first.tokens) if kind in ("plan", "prefill") and \
-                            not probe else []
-                        lane = self._alloc_lane(tokens, first.namespace if tokens else "")
+                        probe = first.probe
+                        lane = self._alloc_lane([] if probe else list(first.tokens),
+                                                first.namespace)
                     if not self.is_last and down is None:
                         if self._next is None:
                             raise StageError(f"stage {self.spec.stage_index} has no next stage")
@@ -180,10 +180,13 @@ class StageService(stage_pb2_grpc.StageServicer):
         try:
             yield
         finally:
-            with self._cv:
-                self._busy = False
-                self._free_at = time.monotonic()
-                self._cv.notify_all()
+            self._end_turn()
+
+    def _end_turn(self) -> None:
+        with self._cv:
+            self._busy = False
+            self._free_at = time.monotonic()
+            self._cv.notify_all()
 
     def _alloc_lane(self, tokens: list[int], namespace: str) -> int:
         """A lane, waiting for one to come free where the runtime has a fixed number."""
@@ -269,26 +272,21 @@ class StageService(stage_pb2_grpc.StageServicer):
                     self._cv.wait(timeout=wait)
                 else:
                     self._cv.wait()
-            if step.done:
-                batch = None
-            else:
-                self._busy = True
-                batch, self._pending = self._pending, []
-        if batch is not None:
+            mine = not step.done
+            if mine:
+                self._busy = True  # this row's session takes the turn
+        if mine:
             try:
-                self._run_rows(batch)
+                self._run_waiting_rows()  # every pending row, this one among them
             finally:
-                with self._cv:
-                    self._busy = False
-                    self._free_at = time.monotonic()
-                    self._cv.notify_all()
+                self._end_turn()
         if step.error is not None:
             raise step.error
         return step.out
 
     def _run_waiting_rows(self) -> None:
-        """Between a prefill's chunks (its caller holds the turn): run the decode rows
-        that arrived meanwhile and wake their sessions."""
+        """The caller holds the turn (a decode row's session, or a prefill between its
+        chunks): run the decode rows waiting now and wake their sessions."""
         with self._cv:
             batch, self._pending = self._pending, []
         if batch:

@@ -10,8 +10,8 @@ arithmetic):
   values); ``torch._weight_int8pack_mm``.
 - ``int4``: weight-only int4 in groups of 32 inputs with a scale and an offset per group;
   ``torch._weight_int4pack_mm_for_cpu``. A matrix stored in the GGUF as 4-bit blocks
-  (Q4_0, Q4_1) keeps the file's own codes, scales and offsets; a Q8_0 matrix (the head
-  of the shipped models) keeps its 8-bit blocks as a pair of int4 blocks; any other
+  (Q4_0, Q4_1) keeps the file's own codes, scales and offsets; a Q8_0 matrix keeps
+  its 8-bit blocks as a pair of int4 blocks; any other
   matrix (F16, F32, K-quants) is never stored in fewer bits than the file gives it, so it
   goes to int8 instead.
 

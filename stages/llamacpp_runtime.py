@@ -27,9 +27,9 @@ The remaining settings make the arithmetic independent of the batch a row runs i
   A prefill resumed at a chunk boundary then starts with the rest of a micro-batch (a
   multiple of the 64-row chunk: tiled too) and ends with the same last chunk as a cold
   run. Recurrent models, and chunks that are not multiples of 64, run one chunk per
-  micro-batch. (In a shared
-  cache the tiled kernel also depended on where the cells sat, which forced micro-
-  batches below 64 rows: 2,048 tokens of SmolLM2 Q4_0 took 7.9 s that way, 3.6 s now.)
+  micro-batch. (In a shared cache the tiled kernel also depended on where the cells
+  sat, which forced micro-batches below 64 rows: 2,048 tokens of SmolLM2 Q4_0 took 7.9 s
+  that way, 3.6 s now.)
 - A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
   takes a split-KV path with one slice of cells per thread [0.45]. In a private stream
   the slices depend only on the lane's own length, so the path is exact for a given
@@ -66,8 +66,8 @@ log = logging.getLogger(__name__)
 
 STATE_KEY = "llama_state"  # LaneState.fixed key of the opaque llama.cpp sequence state
 
-# The CPU flash-attention kernel switches to its tiled algorithm at this many rows
-# (placement-dependent: see the module docstring).
+# The CPU flash-attention kernel switches to its tiled algorithm at this many rows of a
+# micro-batch (its sums differ from the per-row one's: see the module docstring).
 FA_TILED_MIN_ROWS = 64
 # Rows of a dense prefill's micro-batches: 2,048 tokens of SmolLM2 Q4_0 took 5.4 s in
 # 64-row micro-batches, 3.6 s in 256-row ones (3.6 s in 512-row ones too, which would
@@ -156,10 +156,10 @@ class LlamaCppStageRuntime(StageRuntime):
     zeroed up front: SmolLM2 takes 23 KB a cell, so 9 streams of 1024 cells come to
     212 MB.
 
-    Sequence 0 is scratch: it pads decode groups, and every export goes through it.
-    llama.cpp writes the sequence id into the state bytes (and ignores it on import), so
-    exporting from one fixed id makes a prefix's bytes the same whichever lane held it:
-    payloads dedupe, and re-exports match."""
+    Sequence 0 is scratch: every export goes through it. llama.cpp writes the sequence
+    id into the state bytes (and ignores it on import), so exporting from one fixed id
+    makes a prefix's bytes the same whichever lane held it: payloads dedupe, and
+    re-exports match."""
 
     # Lanes are few (each a preallocated stream) and copies between them go through the
     # state bytes anyway: cache entries live as payloads, not as lanes.
@@ -367,8 +367,8 @@ class LlamaCppStageRuntime(StageRuntime):
                 out.snapshots[e] = self._export(lane, e, e)
             if between_chunks is not None and e < end:
                 between_chunks()
-        for b in snapshots if not self.recurrent else ():
-            out.snapshots[b] = self._export(lane, b, b)  # dense state cuts afterwards
+        if not self.recurrent:  # dense state is cut to each boundary afterwards
+            out.snapshots = {b: self._export(lane, b, b) for b in snapshots}
         if logits == "all":
             out.logits = torch.from_numpy(np.concatenate(rows_out))
         elif logits == "last":

@@ -119,21 +119,17 @@ class StageCache:
         self._bytes_per_token: int | None = None
 
     # -- lanes -----------------------------------------------------------------------------
-    def alloc_lane(self, tokens: Sequence[int] | None = None, namespace: str = "") -> int:
-        """A lane for a request. With its tokens: the warm lane holding the longest
-        reusable prefix of them (a follow-up continues in place, nothing copied), else a
-        fresh lane. Without (None): the most recently warmed lane, else a fresh one.
-        A runtime out of lanes gives up its oldest warm lane. (Cache entries hold lanes
+    def alloc_lane(self, tokens: Sequence[int] = (), namespace: str = "") -> int:
+        """A lane for a request: the warm lane holding the longest reusable prefix of its
+        tokens (a follow-up continues in place, nothing copied), else a fresh lane. A
+        runtime out of lanes gives up its oldest warm lane. (Cache entries hold lanes
         only on runtimes whose lanes are unlimited, so they never keep one from a
         request.)"""
-        if tokens is None:
-            best = next(reversed(self._warm), None)
-        else:
-            best, most = None, 0
-            for lane in self._warm:
-                n = self._own_reuse(lane, tokens, len(tokens), namespace)
-                if n > most:
-                    best, most = lane, n
+        best, most = None, 0
+        for lane in self._warm:
+            n = self._own_reuse(lane, tokens, len(tokens), namespace)
+            if n > most:
+                best, most = lane, n
         if best is not None:
             del self._warm[best]
             return best
