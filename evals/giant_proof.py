@@ -4,14 +4,15 @@
    heads; as many layers as the size asks), streamed tensor by tensor.
 2. `split_package` it (also streamed), then delete the GGUF unless --keep: from here on
    only the package exists.
-3. `RayEngine(package, 3)` (embedded Ray, torch runtime): each stage actor opens only its
-   parts; generate a few greedy tokens.
+3. `RayEngine(package, 3)` (embedded Ray, torch runtime) in the compact weight format
+   (int4-lean: no bf16 copy; an f16 source goes to int8, so a stage holds half its
+   share of the file): each stage actor opens only its parts and builds one layer at a
+   time; generate a few greedy tokens.
 4. Print each stage actor's peak RSS (VmHWM) and RSS after load, against the limit
    half the model's size + --allowance-mib. Exit status 1 if a stage's peak is over it.
 
-The source dtype defaults to f32: the torch runtime holds weights as fp32 today, so an f32
-file is the size the stages hold, and the limit measures the split, not the weight
-format. (With a compact format, pass --dtype f16 and --weight-format.)
+`--dtype f32 --weight-format fp32` measures the split alone (stages hold what the file
+holds).
 
 Run it in a loopback-only namespace (DESIGN.md §9), niced:
 
@@ -56,8 +57,8 @@ def layers_for(size: float, dims: dict, vocab: int, itemsize: int) -> int:
     return max(STAGES, round((size - ends) / _bytes_per_layer(dims, itemsize)))
 
 
-def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f32",
-        weight_format: str | None = None, allowance_mib: int = 512, keep: bool = False,
+def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f16",
+        weight_format: str = "int4-lean", allowance_mib: int = 512, keep: bool = False,
         say=print) -> dict:
     from skippy.mesh.models import pull
     from skippy.stages.package import split_package
@@ -92,6 +93,7 @@ def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f
     report = _serve(pkg, weight_format, say)
     limit = model_bytes // 2 + allowance_mib * 2**20
     report.update(model_bytes=model_bytes, layers=layers, dtype=dtype, limit_bytes=limit,
+                  weight_format=weight_format,
                   synth_s=round(synth_s, 1), split_s=round(split_s, 1),
                   largest_tensor_bytes=largest, driver_rss_before_split=rss_before_split,
                   driver_peak_rss=max(split_peak, _vm("VmHWM")),
@@ -99,19 +101,12 @@ def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f
     return report
 
 
-def _serve(pkg: Path, weight_format: str | None, say) -> dict:
-    import inspect
-
+def _serve(pkg: Path, weight_format: str, say) -> dict:
     from skippy.mesh.engine import GenerationRequest
     from skippy.mesh.ray_engine import RayEngine
 
-    options = {}
-    if weight_format:
-        if "weight_format" not in inspect.signature(RayEngine).parameters:
-            raise SystemExit("this RayEngine has no weight_format option")
-        options["weight_format"] = weight_format
     t = time.monotonic()
-    engine = RayEngine(pkg, STAGES, n_ctx=256, progress=say, **options)
+    engine = RayEngine(pkg, STAGES, n_ctx=256, progress=say, weight_format=weight_format)
     load_s = time.monotonic() - t
 
     async def generate() -> list[int]:
@@ -139,7 +134,8 @@ def table(r: dict) -> str:
              f"limit per stage: half the model + allowance = {r['limit_bytes'] / mib:.0f} MiB",
              f"split: {r['split_s']} s; largest tensor {r['largest_tensor_bytes'] / mib:.0f} "
              f"MiB; driver peak RSS {r['driver_peak_rss'] / mib:.0f} MiB",
-             f"served 3 stages, loaded in {r['load_s']} s; generated {r['tokens']}",
+             f"served 3 stages ({r['weight_format']}), loaded in {r['load_s']} s; "
+             f"generated {r['tokens']}",
              "stage  layers    peak RSS MiB  RSS MiB  under limit"]
     for i, s in enumerate(r["stages"]):
         a, b = s["layers"]
@@ -155,9 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=5.0)
     p.add_argument("--small", action="store_true", help="CI dims (hidden 512)")
-    p.add_argument("--dtype", choices=("f32", "f16"), default="f32")
-    p.add_argument("--weight-format", help="the stages' weight format, where RayEngine "
-                   "takes one")
+    p.add_argument("--dtype", choices=("f32", "f16"), default="f16")
+    p.add_argument("--weight-format", default="int4-lean", help="the stages' weight format")
     p.add_argument("--allowance-mib", type=int, default=512)
     p.add_argument("--work", type=Path, default=Path("/tmp/skippy-giant"))
     p.add_argument("--keep", action="store_true", help="keep the source GGUF")

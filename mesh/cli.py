@@ -105,15 +105,29 @@ def cmd_certify(args) -> int:
     return 0 if report.passed else 1
 
 
+def _weight_format(fmt: str | None) -> str:
+    from skippy.stages.linear import WEIGHT_FORMATS
+    from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
+    fmt = fmt or DEFAULT_WEIGHT_FORMAT
+    if fmt not in WEIGHT_FORMATS:
+        raise UsageError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, "
+                         f"not {fmt!r}")
+    return fmt
+
+
 # -- plan -------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
+    import functools
     import json
 
+    from skippy.stages.linear import held_bytes
     from skippy.topology.planner import ModelFacts, load_nodes, local_node, plan
     from .models import resolve_model
 
     nodes = load_nodes(args.nodes) if args.nodes else [local_node()]
-    facts = ModelFacts.from_gguf(resolve_model(args.model))
+    fmt = _weight_format(args.weight_format)
+    facts = ModelFacts.from_gguf(resolve_model(args.model),
+                                 tensor_bytes=functools.partial(held_bytes, fmt))
     result = plan(facts, nodes, wire_dtype=args.wire, n_ctx=args.ctx, lanes=args.lanes,
                   stages=args.stages, max_stages=args.max_stages)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
@@ -157,12 +171,7 @@ def cmd_serve(args) -> int:
         args.lane_batch = 1
     if args.lane_batch < 1:
         raise UsageError(f"--lane-batch must be at least 1, not {args.lane_batch}")
-    from skippy.stages.linear import WEIGHT_FORMATS
-    from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
-    args.weight_format = args.weight_format or DEFAULT_WEIGHT_FORMAT
-    if args.weight_format not in WEIGHT_FORMATS:
-        raise UsageError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, "
-                         f"not {args.weight_format!r}")
+    args.weight_format = _weight_format(args.weight_format)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, not {args.port}")
     if args.api_keys_file and not Path(args.api_keys_file).is_file():
@@ -249,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--lanes", type=int, default=4, help="concurrent sequences per stage")
     pln.add_argument("--wire", choices=("f16", "f32", "q8"), default="f16",
                      help="activation dtype between stages")
+    pln.add_argument("--weight-format",
+                     help="the torch runtime's weight format, which sets the memory a stage "
+                          "needs (default: serve's, int4)")
     pln.add_argument("--json", action="store_true", help="print the plan as JSON")
     pln.set_defaults(run=cmd_plan)
 
@@ -286,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="activation dtype between stages")
     srv.add_argument("--weight-format", help="how the torch runtime holds weights: int4 "
                      "(default: the file's own 4-bit blocks, an fp32 head; 99 %% top-1 "
-                     "agreement with fp32), fp32 (the reference), bf16, int8")
+                     "agreement with fp32), fp32 (the reference), bf16, int8; int4-lean / "
+                     "int8-lean hold no bf16 copy for prefill (4x less weight memory, "
+                     "prefill about 2x slower)")
     srv.add_argument("--lane-batch", type=int,
                      help="decode rows a stage runs per step, padded (concurrent requests "
                           "share a step): 1 (default) is fastest alone, 8 gives the most "

@@ -14,6 +14,7 @@ state by prefilling prompt + tokens so far (restored from caches where they surv
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from skippy.cache.config import CacheConfig
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
+from skippy.stages.linear import held_bytes
 from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import open_model
@@ -122,7 +124,8 @@ class RayEngine:
         f = open_model(path)
         policy = capability_for(f).policy
         f.close()
-        facts = ModelFacts.from_gguf(path)
+        held = None if runtime != "torch" else functools.partial(held_bytes, weight_format)
+        facts = ModelFacts.from_gguf(path, tensor_bytes=held)
         n_ctx = min(n_ctx, facts.context_length or n_ctx)
         # Every pipeline uses the same plan: the same ranges compute the same numbers, so
         # one topology digest names them all (the gateway's exact results rely on it).

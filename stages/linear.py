@@ -23,6 +23,11 @@ the same weights instead (a GEMM twice as fast as fp32 here; it costs 2 bytes pe
 of memory, never read by decode). Which kernel runs is a function of the row count only:
 equal shapes give equal bits, which is all the exactness contract (DESIGN.md §5.3)
 needs; prefill rows and decode rows were never bitwise comparable anyway.
+
+``int8-lean`` and ``int4-lean`` hold no bfloat16 copy: prefill rows go through the integer
+kernel as well. Measured here, that makes prefill GEMMs 2-2.4x slower, while a stage
+holds about 0.6 (int4) or 1 (int8) byte per weight instead of 2.6 or 3: the formats for
+a model that only fits in its nodes' memory that way.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int8-lean", "int4-lean")
+LEAN = "-lean"
 GROUP = 32  # int4 group size: a GGUF Q4 block
 SMALL_ROWS = 16  # int8/int4: the integer kernel up to this many rows, bf16 GEMM above
 _INNER_K_TILES = 2
@@ -130,18 +136,18 @@ class Int8Linear(Linear):
 
     fmt = "int8"
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, dense: bool = True):
         w = weight.to(torch.float32)
         self.out_features, self.in_features = w.shape
         amax = w.abs().amax(dim=1)
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         self.weight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         self.scale = scale.to(torch.bfloat16)
-        self.dense = w.to(torch.bfloat16)
+        self.dense = w.to(torch.bfloat16) if dense else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        if x.shape[0] > SMALL_ROWS:
+        if x.shape[0] > SMALL_ROWS and self.dense is not None:
             return F.linear(x, self.dense).float()
         return torch._weight_int8pack_mm(x, self.weight, self.scale).float()
 
@@ -171,7 +177,7 @@ class Int4Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        if x.shape[0] > SMALL_ROWS:
+        if x.shape[0] > SMALL_ROWS and self.dense is not None:
             return F.linear(x, self.dense).float()
         return torch._weight_int4pack_mm_for_cpu(x, self.weight, GROUP, self.scale_zero).float()
 
@@ -202,20 +208,43 @@ def _as_matrix(weight: torch.Tensor | Matrix) -> Matrix:
 def make_linear(weight: torch.Tensor | Matrix, fmt: str = "fp32") -> Linear:
     """The Linear of one weight in format `fmt` (see the module docstring)."""
     m = _as_matrix(weight)
+    base, dense = fmt.removesuffix(LEAN), not fmt.endswith(LEAN)
     if fmt == "fp32":
         return Linear(m.values)
     if fmt == "bf16":
         return Bf16Linear(m.values)
-    if fmt == "int8":
-        return Int8Linear(m.values)
-    if fmt == "int4":
+    if base == "int8":
+        return Int8Linear(m.values, dense)
+    if base == "int4":
         if m.int4 is not None:
-            return Int4Linear(m.int4)
+            return Int4Linear(m.int4, dense)
         if m.int8 is not None:
             return Int8AsInt4Linear(m.int8)
-        return Int8Linear(m.values)
+        return Int8Linear(m.values, dense)
     raise ValueError(f"weight format '{fmt}' is not supported "
                      f"(supported: {', '.join(WEIGHT_FORMATS)})")
+
+
+def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float:
+    """Bytes a stage holds for one GGUF tensor (`qtype` its type name, `shape` in GGUF
+    order, inputs first) in format `fmt`: the planner's memory estimate. Layer matrices
+    go through make_linear; everything else (norms, convolutions, the embeddings and
+    the head) is held as float32."""
+    n = 1
+    for d in shape:
+        n *= d
+    if not name.startswith("blk.") or len(shape) != 2 or shape[0] % GROUP:
+        return 4.0 * n
+    base, dense = fmt.removesuffix(LEAN), 0.0 if fmt.endswith(LEAN) else 2.0
+    if base == "fp32":
+        return 4.0 * n
+    if base == "bf16":
+        return 2.0 * n
+    if base == "int4" and qtype in ("Q4_0", "Q4_1"):  # packed codes + bf16 scale, zero
+        return (0.5 + 4 / GROUP + dense) * n
+    if base == "int4" and qtype == "Q8_0":  # an int4 pair, no bf16 copy
+        return (1.0 + 8 / GROUP) * n
+    return (1.0 + dense) * n  # int8 (one scale per row)
 
 
 def fuse_linear(weights: list[torch.Tensor | Matrix],

@@ -8,8 +8,6 @@ model-digest part of the cache identity, stable across file names and processes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import blake3
 import numpy as np
 import torch
@@ -27,26 +25,41 @@ class MissingTensor(ValueError):
     """The GGUF lacks a tensor this stage needs."""
 
 
-@dataclass
 class StageTensors:
-    """Float32 tensors of one stage, keyed by GGUF name; Linear layout (out, in)."""
+    """One stage's tensors, keyed by GGUF name, read from the file when asked for: a
+    stage builds each layer from its matrices and drops them, so loading never holds
+    the stage's weights as float32 all at once (only the formats the layers keep).
+    Vectors and the embeddings are kept once read (the head of a tied model reads the
+    embeddings a second time)."""
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    # The file's own 4-bit blocks of the matrices stored as Q4_0 / Q4_1 (int4 format)
-    int4: dict[str, Int4Blocks] = field(default_factory=dict)
-    int8: dict[str, Int8Blocks] = field(default_factory=dict)  # Q8_0 matrices
-    digest: str = ""
-    source_bytes: int = 0  # bytes read from the file (quantized size)
+    def __init__(self, f: GGUFFile, names: list[str]):
+        self.f, self.names = f, set(names)
+        self._kept: dict[str, torch.Tensor] = {}
+        self.digest = ""
+        self.source_bytes = 0  # bytes read from the file (quantized size)
+
+    def _check(self, name: str) -> None:
+        if name not in self.names:
+            raise KeyError(name)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+        """Float32 values, Linear layout (out, in)."""
+        self._check(name)
+        if name not in self._kept:
+            self._kept[name] = dequantize_tensor(self.f, name)
+        return self._kept[name]
 
     def get(self, name: str) -> torch.Tensor | None:
-        return self.tensors.get(name)
+        return self[name] if name in self.names else None
 
     def matrix(self, name: str) -> Matrix:
-        """A weight matrix for make_linear: its values and, if stored so, its 4-bit blocks."""
-        return Matrix(self.tensors[name], self.int4.get(name), self.int8.get(name))
+        """A weight matrix for make_linear, read now and not kept: its values and, if
+        stored so, the file's 4-bit (Q4_0 / Q4_1) or 8-bit (Q8_0) blocks."""
+        self._check(name)
+        values = self._kept.get(name)
+        if values is None:
+            values = dequantize_tensor(self.f, name)
+        return Matrix(values, int4_blocks(self.f, name), int8_blocks(self.f, name))
 
 
 def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
@@ -115,21 +128,15 @@ def int8_blocks(f: GGUFFile, name: str) -> Int8Blocks | None:
 
 def load_stage_tensors(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
                        first: bool, last: bool) -> StageTensors:
-    out = StageTensors()
+    """The stage's tensors (read lazily) and the digest of exactly their bytes."""
+    names = owned_tensor_names(f, cfg, start, end, first, last)
+    out = StageTensors(f, names)
     hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
     hasher.update(f"{cfg.architecture}:{cfg.n_layers}".encode())
-    for name in owned_tensor_names(f, cfg, start, end, first, last):
+    for name in names:
         info = f.tensors[name]
-        raw = f.raw(name)
         hasher.update(f"|{name}:{info.qtype.name}:{info.shape}|".encode())
-        hasher.update(memoryview(raw))
+        hasher.update(memoryview(f.raw(name)))
         out.source_bytes += info.nbytes
-        out.tensors[name] = dequantize_tensor(f, name)
-        blocks = int4_blocks(f, name)
-        if blocks is not None:
-            out.int4[name] = blocks
-        q8 = int8_blocks(f, name)
-        if q8 is not None:
-            out.int8[name] = q8
     out.digest = hasher.hexdigest()
     return out

@@ -33,6 +33,13 @@ def test_tiny_hybrid_run_has_every_row_and_exact_answers(smollm2, tmp_path) -> N
         assert r["ours"]["reused_tokens"] == r["prefix_tokens"]
         want = 8.0 if row == "changed_tail" else None
         assert r["target"] == want and (r["met"] is None) == (want is None)
+        # llama.cpp's own tail-only cost bounds a tail row's speedup (a hybrid model)
+        if row == "exact_repeat":
+            assert r["ceiling"] is None
+        else:
+            tail_only = r["llama_cpp"]["tail_only_ms"]
+            assert 0 < tail_only < r["llama_cpp_ms"]
+            assert r["ceiling"] == pytest.approx(r["llama_cpp_ms"] / tail_only)
     assert rows[("changed_tail", "torch")]["ours"]["logits_bitwise"] is True
 
 
@@ -64,6 +71,7 @@ def test_format_row_marks_targets() -> None:
          "speedup": 3.0, "target": 1.2, "met": True,
          "ours": {"logits_bitwise": True, "reused_tokens": 128}}
     line = bench.format_row("smollm2", r)
+    assert "3.00x" in line and "4.00x" in bench.format_row("lfm2", {**r, "ceiling": 4.0})
     assert "3.00x" in line and "1.2x" in line and "yes" in line and "bitwise" in line
     line = bench.format_row("lfm2", {**r, "target": None, "met": None})
     assert " - " in line

@@ -10,7 +10,7 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.evals.cache_exactness import run_one
-from skippy.stages.linear import WEIGHT_FORMATS, Int4Linear, make_linear
+from skippy.stages.linear import WEIGHT_FORMATS, Int4Blocks, Int4Linear, make_linear
 from skippy.stages.runtime import StageSpec
 from skippy.stages.stage_cache import stage_key_for
 from skippy.stages.torch_runtime import TorchStageRuntime
@@ -20,7 +20,7 @@ from skippy.topology.model_config import ModelConfig
 
 CHUNK = 32
 PROMPT = [(i * 7919) % 40000 + 100 for i in range(110)]
-FAST = ["bf16", "int8", "int4"]
+FAST = ["bf16", "int8", "int4", "int8-lean", "int4-lean"]
 
 
 def runtime(path, fmt, **kw) -> TorchStageRuntime:
@@ -45,6 +45,30 @@ def test_int4_uses_the_files_blocks_and_never_fewer_bits(smollm2_q4_0):
     assert isinstance(rt.layers[0].mixer.qkv, Int4Linear)
     assert rt.head.fmt == "fp32"  # the head stays fp32 in every format
     assert make_linear(torch.randn(64, 64), "int4").fmt == "int8"  # no blocks: int8
+
+
+def test_lean_formats_hold_no_bf16_copy_and_decode_as_the_full_ones():
+    w = torch.randn(96, 128)
+    full, lean = make_linear(w, "int8"), make_linear(w, "int8-lean")
+    assert full.dense is not None and lean.dense is None
+    for rows in (1, 16):  # decode rows: the same integer kernel in both
+        x = torch.randn(rows, 128)
+        assert torch.equal(full(x), lean(x))
+    x = torch.randn(64, 128)  # prefill rows: the integer kernel, close to the bf16 GEMM
+    got, want = lean(x), full(x)
+    assert not torch.equal(got, want)
+    assert torch.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+    b = Int4Blocks.from_float(w)
+    assert Int4Linear(b, dense=False).dense is None and Int4Linear(b).dense is not None
+
+
+def test_lean_runtime_keeps_only_integer_weights(smollm2_q4_0):
+    rt = runtime(smollm2_q4_0, "int4-lean")
+    for layer in rt.layers:
+        for lin in (layer.mixer.qkv, layer.mixer.out, layer.gate_up, layer.down):
+            assert lin.dense is None
+    lane = rt.alloc_lane()
+    assert rt.prefill(lane, torch.tensor(PROMPT)).logits.isfinite().all()
 
 
 def test_unknown_format_is_refused():
@@ -86,3 +110,20 @@ def test_formats_stay_close_to_fp32(smollm2_q4_0):
         rt = runtime(smollm2_q4_0, fmt)
         got = rt.prefill(rt.alloc_lane(), torch.tensor(PROMPT)).logits
         assert torch.cosine_similarity(got, want, dim=0) > 0.999, fmt
+
+
+def _held(lin) -> int:
+    parts = [getattr(lin, k, None) for k in ("weight", "scale", "scale_zero", "dense")]
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4", "int4-lean"])
+def test_planner_bytes_match_what_a_layer_holds(smollm2_q4_0, fmt):
+    from skippy.stages.linear import held_bytes
+    layer = runtime(smollm2_q4_0, fmt).layers[3]
+    held = sum(_held(lin) for lin in (layer.mixer.qkv, layer.mixer.out, layer.gate_up,
+                                      layer.down))
+    f = GGUFFile(smollm2_q4_0)
+    planned = sum(held_bytes(fmt, n, i.qtype.name, tuple(i.shape))
+                  for n, i in f.tensors.items() if n.startswith("blk.3.") and len(i.shape) == 2)
+    assert planned == pytest.approx(held, rel=0.01)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +28,8 @@ from .model_package import ModelPackage, open_model
 
 MiB = 2**20
 
-# Bytes per weight element in memory once a stage has loaded its layers: the torch runtime
-# dequantizes every tensor to fp32 (stages/weights.py, stages/linear.py "fp32"), whatever
-# the file's quantization. Change it with the runtime's weight format (bf16: 2).
+# Bytes per weight element in memory once a stage has loaded its layers, unless the caller
+# says per tensor (stages/linear.py held_bytes, by weight format): fp32.
 RUNTIME_WEIGHT_BYTES = 4.0
 # Bytes per KV / recurrent-state element: lanes hold fp32 (stages/kv.py).
 RUNTIME_KV_BYTES = 4
@@ -121,11 +120,13 @@ class ModelFacts:
 
     @classmethod
     def from_gguf(cls, path: str | Path, *, weight_bytes: float = RUNTIME_WEIGHT_BYTES,
+                  tensor_bytes: Callable[[str, str, tuple[int, ...]], float] | None = None,
                   kv_bytes: int = RUNTIME_KV_BYTES,
                   model_digest: str | None = None) -> ModelFacts:
         """Facts from the header and tensor index only (of a GGUF, or of a package's
         manifest and shared part). `weight_bytes`: bytes per weight element in the
-        runtime's weight format (fp32 torch: 4). `model_digest`: pass the weights digest
+        runtime's weight format (fp32 torch: 4); `tensor_bytes(name, qtype name, shape)`,
+        when given, says it per tensor instead. `model_digest`: pass the weights digest
         when the caller already has one; else `gguf_model_digest`."""
         f = open_model(path)
         try:
@@ -134,7 +135,8 @@ class ModelFacts:
             elements = [0] * cfg.n_layers
             first = last = shared = 0
             for name, info in f.tensors.items():
-                size = int(info.n_elements * weight_bytes)
+                size = int(info.n_elements * weight_bytes if tensor_bytes is None else
+                           tensor_bytes(name, info.qtype.name, tuple(info.shape)))
                 if name.startswith("blk."):
                     elements[int(name.split(".")[1])] += size
                 elif name == "token_embd.weight":
