@@ -14,6 +14,7 @@ state by prefilling prompt + tokens so far (restored from caches where they surv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import os
@@ -31,7 +32,7 @@ from skippy.proto import stage_pb2_grpc
 from skippy.stages.linear import held_bytes
 from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
-from skippy.topology.model_package import open_model
+from skippy.topology.model_package import is_package, open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
 from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step, check_fits
@@ -56,8 +57,16 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
     return True
 
 
-def cluster_nodes() -> list[NodeSpec]:
-    """The alive Ray nodes as planner nodes; the name is the Ray node id."""
+@ray.remote(num_cpus=0)
+def _layers_here(package: str, model_digest: str) -> list[int]:
+    from skippy.topology.model_package import layers_present
+    return sorted(layers_present(package, model_digest))
+
+
+def cluster_nodes(package: Path | None = None, model_digest: str = "") -> list[NodeSpec]:
+    """The alive Ray nodes as planner nodes; the name is the Ray node id. Serving a
+    package, each node also says which layers' parts it holds at the same path, so the
+    planner can put stages where their parts are."""
     out = []
     for n in ray.nodes():
         if not n.get("Alive"):
@@ -67,7 +76,13 @@ def cluster_nodes() -> list[NodeSpec]:
                             cpus=int(res.pop("CPU", 1)),
                             resources={k: v for k, v in res.items()
                                        if not k.startswith(("node:", "object_store"))}))
-    return out
+    if package is None:
+        return out
+    asks = [_layers_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node.name, soft=False)).remote(str(package), model_digest) for node in out]
+    held = ray.get(asks, timeout=60)
+    return [dataclasses.replace(node, layers=frozenset(layers))
+            for node, layers in zip(out, held)]
 
 
 class _Pipeline:
@@ -129,7 +144,8 @@ class RayEngine:
         n_ctx = min(n_ctx, facts.context_length or n_ctx)
         # Every pipeline uses the same plan: the same ranges compute the same numbers, so
         # one topology digest names them all (the gateway's exact results rely on it).
-        self.plan: Plan = plan(facts, cluster_nodes(), wire_dtype=wire_dtype, n_ctx=n_ctx,
+        nodes = cluster_nodes(path if is_package(path) else None, facts.model_digest)
+        self.plan: Plan = plan(facts, nodes, wire_dtype=wire_dtype, n_ctx=n_ctx,
                                stages=n_stages, lanes=4 * pipelines)
         n = len(self.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), "
@@ -143,8 +159,12 @@ class RayEngine:
                                  n_ctx=n_ctx, chunk=self.cache.chunk,
                                  threads=threads or st.node.cpus, lane_batch=lane_batch,
                                  weight_format=weight_format)
+                here = ""
+                if is_package(path):
+                    n_here = sum(i in st.node.layers for i in range(st.start, st.end))
+                    here = f", parts of {n_here}/{st.n_layers} layers already there"
                 progress(f"pipeline {r} stage {st.index}: layers {st.start}-{st.end - 1} on "
-                         f"node {st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB")
+                         f"node {st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB{here}")
                 actors.append(StageActor.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
                     num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,

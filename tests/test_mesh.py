@@ -80,6 +80,17 @@ def test_stages_run_on_different_nodes(engine, cluster):
     assert set(nodes) <= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
+def test_nodes_say_which_package_layers_they_hold(cluster, smollm2, tmp_path_factory):
+    from skippy.mesh.ray_engine import cluster_nodes
+    from skippy.stages.package import split_package
+    pkg = tmp_path_factory.mktemp("pkg") / "smollm2"
+    manifest = split_package(smollm2, pkg)
+    nodes = cluster_nodes(pkg, manifest.model_digest)  # one filesystem: both hold all
+    assert len(nodes) == 2 and all(n.layers == frozenset(range(30)) for n in nodes)
+    assert all(not n.layers for n in cluster_nodes(pkg, "0" * 64))
+    assert all(not n.layers for n in cluster_nodes())
+
+
 def chat(client, question, max_tokens=16, **kw):
     return client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": question}],

@@ -199,6 +199,19 @@ def test_split_gguf_set_packs_like_the_single_file(smollm2, qwen3_f32, tmp_path)
         split_package(shards[0], tmp_path / "again")
 
 
+def test_layers_present_counts_parts_at_their_size_of_this_model(smollm2_pkg, tmp_path):
+    from skippy.topology.model_package import Manifest, layers_present
+    digest = Manifest.load(smollm2_pkg).model_digest
+    assert layers_present(smollm2_pkg, digest) == frozenset(range(30))
+    pkg = _copy_package(smollm2_pkg, tmp_path / "some")
+    (pkg / "layer-003.gguf").unlink()
+    with open(pkg / "layer-004.gguf", "r+b") as fh:
+        fh.truncate(100)
+    assert layers_present(pkg, digest) == frozenset(range(30)) - {3, 4}
+    assert layers_present(pkg, "0" * 64) == frozenset()  # another model's package
+    assert layers_present(tmp_path / "nothing", digest) == frozenset()
+
+
 # -- corruption ------------------------------------------------------------------------------
 def test_corrupt_byte_fails_verify_and_load_naming_the_part(smollm2_pkg, tmp_path):
     pkg = _copy_package(smollm2_pkg, tmp_path / "bad")

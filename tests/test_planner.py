@@ -86,6 +86,37 @@ def test_ranges_are_proportional_to_memory():
     assert [s.n_layers for s in p.stages] == [4, 4, 4]
 
 
+def test_stages_go_where_their_parts_already_are():
+    # equal nodes: without parts the order is by name; with them, stage by stage
+    nodes = [node("a", 1000), node("b", 1000), node("c", 1000)]
+    p = toy_plan(nodes, stages=3)
+    assert [s.node.name for s in p.stages] == ["a", "b", "c"]
+    held = [node("a", 1000, layers=frozenset(range(8, 12))),
+            node("b", 1000), node("c", 1000, layers=frozenset(range(0, 4)))]
+    q = toy_plan(held, stages=3)
+    assert [s.node.name for s in q.stages] == ["c", "b", "a"]
+    assert q.ranges == p.ranges and q.digest == p.digest  # placement only
+
+
+def test_parts_never_move_a_stage_onto_a_node_it_does_not_fit():
+    # "small" holds the first layers, but stage 0 (8 layers) needs the big node
+    nodes = [node("small", 450, layers=frozenset(range(0, 8))), node("big", 800)]
+    p = toy_plan(nodes, stages=2)
+    assert [(s.node.name, s.n_layers) for s in p.stages] == [("big", 8), ("small", 4)]
+    # parts of the right stage on the small node: it keeps stage 1
+    nodes = [node("small", 450, layers=frozenset(range(8, 12))), node("big", 800)]
+    assert [s.node.name for s in toy_plan(nodes, stages=2).stages] == ["big", "small"]
+
+
+def test_nodes_file_layers_take_numbers_and_ranges(tmp_path):
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps([{"name": "a", "memory": "1GiB", "layers": [0, "3-5"]}]))
+    assert load_nodes(path)[0].layers == frozenset({0, 3, 4, 5})
+    path.write_text(json.dumps([{"name": "a", "memory": "1GiB", "layers": ["x"]}]))
+    with pytest.raises(PlanError, match="layers must be numbers or ranges"):
+        load_nodes(path)
+
+
 def test_embeddings_and_head_count_against_the_end_stages():
     model = facts(first=200 * MiB, last=200 * MiB)
     p = toy_plan([node("a", 1000), node("b", 1000)], model=model, stages=2)

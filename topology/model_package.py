@@ -169,6 +169,25 @@ def verify_package(directory: str | Path,
     return manifest
 
 
+def layers_present(directory: str | Path, model_digest: str) -> frozenset[int]:
+    """The layers whose parts are in `directory` at their manifest size, if it holds a
+    package of this model; empty otherwise. Sizes only: a stage checks each part's hash
+    as it opens it."""
+    directory = Path(directory)
+    try:
+        manifest = Manifest.load(directory)
+    except PackageError:
+        return frozenset()
+    if manifest.model_digest != model_digest:
+        return frozenset()
+    out = set()
+    for part in manifest.parts:
+        path = directory / part.file
+        if part.layer is not None and path.is_file() and path.stat().st_size == part.size:
+            out.add(part.layer)
+    return frozenset(out)
+
+
 class ModelPackage:
     """A package read like a `GGUFFile`: metadata and the tensor index of the whole model,
     tensor bytes only from the parts actually read (each hash-checked when first opened)."""

@@ -3,15 +3,17 @@
 `plan()` maps a model (`ModelFacts`, read from a GGUF's header and tensor index, never its
 tensor bytes) onto nodes (`NodeSpec`): the fewest stages that fit, layer ranges in
 proportion to each node's memory, every stage's weights + KV + overhead within its node,
-and no cut inside a group the family keeps together. The plan's digest names the split
-(model, ranges, wire dtype) and nothing about where it runs, so caches keyed by it survive
-restarts and re-placement.
+and no cut inside a group the family keeps together. Nodes that already hold some layers'
+package parts get the stages holding most of those layers (the cut stays as memory
+sets it). The plan's digest names the split (model, ranges, wire dtype) and nothing
+about where it runs, so caches keyed by it survive restarts and re-placement.
 
 `even_ranges()` is the plain equal split, for callers that do not plan by memory.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -180,20 +182,22 @@ def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple
 @dataclass(frozen=True)
 class NodeSpec:
     """A machine stages can be placed on. `memory`: bytes stages may use there;
-    `resources`: Ray custom resources that pin an actor to it (e.g. {"skippy_node_0": 1})."""
+    `resources`: Ray custom resources that pin an actor to it (e.g. {"skippy_node_0": 1});
+    `layers`: the layers whose package parts are already on it."""
 
     name: str
     memory: int
     cpus: int = 1
     resources: Mapping[str, float] = field(default_factory=dict)
     latency_ms: float | None = None
+    layers: frozenset[int] = frozenset()
 
     @classmethod
     def from_dict(cls, d: Mapping) -> NodeSpec:
         """From a nodes-file entry; `memory` is bytes or a size string such as "8GiB"."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a node must be an object, not {d!r}")
-        unknown = set(d) - {"name", "memory", "cpus", "resources", "latency_ms"}
+        unknown = set(d) - {"name", "memory", "cpus", "resources", "latency_ms", "layers"}
         if unknown:
             raise PlanError(f"node {d.get('name', '?')}: unknown field(s) "
                             f"{', '.join(sorted(unknown))}")
@@ -219,11 +223,30 @@ class NodeSpec:
         if latency is not None and (isinstance(latency, bool)
                                     or not isinstance(latency, (int, float)) or latency < 0):
             raise PlanError(f"node {name}: latency_ms must be a number >= 0, not {latency!r}")
-        return cls(name, memory, cpus, dict(resources), latency)
+        return cls(name, memory, cpus, dict(resources), latency,
+                   _layer_set(name, d.get("layers") or []))
+
+
+def _layer_set(node: str, items) -> frozenset[int]:
+    """Layers from a nodes file: numbers and "a-b" ranges (inclusive)."""
+    out: set[int] = set()
+    for item in items if isinstance(items, list) else [items]:
+        try:
+            if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                out.add(item)
+                continue
+            a, b = (int(x) for x in str(item).split("-"))
+            if not 0 <= a <= b:
+                raise ValueError
+            out.update(range(a, b + 1))
+        except ValueError:
+            raise PlanError(f"node {node}: layers must be numbers or ranges such as "
+                            f'"0-15", not {item!r}') from None
+    return frozenset(out)
 
 
 def load_nodes(path: str | Path) -> list[NodeSpec]:
-    """A JSON nodes file: a list of {name, memory, cpus, resources, latency_ms}."""
+    """A JSON nodes file: a list of {name, memory, cpus, resources, latency_ms, layers}."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -369,6 +392,9 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
                 for i, (_, share) in enumerate(slots)]
         ranges = _split(costs, caps, cuts)
         if ranges is not None:
+            need = [sum(costs[a:b]) + share - cap
+                    for (a, b), (_, share), cap in zip(ranges, slots, caps)]
+            slots = _near_parts(model, slots, ranges, need)
             return _build(model, slots, ranges, costs, wire_dtype, n_ctx, lanes,
                           overhead_bytes)
     raise PlanError(_why_not(model, ranked, costs, tries[-1], stages is not None,
@@ -403,6 +429,34 @@ def _slots(ranked: list[NodeSpec], k: int) -> list[tuple[NodeSpec, int]]:
         i = max(range(len(ranked)), key=lambda i: ranked[i].memory / (counts[i] + 1))
         counts[i] += 1
     return [(n, n.memory // c) for n, c in zip(ranked, counts) for _ in range(c)]
+
+
+# Placements tried when nodes hold package parts: every order of up to this many stages.
+LOCALITY_MAX_STAGES = 8
+
+
+def _near_parts(model: ModelFacts, slots: list[tuple[NodeSpec, int]],
+                ranges: list[tuple[int, int]], need: list[int]) -> list[tuple[NodeSpec, int]]:
+    """The same ranges on the same nodes, each stage on a node that already holds most of
+    its layers' bytes (package parts copied there), where the stage fits (`need`: its
+    bytes). Ranges, and so the digest, do not change; with no parts anywhere, or a node
+    holding several stages, the memory order stays."""
+    k = len(slots)
+    if not any(n.layers for n, _ in slots) or len({n.name for n, _ in slots}) < k \
+            or k > LOCALITY_MAX_STAGES:
+        return slots
+
+    def held(node: NodeSpec, stage: int) -> int:
+        a, b = ranges[stage]
+        return sum(model.layer_bytes[i] for i in range(a, b) if i in node.layers)
+
+    best, best_score = tuple(range(k)), sum(held(slots[i][0], i) for i in range(k))
+    for order in itertools.permutations(range(k)):
+        if all(need[st] <= slots[n][1] for st, n in enumerate(order)):
+            score = sum(held(slots[n][0], st) for st, n in enumerate(order))
+            if score > best_score:
+                best, best_score = order, score
+    return [slots[n] for n in best]
 
 
 def _split(costs: list[int], caps: list[int], allowed: list[bool]) -> list[tuple[int, int]] | None:
