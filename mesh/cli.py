@@ -177,8 +177,11 @@ def cmd_serve(args) -> int:
     if args.api_keys_file and not Path(args.api_keys_file).is_file():
         raise UsageError(f"no API key file at {args.api_keys_file}")
     path = resolve_model(args.package or args.model)
-    if is_package(path):  # a bad part fails here, named, before any stage starts
-        verify_package(path)
+    if is_package(path):
+        if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
+            raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
+                             "use --runtime torch, or the GGUF the package was split from")
+        verify_package(path)  # a bad part fails here, named, before any stage starts
     cache = CacheConfig.from_args(args)
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .gateway import serve

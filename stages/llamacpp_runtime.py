@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_package import is_package
 
 from .frame import Frame
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
@@ -166,6 +167,8 @@ class LlamaCppStageRuntime(StageRuntime):
     lane_entries = False
 
     def __init__(self, spec: StageSpec, *, max_lanes: int = 8):
+        if is_package(spec.model_path):
+            raise StageError("the llama.cpp runtime serves a .gguf file, not a package")
         f = GGUFFile(spec.model_path)
         n_layers = int(f.arch_key("block_count", 0))
         arch = f.architecture

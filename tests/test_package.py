@@ -233,6 +233,13 @@ def test_cli_verify_and_serve_fail_on_a_bad_part_in_one_line(smollm2_pkg, tmp_pa
     (pkg / "layer-003.gguf").unlink()
     assert cli_main(["serve", "--package", str(pkg), "--stages", "2"]) == 2
     assert "part layer-003.gguf is missing" in capsys.readouterr().err
+    assert cli_main(["serve", "--package", str(smollm2_pkg), "--runtime", "llama.cpp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not a package" in err
+    from skippy.stages.llamacpp_runtime import LlamaCppStageRuntime
+    from skippy.stages.runtime import StageError
+    with pytest.raises(StageError, match="not a package"):
+        LlamaCppStageRuntime(StageSpec(str(smollm2_pkg), 0, 30))
 
 
 def test_cli_split_writes_a_verified_package(smollm2, tmp_path, capsys):
