@@ -20,7 +20,7 @@ from skippy.topology.model_package import open_model
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
 from .layers import Rope, rms_norm
-from .linear import make_linear
+from .linear import Embeddings, make_head
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
@@ -28,7 +28,7 @@ from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import load_stage_tensors
 
-RUNTIME_ABI = f"skippy-torch/1 torch-{torch.__version__}"
+RUNTIME_ABI = f"skippy-torch/2 torch-{torch.__version__}"
 
 
 @dataclass
@@ -85,15 +85,16 @@ class TorchStageRuntime(StageRuntime):
                     self.state_shapes += list(mamba2_state_shapes(cfg))
             self.layers.append(DecoderLayer(i, cfg, t, spec.weight_format, mixer))
         self.recurrent = bool(self.state_names)
-        self.embed = t["token_embd.weight"] if spec.is_first else None
+        self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
             self.norm = t[cfg.family.output_norm]
             head = "token_embd.weight" if cfg.tied_head else "output.weight"
-            # The head stays fp32 in every format: it picks the token. int4 weights with
-            # an fp32 head agree with fp32 on 99.19 % (SmolLM2) and 99.33 % (Gemma 3) of
-            # top-1 tokens; with an int4 head, 97.8 % and 97.9 %; a bf16 head, 98.5 %.
-            self.head = make_linear(t[head], "fp32")
+            # The head's top logits stay fp32 in every format: they pick the token. int4
+            # weights with an fp32 head agree with fp32 on 99.19 % (SmolLM2) and 99.33 %
+            # (Gemma 3) of top-1 tokens; with an int4 head, 97.8 % and 97.9 %; a bf16
+            # head, 98.5 %. It runs lane_batch rows at a time (_logits).
+            self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
         f.close()
         self._lanes: dict[int, _Lane] = {}
         self._next_lane = 0
@@ -166,7 +167,7 @@ class TorchStageRuntime(StageRuntime):
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if not self.spec.is_first:
             return x
-        rows = torch.nn.functional.embedding(x, self.embed)
+        rows = self.embed(x)
         return rows * self.embed_scale if self.embed_scale is not None else rows
 
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor,

@@ -10,7 +10,9 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.evals.cache_exactness import run_one
-from skippy.stages.linear import WEIGHT_FORMATS, Int4Blocks, Int4Linear, make_linear
+from skippy.stages.linear import (WEIGHT_FORMATS, Embeddings, Int4Blocks, Int4Linear, Linear,
+                                 Matrix, RescoredHead, TransposedLinear, make_head,
+                                 make_linear)
 from skippy.stages.runtime import StageSpec
 from skippy.stages.stage_cache import stage_key_for
 from skippy.stages.torch_runtime import TorchStageRuntime
@@ -43,7 +45,7 @@ def test_q4_blocks_and_q8_pairs_hold_the_files_exact_values(smollm2, smollm2_q4_
 def test_int4_uses_the_files_blocks_and_never_fewer_bits(smollm2_q4_0):
     rt = runtime(smollm2_q4_0, "int4")
     assert isinstance(rt.layers[0].mixer.qkv, Int4Linear)
-    assert rt.head.fmt == "fp32"  # the head stays fp32 in every format
+    assert isinstance(rt.head, RescoredHead)  # a Q8_0 head, its top logits in fp32
     assert make_linear(torch.randn(64, 64), "int4").fmt == "int8"  # no blocks: int8
 
 
@@ -69,6 +71,30 @@ def test_lean_runtime_keeps_only_integer_weights(smollm2_q4_0):
             assert lin.dense is None
     lane = rt.alloc_lane()
     assert rt.prefill(lane, torch.tensor(PROMPT)).logits.isfinite().all()
+
+
+def test_head_and_embeddings_keep_the_files_float32_values(smollm2_q4_0, qwen3_f32):
+    f = GGUFFile(smollm2_q4_0)
+    name = "token_embd.weight"  # Q8_0, tied: SmolLM2's embeddings and head
+    table = dequantize_tensor(f, name)
+    m = Matrix(table, None, int8_blocks(f, name))
+    ids = torch.tensor([0, 7, 49151, 7])
+    assert torch.equal(Embeddings(m)(ids), table[ids])  # rows made on demand, same bits
+    head = make_head(m, "int4", 1)
+    assert isinstance(head, RescoredHead)
+    torch.manual_seed(0)
+    x = torch.randn(4, 576)
+    want, got = x @ table.t(), head(x)
+    assert torch.equal(got.argmax(1), want.argmax(1))
+    top = want.topk(RescoredHead.TOP // 2, dim=1).indices  # float32 where sampling looks
+    assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()  # the rest: bf16 rows
+    assert torch.equal(head(x), got) and torch.equal(head(x[:1]), head(x[:1]))  # repeatable
+    # the reference format keeps the whole float32 head; so does a head without blocks
+    assert isinstance(make_head(m, "fp32", 1), TransposedLinear)
+    assert type(make_head(m, "fp32", 8)) is Linear
+    values = dequantize_tensor(GGUFFile(qwen3_f32), "token_embd.weight")  # F32
+    assert isinstance(make_head(values, "int4", 1), TransposedLinear)
 
 
 def test_unknown_format_is_refused():

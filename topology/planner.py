@@ -136,15 +136,18 @@ class ModelFacts:
             digest = model_digest or gguf_model_digest(f)
             elements = [0] * cfg.n_layers
             first = last = shared = 0
-            for name, info in f.tensors.items():
-                size = int(info.n_elements * weight_bytes if tensor_bytes is None else
+            def held(name: str, info) -> int:
+                return int(info.n_elements * weight_bytes if tensor_bytes is None else
                            tensor_bytes(name, info.qtype.name, tuple(info.shape)))
+
+            for name, info in f.tensors.items():
+                size = held(name, info)
                 if name.startswith("blk."):
                     elements[int(name.split(".")[1])] += size
                 elif name == "token_embd.weight":
                     first += size
-                    if cfg.tied_head:
-                        last += size
+                    if cfg.tied_head:  # the last stage holds it as a head
+                        last += held("output.weight", info)
                 elif name in ("output.weight", cfg.family.output_norm):
                     last += size
                 else:  # rope tables and the like: every stage loads them
