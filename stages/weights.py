@@ -29,8 +29,8 @@ class StageTensors:
     """One stage's tensors, keyed by GGUF name, read from the file when asked for: a
     stage builds each layer from its matrices and drops them, so loading never holds
     the stage's weights as float32 all at once (only the formats the layers keep).
-    Vectors and the embeddings are kept once read (the head of a tied model reads the
-    embeddings a second time)."""
+    Values read with [] (norms and other vectors) are kept; matrices are not, so a tied
+    model's head reads the embeddings a second time."""
 
     def __init__(self, f: GGUFFile, names: list[str]):
         self.f, self.names = f, set(names)

@@ -239,9 +239,9 @@ class ModelPackage:
             finally:
                 f.close()
             self._offsets[part.name] = offsets
-        # The loader reads each tensor twice in a row (hash, then dequantize) while it holds
-        # the first read: hand back that same array rather than a second copy of a
-        # possibly huge tensor; held weakly, so nothing outlives the loader's own use.
+        # The loader may read a tensor twice in a row (its values, then its 4-bit blocks)
+        # while it holds the first read: hand back that same array rather than a second
+        # copy of a possibly huge tensor; held weakly, so nothing outlives that use.
         if self._last is not None and self._last[0] == name:
             data = self._last[1]()
             if data is not None:
