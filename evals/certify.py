@@ -4,7 +4,8 @@
 
 Checks (pass/fail):
 - split_handoff: N stages with the f32 wire give the unsplit model's logits bitwise
-  (next token and 16 greedy decode steps); the f16 wire gives identical greedy tokens.
+  (next token and 16 greedy decode steps); the f16 wire gives identical greedy tokens
+  (where it does not, the detail says which token and how near a tie it was).
 - restore_equals_recompute: state captured at a chunk boundary while prefilling another
   prompt that shares the prefix, stored as a payload in a block store, loaded into a
   fresh lane and continued: bitwise next-token logits and identical greedy tokens over
@@ -116,6 +117,21 @@ def through_store(state: LaneState, store: BlockStore, kind: PayloadKind) -> Lan
                      {k: conv(v) for k, v in fixed.items()})
 
 
+def first_difference(ref: torch.Tensor, ref_tokens: list[int], got: torch.Tensor,
+                     got_tokens: list[int]) -> str:
+    """Where two greedy runs first pick different tokens, and how close a call it was
+    there: the reference's top-2 logit gap against how far the other run's logits are
+    off up to that step (a lossy wire may flip a near tie; a wider gap is a broken one)."""
+    step = next((i for i, (a, b) in enumerate(zip(ref_tokens, got_tokens)) if a != b), None)
+    if step is None:
+        return ""
+    top2 = ref[step].topk(2).values
+    off = float((ref[:step + 1] - got[:step + 1]).abs().max())
+    return (f" (greedy token {step + 1} of {len(ref_tokens)} differs: the reference's top-2 "
+            f"logits {float(top2[0] - top2[1]):.2e} apart there, the f16 wire's logits up to "
+            f"{off:.2e} off)")
+
+
 def state_bytes(state: LaneState) -> bytes:
     parts = state.keys + state.values + [state.fixed[k] for k in sorted(state.fixed)]
     return b"".join(t.contiguous().numpy().tobytes() for t in parts)
@@ -139,11 +155,12 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
         ref, ref_tokens = greedy(one, lane1, prefill(one, lane1, ids)[0])
         f16 = build(path, n_stages, runtime, "f16")
         lf = [s.alloc_lane() for s in f16]
-        _, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
+        f16_logits, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
         same = torch.equal(ref, cold)
         add(Check("split_handoff", same and f16_tokens == ref_tokens,
                   f"f32 wire bitwise: {same}; f16 wire tokens identical: "
-                  f"{f16_tokens == ref_tokens}; max |d| {float((ref - cold).abs().max()):.2e}"))
+                  f"{f16_tokens == ref_tokens}; max |d| {float((ref - cold).abs().max()):.2e}"
+                  + first_difference(ref, ref_tokens, f16_logits, f16_tokens)))
         del one, f16
 
     # State captured at b while prefilling another prompt that shares ids[:b].

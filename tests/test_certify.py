@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from skippy.evals import certify as certify_mod
 from skippy.evals.certify import certify
@@ -56,3 +57,12 @@ def test_cli_json_and_exit_codes(qwen3_f32):
     assert data["passed"] is True and data["stages"] == 2
     bad = run("--model", str(qwen3_f32), "--stages", "2", "--runtime", "llama.cpp")
     assert bad.returncode == 2 and "stages 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_token_the_f16_wire_flips_is_named_with_how_near_a_tie_it_was():
+    ref = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.99, 0.0]])
+    got = torch.tensor([[3.0, 1.0, 0.0], [1.98, 2.0, 0.0]])
+    text = certify_mod.first_difference(ref, [0, 0], got, [0, 1])
+    assert "greedy token 2 of 2 differs" in text
+    assert "1.00e-02 apart" in text and "up to 2.00e-02 off" in text
+    assert certify_mod.first_difference(ref, [0, 0], ref, [0, 0]) == ""
