@@ -1,6 +1,12 @@
 """State-handoff certification: is every way of handing state around exact?
 
-    skippy certify --model M --stages N [--runtime torch|llama.cpp] [--json]
+    skippy certify --model M --stages N [--runtime torch|llama.cpp]
+        [--weight-format fp32|bf16|int8|...] [--json]
+
+Every check runs in one weight format (stages/linear.py WEIGHT_FORMATS; fp32 by
+default) on every stage and on the unsplit reference alike: a format changes the
+arithmetic, never whether a hand-off is exact. Only the torch runtime has formats; the
+llama.cpp runtime computes with the file's own weights.
 
 Checks (pass/fail):
 - split_handoff: N stages with the f32 wire give the unsplit model's logits bitwise
@@ -30,7 +36,8 @@ import torch
 from skippy.cache.blocks import BlockStore
 from skippy.cache.payload import PayloadKind, decode_payload, encode_payload
 from skippy.stages.factory import make_runtime
-from skippy.stages.runtime import LaneState, StageRuntime, StageSpec
+from skippy.stages.linear import WEIGHT_FORMATS
+from skippy.stages.runtime import LaneState, StageError, StageRuntime, StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -38,6 +45,7 @@ from skippy.topology.planner import even_ranges
 
 STEPS = 16
 CHUNK = 64
+REFERENCE_FORMAT = "fp32"  # a StageSpec's own default: the reference arithmetic
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Check:
     name: str
     passed: bool | None    # None: a diagnostic
     detail: str
+    max_abs_diff: float | None = None  # logits compared: the largest |difference|
 
 
 @dataclass
@@ -52,6 +61,7 @@ class Report:
     model: str
     stages: int
     runtime: str
+    weight_format: str | None  # None: the llama.cpp runtime (the file's own weights)
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -60,11 +70,13 @@ class Report:
 
     def as_dict(self) -> dict:
         return {"model": self.model, "stages": self.stages, "runtime": self.runtime,
-                "passed": self.passed,
+                "weight_format": self.weight_format, "passed": self.passed,
                 "checks": [c.__dict__ for c in self.checks]}
 
     def table(self) -> str:
-        lines = [f"certify {self.model}: {self.stages} stage(s), {self.runtime} runtime"]
+        weights = f"{self.weight_format} weights" if self.weight_format else "the file's weights"
+        lines = [f"certify {self.model}: {self.stages} stage(s), {self.runtime} runtime, "
+                 f"{weights}"]
         for c in self.checks:
             status = "diag" if c.passed is None else ("PASS" if c.passed else "FAIL")
             lines.append(f"  {status:<4}  {c.name:<26} {c.detail}")
@@ -73,10 +85,12 @@ class Report:
 
 
 # -- building stages ------------------------------------------------------------------------
-def build(path, n_stages: int, runtime: str, wire: str) -> list[StageRuntime]:
+def build(path, n_stages: int, runtime: str, wire: str,
+          weight_format: str = REFERENCE_FORMAT) -> list[StageRuntime]:
     n_layers = ModelConfig.from_gguf(GGUFFile(path)).n_layers
     ranges = even_ranges(n_layers, n_stages)
-    specs = [StageSpec(str(path), a, b, i, n_stages, wire, n_ctx=1024, chunk=CHUNK)
+    specs = [StageSpec(str(path), a, b, i, n_stages, wire, n_ctx=1024, chunk=CHUNK,
+                       weight_format=weight_format)
              for i, (a, b) in enumerate(ranges)]
     return [make_runtime(s, runtime) for s in specs]
 
@@ -117,6 +131,10 @@ def through_store(state: LaneState, store: BlockStore, kind: PayloadKind) -> Lan
                      {k: conv(v) for k, v in fixed.items()})
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
 def first_difference(ref: torch.Tensor, ref_tokens: list[int], got: torch.Tensor,
                      got_tokens: list[int]) -> str:
     """Where two greedy runs first pick different tokens, and how close a call it was
@@ -126,7 +144,7 @@ def first_difference(ref: torch.Tensor, ref_tokens: list[int], got: torch.Tensor
     if step is None:
         return ""
     top2 = ref[step].topk(2).values
-    off = float((ref[:step + 1] - got[:step + 1]).abs().max())
+    off = max_abs_diff(ref[:step + 1], got[:step + 1])
     return (f" (greedy token {step + 1} of {len(ref_tokens)} differs: the reference's top-2 "
             f"logits {float(top2[0] - top2[1]):.2e} apart there, the f16 wire's logits up to "
             f"{off:.2e} off)")
@@ -138,29 +156,39 @@ def state_bytes(state: LaneState) -> bytes:
 
 
 # -- the checks -----------------------------------------------------------------------------
-def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | None = None) -> Report:
-    report = Report(str(path), n_stages, runtime)
+def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | None = None,
+            weight_format: str = REFERENCE_FORMAT) -> Report:
+    """Run every check on `path` cut into `n_stages` even stages whose weights are held
+    in `weight_format` (torch runtime only). Raises StageError for a format the runtime
+    does not have."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise StageError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, "
+                         f"not {weight_format!r}")
+    if runtime != "torch" and weight_format != REFERENCE_FORMAT:
+        raise StageError(f"the {runtime} runtime has no weight formats (it computes with "
+                         f"the file's own weights): {weight_format!r} is for the torch runtime")
+    report = Report(str(path), n_stages, runtime, weight_format if runtime == "torch" else None)
     add = report.checks.append
     ids = prompt or [(i * 7919) % 30000 + 50 for i in range(3 * CHUNK + 21)]
     b = (len(ids) - 1) // CHUNK * CHUNK                    # the restore boundary
     wire = "f32"
-    stages = build(path, n_stages, runtime, wire)
+    stages = build(path, n_stages, runtime, wire, weight_format)
     lanes = [s.alloc_lane() for s in stages]
     cold_logits, _ = prefill(stages, lanes, ids)
     cold, cold_tokens = greedy(stages, lanes, cold_logits)
 
     if n_stages > 1:
-        one = build(path, 1, runtime, wire)
+        one = build(path, 1, runtime, wire, weight_format)
         lane1 = [one[0].alloc_lane()]
         ref, ref_tokens = greedy(one, lane1, prefill(one, lane1, ids)[0])
-        f16 = build(path, n_stages, runtime, "f16")
+        f16 = build(path, n_stages, runtime, "f16", weight_format)
         lf = [s.alloc_lane() for s in f16]
         f16_logits, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
-        same = torch.equal(ref, cold)
+        same, d = torch.equal(ref, cold), max_abs_diff(ref, cold)
         add(Check("split_handoff", same and f16_tokens == ref_tokens,
                   f"f32 wire bitwise: {same}; f16 wire tokens identical: "
-                  f"{f16_tokens == ref_tokens}; max |d| {float((ref - cold).abs().max()):.2e}"
-                  + first_difference(ref, ref_tokens, f16_logits, f16_tokens)))
+                  f"{f16_tokens == ref_tokens}; max |d| {d:.2e}"
+                  + first_difference(ref, ref_tokens, f16_logits, f16_tokens), d))
         del one, f16
 
     # State captured at b while prefilling another prompt that shares ids[:b].
@@ -178,10 +206,13 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
         logits, _ = prefill(stages, dst, ids, start=b)
         restored.append(greedy(stages, dst, logits))
     (got, got_tokens), (again, _) = restored
+    d = max_abs_diff(got, cold)
     add(Check("restore_equals_recompute", torch.equal(got, cold) and got_tokens == cold_tokens,
               f"restored at {b} of {len(ids)}: logits bitwise {torch.equal(got, cold)}, "
-              f"{STEPS} greedy tokens identical {got_tokens == cold_tokens}"))
-    add(Check("repeated_hits", torch.equal(got, again), "two restores of one payload equal"))
+              f"{STEPS} greedy tokens identical {got_tokens == cold_tokens}; max |d| {d:.2e}", d))
+    d = max_abs_diff(got, again)
+    add(Check("repeated_hits", torch.equal(got, again),
+              f"two restores of one payload equal; max |d| {d:.2e}", d))
 
     # Whole state after a prefill, exported and continued elsewhere.
     a = [s.alloc_lane() for s in stages]
@@ -191,8 +222,9 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
     for s, lane, st in zip(stages, c, exported):
         s.import_state(lane, through_store(st, store, PayloadKind.FullState))
     full, _ = greedy(stages, c, logits_a)
+    d = max_abs_diff(full, cold)
     add(Check("full_state", torch.equal(full, cold), "export at the prompt's end, import, "
-              f"decode {STEPS}: bitwise {torch.equal(full, cold)}"))
+              f"decode {STEPS}: bitwise {torch.equal(full, cold)}; max |d| {d:.2e}", d))
 
     probe = [s.alloc_lane() for s in stages]
     for s, lane, st in zip(stages, probe, exported):
@@ -217,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--stages", type=int, default=1)
     p.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
+    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=REFERENCE_FORMAT)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    report = certify(resolve_model(args.model), args.stages, args.runtime)
+    report = certify(resolve_model(args.model), args.stages, args.runtime,
+                     weight_format=args.weight_format)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
 

@@ -100,7 +100,9 @@ def cmd_certify(args) -> int:
         raise UsageError(f"--stages must be at least 1, not {args.stages}")
     if args.runtime == "llama.cpp" and args.stages != 1:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
-    report = certify(resolve_model(args.model), args.stages, args.runtime)
+    # certify() refuses a format the runtime lacks (StageError: one line, exit 2)
+    report = certify(resolve_model(args.model), args.stages, args.runtime,
+                     weight_format=args.weight_format)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
 
@@ -246,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
     cert.add_argument("--stages", type=int, default=1)
     cert.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
+    cert.add_argument("--weight-format", default="fp32",
+                      help="how the torch runtime holds weights: fp32 (default, the "
+                           "reference), bf16, int8, int4, ... (stages/linear.py)")
     cert.add_argument("--json", action="store_true", help="print the report as JSON")
     cert.set_defaults(run=cmd_certify)
 

@@ -12,24 +12,57 @@ import torch
 
 from skippy.evals import certify as certify_mod
 from skippy.evals.certify import certify
+from skippy.mesh.cli import build_parser
+from skippy.stages.linear import WEIGHT_FORMATS
+from skippy.stages.runtime import StageError
+
+# SmolLM2 (shipped, Q4_1: int4 keeps the file's blocks) and the synthetic families at their
+# test sizes; Gemma 3 (a 262k-row fp32 head in every stage build) only in `make test`.
+MODELS = ["smollm2", "qwen3_f32", "lfm2_f32", "falcon_h1_f32",
+          pytest.param("gemma3", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
-                                           ("lfm2_f32", 1), ("lfm2_f32", 3),
-                                           ("falcon_h1_f32", 3)])
-def test_certify_passes(model, stages, request):
-    report = certify(request.getfixturevalue(model), stages)
+def only_the_f16_wire_flipped_a_token(report) -> bool:
+    """Every bitwise check held; split_handoff failed on the f16 wire's tokens alone."""
+    failed = [c for c in report.checks if c.passed is False]
+    return [c.name for c in failed] == ["split_handoff"] and failed[0].max_abs_diff == 0.0
+
+
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("model", MODELS)
+def test_certify_passes_in_every_weight_format(model, stages, weight_format, request):
+    report = certify(request.getfixturevalue(model), stages, weight_format=weight_format)
+    if model == "gemma3" and only_the_f16_wire_flipped_a_token(report):
+        # Measured (issue 6): int8 and int4 (K-quant matrices run as int8) at 2 and 3
+        # stages; the f16 wire's logits are 0.12-0.18 off there, fp32's 0.013.
+        pytest.xfail("Gemma 3, bf16-rounded activations: the f16 wire flips a near tie "
+                     "(greedy token 2 of 16, top-2 logits 9e-3 apart); every bitwise check "
+                     "holds:\n" + report.table())
     assert report.passed, report.table()
+    assert report.weight_format == weight_format
+    assert report.as_dict()["weight_format"] == weight_format
+    assert f"{weight_format} weights" in report.table().splitlines()[0]
     names = {c.name for c in report.checks}
     assert {"restore_equals_recompute", "repeated_hits", "full_state",
             "roundtrip_state_matches"} <= names
     assert ("split_handoff" in names) == (stages > 1)
+    assert all(c.max_abs_diff == 0.0 for c in report.checks if c.passed is not None)
 
 
 @pytest.mark.parametrize("model", ["smollm2", "lfm2_f32", "falcon_h1_f32"])
 def test_certify_passes_on_the_llama_cpp_runtime(model, request):
     report = certify(request.getfixturevalue(model), 1, "llama.cpp")
     assert report.passed, report.table()
+    assert report.weight_format is None and "the file's weights" in report.table()
+
+
+def test_a_weight_format_the_runtime_lacks_is_refused_before_loading():
+    with pytest.raises(StageError, match="no weight formats"):
+        certify("no-such.gguf", 1, "llama.cpp", weight_format="int4")
+    with pytest.raises(StageError, match="must be one of"):
+        certify("no-such.gguf", 1, weight_format="fp8")
+    assert build_parser().parse_args(["certify"]).weight_format == "fp32"
 
 
 def test_a_state_that_changes_in_transit_fails(qwen3_f32, monkeypatch):
@@ -45,18 +78,23 @@ def test_a_state_that_changes_in_transit_fails(qwen3_f32, monkeypatch):
     assert not report.passed
     failed = {c.name for c in report.checks if c.passed is False}
     assert "restore_equals_recompute" in failed
+    restore = next(c for c in report.checks if c.name == "restore_equals_recompute")
+    assert restore.max_abs_diff > 0 and "max |d|" in restore.detail
 
 
 def test_cli_json_and_exit_codes(qwen3_f32):
     run = lambda *a: subprocess.run([sys.executable, "-m", "skippy.mesh.cli", "certify", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=600,
                                     env=os.environ.copy())
-    ok = run("--model", str(qwen3_f32), "--stages", "2", "--json")
+    ok = run("--model", str(qwen3_f32), "--stages", "2", "--weight-format", "bf16", "--json")
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
-    assert data["passed"] is True and data["stages"] == 2
+    assert data["passed"] is True and data["stages"] == 2 and data["weight_format"] == "bf16"
     bad = run("--model", str(qwen3_f32), "--stages", "2", "--runtime", "llama.cpp")
     assert bad.returncode == 2 and "stages 1" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run("--model", str(qwen3_f32), "--runtime", "llama.cpp", "--weight-format", "int4")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.count("\n") == 1 and "torch runtime" in bad.stderr
 
 
 def test_a_token_the_f16_wire_flips_is_named_with_how_near_a_tie_it_was():
