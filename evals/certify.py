@@ -10,8 +10,8 @@ llama.cpp runtime computes with the file's own weights.
 
 Checks (pass/fail):
 - split_handoff: N stages with the f32 wire give the unsplit model's logits bitwise
-  (next token and 16 greedy decode steps); the f16 wire gives identical greedy tokens
-  (where it does not, the detail says which token and how near a tie it was).
+  (next token and 16 greedy decode steps); the f16 wire gives identical greedy tokens, or
+  tokens that part only at a near tie its own rounding explains (the detail says where).
 - restore_equals_recompute: state captured at a chunk boundary while prefilling another
   prompt that shares the prefix, stored as a payload in a block store, loaded into a
   fresh lane and continued: bitwise next-token logits and identical greedy tokens over
@@ -135,19 +135,28 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def first_difference(ref: torch.Tensor, ref_tokens: list[int], got: torch.Tensor,
-                     got_tokens: list[int]) -> str:
-    """Where two greedy runs first pick different tokens, and how close a call it was
-    there: the reference's top-2 logit gap against how far the other run's logits are
-    off up to that step (a lossy wire may flip a near tie; a wider gap is a broken one)."""
+# An f16 wire moves logits by up to ~0.2 in the integer formats (rows are rounded to bf16
+# before the kernels, which amplifies the wire's rounding); a broken conversion moves them
+# by whole units.
+WIRE_NOISE_LIMIT = 1.0
+
+
+def wire_flip(ref: torch.Tensor, ref_tokens: list[int], got: torch.Tensor,
+              got_tokens: list[int]) -> tuple[bool, str]:
+    """Whether a lossy wire's greedy run agrees with the reference: the same tokens, or
+    the first different token is a near tie the wire's own error explains (the
+    reference's top-2 gap at most twice how far the wire's logits are off up to there,
+    and that error small). The detail says where and how close a call it was."""
     step = next((i for i, (a, b) in enumerate(zip(ref_tokens, got_tokens)) if a != b), None)
     if step is None:
-        return ""
+        return True, ""
     top2 = ref[step].topk(2).values
+    gap = float(top2[0] - top2[1])
     off = max_abs_diff(ref[:step + 1], got[:step + 1])
-    return (f" (greedy token {step + 1} of {len(ref_tokens)} differs: the reference's top-2 "
-            f"logits {float(top2[0] - top2[1]):.2e} apart there, the f16 wire's logits up to "
-            f"{off:.2e} off)")
+    tie = gap <= 2 * off and off <= WIRE_NOISE_LIMIT
+    return tie, (f" (greedy token {step + 1} of {len(ref_tokens)} differs: the reference's "
+                 f"top-2 logits {gap:.2e} apart there, the f16 wire's logits up to "
+                 f"{off:.2e} off: {'a near tie' if tie else 'not a near tie'})")
 
 
 def state_bytes(state: LaneState) -> bytes:
@@ -185,10 +194,10 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
         lf = [s.alloc_lane() for s in f16]
         f16_logits, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
         same, d = torch.equal(ref, cold), max_abs_diff(ref, cold)
-        add(Check("split_handoff", same and f16_tokens == ref_tokens,
+        f16_ok, why = wire_flip(ref, ref_tokens, f16_logits, f16_tokens)
+        add(Check("split_handoff", same and f16_ok,
                   f"f32 wire bitwise: {same}; f16 wire tokens identical: "
-                  f"{f16_tokens == ref_tokens}; max |d| {d:.2e}"
-                  + first_difference(ref, ref_tokens, f16_logits, f16_tokens), d))
+                  f"{f16_tokens == ref_tokens}; max |d| {d:.2e}" + why, d))
         del one, f16
 
     # State captured at b while prefilling another prompt that shares ids[:b].
