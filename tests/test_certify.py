@@ -85,17 +85,17 @@ def test_cli_json_and_exit_codes(qwen3_f32):
     assert bad.stderr.count("\n") == 1 and "torch runtime" in bad.stderr
 
 
-def test_a_token_the_f16_wire_flips_passes_only_at_a_near_tie_it_explains():
+def test_a_token_the_f16_wire_flips_passes_only_within_its_noise():
     # Measured (issue 6): Gemma 3 in int8/int4 at 2-3 stages, the f16 wire 0.12-0.18 off,
     # flips greedy token 2 of 16 where the top-2 logits are 9e-3 apart.
     ref = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.99, 0.0]])
     got = torch.tensor([[3.0, 1.0, 0.0], [1.98, 2.0, 0.0]])
     ok, text = certify_mod.wire_flip(ref, [0, 0], got, [0, 1])
-    assert ok and "greedy token 2 of 2 differs" in text and "a near tie" in text
+    assert ok and "greedy token 2 of 2 differs" in text and "within" in text
     assert "1.00e-02 apart" in text and "up to 2.00e-02 off" in text
     assert certify_mod.wire_flip(ref, [0, 0], ref, [0, 0]) == (True, "")
-    wide = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.5, 0.0]])        # a 0.5 gap, 0.02 noise
-    ok, text = certify_mod.wire_flip(wide, [0, 0], got, [0, 1])
-    assert not ok and "not a near tie" in text
     broken = torch.tensor([[3.0, 1.0, 0.0], [-5.0, 9.0, 0.0]])     # off by whole units
-    assert not certify_mod.wire_flip(ref, [0, 0], broken, [0, 1])[0]
+    ok, text = certify_mod.wire_flip(ref, [0, 0], broken, [0, 1])
+    assert not ok and "beyond" in text
+    early = torch.tensor([[1.0, 3.0, 0.0], [1.98, 2.0, 0.0]])      # broken before the flip
+    assert not certify_mod.wire_flip(ref, [0, 0], early, [0, 1])[0]
