@@ -64,28 +64,34 @@ class Rope:
         angles = torch.stack(cols, dim=1)
         self.cos, self.sin = torch.cos(angles), torch.sin(angles)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin rows for `positions`, [T, 1, dim // 2]. Every layer of a forward
-        asks for the same positions tensor: the rows are looked up once per forward."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rotation rows for `positions` in the form `apply` uses ([T, 1, ...]).
+        Every layer of a forward asks for the same positions tensor: the rows are looked
+        up once per forward."""
         if positions is not self._positions:
             need = int(positions.max()) + 1
             if need > self.cos.shape[0]:
                 self._grow(need)
-            self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+            if self.style == "norm":  # pairs (2i, 2i+1) turn as complex numbers
+                self._rows = (torch.complex(cos, sin), None)
+            else:  # halves: x * [cos, cos] + [x1, x0] * [-sin, sin]
+                self._rows = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
             self._positions = positions
         return self._rows
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]; positions: [T] int64."""
-        cos, sin = self.tables(positions)
+        """x: [T, heads, head_dim]; positions: [T] int64. Per pair the floats of
+        (x0 cos - x1 sin, x0 sin + x1 cos), in two or four ops instead of ten (tested
+        bitwise against that formula)."""
+        a, b = self.tables(positions)
         rot, rest = x[..., : self.dim], x[..., self.dim:]
         if self.style == "norm":
-            x0, x1 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+            pairs = torch.view_as_complex(rot.reshape(*rot.shape[:-1], -1, 2))
+            out = torch.view_as_real(pairs * a).flatten(-2)
         else:
             half = self.dim // 2
-            x0, x1 = rot[..., :half], rot[..., half:]
-            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+            out = rot * a + torch.cat([rot[..., half:], rot[..., :half]], -1) * b
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
