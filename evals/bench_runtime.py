@@ -7,6 +7,10 @@ flatter us) and time, on the same 128 token ids and the same thread count:
 - prefill: a cold 128-token prompt, logits for the last row (ours: one whole-model stage,
   `prefill(start=0)`; llama.cpp: `reset()` + `eval(ids)`);
 - decode: one more token right after that prefill.
+- batched decode (ours, `--lanes N`, 8 by default, 0: off): N lanes holding the same
+  prompt decode together in a runtime with a lane batch of N; aggregate tokens/s against
+  the single lane's decode above (lane batch 1, the serving default), and whether a lane's
+  logits are bitwise the same with 1 and with N lanes active.
 
 Each repeat runs both sides, alternating which goes first so machine noise hits both;
 one warm-up repeat is discarded; medians are reported with the ratio ours/llama.cpp.
@@ -123,7 +127,8 @@ def prompt_ids(llm, text: str, n: int) -> tuple[list[int], int]:
 class Ours:
     name = "ours"
 
-    def __init__(self, path: Path, threads: int, weight_format: str | None = None):
+    def __init__(self, path: Path, threads: int, weight_format: str | None = None,
+                 lane_batch: int = 1):
         from skippy.stages.runtime import StageSpec
         from skippy.stages.torch_runtime import TorchStageRuntime
         from skippy.topology.gguf_file import GGUFFile
@@ -134,7 +139,8 @@ class Ours:
         f.close()
         torch.set_num_threads(threads)
         extra = {"weight_format": weight_format} if weight_format else {}
-        self.rt = TorchStageRuntime(StageSpec(str(path), 0, n_layers, threads=threads, **extra))
+        self.rt = TorchStageRuntime(StageSpec(str(path), 0, n_layers, threads=threads,
+                                              lane_batch=lane_batch, **extra))
         self.lane = self.rt.alloc_lane()
         self.weight_format = self.rt.spec.weight_format
 
@@ -210,10 +216,49 @@ def file_decode_bytes(path: Path) -> int:
         f.close()
 
 
+# -- batched decode ---------------------------------------------------------------------------
+
+BATCH_TARGET = 4.0  # aggregate tokens/s of 8 lanes over one lane's (issue 6)
+
+
+def batched_decode(path: Path, threads: int, weight_format: str | None, ids: list[int],
+                   tok: int, lanes: int, steps: int, single_ms: float) -> dict:
+    """`lanes` lanes with the same prompt decoding together (lane batch = lanes): the
+    median step, aggregate tokens/s against one lane's `single_ms`, and whether a lane's
+    logits at a step are bitwise the same alone as with every lane active."""
+    ours = Ours(path, threads, weight_format, lane_batch=lanes)
+    rt = ours.rt
+    try:
+        with torch.no_grad():
+            group = [rt.alloc_lane() for _ in range(lanes)]
+            alone = rt.alloc_lane()
+            for lane in group + [alone]:
+                rt.prefill(lane, torch.tensor(ids), logits="none")
+            solo = rt.decode([(alone, torch.tensor(tok))])[0].logits
+            times, together = [], None
+            for i in range(steps + 1):  # the first step is a warm-up
+                t = time.perf_counter()
+                out = rt.decode([(lane, torch.tensor(tok if i == 0 else tok + i))
+                                 for lane in group])
+                if i == 0:
+                    together = out[-1].logits
+                else:
+                    times.append((time.perf_counter() - t) * 1e3)
+    finally:
+        ours.close()
+    step_ms = statistics.median(times)
+    aggregate, single = lanes / step_ms * 1e3, 1e3 / single_ms
+    return {"lanes": lanes, "step_ms": step_ms, "step_samples_ms": times,
+            "aggregate_tok_s": aggregate, "single_lane_tok_s": single,
+            "ratio": aggregate / single, "target": BATCH_TARGET,
+            "bitwise_alone_vs_together": bool(torch.equal(solo, together))}
+
+
 # -- the benchmark --------------------------------------------------------------------------------
 
 def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
-              data: Path, say=print, weight_format: str | None = None) -> dict:
+              data: Path, say=print, weight_format: str | None = None,
+              lanes: int = 0) -> dict:
     from skippy.mesh.models import requantize, resolve_model
 
     src = resolve_model(model)
@@ -269,6 +314,11 @@ def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
     }
     floor["ours_of_floor"] = decode["ours_ms"] / floor["ours_floor_ms"]
     floor["reference_of_floor"] = decode["reference_ms"] / floor["reference_floor_ms"]
+    batched = None
+    if lanes:
+        say(f"[{model} {fmt.upper()} {weight_format}] {lanes} lanes decoding together ...")
+        batched = batched_decode(path, threads, weight_format, ids, tok, lanes,
+                                 steps=max(10, 4 * repeats), single_ms=decode["ours_ms"])
     return {
         "model": model,
         "format": fmt,
@@ -284,6 +334,7 @@ def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
         "prefill": step("prefill"),
         "decode": decode,
         "decode_bandwidth_floor": floor,
+        "batched_decode": batched,
     }
 
 
@@ -320,6 +371,19 @@ def _table(result: dict) -> str:
             lines.append(f"{r['model']:<12} {r['format'].upper():<5} {label:<16} "
                          f"{f[side + '_bytes'] / 1e6:>10.1f} {f[side + '_floor_ms']:>9.2f} "
                          f"{d[side + '_ms']:>12.1f} {f[side + '_of_floor']:>7.1f}x")
+    batched = [r for r in runs if r.get("batched_decode")]
+    if batched:
+        lines += ["", "batched decode (ours): lanes decoding together vs one lane alone "
+                      "(lane batch 1)",
+                  f"{'model':<12} {'file':<5} {'ours':<9} {'lanes':>5} {'step ms':>8} "
+                  f"{'tok/s':>7} {'1 lane tok/s':>12} {'ratio':>7} {'target':>7} "
+                  f"{'bitwise 1 vs N':>14}"]
+        for r in batched:
+            b, wf = r["batched_decode"], r["decode_bandwidth_floor"]["ours_weight_format"]
+            lines.append(f"{r['model']:<12} {r['format'].upper():<5} {wf:<9} {b['lanes']:>5} "
+                         f"{b['step_ms']:>8.1f} {b['aggregate_tok_s']:>7.1f} "
+                         f"{b['single_lane_tok_s']:>12.1f} {b['ratio']:>6.2f}x "
+                         f"{b['target']:>6.1f}x {str(b['bitwise_alone_vs_together']):>14}")
     mismatched = [f"{r['model']} {r['format'].upper()}" for r in runs
                   if not r["prefill_top1_match"]]
     lines += ["", "prefill top-1 next token: " + (
@@ -357,6 +421,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="discarded warm-up repeats (default 1)")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
+    p.add_argument("--lanes", type=int, default=8,
+                   help="lanes for the batched decode figure (default 8; 0: skip it)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="corpus JSONL; the first record's messages give the prompt "
                         "(default: ../shared/data/usecases.jsonl from the repo root)")
@@ -364,8 +430,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also write the figures as JSON to PATH; '-' writes JSON to stdout "
                         "and the table to stderr")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.threads < 1:
-        p.error("--repeats and --threads must be >= 1, --warmup >= 0")
+    if args.repeats < 1 or args.warmup < 0 or args.threads < 1 or args.lanes < 0:
+        p.error("--repeats and --threads must be >= 1, --warmup and --lanes >= 0")
     args.model = list(dict.fromkeys(args.model or ["smollm2"]))
     args.formats = list(dict.fromkeys(args.formats or ["q4_0"]))
     args.weight_formats = list(dict.fromkeys(args.weight_formats or [DEFAULT_WEIGHT_FORMAT]))
@@ -387,7 +453,8 @@ def main(argv: list[str] | None = None) -> dict:
         "warmup": args.warmup,
         "bandwidth_gb_s": BANDWIDTH_GB_S,
         "runs": [bench_one(m, f, repeats=args.repeats, warmup=args.warmup,
-                           threads=args.threads, data=args.data, say=say, weight_format=w)
+                           threads=args.threads, data=args.data, say=say, weight_format=w,
+                           lanes=args.lanes)
                  for m in args.model for f in args.formats for w in args.weight_formats],
     }
     print(_table(result), file=out, flush=True)

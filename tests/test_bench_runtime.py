@@ -17,10 +17,11 @@ FLOOR_KEYS = {"ours_weight_format", "ours_bytes", "reference_bytes", "ours_floor
 
 def test_real_run_json_on_stdout(smollm2, capfd: pytest.CaptureFixture[str]) -> None:
     result = bench.main(["--model", "smollm2", "--format", "q4_0", "--repeats", "1",
-                         "--json", "-"])
+                         "--lanes", "4", "--json", "-"])
     out, err = capfd.readouterr()
     assert json.loads(out) == result  # stdout holds the JSON and nothing else
     assert "ours/llama.cpp" in err and "bandwidth floor" in err  # the table went to stderr
+    assert "batched decode" in err
 
     assert result["threads"] == 2 and result["repeats"] == 1 and result["warmup"] == 1
     assert result["bandwidth_gb_s"] > 0
@@ -40,6 +41,11 @@ def test_real_run_json_on_stdout(smollm2, capfd: pytest.CaptureFixture[str]) -> 
     # the file's 4-bit blocks, but an fp32 head: more bytes than the file's
     assert f["ours_bytes"] > f["reference_bytes"] > 0
     assert f["reference_bytes"] <= run["file_bytes"]
+    b = run["batched_decode"]
+    assert b["lanes"] == 4 and len(b["step_samples_ms"]) == 10 and b["step_ms"] > 0
+    assert b["bitwise_alone_vs_together"] is True  # a lane ignores its neighbours
+    assert b["single_lane_tok_s"] == pytest.approx(1e3 / run["decode"]["ours_ms"])
+    assert b["ratio"] == pytest.approx(b["aggregate_tok_s"] / b["single_lane_tok_s"])
     for side in ("ours", "reference"):
         assert f[f"{side}_floor_ms"] == pytest.approx(
             f[f"{side}_bytes"] / (result["bandwidth_gb_s"] * 1e9) * 1e3)
