@@ -257,6 +257,11 @@ class _Gateway:
         return list(parsed.prompt)
 
     def generation_request(self, parsed: ParsedRequest) -> GenerationRequest:
+        vocab = self.tokenizer.vocab_size
+        outside = [t for t, _ in parsed.sampling.logit_bias if t >= vocab]
+        if outside:
+            raise bad(f"logit_bias token id {outside[0]} is outside the vocabulary "
+                      f"(0..{vocab - 1})", "logit_bias")
         ids = self.prompt_ids(parsed)
         if not ids:
             raise bad("the prompt is empty", "messages" if parsed.chat else "prompt")

@@ -1,7 +1,8 @@
 """The OpenAI wire format: request bodies -> our types, our results -> response bodies.
 
-Parsing is strict about what we act on (types, ranges, unsupported options such as n > 1
-or logprobs) and ignores fields we do not know, as OpenAI-compatible servers do. Every
+Parsing is strict about what we act on (types, ranges, unsupported options such as n > 1,
+logprobs or a JSON response_format) and ignores fields we do not know, as
+OpenAI-compatible servers do. Every
 mistake is an `ApiError`, which the gateway turns into OpenAI's error envelope
 {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
@@ -25,6 +26,7 @@ from .sampler import SamplingParams
 # a typical question without letting one forgotten limit hold a lane for minutes.
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "invalid_request_error",
                    413: "invalid_request_error", 503: "server_error"}
@@ -142,6 +144,14 @@ def _unsupported(body: Mapping, chat: bool) -> None:
             raise bad("only best_of = 1 is supported", "best_of")
         if body.get("suffix"):
             raise bad("suffix is not supported by this server", "suffix")
+    # A JSON mode would need constrained decoding; answering with free text instead would
+    # break the client that relies on it.
+    form = body.get("response_format")
+    if form is not None:
+        kind = form.get("type") if isinstance(form, dict) else None
+        if kind != "text":
+            raise bad(f"response_format {kind or form!r} is not supported by this server "
+                      f"(only {{\"type\": \"text\"}})", "response_format")
 
 
 def _sampling(body: Mapping) -> SamplingParams:
@@ -159,7 +169,37 @@ def _sampling(body: Mapping) -> SamplingParams:
         raise bad(f"top_k must be >= 0 (or -1: no limit), not {top_k}", "top_k")
     if seed is not None and not -2**63 <= seed < 2**64:
         raise bad("seed must fit in 64 bits", "seed")
-    return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed)
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _field(body, name, float)
+        if value is not None and not -2 <= value <= 2:
+            raise bad(f"{name} must be in [-2, 2], not {value}", name)
+        penalties[name] = value or 0.0
+    return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
+                          logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
+                          **penalties)
+
+
+def _logit_bias(value: dict | None) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} as (id, bias) pairs in id order."""
+    if not value:
+        return ()
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip():
+            raise bad(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise bad(f"logit_bias values must be numbers in [-100, 100], not {bias!r}",
+                      "logit_bias")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _stop(value: Any) -> tuple[str, ...]:

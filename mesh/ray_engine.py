@@ -228,7 +228,10 @@ class RayEngine:
                     namespace=request.namespace)))
                 start = (await _read(call)).plan.start
                 s = request.sampling
-                sampling = pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                sampling = pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                       presence_penalty=s.presence_penalty,
+                                       frequency_penalty=s.frequency_penalty,
+                                       logit_bias=dict(s.logit_bias))
                 if s.seed is not None:
                     sampling.seed = s.seed
                 await call.write(pb.StageCall(prefill=pb.Prefill(

@@ -1,4 +1,10 @@
-"""Turning a logits row into the next token id with the request's sampling settings."""
+"""Turning a logits row into the next token id with the request's sampling settings.
+
+Penalties and biases follow OpenAI's definitions: logit_bias adds a fixed amount to a
+token's logit; presence_penalty subtracts once from every token already generated, and
+frequency_penalty once per time it was generated (tokens of this completion, not the
+prompt). They apply before greedy choice too: a biased greedy request is still exact.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0             # 0: no limit
     seed: int | None = None    # None: a fresh random seed per request
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -22,6 +31,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
     @property
     def deterministic(self) -> bool:
@@ -36,8 +50,29 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
+        self.counts: dict[int, int] = {}  # tokens this sampler returned, for the penalties
+        self._adjusts = bool(params.logit_bias or params.presence_penalty
+                             or params.frequency_penalty)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        token = self._pick(self._adjusted(logits) if self._adjusts else logits)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        return token
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        scores = logits.to(torch.float32).clone()
+        n = scores.numel()
+        for token, bias in p.logit_bias:
+            if token < n:
+                scores[token] += bias
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(self.counts))
+            times = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            scores[ids] -= p.presence_penalty + p.frequency_penalty * times
+        return scores
+
+    def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature == 0:
             return int(torch.argmax(logits))

@@ -344,7 +344,10 @@ class _Busy(Exception):
 
 def _sampling(s: pb.Sampling) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                          seed=s.seed if s.HasField("seed") else None)
+                          seed=s.seed if s.HasField("seed") else None,
+                          presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty,
+                          logit_bias=tuple(sorted(s.logit_bias.items())))
 
 
 def _error(message: str, retryable: bool = False) -> pb.StageResult:

@@ -251,6 +251,23 @@ def envelope(r, status):
     return err
 
 
+def test_logit_bias_and_penalties_steer_the_tokens(client, tok):
+    body = {**GREEDY, "prompt": "The capital of France is", "max_tokens": 6}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    forced = tok.encode(" Paris")[0]
+    up = client.post("/v1/completions", json={**body, "logit_bias": {str(forced): 100}})
+    assert tok.encode(up.json()["choices"][0]["text"]) == [forced] * 6
+    first = tok.encode(plain)[0]
+    down = client.post("/v1/completions", json={**body, "logit_bias": {str(first): -100}})
+    assert first not in tok.encode(down.json()["choices"][0]["text"])
+    # a strong frequency penalty: no token of the answer repeats
+    long = {**body, "max_tokens": 24, "frequency_penalty": 2.0, "presence_penalty": 2.0}
+    ids = tok.encode(client.post("/v1/completions", json=long).json()["choices"][0]["text"])
+    assert len(ids) >= 12 and len(set(ids)) >= len(ids) - 2  # re-tokenizing may merge
+    assert client.post("/v1/completions", json={
+        **body, "response_format": {"type": "text"}}).json()["choices"][0]["text"] == plain
+
+
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -274,6 +291,17 @@ def envelope(r, status):
     ({"model": "smollm2", "prompt": "hi", "stop": 3}, 400, "stop"),
     ({"model": "smollm2", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"model": "smollm2", "prompt": "hi", "cache_salt": 1}, 400, "cache_salt"),
+    ({"model": "smollm2", "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": "smollm2", "prompt": "hi", "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ({"model": "smollm2", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "prompt": "hi", "logit_bias": {"-3": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "smollm2", "prompt": "hi", "logit_bias": {"5": "up"}}, 400, "logit_bias"),
+    ({"model": "smollm2", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "prompt": "hi", "logit_bias": [1]}, 400, "logit_bias"),
+    ({"model": "smollm2", "prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"model": "smollm2", "prompt": "hi", "response_format": "json"}, 400, "response_format"),
 ])
 def test_completion_mistakes_are_enveloped(client, body, status, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}

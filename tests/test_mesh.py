@@ -131,6 +131,17 @@ def test_eight_concurrent_streams_match_each_alone(client, reference):
         assert text == reference(QUESTIONS[i], 12), QUESTIONS[i]
 
 
+def test_sampling_adjustments_cross_the_stages(client, smollm2):
+    # logit_bias and the penalties travel in the prefill to the last stage, which samples
+    tok = Tokenizer(smollm2)
+    forced = tok.encode(" blue")[0]
+    got = chat(client, QUESTIONS[1], max_tokens=5, logit_bias={str(forced): 100})
+    assert tok.encode(got.choices[0].message.content) == [forced] * 5
+    ids = tok.encode(chat(client, QUESTIONS[2], max_tokens=16, frequency_penalty=2.0,
+                          presence_penalty=2.0).choices[0].message.content)
+    assert len(set(ids)) >= len(ids) - 2
+
+
 def test_client_errors_surface_as_openai_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])

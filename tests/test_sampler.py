@@ -33,7 +33,35 @@ def test_top_k_never_leaves_the_k_best():
 
 
 @pytest.mark.parametrize("kw", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5},
-                                {"top_k": -1}])
+                                {"top_k": -1}, {"presence_penalty": 2.5},
+                                {"frequency_penalty": -3.0}, {"logit_bias": ((1, 101.0),)}])
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_logit_bias_moves_the_greedy_choice_and_ignores_ids_past_the_vocabulary():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert Sampler(SamplingParams(logit_bias=((3, 4.5),)))(logits) == 3
+    assert Sampler(SamplingParams(logit_bias=((1, -100.0),)))(logits) == 2
+    assert Sampler(SamplingParams(logit_bias=((9, 100.0),)))(logits) == 1
+    assert logits.tolist() == pytest.approx([0.1, 3.0, 2.9, -1.0])  # the row is untouched
+
+
+def test_presence_penalty_counts_a_token_once_and_frequency_per_use():
+    logits = torch.tensor([5.0, 4.0, 0.0])
+    once = Sampler(SamplingParams(presence_penalty=1.5))
+    assert [once(logits) for _ in range(3)] == [0, 1, 0]   # 5-1.5 < 4, then 4-1.5 < 3.5
+    often = Sampler(SamplingParams(frequency_penalty=0.6))
+    # 0 is penalized 0.6 per use: it wins until its logit falls below 1's
+    assert [often(logits) for _ in range(4)] == [0, 0, 1, 0]
+    assert often.counts == {0: 3, 1: 1}
+
+
+def test_penalties_apply_to_seeded_sampling_repeatably():
+    logits = torch.randn(300)
+    params = SamplingParams(1.0, seed=9, frequency_penalty=2.0, logit_bias=((7, 3.0),))
+    a, b = Sampler(params), Sampler(params)
+    assert [a(logits) for _ in range(30)] == [b(logits) for _ in range(30)]
+    plain, adjusted = Sampler(SamplingParams(1.0, seed=9)), Sampler(params)
+    assert [plain(logits) for _ in range(30)] != [adjusted(logits) for _ in range(30)]
