@@ -28,7 +28,7 @@ from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import load_stage_tensors
 
-RUNTIME_ABI = f"skippy-torch/2 torch-{torch.__version__}"
+RUNTIME_ABI = f"skippy-torch/3 torch-{torch.__version__}"
 
 
 @dataclass
