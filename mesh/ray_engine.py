@@ -234,6 +234,7 @@ class RayEngine:
                                        logit_bias=dict(s.logit_bias))
                 if s.seed is not None:
                     sampling.seed = s.seed
+                sampling.generated.extend(produced)
                 await call.write(pb.StageCall(prefill=pb.Prefill(
                     tokens=tokens, start=start, sampling=sampling, probe=request.probe,
                     namespace=request.namespace, max_tokens=request.max_tokens)))

@@ -9,6 +9,7 @@ prompt). They apply before greedy choice too: a biased greedy request is still e
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,15 @@ class Sampler:
     """One per request: its generator advances with each sampled token, so a seeded
     request gives the same tokens every time."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, generated: Iterable[int] = ()):
+        """`generated`: tokens the request produced before this sampler took over (a
+        request rebuilt after a stage failed); the penalties count them too."""
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
-        self.counts: dict[int, int] = {}  # tokens this sampler returned, for the penalties
+        self.counts: dict[int, int] = {}  # tokens generated so far, for the penalties
+        for token in generated:
+            self.counts[token] = self.counts.get(token, 0) + 1
         self._adjusts = bool(params.logit_bias or params.presence_penalty
                              or params.frequency_penalty)
 

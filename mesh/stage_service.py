@@ -140,7 +140,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     elif kind == "prefill":
                         p = call.prefill
                         if self.is_last:
-                            sampler = Sampler(_sampling(p.sampling))
+                            sampler = Sampler(_sampling(p.sampling), p.sampling.generated)
                         reply = self._prefill(p, lane, down, sampler, planned)
                         if not decoding and reply.WhichOneof("result") != "error":
                             decoding = True

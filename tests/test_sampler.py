@@ -65,3 +65,13 @@ def test_penalties_apply_to_seeded_sampling_repeatably():
     assert [a(logits) for _ in range(30)] == [b(logits) for _ in range(30)]
     plain, adjusted = Sampler(SamplingParams(1.0, seed=9)), Sampler(params)
     assert [plain(logits) for _ in range(30)] != [adjusted(logits) for _ in range(30)]
+
+
+def test_a_rebuilt_request_counts_the_tokens_it_already_generated():
+    logits = torch.tensor([5.0, 4.0, 0.0])
+    params = SamplingParams(frequency_penalty=0.6)
+    whole = Sampler(params)
+    tokens = [whole(logits) for _ in range(4)]
+    resumed = Sampler(params, generated=tokens[:2])
+    assert [resumed(logits) for _ in range(2)] == tokens[2:]
+    assert Sampler(params)(logits) != tokens[2]  # without the history it would differ
