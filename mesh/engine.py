@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams, TokenLogprobs
 
 
 class EngineError(RuntimeError):
@@ -38,6 +38,7 @@ class GenerationRequest:
 class Step:
     token: int
     cached_tokens: int = 0           # prompt tokens served from caches (first step only)
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass
@@ -97,7 +98,7 @@ class LocalEngine:
                 token = sampler(logits)
                 if token in request.stop_ids:
                     return
-                yield Step(token, cached if i == 0 else 0)
+                yield Step(token, cached if i == 0 else 0, sampler.last)
                 if i + 1 == request.max_tokens:
                     return
                 if not prefilled:

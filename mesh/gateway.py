@@ -29,11 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import ChatTemplate, ChatTemplateMissing, load_chat_template
-from .engine import Engine, EngineBusy, EngineError, GenerationRequest
+from .engine import Engine, EngineBusy, EngineError, GenerationRequest, Step
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openai_api import (
     DEFAULT_MAX_TOKENS,
     ApiError,
+    Logprobs,
     ParsedRequest,
     ResponseShape,
     Usage,
@@ -133,36 +134,45 @@ class _Generation:
                 return True
         return False
 
-    async def _tokens(self) -> AsyncIterator[int]:
+    async def _steps_or_replay(self) -> AsyncIterator[Step]:
         if self._replay is not None:
             for t in self._replay:
-                yield t
+                yield Step(t)
             return
         if self._first is None:
             return
-        yield self._first.token
+        yield self._first
         async for step in self._steps:
-            yield step.token
+            yield step
 
-    async def texts(self) -> AsyncIterator[str]:
+    async def texts(self) -> AsyncIterator[tuple[str, Logprobs | None]]:
+        """The completion text as it grows, each piece with the log-probabilities of the
+        tokens it came from (None unless the request asked for them). A token whose text
+        is held back (a possible stop string) reports with the next piece; tokens that
+        made up a stop string report with the text before it."""
         text = StopText(self.gw.tokenizer, self.stops)
         usage = self.outcome.usage
+        wanted = self.request.sampling.logprobs is not None
+        pending: Logprobs = []
         ran_out = False  # the token source ended by itself (not cut by a stop string,
         try:             # an error or the client leaving)
-            async for token in self._tokens():
+            async for step in self._steps_or_replay():
                 usage.completion_tokens += 1
-                self._seen.append(token)
-                delta = text.push(token)
-                if delta:
-                    yield delta
+                self._seen.append(step.token)
+                if wanted and step.logprobs is not None:
+                    pending.append((step.token, step.logprobs))
+                delta = text.push(step.token)
+                if delta or (text.stopped and pending):
+                    yield delta, (pending if wanted else None)
+                    pending = []
                 if text.stopped:
                     break
             else:
                 ran_out = True
             if ran_out:
                 tail = text.finish()
-                if tail:
-                    yield tail
+                if tail or pending:
+                    yield tail, (pending if wanted else None)
             # fewer tokens than allowed: an end-of-generation id or a stop string ended it
             limit = self.request.max_tokens
             self.outcome.finish_reason = "length" if (
@@ -288,14 +298,18 @@ class _Gateway:
         gen_request = self.generation_request(parsed)
         run = _Generation(self, gen_request, parsed.stop, arrived)
         await _engine_errors(run.start())
-        shape = ResponseShape(chat, self.engine.info.model)
+        shape = ResponseShape(chat, self.engine.info.model,
+                              lambda t: self.tokenizer.piece(t, special=True))
         if parsed.stream:
             return _ClosingStream(self._events(run, shape, parsed.include_usage),
                                   on_close=run.close, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"})
         pieces = []
         await _engine_errors(_collect(run.texts(), pieces))
-        body = shape.full("".join(pieces), run.outcome.finish_reason, run.outcome.usage)
+        wanted = parsed.sampling.logprobs is not None
+        logprobs = [e for _, part in pieces for e in part] if wanted else None
+        body = shape.full("".join(t for t, _ in pieces), run.outcome.finish_reason,
+                          run.outcome.usage, logprobs)
         return JSONResponse(body)
 
     async def _events(self, run: _Generation, shape: ResponseShape,
@@ -304,8 +318,9 @@ class _Gateway:
         try:
             if shape.chat:
                 yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
-            async for delta in texts:
-                yield sse(shape.chunk(delta, with_usage_field=include_usage))
+            async for delta, logprobs in texts:
+                yield sse(shape.chunk(delta, with_usage_field=include_usage,
+                                      logprobs=logprobs))
             finish = shape.chunk(None if shape.chat else "", run.outcome.finish_reason,
                                  with_usage_field=include_usage)
             yield sse(finish)
@@ -359,7 +374,7 @@ class _ClosingStream(StreamingResponse):
             await self._on_close()
 
 
-async def _collect(texts: AsyncIterator[str], into: list[str]) -> None:
+async def _collect(texts: AsyncIterator, into: list) -> None:
     async for piece in texts:
         into.append(piece)
 

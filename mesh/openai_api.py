@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies -> our types, our results -> response bodies.
 
-Parsing is strict about what we act on (types, ranges, unsupported options such as n > 1,
-logprobs or a JSON response_format) and ignores fields we do not know, as
+Parsing is strict about what we act on (types, ranges, unsupported options such as n > 1
+or a JSON response_format) and ignores fields we do not know, as
 OpenAI-compatible servers do. Every
 mistake is an `ApiError`, which the gateway turns into OpenAI's error envelope
 {"error": {"message", "type", "param", "code"}} with its HTTP status.
@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .sampler import SamplingParams
+from .sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 # max_tokens when the request gives none: what is left of the context, at most this.
 # OpenAI's legacy completions default to 16, which cuts most answers short; 256 answers
@@ -103,7 +103,7 @@ def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
         raise bad("stream_options.include_usage must be a boolean", "stream_options")
     namespace = _field(body, "cache_salt", str) or ""
     return ParsedRequest(chat=chat, model=model, prompt=prompt, messages=messages,
-                         max_tokens=max_tokens, sampling=_sampling(body),
+                         max_tokens=max_tokens, sampling=_sampling(body, _logprobs(body, chat)),
                          stop=_stop(body.get("stop")), stream=stream,
                          include_usage=stream and include_usage, namespace=namespace)
 
@@ -132,10 +132,6 @@ def _json_type(value: Any) -> str:
 
 
 def _unsupported(body: Mapping, chat: bool) -> None:
-    # logprobs is a boolean in chat and an integer in completions; any truthy value asks
-    # for something we do not compute (logits never leave the last stage).
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad("logprobs are not supported by this server", "logprobs")
     if not chat:
         if body.get("echo"):
             raise bad("echo is not supported by this server", "echo")
@@ -154,7 +150,22 @@ def _unsupported(body: Mapping, chat: bool) -> None:
                       f"(only {{\"type\": \"text\"}})", "response_format")
 
 
-def _sampling(body: Mapping) -> SamplingParams:
+def _logprobs(body: Mapping, chat: bool) -> int | None:
+    """How many top alternatives to report with each token's log-prob; None: no log-probs.
+    Chat asks with logprobs: true and top_logprobs: k; completions with logprobs: k."""
+    if chat:
+        wanted, top = _field(body, "logprobs", bool), _field(body, "top_logprobs", int)
+        if top is not None and not wanted:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        count, param = (top or 0) if wanted else None, "top_logprobs"
+    else:
+        count, param = _field(body, "logprobs", int), "logprobs"
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise bad(f"{param} must be in [0, {MAX_TOP_LOGPROBS}], not {count}", param)
+    return count
+
+
+def _sampling(body: Mapping, logprobs: int | None = None) -> SamplingParams:
     temperature = _field(body, "temperature", float)
     top_p = _field(body, "top_p", float)
     top_k = _field(body, "top_k", int)
@@ -177,7 +188,7 @@ def _sampling(body: Mapping) -> SamplingParams:
         penalties[name] = value or 0.0
     return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
                           logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
-                          **penalties)
+                          logprobs=logprobs, **penalties)
 
 
 def _logit_bias(value: dict | None) -> tuple[tuple[int, float], ...]:
@@ -265,11 +276,17 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
-class ResponseShape:
-    """Builds one request's response bodies and stream chunks (same id and timestamp)."""
+# (token id, its log-probabilities) for each token a piece of text came from
+Logprobs = list[tuple[int, TokenLogprobs]]
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+
+class ResponseShape:
+    """Builds one request's response bodies and stream chunks (same id and timestamp).
+    `piece(id)` gives a token's bytes, for log-probability entries."""
+
+    def __init__(self, chat: bool, model: str, piece: Callable[[int], bytes] = bytes):
+        self.chat, self.model, self.piece = chat, model, piece
+        self._offset = 0  # completions' text_offset runs on across stream chunks
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -277,29 +294,55 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
+    def logprobs(self, entries: Logprobs | None) -> dict | None:
+        """OpenAI's logprobs object: chat's `content` list, or completions' parallel
+        lists (text_offset counted in characters from the start of the completion)."""
+        if entries is None:
+            return None
+        text = lambda i: self.piece(i).decode("utf-8", errors="replace")  # noqa: E731
+        if self.chat:
+            def item(i: int, lp: float) -> dict:
+                return {"token": text(i), "logprob": lp, "bytes": list(self.piece(i))}
+            return {"content": [{**item(i, e.logprob),
+                                 "top_logprobs": [item(j, lp) for j, lp in e.top]}
+                                for i, e in entries], "refusal": None}
+        offsets = []
+        for i, _ in entries:
+            offsets.append(self._offset)
+            self._offset += len(text(i))
+        return {"tokens": [text(i) for i, _ in entries],
+                "token_logprobs": [e.logprob for _, e in entries],
+                "top_logprobs": [{text(j): lp for j, lp in e.top} for _, e in entries],
+                "text_offset": offsets}
+
+    def full(self, text: str, finish_reason: str, usage: Usage,
+             logprobs: Logprobs | None = None) -> dict:
+        block = self.logprobs(logprobs)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": block, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": block,
                       "finish_reason": finish_reason}
         return {**self._head(self.object), "choices": [choice], "usage": usage.as_dict()}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
-              first: bool = False, with_usage_field: bool = False) -> dict:
-        """A stream chunk with a text delta (chat: the first one also carries the role)."""
+              first: bool = False, with_usage_field: bool = False,
+              logprobs: Logprobs | None = None) -> dict:
+        """A stream chunk with a text delta (chat: the first one also carries the role)
+        and, when asked for, the log-probabilities of the tokens it came from."""
+        block = self.logprobs(logprobs)
         if self.chat:
             delta: dict = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            choice = {"index": 0, "delta": delta, "logprobs": block,
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None,
+            choice = {"index": 0, "text": text or "", "logprobs": block,
                       "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if with_usage_field:  # OpenAI: null on every chunk but the last when usage is asked

@@ -37,6 +37,7 @@ from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
 from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
+from .sampler import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,8 @@ class RayEngine:
                 if s.seed is not None:
                     sampling.seed = s.seed
                 sampling.generated.extend(produced)
+                if s.logprobs is not None:
+                    sampling.logprobs = s.logprobs
                 await call.write(pb.StageCall(prefill=pb.Prefill(
                     tokens=tokens, start=start, sampling=sampling, probe=request.probe,
                     namespace=request.namespace, max_tokens=request.max_tokens)))
@@ -245,16 +248,17 @@ class RayEngine:
                     limit = 0
             if reply is None:
                 raise _Retry("the prefill failed twice")
-            token, cached = reply.token.id, reply.token.cached_tokens
+            token, cached = reply.token, reply.token.cached_tokens
             remaining = request.max_tokens - len(produced)
             for i in range(remaining):
-                if token in request.stop_ids:
+                if token.id in request.stop_ids:
                     return
-                yield Step(token, cached if not produced and i == 0 else 0)
+                yield Step(token.id, cached if not produced and i == 0 else 0,
+                           _logprobs(token))
                 if i + 1 == remaining:
                     return
-                await call.write(pb.StageCall(decode=pb.Decode(token=token)))
-                token = (await _read(call)).token.id
+                await call.write(pb.StageCall(decode=pb.Decode(token=token.id)))
+                token = (await _read(call)).token
         finally:
             call.cancel()
 
@@ -288,6 +292,12 @@ def _sum(dicts: list[dict]) -> dict:
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and k in out:
                 out[k] = out[k] + v
     return out
+
+
+def _logprobs(token: pb.Token) -> TokenLogprobs | None:
+    if not token.HasField("logprob"):
+        return None
+    return TokenLogprobs(token.logprob, tuple((a.id, a.logprob) for a in token.top))
 
 
 class _Retry(Exception):

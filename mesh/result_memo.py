@@ -30,8 +30,10 @@ class KnownRun:
 
 
 def memo_key(request: GenerationRequest, topology_digest: str) -> Hashable | None:
-    """The identity of a request's token stream, or None when it is not reproducible."""
-    if request.probe or not request.sampling.deterministic:
+    """The identity of a request's token stream, or None when it is not reproducible or
+    asks for log-probabilities (the memo keeps tokens only)."""
+    if request.probe or not request.sampling.deterministic \
+            or request.sampling.logprobs is not None:
         return None
     return (topology_digest, request.namespace, request.sampling,
             tuple(sorted(request.stop_ids)), request.tokens)

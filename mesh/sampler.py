@@ -4,6 +4,11 @@ Penalties and biases follow OpenAI's definitions: logit_bias adds a fixed amount
 token's logit; presence_penalty subtracts once from every token already generated, and
 frequency_penalty once per time it was generated (tokens of this completion, not the
 prompt). They apply before greedy choice too: a biased greedy request is still exact.
+
+Log-probabilities, when asked for, are the model's own: log_softmax of the logits as the
+stage computed them, before biases, penalties and temperature (what vLLM reports by
+default). With a compact head (stages/linear.py RescoredHead) the highest 64 logits are
+float32 and the rest carry a small rounding error, which moves the normaliser slightly.
 """
 
 from __future__ import annotations
@@ -15,6 +20,18 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the `k` most likely tokens' (id, log-prob),
+    most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0   # 0: argmax of the logits
@@ -24,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    logprobs: int | None = None  # report the chosen token's log-prob and this many top ones
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -37,6 +55,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
         if any(not -100 <= b <= 100 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
 
     @property
     def deterministic(self) -> bool:
@@ -56,12 +76,20 @@ class Sampler:
         self.counts: dict[int, int] = {}  # tokens generated so far, for the penalties
         for token in generated:
             self.counts[token] = self.counts.get(token, 0) + 1
+        self.last: TokenLogprobs | None = None  # the last token's, when params.logprobs
         self._adjusts = bool(params.logit_bias or params.presence_penalty
                              or params.frequency_penalty)
 
     def __call__(self, logits: torch.Tensor) -> int:
         token = self._pick(self._adjusted(logits) if self._adjusts else logits)
         self.counts[token] = self.counts.get(token, 0) + 1
+        k = self.params.logprobs
+        if k is not None:
+            logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            best = torch.topk(logp, k) if k else None
+            top = () if best is None else tuple(
+                zip(best.indices.tolist(), best.values.tolist()))
+            self.last = TokenLogprobs(float(logp[token]), top)
         return token
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:

@@ -234,7 +234,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                                      between_chunks=self._run_waiting_rows)
         self.timing.add("prefill", time.perf_counter() - t)
         if down is None:
-            return pb.StageResult(token=pb.Token(id=sampler(out.logits), cached_tokens=start))
+            return pb.StageResult(token=_token(sampler, out.logits, cached_tokens=start))
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
                           probe=p.probe, namespace=p.namespace, max_tokens=p.max_tokens)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
@@ -250,7 +250,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         if down is None:
             if sampler is None:
                 raise StageError("decode before prefill")
-            return pb.StageResult(token=pb.Token(id=sampler(out.logits)))
+            return pb.StageResult(token=_token(sampler, out.logits))
         sent = pb.Decode(token=d.token)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
         return down.ask(pb.StageCall(decode=sent))
@@ -342,12 +342,21 @@ class _Busy(Exception):
     """No lane came free in time."""
 
 
+def _token(sampler: Sampler, logits, cached_tokens: int = 0) -> pb.Token:
+    token = pb.Token(id=sampler(logits), cached_tokens=cached_tokens)
+    if sampler.params.logprobs is not None:
+        token.logprob = sampler.last.logprob
+        token.top.extend(pb.Alternative(id=i, logprob=lp) for i, lp in sampler.last.top)
+    return token
+
+
 def _sampling(s: pb.Sampling) -> SamplingParams:
     return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                           seed=s.seed if s.HasField("seed") else None,
                           presence_penalty=s.presence_penalty,
                           frequency_penalty=s.frequency_penalty,
-                          logit_bias=tuple(sorted(s.logit_bias.items())))
+                          logit_bias=tuple(sorted(s.logit_bias.items())),
+                          logprobs=s.logprobs if s.HasField("logprobs") else None)
 
 
 def _error(message: str, retryable: bool = False) -> pb.StageResult:

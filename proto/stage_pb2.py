@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\tskippy.v1\"\x9b\x01\n\x05\x46rame\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.skippy.v1.Frame.DType\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06scales\x18\x06 \x01(\x0c\"!\n\x05\x44Type\x12\x07\n\x03\x46\x33\x32\x10\x00\x12\x07\n\x03\x46\x31\x36\x10\x01\x12\x06\n\x02Q8\x10\x02\"\x8b\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x36\n\nlogit_bias\x18\x07 \x03(\x0b\x32\".skippy.v1.Sampling.LogitBiasEntry\x12\x11\n\tgenerated\x18\x08 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seed\"G\n\x04Plan\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05limit\x18\x02 \x01(\r\x12\r\n\x05probe\x18\x03 \x01(\x08\x12\x11\n\tnamespace\x18\x04 \x01(\t\"\x1a\n\tPlanReply\x12\r\n\x05start\x18\x01 \x01(\r\"\xa6\x01\n\x07Prefill\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05start\x18\x02 \x01(\r\x12\x1f\n\x05\x66rame\x18\x03 \x01(\x0b\x32\x10.skippy.v1.Frame\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.skippy.v1.Sampling\x12\r\n\x05probe\x18\x05 \x01(\x08\x12\x11\n\tnamespace\x18\x06 \x01(\t\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\"8\n\x06\x44\x65\x63ode\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x1f\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x10.skippy.v1.Frame\"\x80\x01\n\tStageCall\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x0f.skippy.v1.PlanH\x00\x12%\n\x07prefill\x18\x02 \x01(\x0b\x32\x12.skippy.v1.PrefillH\x00\x12#\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x11.skippy.v1.DecodeH\x00\x42\x06\n\x04\x63\x61ll\"*\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\"9\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x0c\n\x04\x62usy\x18\x03 \x01(\x08\"\x83\x01\n\x0bStageResult\x12$\n\x04plan\x18\x01 \x01(\x0b\x32\x14.skippy.v1.PlanReplyH\x00\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x10.skippy.v1.TokenH\x00\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.skippy.v1.ErrorH\x00\x42\x08\n\x06result\"\x1e\n\x0c\x42lockRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"#\n\x05\x42lock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32~\n\x05Stage\x12;\n\x07Session\x12\x14.skippy.v1.StageCall\x1a\x16.skippy.v1.StageResult(\x01\x30\x01\x12\x38\n\tGetBlocks\x12\x17.skippy.v1.BlockRequest\x1a\x10.skippy.v1.Block0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\tskippy.v1\"\x9b\x01\n\x05\x46rame\x12%\n\x05\x64type\x18\x01 \x01(\x0e\x32\x16.skippy.v1.Frame.DType\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06scales\x18\x06 \x01(\x0c\"!\n\x05\x44Type\x12\x07\n\x03\x46\x33\x32\x10\x00\x12\x07\n\x03\x46\x31\x36\x10\x01\x12\x06\n\x02Q8\x10\x02\"\xaf\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x36\n\nlogit_bias\x18\x07 \x03(\x0b\x32\".skippy.v1.Sampling.LogitBiasEntry\x12\x11\n\tgenerated\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"G\n\x04Plan\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05limit\x18\x02 \x01(\r\x12\r\n\x05probe\x18\x03 \x01(\x08\x12\x11\n\tnamespace\x18\x04 \x01(\t\"\x1a\n\tPlanReply\x12\r\n\x05start\x18\x01 \x01(\r\"\xa6\x01\n\x07Prefill\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05start\x18\x02 \x01(\r\x12\x1f\n\x05\x66rame\x18\x03 \x01(\x0b\x32\x10.skippy.v1.Frame\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.skippy.v1.Sampling\x12\r\n\x05probe\x18\x05 \x01(\x08\x12\x11\n\tnamespace\x18\x06 \x01(\t\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\"8\n\x06\x44\x65\x63ode\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x1f\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x10.skippy.v1.Frame\"\x80\x01\n\tStageCall\x12\x1f\n\x04plan\x18\x01 \x01(\x0b\x32\x0f.skippy.v1.PlanH\x00\x12%\n\x07prefill\x18\x02 \x01(\x0b\x32\x12.skippy.v1.PrefillH\x00\x12#\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x11.skippy.v1.DecodeH\x00\x42\x06\n\x04\x63\x61ll\"q\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.skippy.v1.AlternativeB\n\n\x08_logprob\"*\n\x0b\x41lternative\x12\n\n\x02id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\x12\x0c\n\x04\x62usy\x18\x03 \x01(\x08\"\x83\x01\n\x0bStageResult\x12$\n\x04plan\x18\x01 \x01(\x0b\x32\x14.skippy.v1.PlanReplyH\x00\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x10.skippy.v1.TokenH\x00\x12!\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x10.skippy.v1.ErrorH\x00\x42\x08\n\x06result\"\x1e\n\x0c\x42lockRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"#\n\x05\x42lock\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32~\n\x05Stage\x12;\n\x07Session\x12\x14.skippy.v1.StageCall\x1a\x16.skippy.v1.StageResult(\x01\x30\x01\x12\x38\n\tGetBlocks\x12\x17.skippy.v1.BlockRequest\x1a\x10.skippy.v1.Block0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRAME_DTYPE']._serialized_start=149
   _globals['_FRAME_DTYPE']._serialized_end=182
   _globals['_SAMPLING']._serialized_start=185
-  _globals['_SAMPLING']._serialized_end=452
-  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=395
-  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=443
-  _globals['_PLAN']._serialized_start=454
-  _globals['_PLAN']._serialized_end=525
-  _globals['_PLANREPLY']._serialized_start=527
-  _globals['_PLANREPLY']._serialized_end=553
-  _globals['_PREFILL']._serialized_start=556
-  _globals['_PREFILL']._serialized_end=722
-  _globals['_DECODE']._serialized_start=724
-  _globals['_DECODE']._serialized_end=780
-  _globals['_STAGECALL']._serialized_start=783
-  _globals['_STAGECALL']._serialized_end=911
-  _globals['_TOKEN']._serialized_start=913
-  _globals['_TOKEN']._serialized_end=955
-  _globals['_ERROR']._serialized_start=957
-  _globals['_ERROR']._serialized_end=1014
-  _globals['_STAGERESULT']._serialized_start=1017
-  _globals['_STAGERESULT']._serialized_end=1148
-  _globals['_BLOCKREQUEST']._serialized_start=1150
-  _globals['_BLOCKREQUEST']._serialized_end=1180
-  _globals['_BLOCK']._serialized_start=1182
-  _globals['_BLOCK']._serialized_end=1217
-  _globals['_STAGE']._serialized_start=1219
-  _globals['_STAGE']._serialized_end=1345
+  _globals['_SAMPLING']._serialized_end=488
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=418
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=466
+  _globals['_PLAN']._serialized_start=490
+  _globals['_PLAN']._serialized_end=561
+  _globals['_PLANREPLY']._serialized_start=563
+  _globals['_PLANREPLY']._serialized_end=589
+  _globals['_PREFILL']._serialized_start=592
+  _globals['_PREFILL']._serialized_end=758
+  _globals['_DECODE']._serialized_start=760
+  _globals['_DECODE']._serialized_end=816
+  _globals['_STAGECALL']._serialized_start=819
+  _globals['_STAGECALL']._serialized_end=947
+  _globals['_TOKEN']._serialized_start=949
+  _globals['_TOKEN']._serialized_end=1062
+  _globals['_ALTERNATIVE']._serialized_start=1064
+  _globals['_ALTERNATIVE']._serialized_end=1106
+  _globals['_ERROR']._serialized_start=1108
+  _globals['_ERROR']._serialized_end=1165
+  _globals['_STAGERESULT']._serialized_start=1168
+  _globals['_STAGERESULT']._serialized_end=1299
+  _globals['_BLOCKREQUEST']._serialized_start=1301
+  _globals['_BLOCKREQUEST']._serialized_end=1331
+  _globals['_BLOCK']._serialized_start=1333
+  _globals['_BLOCK']._serialized_end=1368
+  _globals['_STAGE']._serialized_start=1370
+  _globals['_STAGE']._serialized_end=1496
 # @@protoc_insertion_point(module_scope)

@@ -11,6 +11,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.mesh.chat import ChatTemplateMissing
@@ -268,6 +269,49 @@ def test_logit_bias_and_penalties_steer_the_tokens(client, tok):
         **body, "response_format": {"type": "text"}}).json()["choices"][0]["text"] == plain
 
 
+def test_logprobs_are_the_models_own_for_every_token(client, engine, tok):
+    prompt = "The capital of France is"
+    body = {**GREEDY, "prompt": prompt, "max_tokens": 5, "logprobs": 3}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = got["logprobs"]
+    ids = greedy(engine, tok, tok.encode(prompt), 5)
+    assert lp["tokens"] == [tok.token_text(t) for t in ids]
+    assert "".join(lp["tokens"]) == got["text"]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(lp["tokens"][0])
+    # greedy: each chosen token is the most likely one, listed first among 3
+    for chosen, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(value)
+        assert top[chosen] == pytest.approx(value) and value <= 0
+    # the first one is the pipeline's own log_softmax of its first logits
+    pipe = engine.inner.pipeline
+    lanes = pipe.alloc()
+    try:
+        logits = pipe.first_logits(lanes, tok.encode(prompt))[0]
+    finally:
+        pipe.free(lanes)
+    want = torch.log_softmax(logits.float(), -1)[ids[0]].item()
+    assert lp["token_logprobs"][0] == pytest.approx(want, abs=1e-5)
+
+
+def test_chat_logprobs_stream_with_their_tokens(client, tok):
+    body = {**GREEDY, "messages": [{"role": "user", "content": "Name a colour."}],
+            "max_tokens": 6, "logprobs": True, "top_logprobs": 2}
+    whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    assert len(content) == 6 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert "".join(c["token"] for c in content) == whole["message"]["content"]
+    assert all(bytes(c["bytes"]).decode("utf-8", "replace") == c["token"] for c in content)
+    events = sse_events(client.post("/v1/chat/completions",
+                                    json={**body, "stream": True}).text)
+    streamed = [c for e in events for c in ((e["choices"][0]["logprobs"] or {})
+                                            .get("content") or [])]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]
+    assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content])
+    plain = client.post("/v1/chat/completions", json={**body, "logprobs": False,
+                                                      "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -287,7 +331,8 @@ def test_logit_bias_and_penalties_steer_the_tokens(client, tok):
     ({"model": "smollm2", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": "smollm2", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
-    ({"model": "smollm2", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "smollm2", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"model": "smollm2", "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ({"model": "smollm2", "prompt": "hi", "stop": 3}, 400, "stop"),
     ({"model": "smollm2", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"model": "smollm2", "prompt": "hi", "cache_salt": 1}, 400, "cache_salt"),
@@ -314,7 +359,11 @@ def test_completion_mistakes_are_enveloped(client, body, status, param):
     ({"model": "smollm2", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"model": "smollm2", "messages": [{"role": "user"}]}, "messages"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
-      "logprobs": True}, "logprobs"),
+      "logprobs": 3}, "logprobs"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "top_logprobs": 3}, "top_logprobs"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
+      "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "x"}],
       "max_completion_tokens": 0}, "max_completion_tokens"),
 ])

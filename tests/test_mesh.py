@@ -142,6 +142,14 @@ def test_sampling_adjustments_cross_the_stages(client, smollm2):
     assert len(set(ids)) >= len(ids) - 2
 
 
+def test_logprobs_come_back_from_the_last_stage(client, reference):
+    got = chat(client, QUESTIONS[0], max_tokens=6, logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert got.choices[0].message.content == reference(QUESTIONS[0], 6)
+    assert "".join(c.token for c in content) == got.choices[0].message.content
+    assert all(c.top_logprobs[0].token == c.token and c.logprob <= 0 for c in content)
+
+
 def test_client_errors_surface_as_openai_exceptions(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])

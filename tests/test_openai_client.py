@@ -73,6 +73,18 @@ def test_streamed_completion_with_usage(client, pipe, tok):
     assert chunks[-1].usage.completion_tokens == 4
 
 
+def test_logprobs_parse_into_the_clients_types(client, pipe, tok, smollm2):
+    out = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+               for c in content)  # greedy: the chosen token is the most likely
+    legacy = client.completions.create(model="smollm2", prompt="def add(a, b):",
+                                       max_tokens=3, temperature=0, logprobs=2)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == 3
+
+
 def test_chat_completion_equals_the_pipeline_on_the_rendered_template(client, pipe, tok,
                                                                        smollm2):
     expected = greedy_text(pipe, tok, render_chat(smollm2, MESSAGES), 4)
@@ -105,7 +117,7 @@ def test_unknown_model_is_not_found(client):
     assert e.value.code == "model_not_found"
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"n": 2}, {"logprobs": 1},
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"n": 2}, {"logprobs": 21},
                                     {"temperature": -1}, {"top_p": 2},
                                     {"max_tokens": 10**6}])
 def test_bad_requests_surface_as_bad_request_error(client, kwargs):
