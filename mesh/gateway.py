@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,7 +247,9 @@ class _Gateway:
                                 f"'{self.engine.info.model}'", param="model",
                            code="model_not_found")
 
-    def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+    def prompt_ids(self, parsed: ParsedRequest,
+                   prompt: str | tuple[int, ...] | None = None) -> list[int]:
+        """The token ids of the chat's rendered messages, or of one completions prompt."""
         if parsed.chat:
             if self.template is None:
                 raise bad(f"{self.template_missing}, so chat messages cannot be turned "
@@ -257,22 +260,36 @@ class _Gateway:
             except ValueError as e:  # bad messages, or the template refused them
                 raise bad(" ".join(str(e).split()), "messages") from None
             return self.tokenizer.encode(text)
-        if isinstance(parsed.prompt, str):
-            return self.tokenizer.encode(parsed.prompt)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size
-        bad_ids = [t for t in parsed.prompt if not 0 <= t < vocab]
+        bad_ids = [t for t in prompt if not 0 <= t < vocab]
         if bad_ids:
             raise bad(f"token id {bad_ids[0]} is outside the vocabulary (0..{vocab - 1})",
                       "prompt")
-        return list(parsed.prompt)
+        return list(prompt)
 
-    def generation_request(self, parsed: ParsedRequest) -> GenerationRequest:
+    def generation_requests(self, parsed: ParsedRequest) -> list[GenerationRequest]:
+        """One request per choice: each prompt n times, in order. Seeded copies of a
+        prompt take seeds seed, seed + 1, ... so their samples differ, repeatably."""
         vocab = self.tokenizer.vocab_size
         outside = [t for t, _ in parsed.sampling.logit_bias if t >= vocab]
         if outside:
             raise bad(f"logit_bias token id {outside[0]} is outside the vocabulary "
                       f"(0..{vocab - 1})", "logit_bias")
-        ids = self.prompt_ids(parsed)
+        out = []
+        for prompt in (None,) if parsed.chat else parsed.prompts:
+            first = self.generation_request(parsed, self.prompt_ids(parsed, prompt))
+            for copy in range(parsed.n):
+                seed = first.sampling.seed
+                if seed is None or copy == 0:
+                    out.append(first)
+                else:
+                    sampling = dataclasses.replace(first.sampling, seed=(seed + copy) % 2**64)
+                    out.append(dataclasses.replace(first, sampling=sampling))
+        return out
+
+    def generation_request(self, parsed: ParsedRequest, ids: list[int]) -> GenerationRequest:
         if not ids:
             raise bad("the prompt is empty", "messages" if parsed.chat else "prompt")
         n_ctx, room = self.engine.info.n_ctx, self.engine.info.n_ctx - len(ids)
@@ -295,43 +312,67 @@ class _Gateway:
         arrived = time.perf_counter()
         parsed = parse_request(await self.read_body(request), chat=chat)
         self.check_model(parsed.model)
-        gen_request = self.generation_request(parsed)
-        run = _Generation(self, gen_request, parsed.stop, arrived)
-        await _engine_errors(run.start())
+        runs = [_Generation(self, r, parsed.stop, arrived)
+                for r in self.generation_requests(parsed)]
+
+        async def close() -> None:
+            for run in runs:
+                await run.close()
+
+        try:  # every choice's first token, so engine errors surface before any response
+            await _engine_errors(_all(run.start() for run in runs))
+        except BaseException:
+            await close()
+            raise
         shape = ResponseShape(chat, self.engine.info.model,
                               lambda t: self.tokenizer.piece(t, special=True))
+        usage = _Usage(runs, parsed.n)
         if parsed.stream:
-            return _ClosingStream(self._events(run, shape, parsed.include_usage),
-                                  on_close=run.close, media_type="text/event-stream",
+            return _ClosingStream(self._events(runs, shape, usage, parsed.include_usage),
+                                  on_close=close, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"})
-        pieces = []
-        await _engine_errors(_collect(run.texts(), pieces))
+        pieces: list[list] = [[] for _ in runs]
+        await _engine_errors(_all(_collect(run.texts(), into)
+                                  for run, into in zip(runs, pieces)))
         wanted = parsed.sampling.logprobs is not None
-        logprobs = [e for _, part in pieces for e in part] if wanted else None
-        body = shape.full("".join(t for t, _ in pieces), run.outcome.finish_reason,
-                          run.outcome.usage, logprobs)
-        return JSONResponse(body)
+        choices = [("".join(t for t, _ in parts), run.outcome.finish_reason,
+                    [e for _, lp in parts for e in lp] if wanted else None)
+                   for run, parts in zip(runs, pieces)]
+        return JSONResponse(shape.full(choices, usage()))
 
-    async def _events(self, run: _Generation, shape: ResponseShape,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        texts = run.texts()
+    async def _events(self, runs: list[_Generation], shape: ResponseShape,
+                      usage: Callable[[], Usage], include_usage: bool) -> AsyncIterator[bytes]:
+        """The choices' chunks as their texts grow (interleaved, each with its index),
+        a finish chunk per choice, the usage if asked, then [DONE]."""
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, run, queue)) for i, run in enumerate(runs)]
         try:
             if shape.chat:
-                yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
-            async for delta, logprobs in texts:
-                yield sse(shape.chunk(delta, with_usage_field=include_usage,
-                                      logprobs=logprobs))
-            finish = shape.chunk(None if shape.chat else "", run.outcome.finish_reason,
-                                 with_usage_field=include_usage)
-            yield sse(finish)
+                for i in range(len(runs)):
+                    yield sse(shape.chunk("", first=True, with_usage_field=include_usage,
+                                          index=i))
+            left = len(runs)
+            while left:
+                index, delta, logprobs, end = await queue.get()
+                if isinstance(end, BaseException):
+                    raise end
+                if end is None:
+                    yield sse(shape.chunk(delta, with_usage_field=include_usage,
+                                          logprobs=logprobs, index=index))
+                    continue
+                left -= 1
+                yield sse(shape.chunk(None if shape.chat else "", end, index=index,
+                                      with_usage_field=include_usage))
             if include_usage:
-                yield sse(shape.usage_chunk(run.outcome.usage))
+                yield sse(shape.usage_chunk(usage()))
         except Exception as e:  # noqa: BLE001
             # headers are gone: the error travels as an event, as OpenAI's servers do
             log.error("stream failed: %s: %s", type(e).__name__, _one_line(e))
             yield sse(ApiError(500, f"generation failed: {_one_line(e)}").envelope())
         finally:
-            await texts.aclose()
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
         yield sse("[DONE]")
 
     async def ready(self) -> Response:
@@ -377,6 +418,40 @@ class _ClosingStream(StreamingResponse):
 async def _collect(texts: AsyncIterator, into: list) -> None:
     async for piece in texts:
         into.append(piece)
+
+
+async def _all(awaitables) -> None:
+    """Await every one together; the first failure is raised once all have ended (so no
+    choice is left running unseen)."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+async def _pump(index: int, run: _Generation, queue: asyncio.Queue) -> None:
+    """One choice's text pieces into the shared queue: (index, text, logprobs, None),
+    then (index, None, None, finish_reason), or the failure in the last place."""
+    try:
+        async for delta, logprobs in run.texts():
+            await queue.put((index, delta, logprobs, None))
+        await queue.put((index, None, None, run.outcome.finish_reason))
+    except Exception as e:  # noqa: BLE001
+        await queue.put((index, None, None, e))
+
+
+class _Usage:
+    """The usage of a response's choices: each prompt counted once (n copies share it),
+    completion tokens of every choice."""
+
+    def __init__(self, runs: list[_Generation], n: int):
+        self.runs, self.n = runs, n
+
+    def __call__(self) -> Usage:
+        firsts = [r.outcome.usage for r in self.runs[::self.n]]
+        return Usage(sum(u.prompt_tokens for u in firsts),
+                     sum(r.outcome.usage.completion_tokens for r in self.runs),
+                     sum(u.cached_tokens for u in firsts))
 
 
 async def _engine_errors(awaitable) -> None:

@@ -27,6 +27,7 @@ from .sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+MAX_CHOICES = 64  # prompts x n in one request; each runs in a lane of its own
 
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "invalid_request_error",
                    413: "invalid_request_error", 503: "server_error"}
@@ -57,8 +58,9 @@ class ParsedRequest:
 
     chat: bool
     model: str
-    prompt: str | tuple[int, ...] | None      # completions
+    prompts: tuple[str | tuple[int, ...], ...] | None  # completions: one or more
     messages: tuple[dict, ...] | None         # chat: {role, content} with string content
+    n: int                                    # choices per prompt
     max_tokens: int | None                    # None: DEFAULT_MAX_TOKENS or less
     sampling: SamplingParams
     stop: tuple[str, ...]
@@ -82,18 +84,22 @@ def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
     if model is None:
         raise bad("model is required", "model")
     n = _field(body, "n", int)
-    if n is not None and n != 1:
-        raise bad("only n = 1 is supported", "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"n must be in [1, {MAX_CHOICES}], not {n}", "n")
     _unsupported(body, chat)
     if chat:
-        prompt, messages = None, _messages(body.get("messages"))
+        prompts, messages = None, _messages(body.get("messages"))
         max_tokens = _field(body, "max_completion_tokens", int)
         param = "max_completion_tokens"
         if max_tokens is None:
             max_tokens, param = _field(body, "max_tokens", int), "max_tokens"
     else:
-        prompt, messages = _prompt(body.get("prompt")), None
+        prompts, messages = _prompts(body.get("prompt")), None
         max_tokens, param = _field(body, "max_tokens", int), "max_tokens"
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad(f"{len(prompts)} prompts x n = {n} exceed {MAX_CHOICES} choices",
+                      "prompt")
     if max_tokens is not None and max_tokens < 1:
         raise bad(f"{param} must be at least 1, not {max_tokens}", param)
     stream = bool(_field(body, "stream", bool) or False)
@@ -102,7 +108,7 @@ def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage must be a boolean", "stream_options")
     namespace = _field(body, "cache_salt", str) or ""
-    return ParsedRequest(chat=chat, model=model, prompt=prompt, messages=messages,
+    return ParsedRequest(chat=chat, model=model, prompts=prompts, messages=messages, n=n,
                          max_tokens=max_tokens, sampling=_sampling(body, _logprobs(body, chat)),
                          stop=_stop(body.get("stop")), stream=stream,
                          include_usage=stream and include_usage, namespace=namespace)
@@ -226,21 +232,27 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stops))
 
 
-def _prompt(value: Any) -> str | tuple[int, ...]:
-    """A string, an array of token ids, or an array holding one of those."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value):
-        return tuple(value)
-    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        raise bad("only one prompt per request is supported", "prompt")
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A string, an array of token ids, or an array of those (one choice each)."""
+    def one(p: Any) -> str | tuple[int, ...] | None:
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return tuple(p)
+        return None
+
     if value is None:
         raise bad("prompt is required", "prompt")
-    raise bad("prompt must be a string, an array of token ids, or an array with one "
-              "string", "prompt")
+    single = one(value)
+    if single is not None:
+        return (single,)
+    if isinstance(value, list) and value:
+        many = [one(p) for p in value]
+        if all(p is not None for p in many):
+            return tuple(many)
+    raise bad("prompt must be a string, an array of token ids, or an array of those",
+              "prompt")
 
 
 def _messages(value: Any) -> tuple[dict, ...]:
@@ -286,7 +298,7 @@ class ResponseShape:
 
     def __init__(self, chat: bool, model: str, piece: Callable[[int], bytes] = bytes):
         self.chat, self.model, self.piece = chat, model, piece
-        self._offset = 0  # completions' text_offset runs on across stream chunks
+        self._offset: dict[int, int] = {}  # per choice: text_offset runs on across chunks
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -294,7 +306,7 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def logprobs(self, entries: Logprobs | None) -> dict | None:
+    def logprobs(self, entries: Logprobs | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object: chat's `content` list, or completions' parallel
         lists (text_offset counted in characters from the start of the completion)."""
         if entries is None:
@@ -306,43 +318,47 @@ class ResponseShape:
             return {"content": [{**item(i, e.logprob),
                                  "top_logprobs": [item(j, lp) for j, lp in e.top]}
                                 for i, e in entries], "refusal": None}
-        offsets = []
+        offsets, at = [], self._offset.get(index, 0)
         for i, _ in entries:
-            offsets.append(self._offset)
-            self._offset += len(text(i))
+            offsets.append(at)
+            at += len(text(i))
+        self._offset[index] = at
         return {"tokens": [text(i) for i, _ in entries],
                 "token_logprobs": [e.logprob for _, e in entries],
                 "top_logprobs": [{text(j): lp for j, lp in e.top} for _, e in entries],
                 "text_offset": offsets}
 
-    def full(self, text: str, finish_reason: str, usage: Usage,
-             logprobs: Logprobs | None = None) -> dict:
-        block = self.logprobs(logprobs)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": block, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": block,
-                      "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": usage.as_dict()}
+    def full(self, choices: list[tuple[str, str, Logprobs | None]], usage: Usage) -> dict:
+        """The whole response: (text, finish_reason, logprobs) per choice, in order."""
+        out = []
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            block = self.logprobs(logprobs, index)
+            if self.chat:
+                out.append({"index": index,
+                            "message": {"role": "assistant", "content": text},
+                            "logprobs": block, "finish_reason": finish_reason})
+            else:
+                out.append({"index": index, "text": text, "logprobs": block,
+                            "finish_reason": finish_reason})
+        return {**self._head(self.object), "choices": out, "usage": usage.as_dict()}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
               first: bool = False, with_usage_field: bool = False,
-              logprobs: Logprobs | None = None) -> dict:
+              logprobs: Logprobs | None = None, index: int = 0) -> dict:
         """A stream chunk with a text delta (chat: the first one also carries the role)
         and, when asked for, the log-probabilities of the tokens it came from."""
-        block = self.logprobs(logprobs)
+        block = self.logprobs(logprobs, index)
         if self.chat:
             delta: dict = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": block,
+            choice = {"index": index, "delta": delta, "logprobs": block,
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": block,
+            choice = {"index": index, "text": text or "", "logprobs": block,
                       "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if with_usage_field:  # OpenAI: null on every chunk but the last when usage is asked

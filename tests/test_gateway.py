@@ -312,6 +312,43 @@ def test_chat_logprobs_stream_with_their_tokens(client, tok):
     assert plain["choices"][0]["logprobs"] is None
 
 
+def test_several_prompts_and_n_give_one_choice_each(client, engine, tok):
+    prompts = ["The capital of France is", "Two plus two is"]
+    body = {**GREEDY, "prompt": prompts, "max_tokens": 4, "n": 2}
+    got = client.post("/v1/completions", json=body).json()
+    texts = [c["text"] for c in got["choices"]]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    want = [tok.decode(greedy(engine, tok, tok.encode(p), 4)) for p in prompts]
+    assert texts == [want[0], want[0], want[1], want[1]]   # greedy copies agree
+    usage = got["usage"]
+    assert usage["prompt_tokens"] == sum(len(tok.encode(p)) for p in prompts)
+    assert usage["completion_tokens"] == 16
+    # streamed: every choice's pieces join to its text, each choice finishes once
+    events = sse_events(client.post("/v1/completions", json={
+        **body, "stream": True, "stream_options": {"include_usage": True}}).text)
+    joined = ["", "", "", ""]
+    finished = []
+    for e in events:
+        for c in e["choices"]:
+            joined[c["index"]] += c["text"]
+            if c["finish_reason"]:
+                finished.append(c["index"])
+    assert joined == texts and sorted(finished) == [0, 1, 2, 3]
+    assert events[-1]["usage"]["completion_tokens"] == 16
+
+
+def test_seeded_choices_differ_from_each_other_and_repeat(client):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Tell a story."}],
+            "max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 3}
+    first = [c["message"]["content"] for c in
+             client.post("/v1/chat/completions", json=body).json()["choices"]]
+    again = [c["message"]["content"] for c in
+             client.post("/v1/chat/completions", json=body).json()["choices"]]
+    assert first == again and len(set(first)) == 3
+    one = client.post("/v1/chat/completions", json={**body, "n": 1}).json()
+    assert one["choices"][0]["message"]["content"] == first[0]
+
+
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -320,7 +357,10 @@ def test_chat_logprobs_stream_with_their_tokens(client, tok):
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ({"model": "smollm2"}, 400, "prompt"),
     ({"model": "smollm2", "prompt": 5}, 400, "prompt"),
-    ({"model": "smollm2", "prompt": ["a", "b"]}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": ["a", 5]}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": ["a"] * 65}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": "smollm2", "prompt": ["a", "b"], "n": 40}, 400, "prompt"),
     ({"model": "smollm2", "prompt": [1, 10**9]}, 400, "prompt"),
     ({"model": "smollm2", "prompt": ""}, 400, "prompt"),
     ({"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -330,7 +370,7 @@ def test_chat_logprobs_stream_with_their_tokens(client, tok):
     ({"model": "smollm2", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"model": "smollm2", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": "smollm2", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ({"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": "smollm2", "prompt": "hi", "n": 65}, 400, "n"),
     ({"model": "smollm2", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": "smollm2", "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ({"model": "smollm2", "prompt": "hi", "stop": 3}, 400, "stop"),

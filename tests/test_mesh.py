@@ -142,6 +142,11 @@ def test_sampling_adjustments_cross_the_stages(client, smollm2):
     assert len(set(ids)) >= len(ids) - 2
 
 
+def test_n_choices_run_in_lanes_of_their_own(client, reference):
+    got = chat(client, QUESTIONS[3], max_tokens=8, n=3)
+    assert [c.message.content for c in got.choices] == [reference(QUESTIONS[3], 8)] * 3
+
+
 def test_logprobs_come_back_from_the_last_stage(client, reference):
     got = chat(client, QUESTIONS[0], max_tokens=6, logprobs=True, top_logprobs=2)
     content = got.choices[0].logprobs.content

@@ -117,7 +117,7 @@ def test_unknown_model_is_not_found(client):
     assert e.value.code == "model_not_found"
 
 
-@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"n": 2}, {"logprobs": 21},
+@pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"n": 0}, {"logprobs": 21},
                                     {"temperature": -1}, {"top_p": 2},
                                     {"max_tokens": 10**6}])
 def test_bad_requests_surface_as_bad_request_error(client, kwargs):
