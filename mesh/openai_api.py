@@ -186,6 +186,8 @@ def _sampling(body: Mapping, logprobs: int | None = None) -> SamplingParams:
         raise bad(f"top_k must be >= 0 (or -1: no limit), not {top_k}", "top_k")
     if seed is not None and not -2**63 <= seed < 2**64:
         raise bad("seed must fit in 64 bits", "seed")
+    if seed is not None:
+        seed %= 2**64  # torch's generator reads a negative seed this way; the wire is uint64
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value = _field(body, name, float)

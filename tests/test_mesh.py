@@ -94,7 +94,7 @@ def test_nodes_say_which_package_layers_they_hold(cluster, smollm2, tmp_path_fac
 def chat(client, question, max_tokens=16, **kw):
     return client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": question}],
-        max_tokens=max_tokens, temperature=0, **kw)
+        max_tokens=max_tokens, **{"temperature": 0, **kw})
 
 
 def test_chat_matches_the_in_process_pipeline(client, reference):
@@ -140,6 +140,12 @@ def test_sampling_adjustments_cross_the_stages(client, smollm2):
     ids = tok.encode(chat(client, QUESTIONS[2], max_tokens=16, frequency_penalty=2.0,
                           presence_penalty=2.0).choices[0].message.content)
     assert len(set(ids)) >= len(ids) - 2
+
+
+def test_a_negative_seed_is_the_same_stream_as_its_unsigned_form(client):
+    a = chat(client, QUESTIONS[4], max_tokens=6, temperature=1.0, seed=-5)
+    b = chat(client, QUESTIONS[4], max_tokens=6, temperature=1.0, seed=2**64 - 5)
+    assert a.choices[0].message.content == b.choices[0].message.content
 
 
 def test_n_choices_run_in_lanes_of_their_own(client, reference):
