@@ -58,20 +58,6 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
     return True
 
 
-# OpenMP's idle workers spin this many times before sleeping (libgomp's default is about
-# 300,000), and a stage shares its cores with the gateway and other stages. Two SmolLM2
-# int4 stages on 2 cores took 29-32 ms a token at the default (each stage's idle workers
-# spinning through the other's step), 16-17 ms at 10,000; one stage alone 14-15 ms either way.
-GOMP_SPINCOUNT = "10000"
-
-
-def stage_env() -> dict[str, str]:
-    """Environment of the stage actors; a user's own OpenMP wait settings win."""
-    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
-        return {}
-    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
-
-
 @ray.remote(num_cpus=0)
 def _layers_here(package: str, model_digest: str) -> list[int]:
     from skippy.topology.model_package import layers_present
@@ -183,7 +169,6 @@ class RayEngine:
                 actors.append(StageActor.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
                     num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
-                    runtime_env={"env_vars": stage_env()},
                 ).remote(spec, self.cache, policy, runtime))
             self.pipelines.append(_Pipeline(actors))
         t = time.monotonic()

@@ -71,7 +71,6 @@ class _Step:
     lane: int
     x: object
     token: int
-    sampler: Sampler | None = None  # the last stage's: the row's output is then a Token
     done: bool = False
     out: object = None
     error: BaseException | None = None
@@ -89,33 +88,12 @@ class _Timing:
         self.count[kind] += 1
 
 
-class _ComputeThread:
-    """One thread for every torch call of a stage: loading, prefill, decode, sampling.
-
-    OpenMP keeps a team of worker threads for each thread that starts parallel work, and
-    gRPC runs sessions on pool threads: the stage loaded on one thread and computed on
-    others, and the teams fought over the cores. Measured on SmolLM2 int4, one stage
-    behind the gateway: a decode step took 22.6 ms in the actor against 12.7 ms when one
-    thread does everything; on this thread, 13.9 ms."""
-
-    def __init__(self):
-        self._pool = futures.ThreadPoolExecutor(max_workers=1,
-                                                thread_name_prefix="stage-compute")
-        self._ident = self._pool.submit(threading.get_ident).result()
-
-    def run(self, fn, *args, **kwargs):
-        if threading.get_ident() == self._ident:  # already here (a prefill's between_chunks)
-            return fn(*args, **kwargs)
-        return self._pool.submit(fn, *args, **kwargs).result()
-
-
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch"):
-        self._compute = _ComputeThread()
         if spec.threads:
-            self._compute.run(torch.set_num_threads, spec.threads)
+            torch.set_num_threads(spec.threads)
         self.spec = spec
-        self.runtime = self._compute.run(make_runtime, spec, runtime)
+        self.runtime = make_runtime(spec, runtime)
         self.cache = StageCache(self.runtime, cache, policy=policy)
         self.is_last = spec.is_last
         self._cv = threading.Condition()  # guards _busy and _pending; wakes waiters
@@ -191,7 +169,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 down.close()
             if lane is not None:
                 with self._turn():
-                    self._compute.run(self.cache.free_lane, lane, keep_warm=not probe)
+                    self.cache.free_lane(lane, keep_warm=not probe)
 
     @contextmanager
     def _turn(self):
@@ -216,7 +194,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         while True:
             with self._turn():
                 try:
-                    return self._compute.run(self.cache.alloc_lane, tokens, namespace)
+                    return self.cache.alloc_lane(tokens, namespace)
                 except StageError as e:
                     error = e
             if time.monotonic() > deadline:
@@ -232,8 +210,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                 return reply
             d = reply.plan.start
         with self._turn():
-            start = self._compute.run(self.cache.plan, lane, list(plan.tokens), plan.limit, d,
-                                      probe=plan.probe, namespace=plan.namespace)
+            start = self.cache.plan(lane, list(plan.tokens), plan.limit, d, probe=plan.probe,
+                                    namespace=plan.namespace)
         planned["downstream"] = d
         return pb.StageResult(plan=pb.PlanReply(start=start))
 
@@ -246,24 +224,17 @@ class StageService(stage_pb2_grpc.StageServicer):
             inputs = frame_from_proto(p.frame)
             if inputs.start != start:
                 raise StageError(f"frame starts at {inputs.start}, not {start}")
-
-        def restore_and_prefill():  # on the compute thread; the last stage samples there
+        t = time.perf_counter()
+        with self._turn():
             if not self.cache.restore(lane, tokens, start, namespace=p.namespace):
-                return None
+                return _error("cached state went away before the prefill", retryable=True)
             out = self.cache.prefill(lane, tokens, inputs, start, probe=p.probe,
                                      namespace=p.namespace,
                                      downstream=planned["downstream"] if down else None,
                                      between_chunks=self._run_waiting_rows)
-            return out if down else _token(sampler, out.logits, cached_tokens=start)
-
-        t = time.perf_counter()
-        with self._turn():
-            out = self._compute.run(restore_and_prefill)
-        if out is None:
-            return _error("cached state went away before the prefill", retryable=True)
         self.timing.add("prefill", time.perf_counter() - t)
         if down is None:
-            return pb.StageResult(token=out)
+            return pb.StageResult(token=_token(sampler, out.logits, cached_tokens=start))
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
                           probe=p.probe, namespace=p.namespace, max_tokens=p.max_tokens)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
@@ -275,11 +246,11 @@ class StageService(stage_pb2_grpc.StageServicer):
     def _decode(self, d: pb.Decode, lane: int, down: Downstream | None,
                 sampler) -> pb.StageResult:
         x = torch.tensor(d.token) if self.spec.is_first else frame_from_proto(d.frame)
-        if down is None and sampler is None:
-            raise StageError("decode before prefill")
-        out = self._decode_together(_Step(lane, x, d.token, sampler if down is None else None))
+        out = self._decode_together(_Step(lane, x, d.token))
         if down is None:
-            return pb.StageResult(token=out)
+            if sampler is None:
+                raise StageError("decode before prefill")
+            return pb.StageResult(token=_token(sampler, out.logits))
         sent = pb.Decode(token=d.token)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
         return down.ask(pb.StageCall(decode=sent))
@@ -324,11 +295,13 @@ class StageService(stage_pb2_grpc.StageServicer):
                 self._cv.notify_all()
 
     def _run_rows(self, batch: list[_Step]) -> None:
-        """One runtime decode call for the rows; each row learns its output (the last
-        stage: its sampled Token) or the error."""
+        """One runtime decode call for the rows; each row learns its output or the error."""
         t = time.perf_counter()
         try:
-            self._compute.run(self._decode_rows, batch)
+            outs = self.runtime.decode([(s.lane, s.x) for s in batch])
+            for s, out in zip(batch, outs):
+                s.out = out
+                self.cache.note_decoded(s.lane, s.token)
         except Exception as e:  # every row of the batch learns it
             for s in batch:
                 s.error = e
@@ -337,12 +310,6 @@ class StageService(stage_pb2_grpc.StageServicer):
                 s.done = True
         self.timing.add("decode", time.perf_counter() - t)
         self.timing.rows += len(batch)
-
-    def _decode_rows(self, batch: list[_Step]) -> None:
-        outs = self.runtime.decode([(s.lane, s.x) for s in batch])
-        for s, out in zip(batch, outs):
-            s.out = out if s.sampler is None else _token(s.sampler, out.logits)
-            self.cache.note_decoded(s.lane, s.token)
 
     def GetBlocks(self, request, context):
         store = self.cache.store
