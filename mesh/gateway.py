@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import os
@@ -326,7 +327,7 @@ class _Gateway:
             raise
         shape = ResponseShape(chat, self.engine.info.model,
                               lambda t: self.tokenizer.piece(t, special=True))
-        usage = _Usage(runs, parsed.n)
+        usage = functools.partial(_usage, runs, parsed.n)  # read once the choices end
         if parsed.stream:
             return _ClosingStream(self._events(runs, shape, usage, parsed.include_usage),
                                   on_close=close, media_type="text/event-stream",
@@ -440,18 +441,13 @@ async def _pump(index: int, run: _Generation, queue: asyncio.Queue) -> None:
         await queue.put((index, None, None, e))
 
 
-class _Usage:
-    """The usage of a response's choices: each prompt counted once (n copies share it),
-    completion tokens of every choice."""
-
-    def __init__(self, runs: list[_Generation], n: int):
-        self.runs, self.n = runs, n
-
-    def __call__(self) -> Usage:
-        firsts = [r.outcome.usage for r in self.runs[::self.n]]
-        return Usage(sum(u.prompt_tokens for u in firsts),
-                     sum(r.outcome.usage.completion_tokens for r in self.runs),
-                     sum(u.cached_tokens for u in firsts))
+def _usage(runs: list[_Generation], n: int) -> Usage:
+    """The usage of a response's choices: each prompt counted once (its n copies share
+    it), the completion tokens of every choice."""
+    firsts = [r.outcome.usage for r in runs[::n]]
+    return Usage(sum(u.prompt_tokens for u in firsts),
+                 sum(r.outcome.usage.completion_tokens for r in runs),
+                 sum(u.cached_tokens for u in firsts))
 
 
 async def _engine_errors(awaitable) -> None:

@@ -1,10 +1,9 @@
 """The OpenAI wire format: request bodies -> our types, our results -> response bodies.
 
-Parsing is strict about what we act on (types, ranges, unsupported options such as n > 1
-or a JSON response_format) and ignores fields we do not know, as
-OpenAI-compatible servers do. Every
-mistake is an `ApiError`, which the gateway turns into OpenAI's error envelope
-{"error": {"message", "type", "param", "code"}} with its HTTP status.
+Parsing is strict about what we act on (types, ranges, unsupported options such as echo
+or a JSON response_format) and ignores fields we do not know, as OpenAI-compatible
+servers do. Every mistake is an `ApiError`, which the gateway turns into OpenAI's error
+envelope {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
 Defaults follow OpenAI, not our CLI: temperature 1.0 and top_p 1.0 when absent, so a
 client that wants greedy (and gateway-cached) output asks for temperature 0.
@@ -320,12 +319,13 @@ class ResponseShape:
             return {"content": [{**item(i, e.logprob),
                                  "top_logprobs": [item(j, lp) for j, lp in e.top]}
                                 for i, e in entries], "refusal": None}
+        tokens = [text(i) for i, _ in entries]
         offsets, at = [], self._offset.get(index, 0)
-        for i, _ in entries:
+        for t in tokens:
             offsets.append(at)
-            at += len(text(i))
+            at += len(t)
         self._offset[index] = at
-        return {"tokens": [text(i) for i, _ in entries],
+        return {"tokens": tokens,
                 "token_logprobs": [e.logprob for _, e in entries],
                 "top_logprobs": [{text(j): lp for j, lp in e.top} for _, e in entries],
                 "text_offset": offsets}

@@ -38,7 +38,7 @@ from skippy.topology.planner import ModelFacts, NodeSpec, Plan, plan
 
 from .engine import EngineBusy, EngineError, EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
-from .sampler import TokenLogprobs
+from .wire import sampling_to_proto, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -235,16 +235,7 @@ class RayEngine:
                     tokens=tokens, limit=limit, probe=request.probe,
                     namespace=request.namespace)))
                 start = (await _read(call)).plan.start
-                s = request.sampling
-                sampling = pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                       presence_penalty=s.presence_penalty,
-                                       frequency_penalty=s.frequency_penalty,
-                                       logit_bias=dict(s.logit_bias))
-                if s.seed is not None:
-                    sampling.seed = s.seed
-                sampling.generated.extend(produced)
-                if s.logprobs is not None:
-                    sampling.logprobs = s.logprobs
+                sampling = sampling_to_proto(request.sampling, produced)
                 await call.write(pb.StageCall(prefill=pb.Prefill(
                     tokens=tokens, start=start, sampling=sampling, probe=request.probe,
                     namespace=request.namespace, max_tokens=request.max_tokens)))
@@ -261,7 +252,7 @@ class RayEngine:
                 if token.id in request.stop_ids:
                     return
                 yield Step(token.id, cached if not produced and i == 0 else 0,
-                           _logprobs(token))
+                           token_logprobs(token))
                 if i + 1 == remaining:
                     return
                 await call.write(pb.StageCall(decode=pb.Decode(token=token.id)))
@@ -299,12 +290,6 @@ def _sum(dicts: list[dict]) -> dict:
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and k in out:
                 out[k] = out[k] + v
     return out
-
-
-def _logprobs(token: pb.Token) -> TokenLogprobs | None:
-    if not token.HasField("logprob"):
-        return None
-    return TokenLogprobs(token.logprob, tuple((a.id, a.logprob) for a in token.top))
 
 
 class _Retry(Exception):

@@ -14,6 +14,7 @@ float32 and the rest carry a small rounding error, which moves the normaliser sl
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -73,16 +74,14 @@ class Sampler:
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
-        self.counts: dict[int, int] = {}  # tokens generated so far, for the penalties
-        for token in generated:
-            self.counts[token] = self.counts.get(token, 0) + 1
+        self.counts = Counter(generated)  # tokens generated so far, for the penalties
         self.last: TokenLogprobs | None = None  # the last token's, when params.logprobs
         self._adjusts = bool(params.logit_bias or params.presence_penalty
                              or params.frequency_penalty)
 
     def __call__(self, logits: torch.Tensor) -> int:
         token = self._pick(self._adjusted(logits) if self._adjusts else logits)
-        self.counts[token] = self.counts.get(token, 0) + 1
+        self.counts[token] += 1
         k = self.params.logprobs
         if k is not None:
             logp = torch.log_softmax(logits.to(torch.float32), dim=-1)

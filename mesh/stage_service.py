@@ -36,8 +36,8 @@ from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.stage_cache import StageCache
 
-from .sampler import Sampler, SamplingParams
-from .wire import frame_from_proto, frame_to_proto
+from .sampler import Sampler
+from .wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                     elif kind == "prefill":
                         p = call.prefill
                         if self.is_last:
-                            sampler = Sampler(_sampling(p.sampling), p.sampling.generated)
+                            sampler = Sampler(sampling_from_proto(p.sampling),
+                                              p.sampling.generated)
                         reply = self._prefill(p, lane, down, sampler, planned)
                         if not decoding and reply.WhichOneof("result") != "error":
                             decoding = True
@@ -377,20 +378,8 @@ class _Busy(Exception):
 
 
 def _token(sampler: Sampler, logits, cached_tokens: int = 0) -> pb.Token:
-    token = pb.Token(id=sampler(logits), cached_tokens=cached_tokens)
-    if sampler.params.logprobs is not None:
-        token.logprob = sampler.last.logprob
-        token.top.extend(pb.Alternative(id=i, logprob=lp) for i, lp in sampler.last.top)
-    return token
-
-
-def _sampling(s: pb.Sampling) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                          seed=s.seed if s.HasField("seed") else None,
-                          presence_penalty=s.presence_penalty,
-                          frequency_penalty=s.frequency_penalty,
-                          logit_bias=tuple(sorted(s.logit_bias.items())),
-                          logprobs=s.logprobs if s.HasField("logprobs") else None)
+    token = sampler(logits)  # sets sampler.last (its log-probs) when they were asked for
+    return token_to_proto(token, sampler.last, cached_tokens)
 
 
 def _error(message: str, retryable: bool = False) -> pb.StageResult:

@@ -1,4 +1,6 @@
-"""Activation frames on the data plane: stages.frame.Frame <-> proto skippy.v1.Frame.
+"""Our types <-> their protobuf messages on the data plane: activation frames
+(stages.frame.Frame <-> skippy.v1.Frame), sampling settings (SamplingParams <-> Sampling)
+and sampled tokens with their log-probabilities (Token).
 
 Bytes are little-endian and row-major, as the schema says. Decoding does not copy: the
 returned rows are a read-only view of the message's bytes (the receiving stage's
@@ -9,12 +11,15 @@ rows). Encoding copies once, into the message's bytes.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from skippy.proto import stage_pb2
 from skippy.stages.frame import Frame
+
+from .sampler import SamplingParams, TokenLogprobs
 
 # wire dtype -> (proto enum, numpy dtype on the wire)
 _CODECS = {
@@ -77,3 +82,41 @@ def frame_from_proto(msg: stage_pb2.Frame) -> Frame:
     if len(msg.scales) != n * _SCALE.itemsize:
         raise MalformedFrame(f"{name} frame of {n} rows carries {len(msg.scales)} scale bytes")
     return Frame(msg.start, rows, _view(msg.scales, _SCALE, (n,)))
+
+
+def sampling_to_proto(s: SamplingParams, generated: Sequence[int] = ()) -> stage_pb2.Sampling:
+    """The settings the last stage samples with; `generated`: the tokens a rebuilt
+    request already produced (its penalties count them)."""
+    msg = stage_pb2.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                             presence_penalty=s.presence_penalty,
+                             frequency_penalty=s.frequency_penalty,
+                             logit_bias=dict(s.logit_bias), generated=list(generated))
+    if s.seed is not None:
+        msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    return msg
+
+
+def sampling_from_proto(msg: stage_pb2.Sampling) -> SamplingParams:
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p or 1.0,
+                          top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
+                          presence_penalty=msg.presence_penalty,
+                          frequency_penalty=msg.frequency_penalty,
+                          logit_bias=tuple(sorted(msg.logit_bias.items())),
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+def token_to_proto(token: int, logprobs: TokenLogprobs | None,
+                   cached_tokens: int = 0) -> stage_pb2.Token:
+    msg = stage_pb2.Token(id=token, cached_tokens=cached_tokens)
+    if logprobs is not None:
+        msg.logprob = logprobs.logprob
+        msg.top.extend(stage_pb2.Alternative(id=i, logprob=lp) for i, lp in logprobs.top)
+    return msg
+
+
+def token_logprobs(msg: stage_pb2.Token) -> TokenLogprobs | None:
+    if not msg.HasField("logprob"):
+        return None
+    return TokenLogprobs(msg.logprob, tuple((a.id, a.logprob) for a in msg.top))

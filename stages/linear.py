@@ -78,6 +78,13 @@ class Int8Blocks:
     codes: torch.Tensor
     scale: torch.Tensor
 
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The float32 values (code * scale) of the rows `idx` picks (any index shape)."""
+        codes = self.codes[idx]
+        shape = codes.shape
+        return (codes.to(torch.float32).view(*shape[:-1], shape[-1] // GROUP, GROUP)
+                * self.scale[idx][..., None]).view(shape)
+
     def as_int4_pair(self) -> Int4Blocks:
         """The same values as 4-bit blocks over twice the inputs: code = 16 * hi + lo with
         hi in -8..7 (scale 16 * d) and lo in 0..15 (scale d); x @ [W_hi | W_lo].T with
@@ -227,18 +234,15 @@ class RescoredHead:
 
     def __init__(self, blocks: Int8Blocks):
         self.approx = Int8AsInt4Linear(blocks)
-        self.codes, self.scale = blocks.codes, blocks.scale
+        self.blocks = blocks
         self.out_features, self.in_features = blocks.codes.shape
         self.top = min(self.TOP, self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.approx(x)
         idx = y.topk(self.top, dim=1, sorted=False).indices  # [rows, top]
-        m, k = x.shape[0], self.in_features
-        w = self.codes[idx].to(torch.float32).view(m, self.top, k // GROUP, GROUP) \
-            * self.scale[idx][..., None]
         # a per-row sum along the inputs: each candidate's sum in the same order
-        exact = (w.view(m, self.top, k) * x[:, None, :]).sum(-1)
+        exact = (self.blocks.rows(idx) * x[:, None, :]).sum(-1)
         return y.scatter_(1, idx, exact)
 
     @property
@@ -260,10 +264,7 @@ class Embeddings:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return F.embedding(ids, self.table)
-        codes = self.blocks.codes[ids]
-        n, k = codes.shape
-        return (codes.to(torch.float32).view(n, k // GROUP, GROUP)
-                * self.blocks.scale[ids][..., None]).view(n, k)
+        return self.blocks.rows(ids)
 
 
 def make_head(weight: torch.Tensor | Matrix, fmt: str, rows: int) -> Linear | RescoredHead:

@@ -111,3 +111,21 @@ def test_q8_wire_keeps_top1_on_smollm2_two_stages(smollm2):
     r = compare_wire(smollm2, [tok.encode(p) for p in PROMPTS], "q8", stages=2)
     assert r["top1"] >= ACCEPT_TOP1, r
     assert r["min_cosine"] > 0.99, r
+
+
+def test_sampling_settings_and_token_logprobs_cross_the_wire_unchanged():
+    from skippy.mesh.sampler import SamplingParams, TokenLogprobs
+    from skippy.mesh.wire import (sampling_from_proto, sampling_to_proto, token_logprobs,
+                                  token_to_proto)
+
+    full = SamplingParams(0.5, 0.75, 40, seed=2**64 - 5, presence_penalty=0.3,
+                          frequency_penalty=-1.7, logit_bias=((3, -100.0), (9, 2.25)),
+                          logprobs=0)
+    for params in (full, SamplingParams()):
+        msg = stage_pb2.Sampling.FromString(
+            sampling_to_proto(params, [4, 4, 7]).SerializeToString())
+        assert sampling_from_proto(msg) == params and list(msg.generated) == [4, 4, 7]
+    lp = TokenLogprobs(-0.5, ((5, -0.5), (8, -1.25)))
+    msg = stage_pb2.Token.FromString(token_to_proto(5, lp, 12).SerializeToString())
+    assert (msg.id, msg.cached_tokens, token_logprobs(msg)) == (5, 12, lp)
+    assert token_logprobs(token_to_proto(5, None)) is None
