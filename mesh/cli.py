@@ -167,9 +167,9 @@ def cmd_serve(args) -> int:
     if args.pipelines < 1:
         raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
     if args.lane_batch is None:
-        # One row: the lone request's step is fastest. SmolLM2 Q4_0 on llama.cpp, measured:
-        # 7.5 ms a step alone at 1 row, 11.5 at 2, 28.7 at 8; 8 clients over HTTP got 67,
-        # 71 and 83 tokens/s. Torch fp32 decodes fastest one row at a time too.
+        # One row: the lone request's step is fastest. Torch fp32 decodes fastest one row
+        # at a time; llama.cpp then still decodes lanes under 256 tokens together, exactly
+        # (stages/llamacpp_runtime.py).
         args.lane_batch = 1
     if args.lane_batch < 1:
         raise UsageError(f"--lane-batch must be at least 1, not {args.lane_batch}")
@@ -310,9 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "int8-lean hold no bf16 copy for prefill (4x less weight memory, "
                      "prefill about 2x slower)")
     srv.add_argument("--lane-batch", type=int,
-                     help="decode rows a stage runs per step, padded (concurrent requests "
-                          "share a step): 1 (default) is fastest alone, 8 gives the most "
-                          "tokens/s to many clients")
+                     help="decode rows a torch stage runs per step, padded (concurrent "
+                          "requests share a step): 1 (default) is fastest alone, 8 gives the "
+                          "most tokens/s to many clients. llama.cpp: 1 decodes lanes past "
+                          "255 tokens alone, 2 or more decodes every lane together")
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated)")
     add_cache_arguments(srv)

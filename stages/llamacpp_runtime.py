@@ -33,8 +33,20 @@ The remaining settings make the arithmetic independent of the batch a row runs i
 - A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
   takes a split-KV path with one slice of cells per thread [0.45]. In a private stream
   the slices depend only on the lane's own length, so the path is exact for a given
-  thread count. A decode group of B >= 2 lanes is one micro-batch over B streams, which
-  never takes that path.
+  thread count.
+- Decode rows of several lanes run as one micro-batch (one row per stream), and a row's
+  result does not depend on the rows beside it or on their lengths (measured on SmolLM2
+  Q4_0, Q4_1, Q8_0, in groups of 1-8 lanes of 25-2,000 tokens): 8 lanes decode in
+  19 ms a step against 5-7 ms for one. A row alone differs, though, where it takes
+  another kernel: from 256 tokens in the lane (the split-KV path: llama.cpp pads a
+  stream's view to 256 cells), and always with F32/F16/BF16 matrices (another matmul
+  kernel for one row: up to 3e-2 on SmolLM2 F16). So with `lane_batch` 1 (the default)
+  such a lane always decodes alone, at the fastest speed alone, and the others decode
+  together; with `lane_batch` >= 2 every lane decodes together, and such a lane decoding
+  alone gets a padding row in a neighbouring stream (10-15 ms a step instead of 7-10).
+  Recurrent models (a padding row would advance a neighbour's state) and sliding-window
+  ones (Gemma 3: a row changes with the other lanes' lengths, by up to 4.5) decode every
+  lane alone.
 
 The costs of streams: llama.cpp shares cells only inside a stream and copies across
 streams only whole and only at the next decode, so copies between lanes go through the
@@ -74,6 +86,9 @@ FA_TILED_MIN_ROWS = 64
 # 64-row micro-batches, 3.6 s in 256-row ones (3.6 s in 512-row ones too, which would
 # make other lanes' decode rows wait twice as long between micro-batches).
 PREFILL_ROWS = 256
+# A lane this long decodes over >= 512 cells: alone, its row takes the split-KV path
+# (module docstring).
+SPLIT_KV_LENGTH = 256
 
 # The KV cache holds f16. An f32 cache would buy nothing: llama.cpp casts K and V to f16
 # for flash attention (measured: identical logits, twice the state bytes).
@@ -172,17 +187,15 @@ class LlamaCppStageRuntime(StageRuntime):
         f = GGUFFile(spec.model_path)
         n_layers = int(f.arch_key("block_count", 0))
         arch = f.architecture
+        # Float matrices take another matmul kernel for one row than for several.
+        self.float_weights = any(t.qtype.name in ("F32", "F16", "BF16") and len(t.shape) > 1
+                                 for t in f.tensors.values())
         f.close()
         if (spec.layer_start, spec.layer_end, spec.stage_index, spec.n_stages) != \
                 (0, n_layers, 0, 1):
             raise StageError("the llama.cpp runtime serves a whole model (--stages 1)")
         if spec.chunk < 1 or spec.lane_batch < 1 or max_lanes < 1:
             raise StageError("chunk, lane_batch and max_lanes must be >= 1")
-        if spec.lane_batch > spec.chunk:
-            # A decode group must be one micro-batch, or a row's shapes would depend on
-            # its place in the group.
-            raise StageError(f"lane_batch {spec.lane_batch} exceeds the micro-batch of "
-                             f"{spec.chunk} rows (the chunk)")
         self._ll = ll = _init_llama_cpp()
         self.spec, self.architecture, self.n_layers = spec, arch, n_layers
         self.max_lanes = max_lanes
@@ -198,18 +211,23 @@ class LlamaCppStageRuntime(StageRuntime):
                               or ll.llama_model_is_hybrid(self._model))
         self.n_ctx = min(spec.n_ctx, ll.llama_model_n_ctx_train(self._model))
 
-        # Recurrent state cannot take a padding row and give it back: one lane per group.
-        self.lane_batch = 1 if self.recurrent else spec.lane_batch
+        # Which decode rows run together (module docstring): "none" for recurrent and
+        # sliding-window models, "short" lanes only with lane_batch 1, else "all".
+        alone = self.recurrent or ll.llama_model_n_swa(self._model) > 0
+        self.decode_groups = "none" if alone else "short" if spec.lane_batch == 1 else "all"
         # Dense prefills run micro-batches of about PREFILL_ROWS rows, cut at multiples of
         # it; a chunk that is not a multiple of the tiled kernel's rows, or a recurrent
         # model (snapshots at chunk ends), one chunk at a time (module docstring).
         C = spec.chunk
         self.micro_batch = C * max(1, PREFILL_ROWS // C) \
             if not self.recurrent and C % FA_TILED_MIN_ROWS == 0 else C
-        # Sequence 0 is scratch; lanes are 1..max_lanes, and the last decode group is
-        # filled up with padding sequences.
-        B = self.lane_batch
-        n_seq = self.n_seq = 1 + -(-max_lanes // B) * B
+        # Sequence 0 is scratch; lanes are 1..max_lanes. A decode group spans consecutive
+        # sequences (llama.cpp puts rows of several streams into one micro-batch only
+        # then), and must fit one micro-batch.
+        n_seq = self.n_seq = 1 + max_lanes
+        if self.decode_groups != "none" and n_seq > self.micro_batch:
+            raise StageError(f"{max_lanes} lanes need a micro-batch of {n_seq} rows to "
+                             f"decode together; the chunk gives {self.micro_batch}")
 
         cparams = ll.llama_context_default_params()
         # llama.cpp's n_ctx counts the cells of all streams. One cell beyond n_ctx: a
@@ -379,12 +397,10 @@ class LlamaCppStageRuntime(StageRuntime):
         return out
 
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
-        """One position per lane. Lanes decode in fixed groups: sequences
-        [1 + kB, 1 + (k+1)B) for B = lane_batch, one row each, in order (llama.cpp runs
-        rows of several streams as one micro-batch only for consecutive sequence ids).
-        A group member that is not decoding gets a padding row at its next position,
-        removed afterwards. Every row asks for logits. A row's shapes are then the same
-        whichever lanes decode beside it."""
+        """One position per lane, in as few llama_decode calls as exactness allows (module
+        docstring): a group spans consecutive sequences, one row each; a sequence in its
+        span that is not decoding gets a padding row at its next position, removed
+        afterwards. Every row asks for logits."""
         lanes = [lane for lane, _ in steps]
         if len(set(lanes)) != len(lanes):
             raise StageError("a lane may appear once per decode step")
@@ -397,14 +413,13 @@ class LlamaCppStageRuntime(StageRuntime):
             if st.length + 1 > self.n_ctx:
                 raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
             token[lane] = ids[0]
-        B = self.lane_batch
         logits: dict[int, torch.Tensor] = {}
-        for first in sorted({1 + (lane - 1) // B * B for lane in lanes}):
-            seqs = range(first, first + B)
+        for lo, hi in self._groups(sorted(token)):
+            seqs = range(lo, hi + 1)
             rows = [(token[q], self._lanes[q].length, q) if q in token else
                     (0, self._lanes[q].length if q in self._lanes else 0, q) for q in seqs]
             try:
-                self._run(rows, [True] * B)
+                self._run(rows, [True] * len(rows))
             except LlamaCppError:
                 for _, pos, q in rows:
                     if q in token:
@@ -419,6 +434,21 @@ class LlamaCppStageRuntime(StageRuntime):
                     logits[q] = torch.from_numpy(self._logits_row(r))
                     self._lanes[q].length += 1
         return [StageOutput(logits=logits[lane]) for lane in lanes]
+
+    def _groups(self, seqs: list[int]) -> list[tuple[int, int]]:
+        """The sequence spans [lo, hi] that decode `seqs` (sorted) together."""
+        if self.decode_groups == "none":
+            return [(q, q) for q in seqs]
+        # lanes whose row alone differs from their row beside others (module docstring)
+        apart = [q for q in seqs
+                 if self.float_weights or self._lanes[q].length >= SPLIT_KV_LENGTH]
+        if self.decode_groups == "short":
+            rest = [q for q in seqs if q not in apart]
+            return [(q, q) for q in apart] + ([(rest[0], rest[-1])] if rest else [])
+        if apart == seqs and len(seqs) == 1:  # pad it to two rows
+            q = seqs[0]
+            return [(q, q + 1) if q < self.max_lanes else (q - 1, q)]
+        return [(seqs[0], seqs[-1])]
 
     def _drop_from(self, lane: int, pos: int) -> None:
         """After a failed llama_decode: the lane keeps [0, pos), or, where recurrent state
@@ -531,6 +561,6 @@ class LlamaCppStageRuntime(StageRuntime):
                 "threads": self.threads,
                 "chunk": spec.chunk,
                 "micro_batch": self.micro_batch,
-                "lane_batch": self.lane_batch,
+                "decode_groups": self.decode_groups,
             },
         }

@@ -238,9 +238,9 @@ def test_padded_decode_groups_make_neighbours_irrelevant(dense):
     first = [rt.prefill(lane, torch.tensor(PROMPT[: 60 + 30 * i])).logits for i, lane in
              enumerate(lanes)]
     token = [torch.tensor(int(x.argmax())) for x in first]
-    alone = rt.decode([(lanes[0], token[0])])[0].logits  # 1 row + 3 padding rows
+    alone = rt.decode([(lanes[0], token[0])])[0].logits
     rt.copy_lane(lanes[0], lanes[0], 60)  # undo that step
-    together = rt.decode([(lane, t) for lane, t in zip(lanes, token)])  # 3 rows + 1
+    together = rt.decode([(lane, t) for lane, t in zip(lanes, token)])
     assert torch.equal(together[0].logits, alone)
     assert [rt.lane_length(lane) for lane in lanes] == [61, 91, 121]
     rt.close()
@@ -279,6 +279,57 @@ def test_a_long_lane_on_two_threads_is_exact_whatever_its_neighbours(smollm2):
     assert not torch.equal(on_one[1:], expected[1:])  # the split-KV decode differs
 
 
+LONG = [(i * 4451) % 17000 + 200 for i in range(800)]
+
+
+@pytest.mark.parametrize("lane_batch", [1, 2])
+def test_decode_rows_are_the_same_alone_and_together(smollm2, lane_batch):
+    # Two threads, so that a long lane alone takes the split-KV path (module docstring).
+    # lane_batch 1: the short lanes decode in one call, each long one alone; 2: all four
+    # in one call. Either way every row equals that lane's row decoded alone.
+    rt = runtime(smollm2, threads=2, lane_batch=lane_batch, max_lanes=4)
+    lengths = (40, 200, 300, 700)  # two under SPLIT_KV_LENGTH, two over
+    lanes = [rt.alloc_lane() for _ in lengths]
+    for lane, n in zip(lanes, lengths):
+        rt.prefill(lane, torch.tensor(LONG[:n]), logits="none")
+    alone = []
+    for lane, n in zip(lanes, lengths):
+        alone.append(rt.decode([(lane, torch.tensor(42))])[0].logits)
+        rt.copy_lane(lane, lane, n)  # undo the step
+    calls = []
+    run = rt._run
+    rt._run = lambda rows, want: (calls.append(len(rows)), run(rows, want))
+    together = rt.decode([(lane, torch.tensor(42)) for lane in lanes])
+    assert calls == ([1, 1, 2] if lane_batch == 1 else [4])
+    for a, t in zip(alone, together):
+        assert torch.equal(a, t.logits)
+    assert [rt.lane_length(lane) for lane in lanes] == [n + 1 for n in lengths]
+    rt.close()
+
+
+def test_a_long_lane_alone_decodes_beside_a_padding_row_with_lane_batch_2(smollm2):
+    # Its row then takes the path it takes beside other lanes, not the split-KV path.
+    grouped = runtime(smollm2, threads=2, lane_batch=2, max_lanes=2)
+    split = runtime(smollm2, threads=2, max_lanes=2)
+    rows = []
+    for rt in (grouped, split):
+        lane = rt.alloc_lane()
+        logits = rt.prefill(lane, torch.tensor(LONG[:300])).logits
+        rows.append(greedy(rt, lane, logits, 2)[1])
+        rt.close()
+    assert torch.equal(rows[0][0], rows[1][0])      # the same prefill
+    assert not torch.equal(rows[0][1:], rows[1][1:])  # decoded on another path
+    assert grouped.identity() != split.identity()
+
+
+def test_sliding_window_and_recurrent_models_decode_each_lane_alone(gemma3, lfm2):
+    # Gemma 3's rows change with the other lanes' lengths (module docstring).
+    for path in (gemma3, lfm2):
+        rt = runtime(path, lane_batch=2)
+        assert rt.identity()["numeric_policy"]["decode_groups"] == "none"
+        rt.close()
+
+
 def test_a_full_neighbour_still_takes_its_padding_row(smollm2):
     rt = runtime(smollm2, n_ctx=128, lane_batch=2, max_lanes=2)
     full, lane = rt.alloc_lane(), rt.alloc_lane()
@@ -314,7 +365,7 @@ def test_recurrent_lanes_resume_only_from_whole_states(lfm2):
     other = runtime(lfm2)
     assert rt.recurrent
     # a padding row would advance a neighbour's recurrent state for good: groups of one
-    assert rt.identity()["numeric_policy"]["lane_batch"] == 1
+    assert rt.identity()["numeric_policy"]["decode_groups"] == "none"
     lane = rt.alloc_lane()
     out = rt.prefill(lane, torch.tensor(PROMPT), snapshots=(CHUNK, 2 * CHUNK))
     tokens, rows = greedy(rt, lane, out.logits, 4)
@@ -417,8 +468,8 @@ def test_caller_mistakes_raise_stage_errors(dense):
     with pytest.raises(StageError, match="not a llama.cpp state"):
         rt.import_state(lane, LaneState(4, 4, keys=[torch.zeros(4, 1, 1)],
                                         values=[torch.zeros(4, 1, 1)]))
-    with pytest.raises(StageError, match="lane_batch"):
-        runtime(path, lane_batch=65)
+    with pytest.raises(StageError, match="micro-batch"):
+        runtime(path, chunk=4)  # 8 lanes decode together in a micro-batch of 9 rows
     free_all(rt)
 
 
