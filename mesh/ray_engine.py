@@ -59,6 +59,20 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
     return True
 
 
+# OpenMP's idle workers spin this many times before they sleep (libgomp's default is
+# about 300,000). A stage bursting to more threads leaves workers idle while the next
+# stage computes, and their spinning took that stage's cores: 2 SmolLM2 int4 stages
+# on 2 cores, two threads each, 29-32 ms a token at the default, 16-17 at 10,000.
+GOMP_SPINCOUNT = "10000"
+
+
+def stage_env() -> dict[str, str]:
+    """Environment of the stage actors; a user's own OpenMP wait settings win."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
+
+
 @ray.remote(num_cpus=0)
 def _layers_here(package: str, model_digest: str) -> list[int]:
     from skippy.topology.model_package import layers_present
@@ -157,6 +171,10 @@ class RayEngine:
         # at once, and OpenMP teams larger than their share of the cores stall each other.
         # Two SmolLM2 int4 stages on 2 cores, 8 clients: 57 tokens/s at one thread each,
         # 19 at two.
+        # One session alone keeps a pipeline's stages computing in turn: each may then use
+        # all of its pipeline's cores on the node (stage_service.py). SmolLM2 int4, 2
+        # stages on 2 cores: 16.9-17.7 ms a token alone (was 21.6-23; one stage 14.9-15.3),
+        # 8 clients 71 tokens/s (was 48-57).
         sharing = Counter(st.node.name for st in self.plan.stages)
         self.pipelines: list[_Pipeline] = []
         for r in range(pipelines):
@@ -173,10 +191,12 @@ class RayEngine:
                     here = f", parts of {n_here}/{st.n_layers} layers already there"
                 progress(f"pipeline {r} stage {st.index}: layers {st.start}-{st.end - 1} on "
                          f"node {st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB{here}")
+                burst = None if threads else share * sharing[st.node.name]
                 actors.append(StageActor.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
                     num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
-                ).remote(spec, self.cache, policy, runtime))
+                    runtime_env={"env_vars": stage_env()},
+                ).remote(spec, self.cache, policy, runtime, burst_threads=burst))
             self.pipelines.append(_Pipeline(actors))
         t = time.monotonic()
         for pipe in self.pipelines:

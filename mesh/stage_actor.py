@@ -16,9 +16,9 @@ from .stage_service import StageService, start_server
 @ray.remote
 class StageActor:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
-                 host: str | None = None):
+                 host: str | None = None, burst_threads: int | None = None):
         logging.basicConfig(level=logging.INFO)
-        self.service = StageService(spec, cache, policy, runtime)
+        self.service = StageService(spec, cache, policy, runtime, burst_threads=burst_threads)
         host = host or ray.util.get_node_ip_address()
         self._server, self._address = start_server(self.service, host)
 

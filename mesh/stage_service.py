@@ -111,12 +111,21 @@ class _ComputeThread:
 
 
 class StageService(stage_pb2_grpc.StageServicer):
-    def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch"):
+    def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
+                 *, burst_threads: int | None = None):
         self._compute = _ComputeThread()
         if spec.threads:
             self._compute.run(torch.set_num_threads, spec.threads)
         self.spec = spec
         self.runtime = self._compute.run(make_runtime, spec, runtime)
+        # Stages sharing a node take one share of its cores each, as they all compute at
+        # once under concurrent requests. One session alone keeps them computing in turn:
+        # each may then take `burst_threads` (its pipeline's cores on the node), where
+        # the runtime's bits do not depend on the thread count.
+        self._threads = spec.threads
+        self._burst = burst_threads if (spec.threads and burst_threads and
+                                        burst_threads > spec.threads and
+                                        self.runtime.thread_invariant) else None
         self.cache = StageCache(self.runtime, cache, policy=policy)
         self.is_last = spec.is_last
         self._cv = threading.Condition()  # guards _busy and _pending; wakes waiters
@@ -250,6 +259,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 raise StageError(f"frame starts at {inputs.start}, not {start}")
 
         def restore_and_prefill():  # on the compute thread; the last stage samples there
+            self._fit_threads()
             if not self.cache.restore(lane, tokens, start, namespace=p.namespace):
                 return None
             out = self.cache.prefill(lane, tokens, inputs, start, probe=p.probe,
@@ -340,7 +350,17 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.timing.add("decode", time.perf_counter() - t)
         self.timing.rows += len(batch)
 
+    def _fit_threads(self) -> None:
+        """On the compute thread, before a prefill or decode call: the burst while this
+        stage serves one session, its share otherwise."""
+        if self._burst:
+            n = self._burst if self.sessions <= 1 else self.spec.threads
+            if n != self._threads:
+                torch.set_num_threads(n)
+                self._threads = n
+
     def _decode_rows(self, batch: list[_Step]) -> None:
+        self._fit_threads()
         outs = self.runtime.decode([(s.lane, s.x) for s in batch])
         for s, out in zip(batch, outs):
             s.out = out if s.sampler is None else _token(s.sampler, out.logits)

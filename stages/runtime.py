@@ -92,6 +92,10 @@ class StageRuntime(abc.ABC):
     # are plentiful). False: entries are exported payloads in the block store instead.
     lane_entries: bool = True
 
+    # Whether the arithmetic is the same on any number of threads: a stage may then take
+    # more cores while it serves one session alone (mesh/stage_service.py).
+    thread_invariant: bool = False
+
     @abc.abstractmethod
     def alloc_lane(self) -> int:
         """A fresh, empty lane."""

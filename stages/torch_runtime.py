@@ -63,6 +63,10 @@ class TorchStageRuntime(StageRuntime):
             raise StageError("chunk and lane_batch must be >= 1")
         if spec.threads:
             torch.set_num_threads(spec.threads)
+        # One thread or two compute the same bits in every format but fp32, whose
+        # F.linear splits its sums by thread (measured: SmolLM2, Gemma 3 and the
+        # synthetic families, prefill 300 rows and decode; fp32 3e-5 apart).
+        self.thread_invariant = spec.weight_format != "fp32"
         self.spec, self.cfg = spec, cfg
         self.n_ctx = min(spec.n_ctx, cfg.context_length)
         t = load_stage_tensors(f, cfg, spec.layer_start, spec.layer_end,
@@ -348,7 +352,7 @@ class TorchStageRuntime(StageRuntime):
             "numeric_policy": {
                 "compute": "f32",
                 "weights": spec.weight_format,
-                "threads": torch.get_num_threads(),
+                "threads": "any" if self.thread_invariant else torch.get_num_threads(),
                 "chunk": spec.chunk,
                 "lane_batch": spec.lane_batch,
             },

@@ -157,3 +157,53 @@ def test_a_follow_up_continues_in_the_warm_lane_of_the_last_request(stage):
     while service.stats()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert service.cache.stats()["entries"] == 0  # no entry was recorded for it
+
+
+def _torch_threads(service: StageService) -> int:
+    import torch
+    return service._compute.run(torch.get_num_threads)
+
+
+def test_a_stage_alone_with_one_session_bursts_to_its_pipelines_cores(smollm2):
+    # Two stages share a node's two cores: one thread each while both may compute at
+    # once, both while one session keeps them computing in turn. int4 computes the same
+    # bits either way, so the outputs do not depend on the load.
+    spec = StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, weight_format="int4", threads=1)
+    service = StageService(spec, CacheConfig(), policy="disabled", burst_threads=2)
+    server, address = start_server(service, "127.0.0.1")
+    try:
+        alone = session(address, PROMPTS[0], STEPS)
+        assert _torch_threads(service) == 2
+        got: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(
+            i, session(address, PROMPTS[i], STEPS))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got[0] == alone
+        assert service.timing.count["decode"] > 0
+    finally:
+        server.stop(None)
+
+
+def test_only_thread_invariant_runtimes_burst(smollm2):
+    import torch
+
+    from skippy.stages.torch_runtime import TorchStageRuntime
+    ids = torch.tensor(PROMPTS[3])
+    rows = {}
+    for fmt in ("int4", "fp32"):
+        for n in (1, 2):
+            rt = TorchStageRuntime(StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512,
+                                             weight_format=fmt, threads=n))
+            lane = rt.alloc_lane()
+            first = rt.prefill(lane, ids).logits
+            rows[fmt, n] = torch.stack([first, rt.decode([(lane, first.argmax())])[0].logits])
+        assert rt.thread_invariant == (fmt != "fp32")
+    torch.set_num_threads(2)
+    assert torch.equal(rows["int4", 1], rows["int4", 2])
+    assert not torch.equal(rows["fp32", 1], rows["fp32", 2])
+    fp32 = StageService(StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, threads=1),
+                        CacheConfig(), policy="disabled", burst_threads=2)
+    assert fp32._burst is None
