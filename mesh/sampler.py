@@ -70,11 +70,15 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, generated: Iterable[int] = ()):
         """`generated`: tokens the request produced before this sampler took over (a
-        request rebuilt after a stage failed); the penalties count them too."""
+        request rebuilt after a stage failed); the penalties count them too, and a seeded
+        generator first moves past the draws they took, so the request goes on as if
+        nothing had failed."""
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
+        generated = list(generated)
         self.counts = Counter(generated)  # tokens generated so far, for the penalties
+        self._behind = len(generated) if params.temperature else 0  # draws to skip
         self.last: TokenLogprobs | None = None  # the last token's, when params.logprobs
         self._adjusts = bool(params.logit_bias or params.presence_penalty
                              or params.frequency_penalty)
@@ -119,4 +123,15 @@ class Sampler:
             drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if self._behind:
+            self._skip(probs.numel())
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _skip(self, n: int) -> None:
+        """Move the generator past the draws of the tokens generated before this sampler:
+        torch.multinomial (one sample) fills one Exp(1) value per token of the
+        vocabulary and picks argmax(p / q), so each draw takes n values whatever p is."""
+        scratch = torch.empty(n)
+        for _ in range(self._behind):
+            scratch.exponential_(1, generator=self.generator)
+        self._behind = 0

@@ -75,3 +75,19 @@ def test_a_rebuilt_request_counts_the_tokens_it_already_generated():
     resumed = Sampler(params, generated=tokens[:2])
     assert [resumed(logits) for _ in range(2)] == tokens[2:]
     assert Sampler(params)(logits) != tokens[2]  # without the history it would differ
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, seed=5),
+                                    SamplingParams(temperature=1.2, top_p=0.9, top_k=50,
+                                                   seed=7, presence_penalty=0.5)])
+def test_a_rebuilt_seeded_request_goes_on_with_the_tokens_it_would_have_drawn(params):
+    # After a stage fault the last stage's new sampler gets the tokens so far; it must
+    # continue the same random sequence, not start it again from the seed.
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(4096, generator=gen) * 3 for _ in range(12)]
+    whole = Sampler(params)
+    tokens = [whole(x) for x in logits]
+    rebuilt = Sampler(params, generated=tokens[:5])
+    assert [rebuilt(x) for x in logits[5:]] == tokens[5:]
+    restarted = Sampler(params)
+    assert [restarted(x) for x in logits[5:]] != tokens[5:]  # what a restart would give
