@@ -414,41 +414,46 @@ class LlamaCppStageRuntime(StageRuntime):
                 raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
             token[lane] = ids[0]
         logits: dict[int, torch.Tensor] = {}
-        for lo, hi in self._groups(sorted(token)):
+        for members in self._groups(sorted(token)):
+            lo, hi = min(members), max(members)
+            if lo == hi and self.decode_groups == "all" and self._differs_alone(lo):
+                lo, hi = (lo, lo + 1) if lo < self.max_lanes else (lo - 1, lo)
             seqs = range(lo, hi + 1)
-            rows = [(token[q], self._lanes[q].length, q) if q in token else
+            rows = [(token[q], self._lanes[q].length, q) if q in members else
                     (0, self._lanes[q].length if q in self._lanes else 0, q) for q in seqs]
             try:
                 self._run(rows, [True] * len(rows))
             except LlamaCppError:
                 for _, pos, q in rows:
-                    if q in token:
+                    if q in members:
                         self._drop_from(q, pos)
                 raise
             finally:
                 for _, pos, q in rows:
-                    if q not in token:
+                    if q not in members:
                         self._ll.llama_memory_seq_rm(self._mem, q, pos, -1)
             for r, q in enumerate(seqs):
-                if q in token:
+                if q in members:
                     logits[q] = torch.from_numpy(self._logits_row(r))
                     self._lanes[q].length += 1
         return [StageOutput(logits=logits[lane]) for lane in lanes]
 
-    def _groups(self, seqs: list[int]) -> list[tuple[int, int]]:
-        """The sequence spans [lo, hi] that decode `seqs` (sorted) together."""
+    def _groups(self, seqs: list[int]) -> list[list[int]]:
+        """The decoding lanes (`seqs`, sorted) of each llama_decode call. A call spans the
+        sequences from its first lane to its last, and one beside a lone lane that must
+        not decode alone; the others in that span get padding rows."""
         if self.decode_groups == "none":
-            return [(q, q) for q in seqs]
-        # lanes whose row alone differs from their row beside others (module docstring)
-        apart = [q for q in seqs
-                 if self.float_weights or self._lanes[q].length >= SPLIT_KV_LENGTH]
+            return [[q] for q in seqs]
+        apart = [q for q in seqs if self._differs_alone(q)]
         if self.decode_groups == "short":
             rest = [q for q in seqs if q not in apart]
-            return [(q, q) for q in apart] + ([(rest[0], rest[-1])] if rest else [])
-        if apart == seqs and len(seqs) == 1:  # pad it to two rows
-            q = seqs[0]
-            return [(q, q + 1) if q < self.max_lanes else (q - 1, q)]
-        return [(seqs[0], seqs[-1])]
+            return [[q] for q in apart] + ([rest] if rest else [])
+        return [seqs]
+
+    def _differs_alone(self, lane: int) -> bool:
+        """Whether the lane's decode row alone differs from its row beside other lanes'
+        (module docstring)."""
+        return self.float_weights or self._lanes[lane].length >= SPLIT_KV_LENGTH
 
     def _drop_from(self, lane: int, pos: int) -> None:
         """After a failed llama_decode: the lane keeps [0, pos), or, where recurrent state

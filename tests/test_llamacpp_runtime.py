@@ -285,10 +285,11 @@ LONG = [(i * 4451) % 17000 + 200 for i in range(800)]
 @pytest.mark.parametrize("lane_batch", [1, 2])
 def test_decode_rows_are_the_same_alone_and_together(smollm2, lane_batch):
     # Two threads, so that a long lane alone takes the split-KV path (module docstring).
-    # lane_batch 1: the short lanes decode in one call, each long one alone; 2: all four
-    # in one call. Either way every row equals that lane's row decoded alone.
+    # lane_batch 1: each long lane alone, then the short ones in one call (the long lane
+    # between them takes a padding row there); 2: all four in one call. Either way every
+    # row equals that lane's row decoded alone.
     rt = runtime(smollm2, threads=2, lane_batch=lane_batch, max_lanes=4)
-    lengths = (40, 200, 300, 700)  # two under SPLIT_KV_LENGTH, two over
+    lengths = (40, 700, 200, 300)  # two under SPLIT_KV_LENGTH, two over
     lanes = [rt.alloc_lane() for _ in lengths]
     for lane, n in zip(lanes, lengths):
         rt.prefill(lane, torch.tensor(LONG[:n]), logits="none")
@@ -300,7 +301,7 @@ def test_decode_rows_are_the_same_alone_and_together(smollm2, lane_batch):
     run = rt._run
     rt._run = lambda rows, want: (calls.append(len(rows)), run(rows, want))
     together = rt.decode([(lane, torch.tensor(42)) for lane in lanes])
-    assert calls == ([1, 1, 2] if lane_batch == 1 else [4])
+    assert calls == ([1, 1, 3] if lane_batch == 1 else [4])
     for a, t in zip(alone, together):
         assert torch.equal(a, t.logits)
     assert [rt.lane_length(lane) for lane in lanes] == [n + 1 for n in lengths]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -173,6 +174,25 @@ def test_a_killed_stage_costs_time_not_the_answer(engine, client, reference):
     ray.kill(engine.actors[1], no_restart=False)
     got = chat(client, QUESTIONS[6])
     assert got.choices[0].message.content == reference(QUESTIONS[6], 16)
+
+
+def test_a_stage_killed_mid_stream_leaves_a_seeded_answer_as_it_was(engine, client):
+    """The rebuilt request's sampler continues the seed's sequence (a fresh cache_salt
+    each time: the exact-results memo would answer the repeat without the stages)."""
+    ask = {"temperature": 0.9, "seed": 11, "max_tokens": 24}
+    want = chat(client, QUESTIONS[5], extra_body={"cache_salt": "calm"}, **ask)
+    stream = chat(client, QUESTIONS[5], stream=True, extra_body={"cache_salt": "fault"}, **ask)
+    text, gaps, last = [], [], time.monotonic()
+    for i, chunk in enumerate(stream):
+        if i == 4:
+            ray.kill(engine.actors[1], no_restart=False)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+    assert max(gaps[5:]) > 0.5  # the stream waited for the restarted stage mid-way
+    assert "".join(text) == want.choices[0].message.content
 
 
 def test_two_pipelines_route_by_cached_prefix(cluster, smollm2, reference):

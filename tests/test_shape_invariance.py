@@ -83,3 +83,39 @@ def test_decode_close_to_full_recompute(model):
     print(f"\ndecode vs recompute: {r}")
     assert r["top1"] == 1.0
     assert r["max_abs_delta"] < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("stage", [(0, 15, 0, 2), (15, 30, 1, 2)])
+def test_integer_formats_decode_any_number_of_lanes_in_one_unpadded_step(smollm2, fmt,
+                                                                          stage):
+    # 17 lanes: one step of 16 rows and one of 1; each row bitwise the lane's row alone.
+    from skippy.stages.frame import Frame
+    a, b, i, n = stage
+    rt = TorchStageRuntime(StageSpec(str(smollm2), a, b, i, n, n_ctx=1024, weight_format=fmt))
+    assert rt.free_groups == (fmt != "bf16")
+    if not rt.free_groups:
+        return
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(k, length):  # stage 0 takes token ids, stage 1 the frames of stage 0
+        if i == 0:
+            return torch.tensor(PROMPT * 4)[k:k + length]
+        return Frame(start=0, rows=torch.randn(length, rt.cfg.hidden, generator=gen))
+    lengths = [40 + 27 * k for k in range(17)]
+    lanes = [rt.alloc_lane() for _ in lengths]
+    for k, lane in enumerate(lanes):
+        rt.prefill(lane, rows(k, lengths[k]), logits="none")
+    step = [rows(k, lengths[k] + 1)[-1:] if i == 0 else
+            Frame(start=lengths[k], rows=torch.randn(1, rt.cfg.hidden, generator=gen))
+            for k in range(17)]
+
+    def out(o):
+        return o.logits if o.logits is not None else o.frame.rows
+    alone = []
+    for k, lane in enumerate(lanes):
+        alone.append(out(rt.decode([(lane, step[k])])[0]))
+        rt.copy_lane(lane, lane, lengths[k])  # undo the step
+    together = rt.decode([(lane, step[k]) for k, lane in enumerate(lanes)])
+    for k in range(17):
+        assert torch.equal(out(together[k]), alone[k]), f"lane {k}"
