@@ -42,7 +42,6 @@ class LocalPipeline:
             for i, (a, b) in enumerate(ranges)
         ]
         self.n_ctx = self.stages[0].n_ctx
-        self.chunk = self.stages[0].spec.chunk
         self.caches: list[StageCache] | None = None
         if cache is not None:
             log.info("cache policy: %s", capability.reason)
@@ -96,8 +95,8 @@ class LocalPipeline:
              namespace: str = "") -> list[int]:
         """Each stage's prefill start, planned from the last stage back: a stage starts
         where it can restore, unless the next one needs earlier rows that its frame cache
-        lacks. Never past the last prompt row's chunk: that row is always computed."""
-        limit = (len(ids) - 1) // self.chunk * self.chunk
+        lacks. Never past the last prompt row: that row is always computed."""
+        limit = len(ids) - 1
         starts, downstream = [0] * len(self.caches), None
         for i in reversed(range(len(self.caches))):
             starts[i] = downstream = self.caches[i].plan(lanes[i], ids, limit, downstream,

@@ -248,7 +248,7 @@ class RayEngine:
         tokens = list(request.tokens) + produced
         call = pipe.stub().Session()
         try:
-            limit = (len(tokens) - 1) // self.cache.chunk * self.cache.chunk
+            limit = len(tokens) - 1  # the last row is always computed
             reply = None
             for _ in range(2):  # a restore that fails after planning: plan again from 0
                 await call.write(pb.StageCall(plan=pb.Plan(

@@ -30,6 +30,15 @@ The remaining settings make the arithmetic independent of the batch a row runs i
   micro-batch. (In a shared cache the tiled kernel also depended on where the cells
   sat, which forced micro-batches below 64 rows: 2,048 tokens of SmolLM2 Q4_0 took 7.9 s
   that way, 3.6 s now.)
+- A prompt's last chunk, shorter than 64 rows, runs on the per-row kernel, and there a
+  row's result depends neither on the other rows of its micro-batch nor on how many
+  there are. So a prompt whose last chunk begins where the lane's last prompt's did
+  resumes at any row inside it (`resume_point`), not at the chunk's start: it computes
+  just its new rows, as llama.cpp's own server does (measured bitwise through prefill
+  and decode, SmolLM2 Q4_1, resuming at rows 30, 298 and 1,290). Not where the lane's
+  rows were copied or imported (how they ran is not known then), not with float
+  matrices (one row takes another matmul kernel), and never as one row alone over
+  >= 512 cells (the split-KV path below): such a resume starts a row earlier.
 - A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
   takes a split-KV path with one slice of cells per thread [0.45]. In a private stream
   the slices depend only on the lane's own length, so the path is exact for a given
@@ -164,6 +173,7 @@ def weights_digest(path: str | Path) -> str:
 class _Lane:
     length: int = 0      # positions held (prefill + decode)
     prefilled: int = 0   # positions computed by prefill: the only ones a later prefill reuses
+    tail_exact: bool = False  # its prompt's last chunk ran in this lane, one row at a time
 
 
 class LlamaCppStageRuntime(StageRuntime):
@@ -221,6 +231,9 @@ class LlamaCppStageRuntime(StageRuntime):
         C = spec.chunk
         self.micro_batch = C * max(1, PREFILL_ROWS // C) \
             if not self.recurrent and C % FA_TILED_MIN_ROWS == 0 else C
+        # A prompt may resume inside the lane's per-row last chunk (module docstring).
+        self._tail_resume = not alone and not self.float_weights and \
+            C % FA_TILED_MIN_ROWS == 0
         # Sequence 0 is scratch; lanes are 1..max_lanes. A decode group spans consecutive
         # sequences (llama.cpp puts rows of several streams into one micro-batch only
         # then), and must fit one micro-batch.
@@ -305,6 +318,26 @@ class LlamaCppStageRuntime(StageRuntime):
     def prefill_boundary(self, lane: int) -> int:
         return self._lane(lane).prefilled // self.spec.chunk * self.spec.chunk
 
+    def _per_row_tail(self, n_tokens: int) -> int | None:
+        """Where an n_tokens prompt's last chunk begins, if it runs on the per-row kernel
+        (fewer than FA_TILED_MIN_ROWS rows)."""
+        last = (n_tokens - 1) // self.spec.chunk * self.spec.chunk
+        return last if 0 < n_tokens - last < FA_TILED_MIN_ROWS else None
+
+    def resume_point(self, lane: int, common: int, n_tokens: int) -> int:
+        """The chunk boundary, or, where the prompt's last chunk begins where the lane's
+        did and both run per row, any row inside it (module docstring)."""
+        grid = super().resume_point(lane, common, n_tokens)
+        st = self._lane(lane)
+        tail = self._per_row_tail(st.prefilled)
+        if not (self._tail_resume and st.tail_exact and tail is not None
+                and tail == self._per_row_tail(n_tokens) and common > tail):
+            return grid
+        p = min(common, st.prefilled, n_tokens - 1)
+        if n_tokens - p == 1 and p >= SPLIT_KV_LENGTH and p > tail:
+            p -= 1  # one row alone over >= 512 cells would take the split-KV path
+        return max(grid, p)
+
     # -- compute ---------------------------------------------------------------------------
     def _ids(self, inputs: torch.Tensor | Frame) -> list[int]:
         if isinstance(inputs, Frame):
@@ -349,16 +382,24 @@ class LlamaCppStageRuntime(StageRuntime):
                 between_chunks: Callable[[], None] | None = None) -> StageOutput:
         """Positions [start, start + n) in micro-batches that end at multiples of
         micro_batch, the prompt's last chunk alone (module docstring). That one may be
-        short, and it is not padded: a later prefill never reuses a short chunk's rows
-        (prefill_boundary rounds down). "all" is a diagnostic: it makes every row an
+        short, and it is not padded: a later prefill reuses a short chunk's rows only
+        for a prompt whose last chunk begins there too (resume_point). "all" is a diagnostic: it makes every row an
         output, so llama.cpp runs the last layer over more rows, and its last row need
         not equal "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
         st = self._lane(lane)
         C = self.spec.chunk
         ids = self._ids(inputs)
         n = len(ids)
-        end = check_prefill(start, n, chunk=C, boundary=self.prefill_boundary(lane),
-                            n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
+        first = start  # checked as its chunk's start when it resumes inside the last chunk
+        tail = self._per_row_tail(st.prefilled)
+        if start % C and self._tail_resume and st.tail_exact and tail is not None \
+                and tail < start <= st.prefilled and self._per_row_tail(start + n) == tail \
+                and not (n == 1 and start >= SPLIT_KV_LENGTH):
+            first = tail
+        end = check_prefill(first, n + start - first, chunk=C,
+                            boundary=self.prefill_boundary(lane), n_ctx=self.n_ctx,
+                            logits=logits, snapshots=snapshots)
+        last = (end - 1) // C * C
         if not self._ll.llama_memory_seq_rm(self._mem, lane, start, -1):
             raise StageError(f"lane {lane} holds recurrent state at {st.length} that cannot "
                              f"be rolled back to {start}: import a snapshot at {start} first")
@@ -378,6 +419,9 @@ class LlamaCppStageRuntime(StageRuntime):
                 self._drop_from(lane, s)
                 raise
             st.length = st.prefilled = e
+            if e == end and e - last < FA_TILED_MIN_ROWS:  # the per-row last chunk
+                split = e - s == 1 and s >= SPLIT_KV_LENGTH  # took the split-KV path
+                st.tail_exact = not split and (s == last or st.tail_exact)
             if logits == "all":
                 ptr = self._ll.llama_get_logits(self._ctx)
                 rows_out.append(np.ctypeslib.as_array(ptr, shape=(m, self.vocab)).copy())
@@ -459,6 +503,7 @@ class LlamaCppStageRuntime(StageRuntime):
         """After a failed llama_decode: the lane keeps [0, pos), or, where recurrent state
         cannot be cut back, nothing."""
         st = self._lanes[lane]
+        st.tail_exact = False
         if self._ll.llama_memory_seq_rm(self._mem, lane, pos, -1):
             st.length, st.prefilled = pos, min(st.prefilled, pos)
         else:
@@ -481,6 +526,7 @@ class LlamaCppStageRuntime(StageRuntime):
         if n_tokens < s.length:
             self._ll.llama_memory_seq_rm(self._mem, dst, n_tokens, -1)
         d.length, d.prefilled = n_tokens, prefilled
+        d.tail_exact = False
 
     def export_state(self, lane: int, n_tokens: int) -> LaneState:
         """The lane's llama.cpp state for [0, n_tokens), as opaque bytes in
@@ -543,6 +589,7 @@ class LlamaCppStageRuntime(StageRuntime):
         st.length = st.prefilled = 0
         self._load(lane, blob, state.n_tokens)
         st.length, st.prefilled = state.n_tokens, min(state.prefilled, state.n_tokens)
+        st.tail_exact = False
 
     def identity(self) -> dict[str, object]:
         import llama_cpp

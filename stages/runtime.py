@@ -112,6 +112,13 @@ class StageRuntime(abc.ABC):
         """The largest start a new prefill may use: a multiple of the chunk at or below
         the rows this lane's prefills computed (decode rows are never reused)."""
 
+    def resume_point(self, lane: int, common: int, n_tokens: int) -> int:
+        """Where a prefill of an n_tokens prompt may start in this lane, whose rows match
+        the prompt's first `common` tokens: the last chunk boundary at or below both
+        `common` and prefill_boundary(lane)."""
+        C = self.spec.chunk
+        return min(common, self.prefill_boundary(lane)) // C * C
+
     @abc.abstractmethod
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),

@@ -207,11 +207,11 @@ class StageCache:
         if info.namespace != namespace:
             return 0
         held = info.tokens
-        n = min(len(held), max_len, self.runtime.prefill_boundary(lane))
+        n = min(len(held), max_len)
         i = 0
         while i < n and held[i] == tokens[i]:
             i += 1
-        reuse = i // self.runtime.spec.chunk * self.runtime.spec.chunk
+        reuse = self.runtime.resume_point(lane, i, len(tokens))
         if self.policy == "KvRecurrent" and reuse != self.runtime.lane_length(lane):
             return 0  # recurrent state exists only at the lane's very end
         return reuse

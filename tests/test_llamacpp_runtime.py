@@ -331,6 +331,41 @@ def test_sliding_window_and_recurrent_models_decode_each_lane_alone(gemma3, lfm2
         rt.close()
 
 
+@pytest.mark.parametrize("n1, common, n2, start", [
+    (40, 30, 50, 30),        # both prompts are one last chunk: resume at the first new row
+    (1300, 1290, 1310, 1290),  # both last chunks begin at 1280
+    (300, 299, 300, 298),    # not one row alone over >= 512 cells: one row earlier
+    (200, 150, 230, 128),    # the prompts part before the last chunk: its boundary
+    (100, 90, 140, 64),      # last chunks begin at 64 and 128: the boundary
+])
+def test_a_prompt_resumes_inside_the_last_chunk_it_shares_with_the_lane(smollm2, n1, common,
+                                                                        n2, start):
+    # Two threads: a lone row over >= 512 cells would take the split-KV path.
+    rt = runtime(smollm2, threads=2, n_ctx=2048, max_lanes=2)
+    first = LONG[:n1] if n1 <= len(LONG) else (LONG * 2)[:n1]
+    second = first[:common] + [(i * 31) % 9000 + 300 for i in range(n2 - common)]
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.tensor(first), logits="none")
+    assert rt.resume_point(lane, common, n2) == start
+    warm = rt.prefill(lane, torch.tensor(second[start:]), start=start).logits
+    cold_lane = rt.alloc_lane()
+    cold = rt.prefill(cold_lane, torch.tensor(second)).logits
+    assert torch.equal(greedy(rt, lane, warm, 3)[1], greedy(rt, cold_lane, cold, 3)[1])
+    rt.close()
+
+
+def test_copied_rows_resume_only_at_chunk_boundaries(smollm2):
+    rt = runtime(smollm2, max_lanes=2)
+    a, b = rt.alloc_lane(), rt.alloc_lane()
+    rt.prefill(a, torch.tensor(LONG[:40]), logits="none")
+    assert rt.resume_point(a, 30, 50) == 30
+    rt.copy_lane(a, b, 40)  # how b's rows ran is not known to b
+    assert rt.resume_point(b, 30, 50) == 0
+    with pytest.raises(StageError, match="multiple of 64"):
+        rt.prefill(b, torch.tensor(LONG[30:50]), start=30)
+    rt.close()
+
+
 def test_a_full_neighbour_still_takes_its_padding_row(smollm2):
     rt = runtime(smollm2, n_ctx=128, lane_batch=2, max_lanes=2)
     full, lane = rt.alloc_lane(), rt.alloc_lane()
