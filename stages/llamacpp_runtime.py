@@ -324,18 +324,29 @@ class LlamaCppStageRuntime(StageRuntime):
         last = (n_tokens - 1) // self.spec.chunk * self.spec.chunk
         return last if 0 < n_tokens - last < FA_TILED_MIN_ROWS else None
 
+    def _shared_tail(self, lane: int, n_tokens: int) -> int | None:
+        """Where the lane's per-row last chunk begins, if an n_tokens prompt's last chunk
+        begins there too, so that it may resume inside it (module docstring)."""
+        st = self._lanes[lane]
+        tail = self._per_row_tail(st.prefilled)
+        ok = self._tail_resume and st.tail_exact and tail == self._per_row_tail(n_tokens)
+        return tail if ok else None
+
+    @staticmethod
+    def _split_kv(position: int) -> bool:
+        """Whether one row alone at this position takes the split-KV path."""
+        return position >= SPLIT_KV_LENGTH
+
     def resume_point(self, lane: int, common: int, n_tokens: int) -> int:
         """The chunk boundary, or, where the prompt's last chunk begins where the lane's
         did and both run per row, any row inside it (module docstring)."""
         grid = super().resume_point(lane, common, n_tokens)
-        st = self._lane(lane)
-        tail = self._per_row_tail(st.prefilled)
-        if not (self._tail_resume and st.tail_exact and tail is not None
-                and tail == self._per_row_tail(n_tokens) and common > tail):
+        tail = self._shared_tail(lane, n_tokens)
+        if tail is None or common <= tail:
             return grid
-        p = min(common, st.prefilled, n_tokens - 1)
-        if n_tokens - p == 1 and p >= SPLIT_KV_LENGTH and p > tail:
-            p -= 1  # one row alone over >= 512 cells would take the split-KV path
+        p = min(common, self._lanes[lane].prefilled, n_tokens - 1)
+        if n_tokens - p == 1 and self._split_kv(p) and p > tail:
+            p -= 1  # not one row alone over >= 512 cells
         return max(grid, p)
 
     # -- compute ---------------------------------------------------------------------------
@@ -383,18 +394,18 @@ class LlamaCppStageRuntime(StageRuntime):
         """Positions [start, start + n) in micro-batches that end at multiples of
         micro_batch, the prompt's last chunk alone (module docstring). That one may be
         short, and it is not padded: a later prefill reuses a short chunk's rows only
-        for a prompt whose last chunk begins there too (resume_point). "all" is a diagnostic: it makes every row an
-        output, so llama.cpp runs the last layer over more rows, and its last row need
-        not equal "last" bitwise (equal on SmolLM2 Q4_1, not on f32 weights)."""
+        for a prompt whose last chunk begins there too (resume_point). "all" is a
+        diagnostic: it makes every row an output, so llama.cpp runs the last layer over
+        more rows, and its last row need not equal "last" bitwise (equal on SmolLM2
+        Q4_1, not on f32 weights)."""
         st = self._lane(lane)
         C = self.spec.chunk
         ids = self._ids(inputs)
         n = len(ids)
         first = start  # checked as its chunk's start when it resumes inside the last chunk
-        tail = self._per_row_tail(st.prefilled)
-        if start % C and self._tail_resume and st.tail_exact and tail is not None \
-                and tail < start <= st.prefilled and self._per_row_tail(start + n) == tail \
-                and not (n == 1 and start >= SPLIT_KV_LENGTH):
+        tail = self._shared_tail(lane, start + n)
+        if start % C and tail is not None and tail < start <= st.prefilled \
+                and not (n == 1 and self._split_kv(start)):
             first = tail
         end = check_prefill(first, n + start - first, chunk=C,
                             boundary=self.prefill_boundary(lane), n_ctx=self.n_ctx,
@@ -420,7 +431,7 @@ class LlamaCppStageRuntime(StageRuntime):
                 raise
             st.length = st.prefilled = e
             if e == end and e - last < FA_TILED_MIN_ROWS:  # the per-row last chunk
-                split = e - s == 1 and s >= SPLIT_KV_LENGTH  # took the split-KV path
+                split = e - s == 1 and self._split_kv(s)
                 st.tail_exact = not split and (s == last or st.tail_exact)
             if logits == "all":
                 ptr = self._ll.llama_get_logits(self._ctx)
@@ -458,11 +469,7 @@ class LlamaCppStageRuntime(StageRuntime):
                 raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
             token[lane] = ids[0]
         logits: dict[int, torch.Tensor] = {}
-        for members in self._groups(sorted(token)):
-            lo, hi = min(members), max(members)
-            if lo == hi and self.decode_groups == "all" and self._differs_alone(lo):
-                lo, hi = (lo, lo + 1) if lo < self.max_lanes else (lo - 1, lo)
-            seqs = range(lo, hi + 1)
+        for seqs, members in self._groups(sorted(token)):
             rows = [(token[q], self._lanes[q].length, q) if q in members else
                     (0, self._lanes[q].length if q in self._lanes else 0, q) for q in seqs]
             try:
@@ -482,22 +489,25 @@ class LlamaCppStageRuntime(StageRuntime):
                     self._lanes[q].length += 1
         return [StageOutput(logits=logits[lane]) for lane in lanes]
 
-    def _groups(self, seqs: list[int]) -> list[list[int]]:
-        """The decoding lanes (`seqs`, sorted) of each llama_decode call. A call spans the
-        sequences from its first lane to its last, and one beside a lone lane that must
-        not decode alone; the others in that span get padding rows."""
+    def _groups(self, lanes: list[int]) -> list[tuple[range, set[int]]]:
+        """Each llama_decode call of a step: the sequences it spans, and which of them
+        decode (the others get padding rows). `lanes`: the decoding lanes, sorted."""
         if self.decode_groups == "none":
-            return [[q] for q in seqs]
-        apart = [q for q in seqs if self._differs_alone(q)]
+            return [(range(q, q + 1), {q}) for q in lanes]
+        apart = [q for q in lanes if self._differs_alone(q)]
         if self.decode_groups == "short":
-            rest = [q for q in seqs if q not in apart]
-            return [[q] for q in apart] + ([rest] if rest else [])
-        return [seqs]
+            rest = [q for q in lanes if q not in apart]
+            groups = [[q] for q in apart] + ([rest] if rest else [])
+            return [(range(g[0], g[-1] + 1), set(g)) for g in groups]
+        q = lanes[0]
+        if apart == lanes and len(lanes) == 1:  # a padding row beside it
+            return [(range(q, q + 2) if q < self.max_lanes else range(q - 1, q + 1), {q})]
+        return [(range(q, lanes[-1] + 1), set(lanes))]
 
     def _differs_alone(self, lane: int) -> bool:
         """Whether the lane's decode row alone differs from its row beside other lanes'
         (module docstring)."""
-        return self.float_weights or self._lanes[lane].length >= SPLIT_KV_LENGTH
+        return self.float_weights or self._split_kv(self._lanes[lane].length)
 
     def _drop_from(self, lane: int, pos: int) -> None:
         """After a failed llama_decode: the lane keeps [0, pos), or, where recurrent state
