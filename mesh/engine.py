@@ -48,6 +48,8 @@ class EngineInfo:
     n_ctx: int                       # context a request may fill: prompt + max_tokens
     n_stages: int
     topology_digest: str             # stable identity of the split (planner)
+    lanes: int = 8                   # lane budget of one pipeline: the most choices (`n`)
+                                     # one request may ask for
     extra: dict = field(default_factory=dict)
 
 
@@ -69,6 +71,10 @@ class Engine(Protocol):
 
     def stats(self) -> dict:
         """Per-stage figures for /metrics: {"stages": [{...}, ...]}."""
+
+    def status(self) -> dict:
+        """{"serving": bool, "detail": str}: False while no pipeline can serve (a stage
+        down and not yet back): /ready is then 503 and /health says degraded."""
 
     async def close(self) -> None: ...
 
@@ -111,6 +117,9 @@ class LocalEngine:
 
     def stats(self) -> dict:
         return {"stages": self.pipeline.cache_stats()}
+
+    def status(self) -> dict:
+        return {"serving": True, "detail": "in process"}
 
     async def close(self) -> None:
         return None

@@ -292,6 +292,9 @@ class RayEngine:
         return {"stages": per[0] if len(per) == 1 else [_sum(col) for col in zip(*per)],
                 "in_flight": list(self.router.load)}
 
+    def status(self) -> dict:
+        return {"serving": True, "detail": f"{len(self.pipelines)} pipeline(s)"}
+
     async def close(self) -> None:
         for pipe in self.pipelines:
             await pipe.close()
