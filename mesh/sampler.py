@@ -13,6 +13,7 @@ float32 and the rest carry a small rounding error, which moves the normaliser sl
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Iterable
@@ -45,8 +46,9 @@ class SamplingParams:
     logprobs: int | None = None  # report the chosen token's log-prob and this many top ones
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, not "
+                             f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k < 0:
@@ -117,21 +119,30 @@ class Sampler:
             kth = torch.topk(scores, p.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if self._behind:
+            self._skip(probs.numel())
+        if not bool(torch.isfinite(probs).all()):
+            # A tiny temperature scaled the logits past float32 (inf, then NaN): the limit
+            # of such a distribution is the greedy choice. The draw is still taken, so a
+            # seeded request rebuilt later skips exactly one draw per token.
+            self._draw_nothing(probs.numel())
+            return int(torch.argmax(logits))
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest head of the distribution whose mass reaches top_p
             drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if self._behind:
-            self._skip(probs.numel())
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def _skip(self, n: int) -> None:
-        """Move the generator past the draws of the tokens generated before this sampler:
-        torch.multinomial (one sample) fills one Exp(1) value per token of the
-        vocabulary and picks argmax(p / q), so each draw takes n values whatever p is."""
-        scratch = torch.empty(n)
+        """Move the generator past the draws of the tokens generated before this sampler."""
         for _ in range(self._behind):
-            scratch.exponential_(1, generator=self.generator)
+            self._draw_nothing(n)
         self._behind = 0
+
+    def _draw_nothing(self, n: int) -> None:
+        """Take one draw's values from the generator and discard them: torch.multinomial
+        (one sample) fills one Exp(1) value per token of the vocabulary and picks
+        argmax(p / q), so each draw takes n values whatever p is."""
+        torch.empty(n).exponential_(1, generator=self.generator)

@@ -91,3 +91,39 @@ def test_a_rebuilt_seeded_request_goes_on_with_the_tokens_it_would_have_drawn(pa
     assert [rebuilt(x) for x in logits[5:]] == tokens[5:]
     restarted = Sampler(params)
     assert [restarted(x) for x in logits[5:]] != tokens[5:]  # what a restart would give
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 5e-324])
+def test_a_temperature_that_overflows_the_scaled_logits_is_greedy(temperature):
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert Sampler(SamplingParams(temperature, seed=3))(logits) == 1
+    assert Sampler(SamplingParams(temperature, top_p=0.5, top_k=2))(logits) == 1
+    biased = SamplingParams(temperature, logit_bias=((3, 4.5),), seed=1)
+    assert Sampler(biased)(logits) == 3  # the argmax of the adjusted logits
+
+
+def test_an_overflowing_step_takes_one_draw_so_a_rebuilt_request_still_follows():
+    # Rows near 1e-37 scale to ordinary scores at this temperature; a row near 100
+    # overflows float32 and falls back to greedy. A rebuilt sampler skips one draw per
+    # token generated, so the fallback must have taken one too.
+    params = SamplingParams(1e-37, seed=21)
+    gen = torch.Generator().manual_seed(4)
+    logits = [torch.randn(2048, generator=gen) * (100 if i == 4 else 1e-37)
+              for i in range(10)]
+    whole = Sampler(params)
+    tokens = [whole(x) for x in logits]
+    assert tokens[4] == int(logits[4].argmax())
+    for k in (3, 4, 5, 7):
+        rebuilt = Sampler(params, generated=tokens[:k])
+        assert [rebuilt(x) for x in logits[k:]] == tokens[k:], k
+    restarted = Sampler(params)
+    assert [restarted(x) for x in logits[5:]] != tokens[5:]
+
+
+@pytest.mark.parametrize("kw", [{"temperature": float("nan")}, {"temperature": float("inf")},
+                                {"top_p": float("nan")}, {"presence_penalty": float("inf")},
+                                {"frequency_penalty": float("nan")},
+                                {"logit_bias": ((1, float("nan")),)}])
+def test_non_finite_settings_are_refused(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
