@@ -32,7 +32,7 @@ class Frame(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Frame.DType, str]] = ..., start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "generated", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "generated", "logprobs", "logits")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Sampling(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -58,19 +59,24 @@ class Sampling(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     generated: _containers.RepeatedScalarFieldContainer[int]
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., generated: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    logits: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., generated: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., logits: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("tokens", "limit", "probe", "namespace")
+    __slots__ = ("tokens", "limit", "probe", "namespace", "sampling", "results")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     limit: int
     probe: bool
     namespace: str
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ...) -> None: ...
+    sampling: Sampling
+    results: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("start",)
@@ -79,7 +85,7 @@ class PlanReply(_message.Message):
     def __init__(self, start: _Optional[int] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "start", "frame", "sampling", "probe", "namespace", "max_tokens")
+    __slots__ = ("tokens", "start", "frame", "sampling", "probe", "namespace", "max_tokens", "replay")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +93,7 @@ class Prefill(_message.Message):
     PROBE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start: int
     frame: Frame
@@ -94,15 +101,18 @@ class Prefill(_message.Message):
     probe: bool
     namespace: str
     max_tokens: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    replay: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("token", "frame")
+    __slots__ = ("token", "frame", "replay")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     token: int
     frame: Frame
-    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ...) -> None: ...
+    replay: bool
+    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class StageCall(_message.Message):
     __slots__ = ("plan", "prefill", "decode")
@@ -115,16 +125,24 @@ class StageCall(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("id", "cached_tokens", "logprob", "top")
+    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits")
     ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
     id: int
     cached_tokens: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[Alternative]
-    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ...) -> None: ...
+    logits: bytes
+    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Alternative(_message.Message):
     __slots__ = ("id", "logprob")
@@ -135,24 +153,28 @@ class Alternative(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("message", "retryable", "busy")
+    __slots__ = ("message", "retryable", "busy", "invalid")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
     message: str
     retryable: bool
     busy: bool
-    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ...) -> None: ...
+    invalid: bool
+    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ..., invalid: _Optional[bool] = ...) -> None: ...
 
 class StageResult(_message.Message):
-    __slots__ = ("plan", "token", "error")
+    __slots__ = ("plan", "token", "error", "done")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     plan: PlanReply
     token: Token
     error: Error
-    def __init__(self, plan: _Optional[_Union[PlanReply, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    done: Done
+    def __init__(self, plan: _Optional[_Union[PlanReply, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
 
 class BlockRequest(_message.Message):
     __slots__ = ("hashes",)
