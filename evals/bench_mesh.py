@@ -2,7 +2,7 @@
 
 (i) per hop: one activation frame ([1, 576] and [128, 576] f16, SmolLM2's width) sent to
     a stage and answered, two ways into the same Ray actor process:
-    - gRPC: a `Session` stream as stage i holds it to stage i+1 (`Downstream.ask`), the
+    - gRPC: a `Session` stream as stage i holds it to stage i+1 (`GrpcLink.ask`), the
       frame encoded with `frame_to_proto` and decoded at the far end;
     - Ray: an actor method call carrying the f16 tensor (pickled; object store above
       Ray's inline limit).
@@ -44,7 +44,7 @@ def _echo_actor_class():
     both decode the frame they get and answer with its row count."""
     import ray
 
-    from skippy.mesh.stage_service import start_server
+    from skippy.mesh.stage.grpc_service import serve
     from skippy.mesh.wire import frame_from_proto
     from skippy.proto import stage_pb2 as pb
     from skippy.proto import stage_pb2_grpc
@@ -58,7 +58,7 @@ def _echo_actor_class():
     @ray.remote(num_cpus=0)
     class EchoActor:
         def __init__(self, host: str):
-            self._server, self._address = start_server(EchoStage(), host)
+            self._server, self._address = serve(EchoStage(), host)
 
         def address(self) -> str:
             return self._address
@@ -85,7 +85,7 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
     import grpc
     import ray
 
-    from skippy.mesh.stage_service import Downstream
+    from skippy.mesh.stage.grpc_service import GrpcLink
     from skippy.mesh.wire import frame_to_proto
     from skippy.proto import stage_pb2 as pb
     from skippy.proto import stage_pb2_grpc
@@ -96,7 +96,7 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
     try:
         address = ray.get(actor.address.remote(), timeout=120)
         channel = grpc.insecure_channel(address)
-        down = Downstream(stage_pb2_grpc.StageStub(channel))
+        down = GrpcLink(stage_pb2_grpc.StageStub(channel))
         rows_out = []
         for n, width in HOP_SHAPES:
             rows = torch.randn(n, width).to(torch.float16)
@@ -155,7 +155,7 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
                 n_ctx: int = 2048, say=print) -> list[dict]:
     """One engine at a time: per-token decode time for each stage count."""
     from skippy.mesh.chat import render_chat
-    from skippy.mesh.ray_engine import RayEngine
+    from skippy.mesh.control.ray_engine import RayEngine
     from skippy.mesh.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from skippy.evals.bench_gateway import emit, loadavg
     from skippy.mesh.models import resolve_model
-    from skippy.mesh.ray_engine import start_ray
+    from skippy.mesh.control.ray_engine import start_ray
 
     args = parse_args(argv)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress

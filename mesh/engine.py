@@ -1,19 +1,18 @@
 """What the gateway asks of whatever runs the stages: one contract, two engines.
 
-`LocalEngine` drives an in-process `LocalPipeline` (tests, the quick path); the Ray
-engine (mesh/ray_engine.py) drives stage actors over gRPC. The gateway sees only
-`Engine`: token ids in, token ids out, one `Step` at a time.
+The in-process engine (mesh/control/local.py) links stage objects in this process; the
+Ray engine (mesh/control/ray_engine.py) links stage actors over gRPC. Both run one
+request driver (mesh/control/driver.py). The gateway sees only `Engine`: token ids in,
+token ids out, one `Step` at a time.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .sampler import Sampler, SamplingParams, TokenLogprobs
+from .sampler import SamplingParams, TokenLogprobs
 
 
 class EngineError(RuntimeError):
@@ -22,6 +21,14 @@ class EngineError(RuntimeError):
 
 class EngineBusy(EngineError):
     """No lane is free for another request right now (the gateway answers 503)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is at fault (a stage refused it): a 400, never retried."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] = frozenset()   # end-of-generation ids: end it, not yielded
     namespace: str = ""              # per-tenant cache separation (`cache_salt`)
     probe: bool = False              # warm-up / health: bypasses every cache
+    logits: bool = False             # return each step's raw logits row (tests, evals)
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class Step:
     token: int
     cached_tokens: int = 0           # prompt tokens served from caches (first step only)
     logprobs: TokenLogprobs | None = None  # when the request asked for them
+    logits: object = None            # a float32 tensor, when the request asked for them
 
 
 @dataclass
@@ -77,49 +86,3 @@ class Engine(Protocol):
         down and not yet back): /ready is then 503 and /health says degraded."""
 
     async def close(self) -> None: ...
-
-
-class LocalEngine:
-    """An in-process pipeline behind the Engine contract. One worker thread runs the
-    pipeline (torch work is not thread-safe across lanes); requests interleave a step at
-    a time, so concurrent requests all make progress."""
-
-    def __init__(self, pipeline, info: EngineInfo):
-        self.pipeline, self.info = pipeline, info
-        self._lock = threading.Lock()
-
-    def _run(self, fn, *args, **kwargs):
-        with self._lock:
-            return fn(*args, **kwargs)
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
-        check_fits(request, self.info.n_ctx)
-        pipe, ids = self.pipeline, list(request.tokens)
-        sampler = Sampler(request.sampling)
-        lanes = await asyncio.to_thread(self._run, pipe.alloc)
-        try:
-            logits, cached, prefilled = await asyncio.to_thread(
-                self._run, pipe.first_logits, lanes, ids, probe=request.probe)
-            for i in range(request.max_tokens):
-                token = sampler(logits)
-                if token in request.stop_ids:
-                    return
-                yield Step(token, cached if i == 0 else 0, sampler.last)
-                if i + 1 == request.max_tokens:
-                    return
-                if not prefilled:
-                    await asyncio.to_thread(self._run, pipe.prefill_cached, lanes, ids,
-                                            probe=request.probe)
-                    prefilled = True
-                logits = await asyncio.to_thread(self._run, pipe.decode, lanes, token)
-        finally:
-            await asyncio.to_thread(self._run, pipe.free, lanes)
-
-    def stats(self) -> dict:
-        return {"stages": self.pipeline.cache_stats()}
-
-    def status(self) -> dict:
-        return {"serving": True, "detail": "in process"}
-
-    async def close(self) -> None:
-        return None

@@ -20,7 +20,7 @@ from skippy.cache.config import CacheConfig  # noqa: E402
 from skippy.mesh.chat import render_chat  # noqa: E402
 from skippy.mesh.gateway import BackgroundServer, create_app  # noqa: E402
 from skippy.mesh.pipeline import LocalPipeline  # noqa: E402
-from skippy.mesh.ray_engine import RayEngine  # noqa: E402
+from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
 from skippy.mesh.sampler import Sampler, SamplingParams  # noqa: E402
 from skippy.mesh.tokenizer import Tokenizer  # noqa: E402
 
@@ -82,7 +82,7 @@ def test_stages_run_on_different_nodes(engine, cluster):
 
 
 def test_nodes_say_which_package_layers_they_hold(cluster, smollm2, tmp_path_factory):
-    from skippy.mesh.ray_engine import cluster_nodes
+    from skippy.mesh.control.ray_engine import cluster_nodes
     from skippy.stages.package import split_package
     pkg = tmp_path_factory.mktemp("pkg") / "smollm2"
     manifest = split_package(smollm2, pkg)

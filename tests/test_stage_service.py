@@ -12,7 +12,8 @@ import pytest
 from skippy.cache.config import CacheConfig
 from skippy.mesh.pipeline import LocalPipeline
 from skippy.mesh.sampler import Sampler, SamplingParams
-from skippy.mesh.stage_service import StageService, start_server
+from skippy.mesh.stage.grpc_service import start_server
+from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 from skippy.stages.runtime import StageSpec
@@ -26,7 +27,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def stage(smollm2):
     spec = StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, lane_batch=4)
-    service = StageService(spec, CacheConfig(), policy="ResidentKv")
+    service = StageServer(spec, CacheConfig(), policy="ResidentKv")
     server, address = start_server(service, "127.0.0.1")
     yield service, address
     server.stop(None)
@@ -156,12 +157,12 @@ def test_a_follow_up_continues_in_the_warm_lane_of_the_last_request(stage):
     deadline = time.monotonic() + 10
     while service.stats()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert service.cache.stats()["entries"] == 0  # no entry was recorded for it
+    assert service.cache.stats()["prefix"]["entries"] == 0  # no prefix entry for it
 
 
-def _torch_threads(service: StageService) -> int:
+def _torch_threads(service: StageServer) -> int:
     import torch
-    return service._compute.run(torch.get_num_threads)
+    return service.loop.call(torch.get_num_threads)
 
 
 def test_a_stage_alone_with_one_session_bursts_to_its_pipelines_cores(smollm2):
@@ -169,7 +170,7 @@ def test_a_stage_alone_with_one_session_bursts_to_its_pipelines_cores(smollm2):
     # once, both while one session keeps them computing in turn. int4 computes the same
     # bits either way, so the outputs do not depend on the load.
     spec = StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, weight_format="int4", threads=1)
-    service = StageService(spec, CacheConfig(), policy="disabled", burst_threads=2)
+    service = StageServer(spec, CacheConfig(), policy="disabled", burst_threads=2)
     server, address = start_server(service, "127.0.0.1")
     try:
         alone = session(address, PROMPTS[0], STEPS)
@@ -182,7 +183,7 @@ def test_a_stage_alone_with_one_session_bursts_to_its_pipelines_cores(smollm2):
         for t in threads:
             t.join()
         assert got[0] == alone
-        assert service.timing.count["decode"] > 0
+        assert service.loop.timing.count["decode"] > 0
     finally:
         server.stop(None)
 
@@ -204,6 +205,6 @@ def test_only_thread_invariant_runtimes_burst(smollm2):
     torch.set_num_threads(2)
     assert torch.equal(rows["int4", 1], rows["int4", 2])
     assert not torch.equal(rows["fp32", 1], rows["fp32", 2])
-    fp32 = StageService(StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, threads=1),
+    fp32 = StageServer(StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, threads=1),
                         CacheConfig(), policy="disabled", burst_threads=2)
-    assert fp32._burst is None
+    assert fp32.loop._burst is None

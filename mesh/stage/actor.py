@@ -1,5 +1,5 @@
 """The Ray actor around a stage: Ray places it, restarts it and asks it for figures;
-requests reach it over gRPC (mesh/stage_service.py), never through Ray calls."""
+requests reach it over gRPC (mesh/stage/grpc_service.py), never through Ray calls."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import ray
 from skippy.cache.config import CacheConfig
 from skippy.stages.runtime import StageSpec
 
-from .stage_service import StageService, start_server
+from .grpc_service import grpc_opener, start_server
+from .server import StageServer
 
 
 @ray.remote
@@ -18,9 +19,10 @@ class StageActor:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
                  host: str | None = None, burst_threads: int | None = None):
         logging.basicConfig(level=logging.INFO)
-        self.service = StageService(spec, cache, policy, runtime, burst_threads=burst_threads)
+        self.server = StageServer(spec, cache, policy, runtime, burst_threads=burst_threads)
         host = host or ray.util.get_node_ip_address()
-        self._server, self._address = start_server(self.service, host)
+        self._rpc, self._address = start_server(self.server, host)
+        self._next: str | None = None
 
     def address(self) -> str:
         return self._address
@@ -29,10 +31,14 @@ class StageActor:
         return ray.get_runtime_context().get_node_id()
 
     def connect(self, next_address: str | None) -> None:
-        self.service.connect(next_address)
+        """Where the next stage listens; a link to an unchanged address is kept."""
+        if next_address == self._next:
+            return
+        self._next = next_address
+        self.server.link_next(grpc_opener(next_address) if next_address else None)
 
     def stats(self) -> dict:
-        return self.service.stats()
+        return self.server.stats()
 
     def memory(self) -> dict[str, int]:
         """This process's resident bytes now and at its peak (VmRSS, VmHWM)."""

@@ -1,0 +1,158 @@
+"""A request's life, written once: plan -> prefill -> decode, over a link to stage 0.
+
+Both engines run this: the in-process one links to stage objects in this process, the Ray
+one to stage actors over gRPC. Stage 0 passes each call down the chain and the last
+stage's answer back up; the last stage samples, so logits never cross the network.
+
+A stage fault costs time, never the request: the driver holds the tokens produced so far,
+has the pipeline repaired (mesh/control/ray_pipeline.py), and rebuilds the request's state
+exactly as it was made: the prompt as a prefill, then each produced token replayed as the
+decode step it was, so the state and every later token are bitwise the fault-free ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import torch
+
+from skippy.proto import stage_pb2 as pb
+
+from ..engine import EngineBusy, EngineError, GenerationRequest, InvalidRequest, Step
+from ..wire import sampling_to_proto, token_logprobs
+
+log = logging.getLogger(__name__)
+
+REBUILD_ATTEMPTS = 5  # stage faults one request survives
+
+
+class StageFault(Exception):
+    """A stage or link failed: the request is rebuilt on a repaired pipeline."""
+
+
+class Link(Protocol):
+    """One request's session with stage 0 (and through it the whole chain)."""
+
+    async def ask(self, call: pb.StageCall) -> pb.StageResult: ...
+
+    async def close(self) -> None: ...
+
+
+class Pipeline(Protocol):
+    generation: int  # how many times it was repaired
+
+    async def open(self) -> Link: ...
+
+    async def repair(self, generation: int) -> None:
+        """Make the chain whole again, unless someone already did since `generation`."""
+
+
+async def drive(pipe: Pipeline, request: GenerationRequest,
+                on_rebuild=lambda reason: None) -> AsyncIterator[Step]:
+    """The continuation a token at a time; a stop id ends it without a Step. Closing the
+    iteration (client gone) closes the session, which frees the lanes down the chain."""
+    produced: list[int] = []
+    failures = 0
+    while True:
+        generation = pipe.generation
+        link = None
+        try:
+            link = await pipe.open()
+            async for step in _attempt(link, request, produced):
+                produced.append(step.token)
+                yield step
+            return
+        except StageFault as e:
+            failures += 1
+            if failures > REBUILD_ATTEMPTS:
+                if not getattr(pipe, "healthy", True):  # down, not broken: come back later
+                    raise EngineBusy(f"no stage chain can serve now: {e}",
+                                     retry_after=5.0) from e
+                raise EngineError(f"the pipeline failed {failures} times: {e}") from e
+            log.warning("stage fault (%s); rebuilding the request after %d tokens",
+                        e, len(produced))
+            on_rebuild(str(e))
+        finally:
+            if link is not None:
+                await link.close()
+        await pipe.repair(generation)
+        if not getattr(pipe, "healthy", True):
+            await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
+
+
+async def _attempt(link: Link, request: GenerationRequest,
+                   produced: list[int]) -> AsyncIterator[Step]:
+    """One try: plan, prefill (or rebuild what `produced` already holds), then decode.
+    The caller appends each yielded token to `produced`."""
+    prompt = list(request.tokens)
+    reply = await _ask(link, _plan(request, produced, results=not produced))
+    if reply.WhichOneof("result") == "token":  # an exact repeat, answered from results
+        if reply.token.id in request.stop_ids:
+            return
+        yield _step(reply.token, len(prompt))
+        if len(produced) >= request.max_tokens:
+            return
+        reply = await _ask(link, _plan(request, produced, results=False))
+    start = _expect(reply, "plan").plan.start
+    sampling = _sampling(request, produced)
+    reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
+        tokens=prompt, start=start, sampling=sampling, probe=request.probe,
+        namespace=request.namespace, replay=bool(produced))))
+    first = not produced
+    if produced:
+        for token in produced[:-1]:
+            _expect(await _ask(link, _decode(token, replay=True)), "done")
+        reply = await _ask(link, _decode(produced[-1]))
+    token = _expect(reply, "token").token
+    while token.id not in request.stop_ids:
+        yield _step(token, token.cached_tokens if first else 0)
+        first = False
+        if len(produced) >= request.max_tokens:
+            return
+        token = _expect(await _ask(link, _decode(token.id)), "token").token
+
+
+def _plan(request: GenerationRequest, produced: list[int], results: bool) -> pb.StageCall:
+    return pb.StageCall(plan=pb.Plan(
+        tokens=request.tokens, limit=len(request.tokens) - 1, probe=request.probe,
+        namespace=request.namespace, sampling=_sampling(request, produced),
+        results=results and not request.probe))
+
+
+def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:
+    msg = sampling_to_proto(request.sampling, produced)
+    msg.logits = request.logits
+    return msg
+
+
+def _decode(token: int, replay: bool = False) -> pb.StageCall:
+    return pb.StageCall(decode=pb.Decode(token=token, replay=replay))
+
+
+def _step(token: pb.Token, cached: int) -> Step:
+    logits = None
+    if token.logits:
+        logits = torch.frombuffer(bytearray(token.logits), dtype=torch.float32)
+    return Step(token.id, cached, token_logprobs(token), logits)
+
+
+async def _ask(link: Link, call: pb.StageCall) -> pb.StageResult:
+    reply = await link.ask(call)
+    if reply.WhichOneof("result") == "error":
+        e = reply.error
+        if e.busy:
+            raise EngineBusy(e.message)
+        if e.invalid:
+            raise InvalidRequest(e.message)
+        raise StageFault(e.message)
+    return reply
+
+
+def _expect(reply: pb.StageResult, kind: str) -> pb.StageResult:
+    got = reply.WhichOneof("result")
+    if got != kind:
+        raise StageFault(f"expected a {kind} reply, got {got}")
+    return reply

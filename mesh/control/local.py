@@ -1,0 +1,108 @@
+"""The in-process engine: a model's stages as objects in this process, linked by direct
+calls instead of gRPC. Everything else — the stage sessions, compute loops and caches,
+the request driver, admission — is the code `skippy serve` runs on Ray, so tests of this
+engine test the served path."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent import futures
+from pathlib import Path
+
+from skippy.cache.config import CacheConfig
+from skippy.proto import stage_pb2 as pb
+from skippy.stages.runtime import StageSpec
+from skippy.topology.capabilities import capability_for
+from skippy.topology.model_config import ModelConfig
+from skippy.topology.model_package import open_model
+from skippy.topology.planner import even_ranges
+
+from ..engine import EngineInfo
+from ..stage.server import StageServer
+from .pipelines import PipelinesEngine
+
+DEFAULT_LANES = 8
+# Sessions block a thread while their stage computes; the default executor's few
+# threads would cap how many rows a decode step can gather.
+_SESSIONS = futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="session")
+
+
+class LocalLink:
+    """A stage's session at the next stage, by direct call."""
+
+    def __init__(self, server: StageServer):
+        self._session = server.open_session()
+        self._lock = threading.Lock()  # a call and the close never overlap
+
+    def ask(self, call: pb.StageCall) -> pb.StageResult:
+        with self._lock:
+            return self._session.handle(call)
+
+    def close(self) -> None:
+        with self._lock:
+            self._session.close()
+
+
+class AsyncLocalLink:
+    """The driver's session at stage 0, run on a session thread."""
+
+    def __init__(self, server: StageServer):
+        self._link = LocalLink(server)
+
+    async def ask(self, call: pb.StageCall) -> pb.StageResult:
+        return await asyncio.get_running_loop().run_in_executor(_SESSIONS, self._link.ask,
+                                                                call)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(_SESSIONS, self._link.close)
+
+
+class InProcessPipeline:
+    """Stage servers chained by direct calls. In-process stages do not die: a fault is
+    rebuilt on the same objects."""
+
+    def __init__(self, servers: list[StageServer]):
+        self.servers = servers
+        self.generation = 0
+        self.healthy = True
+        for here, after in zip(servers, servers[1:]):
+            here.link_next(lambda after=after: LocalLink(after))
+
+    async def open(self) -> AsyncLocalLink:
+        return AsyncLocalLink(self.servers[0])
+
+    async def repair(self, generation: int) -> None:
+        if self.generation == generation:
+            self.generation += 1
+
+
+class InProcessEngine(PipelinesEngine):
+    def __init__(self, model_path: str | Path, n_stages: int = 1, *,
+                 cache: CacheConfig | None = None, runtime: str = "torch",
+                 wire_dtype: str = "f16", model_name: str | None = None,
+                 ranges: list[tuple[int, int]] | None = None, lanes: int = DEFAULT_LANES,
+                 **spec_options):
+        path = Path(model_path)
+        f = open_model(path)
+        config, policy = ModelConfig.from_gguf(f), capability_for(f).policy
+        f.close()
+        self.cache = cache or CacheConfig()
+        spec_options.setdefault("chunk", self.cache.chunk)
+        ranges = ranges or even_ranges(config.n_layers, n_stages)
+        n = len(ranges)
+        servers = [StageServer(StageSpec(str(path), a, b, i, n, wire_dtype, **spec_options),
+                               self.cache, policy, runtime)
+                   for i, (a, b) in enumerate(ranges)]
+        self.servers = servers
+        self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
+        self.info = EngineInfo(model=model_name or path.stem, path=str(path),
+                               n_ctx=servers[0].runtime.n_ctx, n_stages=n,
+                               topology_digest="", lanes=lanes,
+                               extra={"runtime": runtime, "policy": policy, "pipelines": 1})
+
+    def stats(self) -> dict:
+        return {"stages": [s.stats() for s in self.servers], **self._figures()}
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,48 @@
+"""What both engines share: admission, the router over pipelines, the one driver, and the
+figures about them. An engine differs only in how it builds its pipelines: stage objects
+in this process (mesh/control/local.py) or stage actors on Ray (mesh/control/ray_engine.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from ..engine import EngineInfo, GenerationRequest, Step, check_fits
+from ..router import Router
+from .admission import Admission
+from .driver import Pipeline, drive
+
+
+class PipelinesEngine:
+    info: EngineInfo
+
+    def _serve(self, pipelines: list[Pipeline], lanes: int, stride: int) -> None:
+        self.pipes = pipelines
+        self.router = Router(len(pipelines), stride)
+        self.admission = Admission(lanes * len(pipelines))
+        self.rebuilds: Counter[str] = Counter()  # requests rebuilt, by cause
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
+        check_fits(request, self.info.n_ctx)
+        await self.admission.acquire()
+        try:
+            p = self.router.choose(request.tokens, request.namespace)
+            try:
+                async for step in drive(self.pipes[p], request, self._rebuilt):
+                    yield step
+            finally:
+                self.router.finished(p)
+        finally:
+            self.admission.release()
+
+    def _rebuilt(self, reason: str) -> None:
+        self.rebuilds["evicted" if "went away" in reason else "fault"] += 1
+
+    def _figures(self) -> dict:
+        return {"admission": self.admission.stats(), "rebuilds": dict(self.rebuilds),
+                "in_flight": list(self.router.load)}
+
+    def status(self) -> dict:
+        up = sum(bool(getattr(p, "healthy", True)) for p in self.pipes)
+        return {"serving": up > 0, "detail": f"{up} of {len(self.pipes)} pipeline(s) serving"}

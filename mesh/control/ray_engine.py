@@ -1,0 +1,218 @@
+"""The mesh engine: stage actors placed by Ray, requests driven over gRPC.
+
+Ray is the control plane: it places one `StageActor` per planned stage (pinned to the
+planned node), restarts dead ones and carries figures back. The router pins a request to
+a pipeline for its whole life; the driver (mesh/control/driver.py) runs it through the
+pipeline's stage 0 over a gRPC stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from skippy.cache.config import CacheConfig
+from skippy.stages.linear import held_bytes
+from skippy.stages.runtime import StageSpec
+from skippy.topology.capabilities import capability_for
+from skippy.topology.model_package import is_package, open_model
+from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
+
+from ..engine import EngineInfo
+from .pipelines import PipelinesEngine
+from .ray_pipeline import RayPipeline
+
+log = logging.getLogger(__name__)
+
+RESTARTS = 3       # Ray restarts a stage actor this many times; then the engine re-creates it
+DEFAULT_LANES = 8  # a pipeline's lane budget: 8 clients still decode together
+# OpenMP's idle workers spin this many times before they sleep (libgomp's default is
+# about 300,000): a bursting stage's idle workers otherwise spin through the next stage's
+# step on the same cores (evals/README.md, "two stages on one node").
+GOMP_SPINCOUNT = "10000"
+
+
+def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
+    """Join `address`, or start a light embedded Ray (DESIGN.md §9). True if we started it."""
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+             object_store_memory=100 * 2**20, log_to_driver=False)
+    return True
+
+
+def stage_env() -> dict[str, str]:
+    """Environment of the stage actors; a user's own OpenMP wait settings win."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
+
+
+@ray.remote(num_cpus=0)
+def _layers_here(package: str, model_digest: str) -> list[int]:
+    from skippy.topology.model_package import layers_present
+    return sorted(layers_present(package, model_digest))
+
+
+def cluster_nodes(package: Path | None = None, model_digest: str = "") -> list[NodeSpec]:
+    """The alive Ray nodes as planner nodes; the name is the Ray node id. Serving a
+    package, each node also says which layers' parts it holds at the same path, so the
+    planner can put stages where their parts are."""
+    out = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = dict(n.get("Resources", {}))
+        out.append(NodeSpec(name=n["NodeID"], memory=int(res.pop("memory", 0)),
+                            cpus=int(res.pop("CPU", 1)),
+                            resources={k: v for k, v in res.items()
+                                       if not k.startswith(("node:", "object_store"))}))
+    if package is None:
+        return out
+    asks = [_layers_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node.name, soft=False)).remote(str(package), model_digest) for node in out]
+    held = ray.get(asks, timeout=60)
+    return [dataclasses.replace(node, layers=frozenset(layers))
+            for node, layers in zip(out, held)]
+
+
+@dataclasses.dataclass
+class _Launch:
+    """How to start each stage's actor: what a re-created actor needs again."""
+    path: Path
+    plan: Plan
+    cache: CacheConfig
+    policy: str
+    runtime: str
+    pipelines: int
+    options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
+
+    def spec(self, st: StagePlan) -> tuple[StageSpec, int | None]:
+        """The stage's spec and its burst threads. Stages sharing a node share its cores
+        (they all compute at once under concurrent requests); one session alone keeps
+        them computing in turn, so each may then take its pipeline's cores there."""
+        sharing = Counter(s.node.name for s in self.plan.stages)[st.node.name]
+        share = max(1, st.node.cpus // (sharing * self.pipelines))
+        o = self.options
+        spec = StageSpec(str(self.path), st.start, st.end, st.index, len(self.plan.stages),
+                         o["wire_dtype"], n_ctx=o["n_ctx"], chunk=self.cache.chunk,
+                         threads=o["threads"] or share, lane_batch=o["lane_batch"],
+                         weight_format=o["weight_format"])
+        return spec, None if o["threads"] else share * sharing
+
+    def actor(self, i: int):
+        from ..stage.actor import StageActor
+        st = self.plan.stages[i]
+        spec, burst = self.spec(st)
+        return StageActor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
+            num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
+            runtime_env={"env_vars": stage_env()},
+        ).remote(spec, self.cache, self.policy, self.runtime, burst_threads=burst)
+
+
+class RayEngine(PipelinesEngine):
+    def __init__(self, model_path: str | Path, n_stages: int | None = None, *,
+                 pipelines: int = 1, model_name: str | None = None,
+                 address: str | None = None, cache: CacheConfig | None = None,
+                 runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
+                 threads: int | None = None, weight_format: str = "fp32",
+                 lane_batch: int = 1, lanes: int = DEFAULT_LANES,
+                 progress: Callable[[str], None] = log.info):
+        if pipelines < 1:
+            raise ValueError(f"pipelines must be at least 1, not {pipelines}")
+        path = Path(model_path)
+        self._owns_ray = start_ray(address)
+        self.cache = cache or CacheConfig()
+        f = open_model(path)
+        policy = capability_for(f).policy
+        f.close()
+        held = None if runtime != "torch" else functools.partial(held_bytes, weight_format)
+        facts = ModelFacts.from_gguf(path, tensor_bytes=held)
+        n_ctx = min(n_ctx, facts.context_length or n_ctx)
+        # Every pipeline uses the same plan: the same ranges compute the same numbers, so
+        # one topology digest names them all (the gateway's exact results rely on it).
+        nodes = cluster_nodes(path if is_package(path) else None, facts.model_digest)
+        self.plan: Plan = plan(facts, nodes, wire_dtype=wire_dtype, n_ctx=n_ctx,
+                               stages=n_stages, lanes=lanes * pipelines)
+        n = len(self.plan.stages)
+        progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
+                 f"topology {self.plan.digest[:16]}")
+        self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines,
+                               dict(wire_dtype=wire_dtype, n_ctx=n_ctx, threads=threads,
+                                    lane_batch=lane_batch, weight_format=weight_format))
+        for r in range(pipelines):
+            for st in self.plan.stages:
+                progress(_placement(r, st, path))
+        self.pipelines = [RayPipeline(self._launch.actor, n) for _ in range(pipelines)]
+        t = time.monotonic()
+        for pipe in self.pipelines:
+            pipe.wire()
+        progress(f"loaded in {time.monotonic() - t:.1f} s")
+        self._serve(self.pipelines, lanes, self.cache.stride)
+        self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
+                               n_stages=n, topology_digest=self.plan.digest, lanes=lanes,
+                               extra={"runtime": runtime, "policy": policy,
+                                      "pipelines": pipelines, "weight_format": weight_format,
+                                      "lane_batch": lane_batch})
+
+    @property
+    def actors(self) -> list:
+        """The first pipeline's stage actors (tests and tools)."""
+        return self.pipelines[0].actors
+
+    def node_ids(self, pipeline: int = 0) -> list[str]:
+        return ray.get([a.node_id.remote() for a in self.pipelines[pipeline].actors],
+                       timeout=60)
+
+    def stats(self) -> dict:
+        """Per-stage figures, summed over pipelines stage by stage."""
+        try:
+            per = [ray.get([a.stats.remote() for a in pipe.actors], timeout=10)
+                   for pipe in self.pipelines]
+        except Exception as e:  # a stage restarting: figures are best effort
+            log.warning("stage figures unavailable: %s", e)
+            per = [[]]
+        stages = per[0] if len(per) == 1 else [_sum(col) for col in zip(*per)]
+        return {"stages": stages, "recreated": sum(p.recreated for p in self.pipelines),
+                **self._figures()}
+
+    async def close(self) -> None:
+        for pipe in self.pipelines:
+            await pipe.close()
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def _placement(r: int, st: StagePlan, path: Path) -> str:
+    here = ""
+    if is_package(path):
+        n_here = sum(i in st.node.layers for i in range(st.start, st.end))
+        here = f", parts of {n_here}/{st.n_layers} layers already there"
+    return (f"pipeline {r} stage {st.index}: layers {st.start}-{st.end - 1} on node "
+            f"{st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB{here}")
+
+
+def _sum(dicts: list[dict]) -> dict:
+    """Numbers added key by key (nested dicts too); anything else from the first."""
+    out = dict(dicts[0])
+    for d in dicts[1:]:
+        for k, v in d.items():
+            if isinstance(v, dict) and isinstance(out.get(k), dict):
+                out[k] = _sum([out[k], v])
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and k in out:
+                out[k] = out[k] + v
+    return out

@@ -1,0 +1,94 @@
+"""A stage over gRPC: the servicer, the server, and a stage's link to the next one.
+
+A `Session` stream is one request's life at this stage (mesh/stage/session.py). Channels
+carry keepalive pings, so a peer that vanished (a node lost) ends its streams instead of
+leaving them hanging; message sizes are capped at the largest frame a prefill sends.
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent import futures
+
+import grpc
+
+from skippy.proto import stage_pb2 as pb
+from skippy.proto import stage_pb2_grpc
+
+from .server import StageServer
+from .session import LinkDown
+
+MAX_SESSIONS = 64   # concurrent request streams a stage serves (each holds a thread)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+_SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, server: StageServer):
+        self.server = server
+
+    def Session(self, calls, context):
+        session = self.server.open_session()
+        try:
+            for call in calls:
+                yield session.handle(call)
+        finally:
+            session.close()
+
+    def GetBlocks(self, request, context):
+        for h, data in self.server.blocks(request.hashes):
+            yield pb.Block(hash=h, data=data)
+
+
+class GrpcLink:
+    """One request's stream to the next stage: send a call, read its answer."""
+
+    def __init__(self, stub: stage_pb2_grpc.StageStub):
+        self._calls: queue.Queue = queue.Queue()
+        self._replies = stub.Session(iter(self._calls.get, None))
+
+    def ask(self, call: pb.StageCall) -> pb.StageResult:
+        self._calls.put(call)
+        try:
+            return next(self._replies)
+        except grpc.RpcError as e:
+            raise LinkDown(f"the next stage is unreachable: {e.code().name}") from e
+        except StopIteration as e:
+            raise LinkDown("the next stage closed the stream") from e
+
+    def close(self) -> None:
+        self._calls.put(None)
+        self._replies.cancel()
+
+
+def grpc_opener(address: str):
+    """Opens links over one channel to `address`. A channel replaced by a newer one is
+    closed by the garbage collector once the last stream on it ends: it drains."""
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    stub = stage_pb2_grpc.StageStub(channel)
+    return lambda: GrpcLink(stub)
+
+
+def start_server(server: StageServer, host: str) -> tuple[grpc.Server, str]:
+    """Serve `server` on host:<free port>; returns the gRPC server and its address."""
+    return serve(StageServicer(server), host)
+
+
+def serve(servicer: stage_pb2_grpc.StageServicer, host: str) -> tuple[grpc.Server, str]:
+    """Any Stage servicer on host:<free port> (benchmarks serve a trivial one)."""
+    rpc = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_SESSIONS + 4),
+                      options=_SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_SESSIONS)
+    stage_pb2_grpc.add_StageServicer_to_server(servicer, rpc)
+    port = rpc.add_insecure_port(f"{host}:0")
+    rpc.start()
+    return rpc, f"{host}:{port}"

@@ -1,0 +1,213 @@
+"""A stage's compute loop: one thread runs every torch call, the way llama.cpp's server
+runs its slots.
+
+Sessions only post work and wait for its result. The loop takes every waiting decode row
+into one runtime step, and runs other work (lane bookkeeping, a prefill) between steps; a
+prefill runs the rows that arrive meanwhile between its chunks, so one long prompt never
+stalls the other streams. One thread also keeps OpenMP to one worker team: teams started
+from several threads fought over the cores (`evals/bench_mesh.py` measures a stage's step
+time in and out of the actor).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# How long a free loop waits for the other decoding sessions' rows to join a step:
+# without it rows settle into groups that take turns and a batch runs half-empty.
+GATHER_S = 0.003
+
+
+@dataclass
+class Row:
+    """One session's decode row. `finish` runs on the loop thread with the runtime's
+    output for this row (note the token, sample) and its return value is the row's
+    result; an exception there fails this row only."""
+    lane: int
+    x: object
+    finish: Callable[[object], object]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+    def settle(self, result=None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+@dataclass
+class _Job:
+    fn: Callable[[], object]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Timing:
+    """Seconds spent computing, by step kind (for /metrics)."""
+    seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+    count: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    rows: int = 0  # decode rows: rows / count["decode"] is the mean batch
+
+    def add(self, kind: str, dt: float, rows: int = 0) -> None:
+        self.seconds[kind] += dt
+        self.count[kind] += 1
+        self.rows += rows
+
+
+class StageLoop:
+    """`step(rows)` runs one batched runtime decode and returns one output per row;
+    `check(row)` validates a row before it joins a step (its exception fails that row
+    only). Thread counts are the loop's: `threads` while several sessions are open,
+    `burst` (its pipeline's cores) while one session alone keeps the stages computing in
+    turn, where the runtime's bits do not depend on the thread count."""
+
+    def __init__(self, step: Callable[[list[tuple[int, object]]], list], *,
+                 check: Callable[[Row], None] = lambda row: None,
+                 threads: int | None = None):
+        self._step, self._check = step, check
+        self._threads, self._burst = threads, None
+        self._cv = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._rows: list[Row] = []
+        self._free_at = 0.0        # when the last step ended
+        self.decoding = 0          # sessions past their prefill: rows to expect
+        self.sessions = 0          # open sessions (thread bursting)
+        self.timing = Timing()
+        self._thread = threading.Thread(target=self._run, name="stage-loop", daemon=True)
+        self._thread.start()
+        if threads:
+            self.call(torch.set_num_threads, threads)
+
+    # -- what sessions call --------------------------------------------------------------
+    def call(self, fn, *args, **kwargs):
+        """Run fn on the loop thread between steps; its result or its exception."""
+        if threading.current_thread() is self._thread:  # already here (between chunks)
+            return fn(*args, **kwargs)
+        job = _Job(lambda: fn(*args, **kwargs))
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def decode(self, row: Row):
+        """Post one decode row and wait for its result."""
+        with self._cv:
+            self._rows.append(row)
+            self._cv.notify_all()
+        row.done.wait()
+        if row.error is not None:
+            raise row.error
+        return row.result
+
+    def compute(self, kind: str, fn, *args, **kwargs):
+        """A prefill-like job, timed and run at the loop's thread count."""
+        def timed():
+            self._fit_threads()
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.timing.add(kind, time.perf_counter() - t)
+        return self.call(timed)
+
+    def allow_burst(self, burst: int | None) -> None:
+        """Take `burst` threads while one session is open (only where the runtime's
+        bits do not depend on the thread count)."""
+        if burst and self._threads and burst > self._threads:
+            self._burst = burst
+
+    def opened(self, delta: int) -> None:
+        with self._cv:
+            self.sessions += delta
+
+    def decoding_changed(self, delta: int) -> None:
+        with self._cv:
+            self.decoding += delta
+            self._cv.notify_all()  # a gathering step may now have every row it expects
+
+    # -- the loop ------------------------------------------------------------------------
+    def run_waiting_rows(self) -> None:
+        """On the loop thread (between a prefill's chunks): run the rows waiting now."""
+        with self._cv:
+            rows, self._rows = self._rows, []
+        if rows:
+            self._run_rows(rows)
+
+    def _run(self) -> None:
+        while True:
+            rows, job = self._next()
+            if rows:
+                self._run_rows(rows)
+            elif job is not None:
+                try:
+                    job.result = job.fn()
+                except BaseException as e:  # the poster raises it
+                    job.error = e
+                job.done.set()
+            with self._cv:
+                self._free_at = time.monotonic()
+
+    def _next(self) -> tuple[list[Row], _Job | None]:
+        """Rows first (once every decoding session's row is in, or the gather time is up,
+        or other work waits), else the oldest job."""
+        with self._cv:
+            while True:
+                if self._rows:
+                    wait = self._free_at + GATHER_S - time.monotonic()
+                    if len(self._rows) >= self.decoding or wait <= 0 or self._jobs:
+                        rows, self._rows = self._rows, []
+                        return rows, None
+                    self._cv.wait(timeout=wait)
+                elif self._jobs:
+                    return [], self._jobs.popleft()
+                else:
+                    self._cv.wait()
+
+    def _run_rows(self, rows: list[Row]) -> None:
+        """One runtime step for the rows that pass their check; each row then finishes
+        (or fails) on its own. A failing runtime step fails its rows: a stage fault."""
+        ok = []
+        for row in rows:
+            try:
+                self._check(row)
+                ok.append(row)
+            except Exception as e:
+                row.settle(error=e)
+        if not ok:
+            return
+        self._fit_threads()
+        t = time.perf_counter()
+        try:
+            outs = self._step([(row.lane, row.x) for row in ok])
+        except Exception as e:
+            log.exception("decode step of %d rows failed", len(ok))
+            for row in ok:
+                row.settle(error=e)
+            return
+        finally:
+            self.timing.add("decode", time.perf_counter() - t, len(ok))
+        for row, out in zip(ok, outs):
+            try:
+                row.settle(row.finish(out))
+            except Exception as e:
+                row.settle(error=e)
+
+    def _fit_threads(self) -> None:
+        if self._burst:
+            n = self._burst if self.sessions <= 1 else self._threads
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)

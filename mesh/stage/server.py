@@ -1,0 +1,82 @@
+"""One stage, whatever carries its calls: the runtime, its exact caches, its compute loop,
+and the link to the next stage. The gRPC service (mesh/stage/grpc_service.py) and the
+in-process engine (mesh/control/local.py) both serve requests through `open_session`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+from skippy.cache.blocks import BlockError
+from skippy.cache.config import CacheConfig
+from skippy.stages.factory import make_runtime
+from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.stage_cache import StageCache
+
+from .loop import Row, StageLoop
+from .session import LinkDown, StageSession
+
+
+class StageServer:
+    def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str,
+                 runtime: str = "torch", *, burst_threads: int | None = None):
+        self.spec = spec
+        self.loop = StageLoop(self._step, check=self._check_row, threads=spec.threads)
+        self.runtime = self.loop.call(make_runtime, spec, runtime)
+        if self.runtime.thread_invariant:
+            # A stage sharing its node's cores may take its pipeline's cores while one
+            # session alone keeps the stages computing in turn (same bits on any count).
+            self.loop.allow_burst(burst_threads)
+        self.cache = self.loop.call(StageCache, self.runtime, cache, policy=policy)
+        self._next: Callable[[], object] | None = None  # opens a link to the next stage
+        self._lock = threading.Lock()
+        # A test hook: raises for a row that must fail (fault isolation is tested with it).
+        self.fault: Callable[[Row], None] | None = None
+
+    # -- the chain -----------------------------------------------------------------------
+    def link_next(self, opener: Callable[[], object] | None) -> None:
+        """How this stage opens a session at the next one (None: the last stage). Sessions
+        already open keep the link they have until they end."""
+        with self._lock:
+            self._next = opener
+
+    def open_downstream(self):
+        with self._lock:
+            opener = self._next
+        if opener is None:
+            raise LinkDown(f"stage {self.spec.stage_index} does not know the next stage")
+        return opener()
+
+    def open_session(self) -> StageSession:
+        return StageSession(self)
+
+    # -- what the loop runs --------------------------------------------------------------
+    def _step(self, rows: list[tuple[int, object]]) -> list:
+        return self.runtime.decode(rows)
+
+    def _check_row(self, row: Row) -> None:
+        if self.fault is not None:
+            self.fault(row)
+        if self.runtime.lane_length(row.lane) >= self.spec.n_ctx:
+            raise StageError(f"the context of {self.spec.n_ctx} tokens is full")
+
+    # -- blocks and figures --------------------------------------------------------------
+    def blocks(self, hashes: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:
+        """Each asked block's bytes, empty where this stage's store lacks it (the asker
+        then recomputes): state shared between nodes by hash."""
+        store = self.cache.store
+        for h in hashes:
+            try:
+                data = store.get(h) if store is not None else b""
+            except BlockError:  # absent or corrupt here
+                data = b""
+            yield h, data
+
+    def stats(self) -> dict:
+        s = self.loop.call(self.cache.stats)
+        t = self.loop.timing
+        s.update(stage_index=self.spec.stage_index,
+                 layers=[self.spec.layer_start, self.spec.layer_end],
+                 seconds=dict(t.seconds), steps=dict(t.count), decode_rows=t.rows,
+                 sessions=self.loop.sessions)
+        return s

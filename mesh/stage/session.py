@@ -1,0 +1,222 @@
+"""One request's life at one stage: its lane, its link downstream, its sampler.
+
+The stream's calls (proto/stage.proto):
+
+    plan     -> ask downstream where it starts (d), plan our own start, answer it; the
+                last stage may answer an exact repeat of the prompt with its first token
+    prefill  -> restore, prefill, send rows [d, n) down; the last stage samples
+    decode   -> one row, sent down; the last stage samples
+
+A replayed prefill or decode (a request rebuilt after a fault) recomputes its rows exactly
+as they were made, and the last stage samples nothing. The lane is taken at the first
+call and freed by `close`, so a client that goes away frees every lane down the chain.
+Errors are replies: `invalid` when the request is at fault (never retried), `retryable`
+when a stage or link failed (the driver rebuilds the request), `busy` when no lane came
+free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from skippy.proto import stage_pb2 as pb
+from skippy.stages.runtime import StageError
+
+from ..sampler import Sampler
+from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
+from .loop import Row
+
+log = logging.getLogger(__name__)
+
+LANE_WAIT_S = 30  # how long a request waits for a lane before it is told "busy"
+
+
+class LinkDown(Exception):
+    """The next stage could not be reached (the request is rebuilt)."""
+
+
+class Busy(Exception):
+    """No lane came free in time."""
+
+
+class StageSession:
+    def __init__(self, server):
+        self.server, self.loop, self.cache = server, server.loop, server.cache
+        self.last = server.spec.is_last
+        self.lane: int | None = None
+        self.down = None                     # the link to the next stage, once opened
+        self.sampler: Sampler | None = None  # the last stage's
+        self.want_logits = False
+        self.probe, self.namespace = False, ""
+        self.downstream_start: int | None = None
+        self.decoding = False
+        self.loop.opened(1)
+
+    def handle(self, call: pb.StageCall) -> pb.StageResult:
+        kind = call.WhichOneof("call")
+        try:
+            if kind == "plan":
+                return self._plan(call.plan)
+            if kind == "prefill":
+                return self._prefill(call.prefill)
+            if kind == "decode":
+                return self._decode(call.decode)
+            return error("empty call", invalid=True)
+        except Busy as e:
+            return pb.StageResult(error=pb.Error(message=str(e), busy=True))
+        except ValueError as e:  # StageError, a malformed frame, bad sampling settings
+            return error(str(e), invalid=True)
+        except LinkDown as e:
+            self._close_down()
+            return error(str(e), retryable=True)
+        except Exception as e:  # a fault of this stage: the request is rebuilt
+            log.exception("stage %d failed a %s call", self.server.spec.stage_index, kind)
+            return error(f"stage {self.server.spec.stage_index}: {type(e).__name__}: {e}",
+                         retryable=True)
+
+    def close(self) -> None:
+        if self.decoding:
+            self.loop.decoding_changed(-1)
+            self.decoding = False
+        self._close_down()
+        if self.lane is not None:
+            lane, self.lane = self.lane, None
+            self.loop.call(self.cache.free_lane, lane, keep_warm=not self.probe)
+        self.loop.opened(-1)
+
+    # -- calls ---------------------------------------------------------------------------
+    def _plan(self, p: pb.Plan) -> pb.StageResult:
+        tokens = list(p.tokens)
+        self._begin(tokens, p.probe, p.namespace)
+        if self.last and p.results and p.HasField("sampling"):
+            logits = self.loop.call(self.cache.cached_result, tokens, probe=p.probe,
+                                    namespace=p.namespace)
+            if logits is not None:  # an exact repeat: its first token, nothing computed
+                self._new_sampler(p.sampling)
+                return pb.StageResult(token=self._sample(logits, len(tokens)))
+        d = None
+        if not self.last:
+            reply = self._downstream().ask(pb.StageCall(plan=p))
+            if reply.WhichOneof("result") != "plan":
+                return reply
+            d = reply.plan.start
+        start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, probe=p.probe,
+                               namespace=p.namespace)
+        self.downstream_start = d
+        return pb.StageResult(plan=pb.PlanReply(start=start))
+
+    def _prefill(self, p: pb.Prefill) -> pb.StageResult:
+        tokens, start = list(p.tokens), p.start
+        self._begin(tokens, p.probe, p.namespace)
+        if self.server.spec.is_first:
+            inputs = torch.tensor(tokens[start:], dtype=torch.long)
+        else:
+            inputs = frame_from_proto(p.frame)
+            if inputs.start != start:
+                raise StageError(f"frame starts at {inputs.start}, not {start}")
+        if self.last:
+            self._new_sampler(p.sampling)
+        out = self.loop.compute("prefill", self._restore_and_prefill, tokens, inputs, start,
+                                p.probe, p.namespace)
+        self._start_decoding()
+        if self.last:
+            if not p.probe:
+                self.loop.call(self.cache.remember_result, tokens, out.logits,
+                               namespace=p.namespace)
+            if p.replay:
+                return pb.StageResult(done=pb.Done(cached_tokens=start))
+            return pb.StageResult(token=self.loop.call(self._sample, out.logits, start))
+        sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
+                          probe=p.probe, namespace=p.namespace, replay=p.replay)
+        sent.frame.CopyFrom(frame_to_proto(out.frame))
+        reply = self._downstream().ask(pb.StageCall(prefill=sent))
+        kind = reply.WhichOneof("result")
+        if kind in ("token", "done"):  # prompt tokens no stage computed
+            msg = getattr(reply, kind)
+            msg.cached_tokens = min(msg.cached_tokens, start)
+        return reply
+
+    def _decode(self, d: pb.Decode) -> pb.StageResult:
+        if self.lane is None or not self.decoding:
+            raise StageError("decode before prefill")
+        x = torch.tensor(d.token) if self.server.spec.is_first else frame_from_proto(d.frame)
+        token, replay = d.token, d.replay
+
+        def finish(out):  # on the loop thread, this row alone
+            self.cache.note_decoded(self.lane, token)
+            if not self.last:
+                return out.frame
+            if replay:
+                return None
+            return self._sample(out.logits)
+
+        out = self.loop.decode(Row(self.lane, x, finish))
+        if self.last:
+            return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
+        sent = pb.Decode(token=token, replay=replay)
+        sent.frame.CopyFrom(frame_to_proto(out))
+        return self._downstream().ask(pb.StageCall(decode=sent))
+
+    # -- pieces --------------------------------------------------------------------------
+    def _begin(self, tokens: list[int], probe: bool, namespace: str) -> None:
+        """At the first call: the warm lane holding most of the prompt (a probe: a fresh
+        one), waiting for one where the runtime has a fixed number."""
+        if self.lane is not None:
+            return
+        self.probe, self.namespace = probe, namespace
+        deadline = time.monotonic() + LANE_WAIT_S
+        while True:
+            try:
+                self.lane = self.loop.call(self.cache.alloc_lane, [] if probe else tokens,
+                                           namespace)
+                return
+            except StageError as e:
+                if time.monotonic() > deadline:
+                    raise Busy(str(e)) from e
+                time.sleep(0.05)
+
+    def _restore_and_prefill(self, tokens, inputs, start: int, probe: bool, namespace: str):
+        """On the loop thread. A planned restore cannot fail for lack of its entry (the
+        plan pinned it); one that fails anyway (a corrupt block) is a stage fault."""
+        if not self.cache.restore(self.lane, tokens, start, namespace=namespace):
+            raise RuntimeError(f"cached state for {start} tokens went away before the prefill")
+        return self.cache.prefill(self.lane, tokens, inputs, start, probe=probe,
+                                  namespace=namespace,
+                                  downstream=self.downstream_start if not self.last else None,
+                                  between_chunks=self.loop.run_waiting_rows)
+
+    def _new_sampler(self, sampling: pb.Sampling) -> None:
+        self.sampler = Sampler(sampling_from_proto(sampling), sampling.generated)
+        self.want_logits = sampling.logits
+
+    def _sample(self, logits: torch.Tensor, cached_tokens: int = 0) -> pb.Token:
+        if self.sampler is None:
+            raise StageError("decode before prefill")
+        token = self.sampler(logits)  # sets sampler.last (its log-probs) when asked for
+        msg = token_to_proto(token, self.sampler.last, cached_tokens)
+        if self.want_logits:
+            msg.logits = logits.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+        return msg
+
+    def _start_decoding(self) -> None:
+        if not self.decoding:
+            self.decoding = True
+            self.loop.decoding_changed(1)
+
+    def _downstream(self):
+        if self.down is None:
+            self.down = self.server.open_downstream()
+        return self.down
+
+    def _close_down(self) -> None:
+        if self.down is not None:
+            down, self.down = self.down, None
+            down.close()
+
+
+def error(message: str, *, retryable: bool = False, invalid: bool = False) -> pb.StageResult:
+    return pb.StageResult(error=pb.Error(message=message, retryable=retryable,
+                                         invalid=invalid))
