@@ -168,11 +168,11 @@ def test_a_server_that_exits_early_reports_its_log():
 # -- the HTTP runners against our gateway -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway(smollm2):
-    from skippy.mesh.engine import EngineInfo, LocalEngine
+    from skippy.cache.config import CacheConfig
+    from skippy.mesh.control.local import InProcessEngine
     from skippy.mesh.gateway import BackgroundServer, create_app
-    from skippy.mesh.pipeline import LocalPipeline
-    pipe = LocalPipeline(smollm2, 1, n_ctx=1024)
-    engine = LocalEngine(pipe, EngineInfo("smollm2", str(smollm2), pipe.n_ctx, 1, "bench-test"))
+    engine = InProcessEngine(smollm2, 1, n_ctx=1024, cache=CacheConfig(enabled=False),
+                             model_name="smollm2")
     with BackgroundServer(create_app(engine, api_keys=())) as srv:
         yield srv
 

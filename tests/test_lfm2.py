@@ -9,8 +9,7 @@ import torch
 
 from skippy.evals.numerics import greedy_logits, margin_agreement, split_logits
 from skippy.evals.reference import LlamaCppReference
-from skippy.mesh.pipeline import LocalPipeline
-from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.control.local import InProcessEngine
 from skippy.stages.layers import rms_norm
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.synth import write_synthetic
@@ -101,8 +100,8 @@ def test_stages_give_bitwise_equal_logits_with_f32_wire(lfm2_f32):
 
 def test_stages_give_identical_greedy_tokens_with_f16_wire(lfm2_f32):
     def tokens(n):
-        pipe = LocalPipeline(lfm2_f32, n, wire_dtype="f16", n_ctx=512)
-        return list(pipe.generate(PROMPT, 16, Sampler(SamplingParams(temperature=0))))
+        engine = InProcessEngine(lfm2_f32, n, wire_dtype="f16", n_ctx=512)
+        return [s.token for s in engine.complete(PROMPT, 16)]
 
     one = tokens(1)
     assert len(one) == 16

@@ -19,9 +19,8 @@ import ray  # noqa: E402
 from skippy.cache.config import CacheConfig  # noqa: E402
 from skippy.mesh.chat import render_chat  # noqa: E402
 from skippy.mesh.gateway import BackgroundServer, create_app  # noqa: E402
-from skippy.mesh.pipeline import LocalPipeline  # noqa: E402
+from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
-from skippy.mesh.sampler import Sampler, SamplingParams  # noqa: E402
 from skippy.mesh.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,12 +65,12 @@ def client(server):
 def reference(smollm2):
     """What the in-process pipeline (no cache) answers: the output to match."""
     tok = Tokenizer(smollm2)
-    pipe = LocalPipeline(smollm2, 2, n_ctx=2048)
+    local = InProcessEngine(smollm2, 2, n_ctx=2048, cache=CacheConfig(enabled=False))
 
     def answer(question: str, max_tokens: int) -> str:
         ids = tok.encode(render_chat(smollm2, [{"role": "user", "content": question}]))
-        out = pipe.generate(ids, max_tokens, Sampler(SamplingParams()), tok.eog_ids)
-        return tok.decode(list(out))
+        steps = local.complete(ids, max_tokens, stop_ids=frozenset(tok.eog_ids))
+        return tok.decode([s.token for s in steps])
     return answer
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import openai
 import pytest
 
+from skippy.cache.config import CacheConfig
 from skippy.mesh.chat import render_chat
-from skippy.mesh.engine import EngineInfo, LocalEngine
+from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.gateway import BackgroundServer, create_app
-from skippy.mesh.pipeline import LocalPipeline
-from skippy.mesh.sampler import Sampler, SamplingParams
 from skippy.mesh.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are brief."},
@@ -26,12 +25,12 @@ def tok(smollm2):
 
 @pytest.fixture(scope="module")
 def pipe(smollm2):
-    return LocalPipeline(smollm2, 2)
+    return InProcessEngine(smollm2, 2, cache=CacheConfig(enabled=False))
 
 
 @pytest.fixture(scope="module")
 def url(smollm2, pipe):
-    engine = LocalEngine(pipe, EngineInfo("smollm2", str(smollm2), pipe.n_ctx, 2, "s2"))
+    engine = pipe
     with BackgroundServer(create_app(engine, api_keys=())) as plain, \
             BackgroundServer(create_app(engine, api_keys=["sesame"])) as keyed:
         yield plain.url, keyed.url
@@ -45,7 +44,7 @@ def client(url):
 
 def greedy_text(pipe, tok, text, n):
     ids = tok.encode(text)
-    return tok.decode(pipe.generate(ids, n, Sampler(SamplingParams()), set(tok.eog_ids)))
+    return tok.decode([s.token for s in pipe.complete(ids, n, stop_ids=frozenset(tok.eog_ids))])
 
 
 def test_models_list(client):

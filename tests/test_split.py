@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from skippy.mesh.pipeline import LocalPipeline
-from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.control.local import InProcessEngine
 
 PROMPT = list(range(1000, 1150))  # 150 ids: two full chunks of 64 and a padded one
 
@@ -37,11 +37,10 @@ def test_stages_give_bitwise_equal_logits_with_f32_wire(model, request):
 @pytest.mark.parametrize("model", ["qwen3_f32", "smollm2"])
 def test_stages_give_identical_greedy_tokens_with_f16_wire(model, request):
     path = request.getfixturevalue(model)
-    greedy = SamplingParams(temperature=0)
 
     def tokens(n):
-        pipe = LocalPipeline(path, n, wire_dtype="f16", n_ctx=512)
-        return list(pipe.generate(PROMPT, 16, Sampler(greedy)))
+        engine = InProcessEngine(path, n, wire_dtype="f16", n_ctx=512)
+        return [s.token for s in engine.complete(PROMPT, 16)]
 
     one = tokens(1)
     assert len(one) == 16

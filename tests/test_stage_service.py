@@ -10,8 +10,7 @@ import grpc
 import pytest
 
 from skippy.cache.config import CacheConfig
-from skippy.mesh.pipeline import LocalPipeline
-from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.stage.grpc_service import start_server
 from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
@@ -53,8 +52,8 @@ def session(address: str, tokens: list[int], steps: int) -> list[int]:
 
 def test_concurrent_sessions_batch_their_decode_rows_and_match_alone(stage, smollm2):
     service, address = stage
-    pipe = LocalPipeline(smollm2, 1, n_ctx=512)
-    want = [list(pipe.generate(p, STEPS, Sampler(SamplingParams()))) for p in PROMPTS]
+    engine = InProcessEngine(smollm2, 1, n_ctx=512, cache=CacheConfig(enabled=False))
+    want = [[s.token for s in engine.complete(p, STEPS)] for p in PROMPTS]
     got: dict[int, list[int]] = {}
     threads = [threading.Thread(target=lambda i=i: got.__setitem__(
         i, session(address, PROMPTS[i], STEPS))) for i in range(len(PROMPTS))]
@@ -86,8 +85,8 @@ def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smo
     _, address = stage
     long_prompt = [1] + [(i * 53) % 30000 + 50 for i in range(447)]  # 7 chunks of 64
     steps = 24
-    pipe = LocalPipeline(smollm2, 1, n_ctx=512)
-    want = list(pipe.generate(PROMPTS[0], steps, Sampler(SamplingParams())))
+    engine = InProcessEngine(smollm2, 1, n_ctx=512, cache=CacheConfig(enabled=False))
+    want = [s.token for s in engine.complete(PROMPTS[0], steps)]
     replies_at: list[float] = []
     window: dict[str, float] = {}
     started = threading.Event()

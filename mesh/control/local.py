@@ -16,9 +16,9 @@ from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
-from skippy.topology.planner import even_ranges
+from skippy.topology.planner import even_ranges, gguf_model_digest, topology_digest
 
-from ..engine import EngineInfo
+from ..engine import EngineInfo, GenerationRequest, Step
 from ..stage.server import StageServer
 from .pipelines import PipelinesEngine
 
@@ -86,6 +86,7 @@ class InProcessEngine(PipelinesEngine):
         path = Path(model_path)
         f = open_model(path)
         config, policy = ModelConfig.from_gguf(f), capability_for(f).policy
+        model_digest = gguf_model_digest(f)
         f.close()
         self.cache = cache or CacheConfig()
         spec_options.setdefault("chunk", self.cache.chunk)
@@ -98,8 +99,17 @@ class InProcessEngine(PipelinesEngine):
         self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
         self.info = EngineInfo(model=model_name or path.stem, path=str(path),
                                n_ctx=servers[0].runtime.n_ctx, n_stages=n,
-                               topology_digest="", lanes=lanes,
+                               topology_digest=topology_digest(model_digest, ranges,
+                                                               wire_dtype), lanes=lanes,
                                extra={"runtime": runtime, "policy": policy, "pipelines": 1})
+
+    def complete(self, tokens, max_tokens: int, **fields) -> list[Step]:
+        """A request's steps, run to the end from synchronous code (tests, the CLI)."""
+        request = GenerationRequest(tuple(tokens), max_tokens, **fields)
+
+        async def run():
+            return [step async for step in self.generate(request)]
+        return asyncio.run(run())
 
     def stats(self) -> dict:
         return {"stages": [s.stats() for s in self.servers], **self._figures()}

@@ -22,6 +22,7 @@ class PipelinesEngine:
         self.router = Router(len(pipelines), stride)
         self.admission = Admission(lanes * len(pipelines))
         self.rebuilds: Counter[str] = Counter()  # requests rebuilt, by cause
+        self.rebuilds_by_pipeline = [0] * len(pipelines)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         check_fits(request, self.info.n_ctx)
@@ -29,18 +30,21 @@ class PipelinesEngine:
         try:
             p = self.router.choose(request.tokens, request.namespace)
             try:
-                async for step in drive(self.pipes[p], request, self._rebuilt):
+                async for step in drive(self.pipes[p], request,
+                                        lambda reason: self._rebuilt(p, reason)):
                     yield step
             finally:
                 self.router.finished(p)
         finally:
             self.admission.release()
 
-    def _rebuilt(self, reason: str) -> None:
+    def _rebuilt(self, p: int, reason: str) -> None:
         self.rebuilds["evicted" if "went away" in reason else "fault"] += 1
+        self.rebuilds_by_pipeline[p] += 1
 
     def _figures(self) -> dict:
         return {"admission": self.admission.stats(), "rebuilds": dict(self.rebuilds),
+                "rebuilds_by_pipeline": list(self.rebuilds_by_pipeline),
                 "in_flight": list(self.router.load)}
 
     def status(self) -> dict:

@@ -97,6 +97,7 @@ class _Launch:
     policy: str
     runtime: str
     pipelines: int
+    restarts: int
     options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
 
     def spec(self, st: StagePlan) -> tuple[StageSpec, int | None]:
@@ -118,7 +119,7 @@ class _Launch:
         spec, burst = self.spec(st)
         return StageActor.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
-            num_cpus=0, max_restarts=RESTARTS, max_task_retries=-1,
+            num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
         ).remote(spec, self.cache, self.policy, self.runtime, burst_threads=burst)
 
@@ -129,7 +130,7 @@ class RayEngine(PipelinesEngine):
                  address: str | None = None, cache: CacheConfig | None = None,
                  runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
                  threads: int | None = None, weight_format: str = "fp32",
-                 lane_batch: int = 1, lanes: int = DEFAULT_LANES,
+                 lane_batch: int = 1, lanes: int = DEFAULT_LANES, restarts: int = RESTARTS,
                  progress: Callable[[str], None] = log.info):
         if pipelines < 1:
             raise ValueError(f"pipelines must be at least 1, not {pipelines}")
@@ -150,7 +151,7 @@ class RayEngine(PipelinesEngine):
         n = len(self.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")
-        self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines,
+        self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines, restarts,
                                dict(wire_dtype=wire_dtype, n_ctx=n_ctx, threads=threads,
                                     lane_batch=lane_batch, weight_format=weight_format))
         for r in range(pipelines):

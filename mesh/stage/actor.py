@@ -4,6 +4,7 @@ requests reach it over gRPC (mesh/stage/grpc_service.py), never through Ray call
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 
@@ -26,6 +27,9 @@ class StageActor:
 
     def address(self) -> str:
         return self._address
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

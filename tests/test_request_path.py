@@ -1,0 +1,173 @@
+"""One request path: the in-process engine and 2 Ray stages run the same driver and stage
+code, so they give the same tokens and log-probs; faults stay inside the request that
+caused them; a stage killed mid-stream costs time, never a token.
+
+Runs inside the loopback-only namespace (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+pytest.importorskip("ray")
+
+import ray  # noqa: E402
+
+from skippy.cache.config import CacheConfig  # noqa: E402
+from skippy.mesh.control.local import InProcessEngine  # noqa: E402
+from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
+from skippy.mesh.engine import GenerationRequest, InvalidRequest  # noqa: E402
+from skippy.mesh.sampler import SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+PROMPTS = [[1] + [(i * 37 + k * 101) % 30000 + 50 for i in range(40 + 13 * k)]
+           for k in range(8)]
+
+
+def _requests(stop: int) -> list[GenerationRequest]:
+    p = PROMPTS
+    seeded = [SamplingParams(temperature=0.8, seed=7 + i) for i in range(3)]  # n: 3
+    return [
+        GenerationRequest(tuple(p[0]), 12),
+        GenerationRequest(tuple(p[1]), 12, SamplingParams(temperature=0.9, seed=5)),
+        *[GenerationRequest(tuple(p[2]), 8, s) for s in seeded],
+        GenerationRequest(tuple(p[3]), 8, SamplingParams(logprobs=3)),
+        GenerationRequest(tuple(p[0]), 12, stop_ids=frozenset({stop})),
+        GenerationRequest(tuple(p[4]), 12, SamplingParams(
+            temperature=0.7, seed=3, presence_penalty=0.8, frequency_penalty=0.5,
+            logit_bias=((stop, 5.0),))),
+        GenerationRequest(tuple(p[0]), 12),   # a repeat: its first token from results
+    ]
+
+
+async def _collect(engine, request):
+    return [(s.token, s.logprobs) for s in [s async for s in engine.generate(request)]]
+
+
+async def _all(engine, requests):
+    return await asyncio.gather(*[_collect(engine, r) for r in requests])
+
+
+@pytest.fixture(scope="module")
+def ray_engine(smollm2):
+    eng = RayEngine(smollm2, 2, model_name="smollm2", cache=CacheConfig(), n_ctx=1024,
+                    weight_format="int4", pipelines=2, restarts=1)
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def local_engine(smollm2, ray_engine):
+    ranges = [(st.start, st.end) for st in ray_engine.plan.stages]
+    return InProcessEngine(smollm2, ranges=ranges, cache=CacheConfig(), n_ctx=1024,
+                           weight_format="int4")
+
+
+def test_in_process_and_ray_stages_answer_alike(local_engine, ray_engine):
+    greedy = local_engine.complete(PROMPTS[0], 12)
+    stop = greedy[4].token
+    requests = _requests(stop)
+    want = asyncio.run(_all(local_engine, requests))
+    got = asyncio.run(_all(ray_engine, requests))
+    assert got == want
+    assert len(want[6]) < 12                       # the stop id ended it
+    assert want[5][0][1] is not None               # log-probs came back
+    assert want[-1] == want[0]                     # the repeat is the same answer
+    assert ray_engine.stats()["rebuilds"] == {}
+
+
+def test_an_overflowing_temperature_beside_greedy_streams_is_greedy(ray_engine):
+    # temperature 1e-40 overflows the scaled logits: the sampler falls back to argmax,
+    # and the batch it shares with six greedy streams is unaffected.
+    requests = [GenerationRequest(tuple(p), 8) for p in PROMPTS[:6]]
+    tiny = GenerationRequest(tuple(PROMPTS[0]), 8, SamplingParams(temperature=1e-40))
+    got = asyncio.run(_all(ray_engine, requests + [tiny]))
+    assert got[-1] == got[0]
+    assert ray_engine.stats()["rebuilds"] == {}
+
+
+def test_stage_kills_mid_stream_cost_no_token(ray_engine):
+    """SIGKILL a stage of pipeline 0 at a drawn token, five rounds in a row: every stream
+    ends with its fault-free tokens and log-probs, the other pipeline never rebuilds, and
+    the engine re-creates a stage that Ray stopped restarting (restarts=1)."""
+    seed = random.randrange(2**32)
+    print(f"stage-kill seed {seed}")
+    rng = random.Random(seed)
+    requests = [GenerationRequest(tuple(p), 64, SamplingParams(logprobs=1))
+                for p in PROMPTS]
+    want = asyncio.run(_all(ray_engine, requests))
+    before = list(ray_engine.stats()["rebuilds_by_pipeline"])
+    for _ in range(5):
+        stage, at = rng.randrange(2), rng.randrange(4, 48)
+        pid = ray.get(ray_engine.pipelines[0].actors[stage].pid.remote(), timeout=900)
+
+        async def kill_at(request):
+            out = []
+            async for s in ray_engine.generate(request):
+                out.append((s.token, s.logprobs))
+                if len(out) == at and request is requests[0]:
+                    os.kill(pid, signal.SIGKILL)
+            return out
+
+        got = asyncio.run(_gather(kill_at, requests))
+        assert got == want, f"seed {seed}"
+    after = ray_engine.stats()
+    assert after["rebuilds_by_pipeline"][0] > before[0]
+    assert after["rebuilds_by_pipeline"][1] == before[1]
+    assert after["recreated"] >= 1
+    assert asyncio.run(_all(ray_engine, requests[:2])) == want[:2]  # still serving
+
+
+async def _gather(fn, requests):
+    return await asyncio.gather(*[fn(r) for r in requests])
+
+
+def test_a_poisoned_row_fails_only_its_request(smollm2):
+    engine = InProcessEngine(smollm2, 2, n_ctx=512, weight_format="int4",
+                             cache=CacheConfig(enabled=False))
+    requests = [GenerationRequest(tuple(p), 10) for p in PROMPTS[:4]]
+    want = asyncio.run(_all(engine, requests))
+    victim = want[2][3][0]   # the 4th token of the third request
+    assert all(victim not in [t for t, _ in w] for i, w in enumerate(want) if i != 2)
+
+    def poison(row):
+        if int(row.x) == victim:
+            raise ValueError("poisoned row")
+    engine.servers[0].fault = poison
+
+    async def each():
+        return await asyncio.gather(*[_collect(engine, r) for r in requests],
+                                    return_exceptions=True)
+    got = asyncio.run(each())
+    assert isinstance(got[2], InvalidRequest)
+    assert [g for i, g in enumerate(got) if i != 2] == [w for i, w in enumerate(want)
+                                                        if i != 2]
+    stats = engine.stats()
+    assert stats["rebuilds"] == {}                  # the request's fault: never retried
+    assert stats["stages"][0]["decode_rows"] > stats["stages"][0]["steps"]["decode"]
+
+
+def test_sixteen_streams_under_evictions_equal_cache_off(smollm2):
+    # A byte cap that holds a few entries: recording evicts, yet a planned restore never
+    # loses its entry (the plan pinned it), so nothing is rebuilt.
+    base = [1] + [(i * 53) % 30000 + 50 for i in range(64)]
+    prompts = [base[:1 + 64 * (k % 2)] + [(i * 7 + k * 11) % 30000 + 50
+                                         for i in range(70 + 9 * k)] for k in range(16)]
+    small = CacheConfig(max_bytes=6 * 2**20, admit_after=1)
+    on = InProcessEngine(smollm2, 2, n_ctx=512, weight_format="int4", cache=small,
+                         lanes=16)
+    off = InProcessEngine(smollm2, 2, n_ctx=512, weight_format="int4",
+                          cache=CacheConfig(enabled=False), lanes=16)
+    requests = [GenerationRequest(tuple(p), 6) for p in prompts]
+    want = asyncio.run(_all(off, requests))
+    for _ in range(2):  # the second round hits what the first recorded, or its evictions
+        assert asyncio.run(_all(on, requests)) == want
+    stats = on.stats()
+    assert sum(s["prefix"]["evictions"] for s in stats["stages"]) > 0
+    assert stats["rebuilds"].get("evicted", 0) == 0
+    assert sum(s.get("restore_failures", 0) for s in stats["stages"]) == 0
