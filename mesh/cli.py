@@ -185,6 +185,10 @@ def cmd_serve(args) -> int:
                              "use --runtime torch, or the GGUF the package was split from")
         verify_package(path)  # a bad part fails here, named, before any stage starts
     cache = CacheConfig.from_args(args)
+    from .limits import GatewayLimits
+    limits = GatewayLimits(max_concurrent_requests=args.max_concurrent_requests,
+                           max_request_tokens=args.max_request_tokens,
+                           queue_timeout_s=args.queue_timeout)  # a bad value fails here
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .gateway import serve
     from .ray_engine import RayEngine
@@ -198,12 +202,13 @@ def cmd_serve(args) -> int:
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
          f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
     keys = args.api_keys_file or None
-    serve(engine, args.host, args.port, api_keys=keys)
+    serve(engine, args.host, args.port, api_keys=keys, limits=limits)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from skippy.cache.config import add_cache_arguments
+    from . import limits
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -316,6 +321,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "255 tokens alone, 2 or more decodes every lane together")
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated)")
+    srv.add_argument("--max-concurrent-requests", type=int, metavar="N",
+                     default=limits.DEFAULT_MAX_CONCURRENT_REQUESTS,
+                     help="requests the gateway runs at once; as many more wait up to "
+                          "--queue-timeout, the rest get a 503 with Retry-After "
+                          "(default: %(default)s)")
+    srv.add_argument("--queue-timeout", type=float, metavar="S",
+                     default=limits.DEFAULT_QUEUE_TIMEOUT_S,
+                     help="seconds a request waits for one of those slots "
+                          "(default: %(default)s)")
+    srv.add_argument("--max-request-tokens", type=int, metavar="N",
+                     default=limits.DEFAULT_MAX_REQUEST_TOKENS,
+                     help="n x max_tokens summed over a request's choices; above it, a 400 "
+                          "(default: %(default)s)")
     add_cache_arguments(srv)
     srv.set_defaults(run=cmd_serve)
     return p

@@ -7,6 +7,13 @@ stop strings cut (stop_text) -> one JSON body or an SSE stream.
 Bodies are parsed by hand rather than by FastAPI models, so every mistake is a 4xx in
 OpenAI's error envelope and never FastAPI's 422. A stream starts only once the first
 token (or the end) is known, so a busy engine is still a 503, not a broken stream.
+
+Admission (`GatewayLimits`, serve's flags): a request may ask for at most the engine's
+lane budget of choices and a bounded number of tokens (400 beyond either); at most so
+many requests run at once, the next ones wait briefly in a bounded queue, then get a
+503 with Retry-After, as does a busy engine. While the engine says no pipeline can serve,
+/ready is 503, /health still 200 but "degraded" (a restarted gateway would not bring the
+stages back sooner, so liveness probes should not kill it), and requests get a 503.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import dataclasses
 import functools
 import hmac
 import logging
+import math
 import os
 import socket
 import threading
@@ -31,7 +39,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import ChatTemplate, ChatTemplateMissing, load_chat_template
+from .control.admission import Admission
 from .engine import Engine, EngineBusy, EngineError, GenerationRequest, Step
+from .limits import GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -51,7 +61,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+RETRY_AFTER_S = 2  # what a 503 tells the client when nothing better is known
 READY_PROBE_INTERVAL_S = 5.0   # /ready probes the engine at most this often
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready",
               "/metrics"}
@@ -210,10 +220,12 @@ class _Generation:
 class _Gateway:
     """What the routes share: the engine, its tokenizer and template, memo, metrics."""
 
-    def __init__(self, engine: Engine, api_keys: frozenset[str], max_body_bytes: int,
+    def __init__(self, engine: Engine, api_keys: frozenset[str], limits: GatewayLimits,
                  memo: ResultMemo):
-        self.engine, self.api_keys, self.max_body_bytes = engine, api_keys, max_body_bytes
+        self.engine, self.api_keys, self.limits = engine, api_keys, limits
         self.memo = memo
+        n = limits.max_concurrent_requests
+        self.slots = Admission(n, queue=n, wait_s=limits.queue_timeout_s)
         self.tokenizer = Tokenizer(engine.info.path)
         self.template: ChatTemplate | None = None
         self.template_missing = ""
@@ -221,7 +233,7 @@ class _Gateway:
             self.template = load_chat_template(self.tokenizer)
         except ChatTemplateMissing as e:
             self.template_missing = str(e).split(";")[0]
-        self.metrics = GatewayMetrics(engine.stats, memo.stats)
+        self.metrics = GatewayMetrics(engine.stats, memo.stats, self.slots.stats)
         self.created = int(time.time())
         self._ready_at = 0.0
         self._ready_lock = asyncio.Lock()
@@ -229,17 +241,18 @@ class _Gateway:
     # -- request -> GenerationRequest ---------------------------------------------------------
     async def read_body(self, request: Request) -> dict:
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+        limit = self.limits.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
             raise self._too_large()
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
-            if len(raw) > self.max_body_bytes:
+            if len(raw) > limit:
                 raise self._too_large()
         return parse_json(bytes(raw))
 
     def _too_large(self) -> ApiError:
-        return ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes",
+        return ApiError(413, f"the request body exceeds {self.limits.max_body_bytes} bytes",
                         code="request_too_large")
 
     def check_model(self, model: str) -> None:
@@ -299,7 +312,9 @@ class _Gateway:
             if room < 1:
                 raise bad(f"the prompt ({len(ids)} tokens) fills the context of {n_ctx} "
                           f"tokens", "prompt", "context_length_exceeded")
-            max_tokens = min(DEFAULT_MAX_TOKENS, room)
+            # a request that names no limit gets its share of the token budget, not a 400
+            share = max(1, self.limits.max_request_tokens // parsed.choices)
+            max_tokens = min(DEFAULT_MAX_TOKENS, room, share)
         elif max_tokens > room:
             raise bad(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the "
                       f"context of {n_ctx} tokens", "max_tokens", "context_length_exceeded")
@@ -308,24 +323,77 @@ class _Gateway:
                                  stop_ids=self.tokenizer.eog_ids,
                                  namespace=parsed.namespace)
 
+    # -- admission ------------------------------------------------------------------------------
+    def check_choices(self, parsed: ParsedRequest) -> None:
+        """At most the engine's lane budget of choices: each takes a lane of its own, and
+        a request needing more lanes than a pipeline has could never start."""
+        lanes = self.engine.info.lanes
+        if parsed.choices > lanes:
+            asked = f"n = {parsed.n}" if parsed.choices == parsed.n else \
+                f"{len(parsed.prompts)} prompts x n = {parsed.n}"
+            raise bad(f"{asked} asks for {parsed.choices} choices; this server runs at most "
+                      f"{lanes} per request (its lane budget)", "n")
+
+    def check_tokens(self, requests: list[GenerationRequest]) -> None:
+        total, limit = sum(r.max_tokens for r in requests), self.limits.max_request_tokens
+        if total > limit:
+            raise bad(f"n x max_tokens over the request's choices is {total} tokens; this "
+                      f"server allows at most {limit}", "max_tokens")
+
+    def serving(self) -> tuple[bool, str]:
+        """The engine's word on whether a pipeline can serve; one that cannot say cannot."""
+        try:
+            status = self.engine.status()
+            return bool(status["serving"]), str(status.get("detail", ""))
+        except Exception as e:  # noqa: BLE001
+            return False, f"the engine's status failed: {_one_line(e)}"
+
+    async def admit(self) -> Callable[[], None]:
+        """A slot among the concurrent requests (waiting for one a short while), or a
+        503; returns what ends the slot (idempotent)."""
+        serving, detail = self.serving()
+        if not serving:
+            raise _unavailable(f"no pipeline can serve right now ({detail})", "unavailable")
+        try:
+            await self.slots.acquire()
+        except EngineBusy:
+            raise _unavailable(f"this server is at its limit of "
+                               f"{self.limits.max_concurrent_requests} concurrent requests; "
+                               f"retry later", "server_busy") from None
+        return _once(self.slots.release)
+
     # -- responses ------------------------------------------------------------------------------
     async def complete(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         parsed = parse_request(await self.read_body(request), chat=chat)
         self.check_model(parsed.model)
-        runs = [_Generation(self, r, parsed.stop, arrived)
-                for r in self.generation_requests(parsed)]
+        self.check_choices(parsed)
+        requests = self.generation_requests(parsed)
+        self.check_tokens(requests)
+        release = await self.admit()
+        try:
+            return await self._respond(parsed, requests, arrived, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
+                       arrived: float, release: Callable[[], None]) -> Response:
+        """Run the choices and answer; `release` ends the request's slot once the answer
+        is complete (a stream's when its last event is sent or the client left)."""
+        runs = [_Generation(self, r, parsed.stop, arrived) for r in requests]
 
         async def close() -> None:
             for run in runs:
                 await run.close()
+            release()
 
         try:  # every choice's first token, so engine errors surface before any response
-            await _engine_errors(_all(run.start() for run in runs))
+            await _all(run.start() for run in runs)
         except BaseException:
             await close()
             raise
-        shape = ResponseShape(chat, self.engine.info.model,
+        shape = ResponseShape(parsed.chat, self.engine.info.model,
                               lambda t: self.tokenizer.piece(t, special=True))
         usage = functools.partial(_usage, runs, parsed.n)  # read once the choices end
         if parsed.stream:
@@ -333,8 +401,10 @@ class _Gateway:
                                   on_close=close, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"})
         pieces: list[list] = [[] for _ in runs]
-        await _engine_errors(_all(_collect(run.texts(), into)
-                                  for run, into in zip(runs, pieces)))
+        try:
+            await _all(_collect(run.texts(), into) for run, into in zip(runs, pieces))
+        finally:
+            release()
         wanted = parsed.sampling.logprobs is not None
         choices = [("".join(t for t, _ in parts), run.outcome.finish_reason,
                     [e for _, lp in parts for e in lp] if wanted else None)
@@ -368,16 +438,24 @@ class _Gateway:
                 yield sse(shape.usage_chunk(usage()))
         except Exception as e:  # noqa: BLE001
             # headers are gone: the error travels as an event, as OpenAI's servers do
-            log.error("stream failed: %s: %s", type(e).__name__, _one_line(e))
-            yield sse(ApiError(500, f"generation failed: {_one_line(e)}").envelope())
+            yield sse(_as_api_error(e).envelope())
         finally:
             for pump in pumps:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
         yield sse("[DONE]")
 
+    def health(self) -> dict:
+        serving, detail = self.serving()
+        return {"status": "ok"} if serving else {"status": "degraded", "detail": detail}
+
     async def ready(self) -> Response:
-        """Ready once the engine answers a 1-token probe (no cache read or written)."""
+        """Ready while the engine says a pipeline can serve and it answers a 1-token probe
+        (no cache read or written)."""
+        serving, detail = self.serving()
+        if not serving:
+            self._ready_at = 0.0
+            return JSONResponse({"status": "unavailable", "reason": detail}, status_code=503)
         async with self._ready_lock:
             if time.monotonic() - self._ready_at > READY_PROBE_INTERVAL_S:
                 probe_ids = self.tokenizer.encode("Hello") or [0]
@@ -450,30 +528,47 @@ def _usage(runs: list[_Generation], n: int) -> Usage:
                  sum(u.cached_tokens for u in firsts))
 
 
-async def _engine_errors(awaitable) -> None:
-    """Engine failures as API errors: busy -> 503, failed -> 500 (logged, one line)."""
-    try:
-        await awaitable
-    except EngineBusy as e:
-        raise ApiError(503, f"the engine is busy, retry later ({_one_line(e)})",
-                       code="engine_busy") from None
-    except EngineError as e:
+def _as_api_error(e: Exception) -> ApiError:
+    """A failure as the client's answer: busy -> 503 with Retry-After; a ValueError (the
+    request refused, by us or by the engine's InvalidRequest) -> 400; an engine failure or
+    anything else -> 500, logged in one line."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, EngineBusy):
+        return _unavailable(f"the engine is busy, retry later ({_one_line(e)})",
+                            "engine_busy", e.retry_after)
+    if isinstance(e, ValueError):
+        return bad(_one_line(e))
+    if isinstance(e, EngineError):
         log.error("engine failed: %s", _one_line(e))
-        raise ApiError(500, f"the engine failed: {_one_line(e)}") from None
-    except ValueError as e:  # the engine refused the request (its own validation)
-        raise bad(_one_line(e)) from None
+        return ApiError(500, f"the engine failed: {_one_line(e)}")
+    log.error("unexpected failure: %s: %s", type(e).__name__, _one_line(e))
+    return ApiError(500, f"internal error: {_one_line(e)}")
+
+
+def _unavailable(message: str, code: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
+    seconds = str(max(1, math.ceil(retry_after)))  # HTTP wants whole seconds
+    return ApiError(503, message, code=code, headers={"Retry-After": seconds})
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+    return call
 
 
 async def _guarded(awaitable):
-    """Unexpected failures become a one-line 500 here, logged without a traceback (a
-    handler registered for Exception would still let Starlette re-raise and log one)."""
+    """Failures become a one-line error here, logged without a traceback (a handler
+    registered for Exception would still let Starlette re-raise and log one)."""
     try:
         return await awaitable
-    except ApiError:
-        raise
     except Exception as e:  # noqa: BLE001
-        log.error("unexpected failure: %s: %s", type(e).__name__, _one_line(e))
-        raise ApiError(500, f"internal error: {_one_line(e)}") from None
+        raise _as_api_error(e) from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -521,13 +616,14 @@ def _header(scope, name: bytes) -> str | None:
 
 
 def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               limits: GatewayLimits | None = None,
                memo: ResultMemo | None = None, close_engine: bool = False) -> FastAPI:
     """The gateway app for `engine`.
 
-    api_keys: see `load_api_keys` (None reads $SKIPPY_API_KEYS). memo: the exact-results
-    store (a fresh bounded one by default). close_engine: close the engine when the app
-    shuts down (`serve` does; tests that share an engine do not)."""
+    api_keys: see `load_api_keys` (None reads $SKIPPY_API_KEYS). limits: what it admits
+    (the defaults by default). memo: the exact-results store (a fresh bounded one by
+    default). close_engine: close the engine when the app shuts down (`serve` does; tests
+    that share an engine do not)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -535,14 +631,23 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
         if close_engine:
             await engine.close()
 
-    gw = _Gateway(engine, load_api_keys(api_keys), max_body_bytes, memo or ResultMemo())
+    gw = _Gateway(engine, load_api_keys(api_keys), limits or GatewayLimits(),
+                  memo or ResultMemo())
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gateway = gw
+    _error_handlers(app)
+    _routes(app, gw)
+    app.add_middleware(_Edge, gw=gw)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's envelope, in one line."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, e: ApiError):
-        return JSONResponse(e.envelope(), status_code=e.status)
+        return JSONResponse(e.envelope(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, e: StarletteHTTPException):
@@ -560,9 +665,11 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
         return JSONResponse(ApiError(500, f"internal error: {_one_line(e)}").envelope(),
                             status_code=500)
 
+
+def _routes(app: FastAPI, gw: _Gateway) -> None:
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return gw.health()
 
     @app.get("/ready")
     async def ready():
@@ -588,9 +695,6 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _guarded(gw.complete(request, chat=True))
-
-    app.add_middleware(_Edge, gw=gw)
-    return app
 
 
 # -- running it ---------------------------------------------------------------------------------------

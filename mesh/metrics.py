@@ -2,7 +2,8 @@
 process serving two models) never share or clash over the global default registry.
 
 Gateway figures are recorded as requests go (requests by endpoint and status, time to
-first token, tokens, decode speed). Stage figures are read from `engine.stats()` at
+first token, tokens, decode speed); its admission (requests running, waiting, refused)
+is read at scrape time. Stage figures are read from `engine.stats()` at
 scrape time: each stage's cache counters, bytes and hits by kind (the shape
 `StageCache.stats()` gives), its block store, and any other number a stage reports
 (e.g. latencies from the Ray engine) as a gauge named after its key.
@@ -28,7 +29,8 @@ _KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", *
 
 
 class GatewayMetrics:
-    def __init__(self, stage_stats: Callable[[], dict], memo_stats: Callable[[], CacheStats]):
+    def __init__(self, stage_stats: Callable[[], dict], memo_stats: Callable[[], CacheStats],
+                 admission_stats: Callable[[], dict] | None = None):
         self.registry = CollectorRegistry()
         self.requests = Counter("skippy_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -43,6 +45,8 @@ class GatewayMetrics:
             "Per request: tokens after the first / seconds after the first",
             buckets=_RATE_BUCKETS, registry=self.registry)
         self.registry.register(_StageCollector(stage_stats, memo_stats))
+        if admission_stats is not None:
+            self.registry.register(_AdmissionCollector(admission_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -101,6 +105,27 @@ class _StageCollector:
                    f"Gateway exact results {k.replace('_', ' ')}", []
                    ).add_metric([], getattr(memo, k))
         yield from families.values()
+
+
+class _AdmissionCollector:
+    """The gateway's concurrent-request slots: {"in_use", "waiting", "refused"}."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("skippy_gateway_requests_running",
+                                "Requests holding one of the gateway's slots",
+                                value=s["in_use"])
+        yield GaugeMetricFamily("skippy_gateway_requests_waiting",
+                                "Requests waiting for a slot", value=s["waiting"])
+        yield CounterMetricFamily("skippy_gateway_requests_refused",
+                                  "Requests refused for want of a slot (503)",
+                                  value=s["refused"])
 
 
 def _numbers(d: dict, prefix: str = "") -> Iterator[tuple[str, float]]:

@@ -5,6 +5,9 @@ or a JSON response_format) and ignores fields we do not know, as OpenAI-compatib
 servers do. Every mistake is an `ApiError`, which the gateway turns into OpenAI's error
 envelope {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
+Numbers must be finite: Python's json reads NaN, Infinity and 1e999, and a NaN
+temperature or bias would otherwise reach the sampler (a 400 here, never a 500 there).
+
 Defaults follow OpenAI, not our CLI: temperature 1.0 and top_p 1.0 when absent, so a
 client that wants greedy (and gateway-cached) output asks for temperature 0.
 """
@@ -12,6 +15,7 @@ client that wants greedy (and gateway-cached) output asks for temperature 0.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -36,9 +40,11 @@ class ApiError(Exception):
     """A request the gateway answers with an error status and OpenAI's envelope."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # sent with the envelope (a 503's Retry-After)
         self.type = type or _TYPE_BY_STATUS.get(
             status, "server_error" if status >= 500 else "invalid_request_error")
 
@@ -67,12 +73,19 @@ class ParsedRequest:
     include_usage: bool
     namespace: str
 
+    @property
+    def choices(self) -> int:
+        """Choices in the response: n per prompt (chat has one prompt)."""
+        return self.n * (1 if self.chat else len(self.prompts))
+
 
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
@@ -124,6 +137,8 @@ def _field(body: Mapping, name: str, kind: type) -> Any:
     value = body.get(name)
     if value is None:
         return None
+    if kind is float and _non_finite(value):
+        raise bad(f"{name} must be a finite number, not {_json_type(value)}", name)
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
@@ -133,7 +148,13 @@ def _field(body: Mapping, name: str, kind: type) -> Any:
 
 
 def _json_type(value: Any) -> str:
+    if _non_finite(value):  # how JSON spells it (Python's json reads 1e999 as Infinity)
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def _unsupported(body: Mapping, chat: bool) -> None:
@@ -193,9 +214,12 @@ def _sampling(body: Mapping, logprobs: int | None = None) -> SamplingParams:
         if value is not None and not -2 <= value <= 2:
             raise bad(f"{name} must be in [-2, 2], not {value}", name)
         penalties[name] = value or 0.0
-    return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
-                          logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
-                          logprobs=logprobs, **penalties)
+    try:  # its own checks: anything the ones above let through is still the client's
+        return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
+                              logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
+                              logprobs=logprobs, **penalties)
+    except ValueError as e:
+        raise bad(" ".join(str(e).split())) from None
 
 
 def _logit_bias(value: dict | None) -> tuple[tuple[int, float], ...]:
@@ -214,8 +238,9 @@ def _logit_bias(value: dict | None) -> tuple[tuple[int, float], ...]:
             raise bad(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                 or not -100 <= bias <= 100:
-            raise bad(f"logit_bias values must be numbers in [-100, 100], not {bias!r}",
-                      "logit_bias")
+            shown = _json_type(bias) if _non_finite(bias) else repr(bias)
+            raise bad(f"logit_bias values must be finite numbers in [-100, 100], not "
+                      f"{shown}", "logit_bias")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
 

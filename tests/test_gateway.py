@@ -1,4 +1,4 @@
-"""The HTTP gateway on a real uvicorn server: real SmolLM2 in 2 stages behind LocalEngine,
+"""The HTTP gateway on a real uvicorn server: real SmolLM2 in 2 stages behind the in-process engine,
 plus a scripted engine for failures the real one does not produce on demand.
 
 Run inside a loopback-only network namespace (see the Makefile)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -15,10 +16,10 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.mesh.chat import ChatTemplateMissing
-from skippy.mesh.engine import EngineBusy, EngineError, EngineInfo, LocalEngine, Step
+from skippy.mesh.control.local import InProcessEngine
+from skippy.mesh.engine import EngineBusy, EngineError, EngineInfo, Step
 from skippy.mesh.gateway import BackgroundServer, create_app
-from skippy.mesh.pipeline import LocalPipeline
-from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.limits import GatewayLimits
 from skippy.mesh.tokenizer import Tokenizer
 
 GREEDY = {"model": "smollm2", "temperature": 0}
@@ -38,14 +39,16 @@ class CountingEngine:
     def stats(self):
         return self.inner.stats()
 
+    def status(self):
+        return self.inner.status()
+
     async def close(self):
         await self.inner.close()
 
 
 def local_engine(path, cache):
-    pipe = LocalPipeline(path, 2, cache=cache)
-    return LocalEngine(pipe, EngineInfo("smollm2", str(path), pipe.n_ctx, 2,
-                                        f"smollm2/2/{'cached' if cache else 'plain'}"))
+    return InProcessEngine(path, 2, cache=cache or CacheConfig(enabled=False),
+                           model_name="smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +75,8 @@ def client(server):
 
 def greedy(engine, tok, ids, n):
     """The pipeline's own greedy continuation (the server is idle between tests)."""
-    pipe = engine.inner.pipeline
-    return list(pipe.generate(list(ids), n, Sampler(SamplingParams()), set(tok.eog_ids)))
+    steps = engine.inner.complete(list(ids), n, stop_ids=frozenset(tok.eog_ids))
+    return [s.token for s in steps]
 
 
 def sse_events(text: str) -> list:
@@ -283,12 +286,7 @@ def test_logprobs_are_the_models_own_for_every_token(client, engine, tok):
         assert len(top) == 3 and max(top.values()) == pytest.approx(value)
         assert top[chosen] == pytest.approx(value) and value <= 0
     # the first one is the pipeline's own log_softmax of its first logits
-    pipe = engine.inner.pipeline
-    lanes = pipe.alloc()
-    try:
-        logits = pipe.first_logits(lanes, tok.encode(prompt))[0]
-    finally:
-        pipe.free(lanes)
+    logits = engine.inner.complete(tok.encode(prompt), 1, logits=True)[0].logits
     want = torch.log_softmax(logits.float(), -1)[ids[0]].item()
     assert lp["token_logprobs"][0] == pytest.approx(want, abs=1e-5)
 
@@ -417,12 +415,65 @@ def test_unknown_routes_and_methods_are_enveloped(client):
     envelope(client.get("/v1/models/gpt-4"), 404)
 
 
+# Python's json reads NaN, Infinity and -Infinity, and 1e999 as infinity: raw bodies.
+@pytest.mark.parametrize("path,fields,param,shown", [
+    ("completions", '"temperature": NaN', "temperature", "NaN"),
+    ("completions", '"temperature": Infinity', "temperature", "Infinity"),
+    ("completions", '"temperature": 1e999', "temperature", "Infinity"),
+    ("completions", '"top_p": -Infinity', "top_p", "-Infinity"),
+    ("completions", '"presence_penalty": NaN', "presence_penalty", "NaN"),
+    ("completions", '"frequency_penalty": -1e999', "frequency_penalty", "-Infinity"),
+    ("completions", '"logit_bias": {"5": NaN}', "logit_bias", "NaN"),
+    ("completions", '"logit_bias": {"5": 1e999}', "logit_bias", "Infinity"),
+    ("completions", '"top_k": NaN', "top_k", "NaN"),
+    ("completions", '"seed": Infinity', "seed", "Infinity"),
+    ("completions", '"n": NaN', "n", "NaN"),
+    ("completions", '"max_tokens": 1e999', "max_tokens", "Infinity"),
+    ("completions", '"logprobs": NaN', "logprobs", "NaN"),
+    ("chat/completions", '"temperature": -Infinity', "temperature", "-Infinity"),
+    ("chat/completions", '"logprobs": true, "top_logprobs": NaN', "top_logprobs", "NaN"),
+])
+def test_non_finite_numbers_are_a_400_naming_the_field(client, path, fields, param, shown):
+    what = '"messages": [{"role": "user", "content": "hi"}]' if path.startswith("chat") \
+        else '"prompt": "hi"'
+    raw = f'{{"model": "smollm2", {what}, {fields}}}'.encode()
+    err = envelope(client.post(f"/v1/{path}", content=raw,
+                               headers={"Content-Type": "application/json"}), 400)
+    assert err["param"] == param and shown in err["message"] and "\n" not in err["message"]
+
+
+def test_deep_nesting_is_a_400(client):
+    envelope(client.post("/v1/completions", content=b"[" * 100_000), 400)
+
+
+def test_a_temperature_that_overflows_the_logits_gives_the_greedy_text(client):
+    body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4}
+    want = client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    for extra in ({}, {"seed": 5, "top_p": 0.9}):
+        r = client.post("/v1/completions", json={**body, "temperature": 1e-40, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("completions", {"prompt": "hi", "n": 9}),
+    ("completions", {"prompt": ["a", "b", "c"], "n": 3}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 9}),
+])
+def test_more_choices_than_the_lane_budget_is_a_400_naming_it(client, engine, path, body):
+    assert engine.info.lanes == 8
+    err = envelope(client.post(f"/v1/{path}", json={"model": "smollm2", "max_tokens": 1,
+                                                    **body}), 400)
+    assert err["param"] == "n" and "at most 8" in err["message"]
+
+
 # -- API keys and body size --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def keyed(engine, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("alpha\n\nbeta\n")
-    with BackgroundServer(create_app(engine, api_keys=keys, max_body_bytes=2048)) as srv:
+    limits = GatewayLimits(max_body_bytes=2048)
+    with BackgroundServer(create_app(engine, api_keys=keys, limits=limits)) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             yield c
 
@@ -459,8 +510,8 @@ PROMPTS = ["The sun is", "Cats like to", "In 1969, the", "The best way to learn"
 
 def test_eight_concurrent_streams_match_each_prompt_alone(smollm2, tok):
     engine = local_engine(smollm2, None)  # caches off: every stream does all its work
-    alone = [tok.decode(engine.pipeline.generate(tok.encode(p), 4, Sampler(SamplingParams()),
-                                                 set(tok.eog_ids))) for p in PROMPTS]
+    alone = [tok.decode([s.token for s in engine.complete(
+        tok.encode(p), 4, stop_ids=frozenset(tok.eog_ids))]) for p in PROMPTS]
 
     async def stream(c, prompt):
         text = ""
@@ -489,6 +540,7 @@ class ScriptedEngine:
         self.info = EngineInfo("scripted", str(path), n_ctx, 1, "scripted")
         self.mode, self.requests, self.closed = "ok", [], threading.Event()
         self.yielded = 0
+        self.serving = True  # what status() says; "raise": status() itself fails
 
     async def generate(self, request):
         self.requests.append(request)
@@ -500,9 +552,13 @@ class ScriptedEngine:
                 raise EngineError("stage 1 is gone\nfor good")
             if self.mode == "crash":
                 raise KeyError("oops")
+            if self.mode == "invalid":
+                raise ValueError("the stage refused\nthis request")
             for i in range(request.max_tokens):
                 if self.mode == "fail-later" and i == 2:
                     raise EngineError("stage 0 lost")
+                if self.mode == "invalid-later" and i == 2:
+                    raise ValueError("the stage refused this row")
                 await asyncio.sleep(0.2 if self.mode == "slow" else 0.005)
                 self.yielded += 1
                 yield Step(198, 0)
@@ -511,6 +567,11 @@ class ScriptedEngine:
 
     def stats(self):
         return {"stages": [{"latency_ms": {"decode": 1.5}}]}
+
+    def status(self):
+        if self.serving == "raise":
+            raise ConnectionError("the controller\nis gone")
+        return {"serving": self.serving, "detail": "scripted"}
 
     async def close(self):
         return None
@@ -530,14 +591,19 @@ def ask(c, **kw):
                                            "temperature": 0.5, **kw})
 
 
-@pytest.mark.parametrize("mode,status", [("busy", 503), ("fail", 500), ("crash", 500)])
+@pytest.mark.parametrize("mode,status", [("busy", 503), ("fail", 500), ("crash", 500),
+                                         ("invalid", 400)])
 def test_engine_failures_are_enveloped(scripted, mode, status):
     engine, c = scripted
     engine.mode = mode
     try:
         for stream in (False, True):
-            err = envelope(ask(c, max_tokens=3, stream=stream), status)
+            r = ask(c, max_tokens=3, stream=stream)
+            err = envelope(r, status)
             assert "\n" not in err["message"]
+            assert ("Retry-After" in r.headers) == (status == 503)
+            if status == 503:
+                assert int(r.headers["Retry-After"]) >= 1 and err["code"] == "engine_busy"
     finally:
         engine.mode = "ok"
 
@@ -551,6 +617,19 @@ def test_failure_mid_stream_is_an_error_event(scripted):
         engine.mode = "ok"
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     assert '"error"' in r.text and "stage 0 lost" in r.text
+
+
+def test_a_request_refused_mid_stream_is_a_client_error_event(scripted):
+    engine, c = scripted
+    engine.mode = "invalid-later"
+    try:
+        r = ask(c, max_tokens=5, stream=True)
+        whole = ask(c, max_tokens=5)
+    finally:
+        engine.mode = "ok"
+    error = [e for e in sse_events(r.text) if "error" in e][0]["error"]
+    assert error["type"] == "invalid_request_error" and "refused this row" in error["message"]
+    assert envelope(whole, 400)["message"] == "the stage refused this row"
 
 
 def test_default_max_tokens_fills_the_context_up_to_a_cap(scripted):
@@ -600,3 +679,117 @@ def test_chat_without_a_template_is_a_clear_400(smollm2, monkeypatch):
     err = envelope(r, 400)
     assert "no chat template" in err["message"] and "/v1/completions" in err["message"]
     assert err["code"] == "chat_template_missing"
+
+
+# -- admission and readiness, with the scripted engine -----------------------------------------------
+@pytest.fixture(scope="module")
+def one_at_a_time(smollm2):
+    """One request at a time, a second waits up to 1 s; 10 tokens a request."""
+    engine = ScriptedEngine(smollm2)
+    limits = GatewayLimits(max_concurrent_requests=1, queue_timeout_s=1.0,
+                           max_request_tokens=10)
+    with BackgroundServer(create_app(engine, api_keys=(), limits=limits)) as srv:
+        yield engine, srv.url
+
+
+async def timed_post(c, delay, **kw):
+    await asyncio.sleep(delay)
+    start = time.monotonic()
+    r = await c.post("/v1/completions", json={"model": "scripted", "prompt": "Hi",
+                                              "temperature": 0.5, **kw})
+    return r, time.monotonic() - start
+
+
+def test_requests_beyond_the_limit_wait_then_get_a_503_with_retry_after(one_at_a_time):
+    engine, url = one_at_a_time
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            got = await asyncio.gather(
+                timed_post(c, 0, max_tokens=8),    # 0.2 s a token: holds the slot 1.6 s
+                timed_post(c, 0.3, max_tokens=1),  # waits 1 s, then 503
+                timed_post(c, 0.5, max_tokens=1))  # the queue (1) is full: 503 at once
+            after = await c.post("/v1/completions", json={
+                "model": "scripted", "prompt": "Hi", "max_tokens": 1})
+            return got, after, (await c.get("/metrics")).text
+
+    engine.mode = "slow"
+    try:
+        (held, waited, turned), after, metrics = asyncio.run(run())
+    finally:
+        engine.mode = "ok"
+    assert held[0].status_code == 200 and after.status_code == 200
+    for r, _ in (waited, turned):
+        err = envelope(r, 503)
+        assert err["code"] == "server_busy" and "1 concurrent requests" in err["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+    assert waited[1] >= 0.9 and turned[1] < 0.5
+    assert "skippy_gateway_requests_refused_total 2.0" in metrics
+    assert "skippy_gateway_requests_running 0.0" in metrics
+
+
+def test_a_waiting_request_runs_when_a_slot_frees(one_at_a_time):
+    engine, url = one_at_a_time
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            return await asyncio.gather(timed_post(c, 0, max_tokens=2, stream=True),
+                                        timed_post(c, 0.1, max_tokens=1))
+
+    engine.mode = "slow"
+    try:
+        first, second = asyncio.run(run())
+    finally:
+        engine.mode = "ok"
+    assert first[0].status_code == 200 and second[0].status_code == 200
+    assert second[1] >= 0.2  # it waited for the stream to end
+
+
+def test_n_times_max_tokens_is_capped_and_a_missing_max_tokens_takes_its_share(
+        one_at_a_time):
+    engine, url = one_at_a_time
+    with httpx.Client(base_url=url, timeout=30) as c:
+        body = {"model": "scripted", "prompt": "Hi", "temperature": 0.5}
+        err = envelope(c.post("/v1/completions", json={**body, "n": 3, "max_tokens": 4}), 400)
+        assert err["param"] == "max_tokens" and "12" in err["message"] and \
+            "at most 10" in err["message"]
+        assert c.post("/v1/completions", json={**body, "n": 2, "max_tokens": 5}
+                      ).status_code == 200
+        assert c.post("/v1/completions", json={**body, "n": 3}).status_code == 200
+    assert [r.max_tokens for r in engine.requests[-3:]] == [3, 3, 3]
+
+
+@pytest.mark.parametrize("serving", [False, "raise"])
+def test_an_engine_that_cannot_serve_is_not_ready_and_health_says_degraded(
+        scripted, serving):
+    engine, c = scripted
+    engine.serving = serving
+    try:
+        ready, health = c.get("/ready"), c.get("/health")
+        r = ask(c, max_tokens=1)
+    finally:
+        engine.serving = True
+    assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert "\n" not in health.json()["detail"] and health.json()["detail"]
+    err = envelope(r, 503)
+    assert err["code"] == "unavailable" and int(r.headers["Retry-After"]) >= 1
+    assert c.get("/ready").status_code == 200
+    assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_gateway_limits_refuse_nonsense():
+    for bad_limit in ({"max_concurrent_requests": 0}, {"max_request_tokens": -1},
+                      {"queue_timeout_s": float("nan")}, {"max_body_bytes": 0}):
+        with pytest.raises(ValueError):
+            GatewayLimits(**bad_limit)
+
+
+def test_serve_help_shows_the_admission_flags_and_their_defaults(capsys):
+    from skippy.mesh.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-concurrent-requests", "--max-request-tokens", "--queue-timeout"):
+        assert flag in text
+    assert "256" in text and "65536" in text

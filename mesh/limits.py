@@ -1,0 +1,35 @@
+"""What one gateway admits: the limits `skippy serve` takes as flags.
+
+Kept apart from the gateway so that the command line can show the defaults without
+importing the HTTP stack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 256
+DEFAULT_MAX_REQUEST_TOKENS = 65536  # n x max_tokens, summed over a request's choices
+DEFAULT_QUEUE_TIMEOUT_S = 10.0      # how long a request waits for a slot before a 503
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """Beyond max_concurrent_requests running, as many again wait up to queue_timeout_s
+    for a slot; the rest get a 503 with Retry-After. A request's choices may ask for at
+    most max_request_tokens new tokens together (a 400 beyond)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_concurrent_requests", "max_request_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not 0 <= self.queue_timeout_s < math.inf:
+            raise ValueError(f"the queue timeout must be >= 0 seconds and finite, not "
+                             f"{self.queue_timeout_s}")
