@@ -25,7 +25,7 @@ def tok(smollm2):
 
 @pytest.fixture(scope="module")
 def pipe(smollm2):
-    return InProcessEngine(smollm2, 2, cache=CacheConfig(enabled=False))
+    return InProcessEngine(smollm2, 2, cache=CacheConfig(enabled=False), model_name="smollm2")
 
 
 @pytest.fixture(scope="module")
