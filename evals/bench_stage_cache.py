@@ -53,6 +53,7 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.evals.reference import _quiet_stderr
+from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.pipeline import LocalPipeline
 
 PREFIX, LONG_PREFIX, TAIL = 128, 1024, 16
@@ -183,19 +184,21 @@ def ours(path: Path, runtime: str, rows: list[Row], repeats: int,
          chunk: int = CHUNK) -> dict[str, dict]:
     """Per row: timed warm hits of our cached pipeline, each checked against an uncached
     answer. Raises ExactnessError when a next token differs."""
+    engine = InProcessEngine(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
+                             runtime=runtime, cache=CacheConfig(admit_after=1, chunk=chunk))
     pipe = LocalPipeline(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
-                         runtime=runtime, cache=CacheConfig(admit_after=1, chunk=chunk))
+                         runtime=runtime, chunk=chunk)  # the uncached references
     torch.set_num_threads(THREADS)
 
     def one(ids: list[int]) -> tuple[float, torch.Tensor, int]:
-        lanes = pipe.alloc()
+        """A one-token request on the served path; then the warm lanes go, so the next
+        hit must come from the cache entries."""
         t = time.perf_counter()
-        logits, reused, _ = pipe.first_logits(lanes, ids)
-        int(logits.argmax())
+        step = engine.complete(ids, 1, logits=True)[0]
         dt = time.perf_counter() - t
-        pipe.free(lanes)
-        pipe.drop_warm_lanes()
-        return dt, logits, reused
+        for s in engine.servers:
+            s.loop.call(s.cache.drop_warm_lanes)
+        return dt, step.logits, step.cached_tokens
 
     out = {}
     try:
@@ -222,7 +225,7 @@ def ours(path: Path, runtime: str, rows: list[Row], repeats: int,
                              "cold_ms": cold * 1e3, "reused_tokens": min(reused),
                              "next_token_exact": True, "logits_bitwise": bitwise}
     finally:
-        for stage in pipe.stages:
+        for stage in [*pipe.stages, *(s.runtime for s in engine.servers)]:
             close = getattr(stage, "close", None)
             if close is not None:
                 close()

@@ -14,6 +14,7 @@ case share long stems, so later prompts hit what earlier ones recorded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -23,7 +24,7 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.evals.numerics import first_of_each_use_case
-from skippy.mesh.pipeline import LocalPipeline
+from skippy.mesh.control.local import InProcessEngine
 
 STEPS = 8
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
@@ -38,21 +39,18 @@ def prompt_ids(tokenizer, path, record: dict, cap: int) -> list[int]:
     return tokenizer.encode(text)[:cap]
 
 
-def run_one(pipe: LocalPipeline, ids: list[int]):
-    lanes = pipe.alloc(ids)
-    try:
-        logits, reused, prefilled = pipe.first_logits(lanes, ids)
-        tokens, cur = [], logits
-        for i in range(STEPS):
-            tokens.append(int(cur.argmax()))
-            if i + 1 < STEPS:
-                if not prefilled:
-                    pipe.prefill_cached(lanes, ids)
-                    prefilled = True
-                cur = pipe.decode(lanes, tokens[-1])
-        return logits, tokens, reused
-    finally:
-        pipe.free(lanes)
+def run_one(engine: InProcessEngine, ids: list[int]):
+    """(first logits, greedy tokens, prompt tokens reused) of one request on the served
+    path."""
+    steps = engine.complete(ids, STEPS, logits=True)
+    return steps[0].logits, [s.token for s in steps], steps[0].cached_tokens
+
+
+def cache_pair(path, stages: int, config: CacheConfig, **options):
+    """The same split with its caches off and on."""
+    off = InProcessEngine(path, stages, cache=dataclasses.replace(config, enabled=False),
+                          **options)
+    return off, InProcessEngine(path, stages, cache=config, **options)
 
 
 def compare(path, records: list[dict], stages: int, cap: int = 512,
@@ -60,10 +58,8 @@ def compare(path, records: list[dict], stages: int, cap: int = 512,
     from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(path)
     config = config or CacheConfig()
-    off = LocalPipeline(path, stages, wire_dtype="f16", chunk=config.chunk, n_ctx=cap + 64,
-                        runtime=runtime)
-    on = LocalPipeline(path, stages, wire_dtype="f16", cache=config, n_ctx=cap + 64,
-                       runtime=runtime)
+    off, on = cache_pair(path, stages, config, wire_dtype="f16", n_ctx=cap + 64,
+                         runtime=runtime)
     rows, t_on, t_off = [], 0.0, 0.0
     for r in records:
         ids = prompt_ids(tok, path, r, cap)
@@ -82,7 +78,7 @@ def compare(path, records: list[dict], stages: int, cap: int = 512,
             "reused_tokens": sum(x["reused"] for x in rows),
             "prompt_tokens": sum(x["tokens"] for x in rows),
             "seconds_cache_on": t_on, "seconds_cache_off": t_off,
-            "cache": on.cache_stats(), "rows": rows}
+            "cache": on.stats()["stages"], "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,12 @@ exact by construction (cache on = cache off, resume = cold), the format in the i
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
 from skippy.cache.config import CacheConfig
-from skippy.evals.cache_exactness import run_one
+from skippy.evals.cache_exactness import cache_pair, run_one
 from skippy.stages.linear import (WEIGHT_FORMATS, Embeddings, Int4Blocks, Int4Linear, Linear,
                                  Matrix, RescoredHead, TransposedLinear, make_head,
                                  make_linear)
@@ -112,13 +111,10 @@ def test_format_is_part_of_the_stage_identity(qwen3_f32):
 
 @pytest.mark.parametrize("model, stages, fmt", [("qwen3_f32", 2, "int4"),
                                                 ("smollm2_q4_0", 2, "int4")])
-def test_cache_on_equals_cache_off(model, stages, fmt, request, monkeypatch):
-    import skippy.mesh.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "StageSpec", functools.partial(StageSpec, weight_format=fmt))
+def test_cache_on_equals_cache_off(model, stages, fmt, request):
     path = request.getfixturevalue(model)
     cfg = CacheConfig(chunk=32, stride=32, min_prefix=32, admit_after=1)
-    off = pipeline.LocalPipeline(path, stages, wire_dtype="f32", chunk=32, n_ctx=1024)
-    on = pipeline.LocalPipeline(path, stages, wire_dtype="f32", cache=cfg, n_ctx=1024)
+    off, on = cache_pair(path, stages, cfg, wire_dtype="f32", n_ctx=1024, weight_format=fmt)
     stem = PROMPT[:100]
     reused = 0
     for ids in (stem + [5, 6, 7], stem + [8, 9] * 10, stem + [5, 6, 7]):
