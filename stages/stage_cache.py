@@ -2,35 +2,31 @@
 
 One `StageCache` per stage. It answers how much of a request's prefix this stage can
 reuse, restores that state into the request's lane, runs the prefill, and records new
-entries — by policy:
-
-- ResidentKv (dense families): an entry is a runtime lane holding KV rows [0, L); it
-  serves any chunk-aligned prefix it shares with a request (rows are copied into the
-  request's lane). A lane that still holds the prefix itself (the hot lane) continues
-  from its own state: no copy, no admission. On a runtime whose lanes are few
-  (`lane_entries` False: llama.cpp) the entry is the exported state [0, L) as a payload
-  in the block store instead, imported and cut to the hit's length.
-- KvRecurrent (hybrid families): recurrent state cannot be rolled back, so state is
-  captured as snapshots at admitted boundaries while the prefill passes them, exported as
-  payloads into the block store, and imported whole on a hit.
+entries. What differs by policy (how entries are held, recorded, restored, dropped) is a
+policy object chosen once (`cache_policy.py`); the request lanes and the warm ones kept
+for follow-ups are `lanes.py`'s. A lane that still holds the prefix itself (the hot lane)
+continues from its own state: no copy, no admission.
 
 - Activation frames (non-final stages): the rows [0, b) this stage sent downstream for
   an admitted prefix. When this stage can start at b but the next one must start
   earlier, rows [d, b) come from here instead of being recomputed.
 
 The caller plans from the last stage back (`plan`: where each stage starts, given where
-the next one starts), restores, then prefills from stage 0 on. Any failure to restore is reported, never raised: the caller recomputes. A
+the next one starts), restores, then prefills from stage 0 on. A plan that counts on a
+cache entry pins it (a lease, `leases.py`) until the restore, so no eviction in between
+can take it. Any failure to restore is reported, never raised: the caller recomputes. A
 cache can make a request faster, never different and never failed.
+
+Not thread-safe: a stage makes its runtime and cache calls one at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from skippy.cache.activation import ActivationCache
@@ -38,21 +34,26 @@ from skippy.cache.admission import Admission
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
 from skippy.cache.identity import StageKey, page_id, prefix_digest
-from skippy.cache.payload import (IncompatiblePayload, Manifest, PayloadKind, decode_payload,
-                                  encode_payload, release_payload)
-from skippy.cache.prefix_cache import PrefixCache
+from skippy.cache.payload import IncompatiblePayload
+from skippy.cache.prefix_cache import Hit, PrefixCache
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
 
+from .cache_policy import POLICIES, CachePolicy, policy_class
 from .frame import Frame
-from .runtime import LaneState, StageError, StageOutput, StageRuntime
+from .lanes import Lanes
+from .leases import Lease, Leases
+from .runtime import StageError, StageOutput, StageRuntime
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("ResidentKv", "KvRecurrent", "disabled")
+__all__ = ["POLICIES", "StageCache", "stage_key_for"]
+
 # Finished requests' lanes kept warm, on runtimes whose lanes are unlimited (each holds
 # memory). A fixed-lane runtime (llama.cpp) keeps every idle lane warm until it is needed.
 WARM_LANES = 4
+# A plan's lease on its hit ends this long after the plan if no restore consumed it.
+LEASE_SECONDS = 30.0
 
 
 def stage_key_for(runtime: StageRuntime, topology_digest: str = "",
@@ -77,34 +78,33 @@ def stage_key_for(runtime: StageRuntime, topology_digest: str = "",
     )
 
 
-@dataclass
-class _LaneInfo:
-    tokens: list[int] = field(default_factory=list)  # the tokens its prefill rows hold
-    namespace: str = ""                              # whose tokens they are
-
-
 class StageCache:
     def __init__(self, runtime: StageRuntime, config: CacheConfig, *, policy: str,
-                 stage_key: StageKey | None = None, store: BlockStore | None = None):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {policy!r}")
+                 stage_key: StageKey | None = None, store: BlockStore | None = None,
+                 lease_seconds: float = LEASE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic):
+        """policy: the family's cache policy name (POLICIES); a disabled config turns
+        it off. lease_seconds: how long a plan's hit stays pinned without a restore."""
+        cls = policy_class(policy, runtime, config.enabled)
         if config.chunk != runtime.spec.chunk:
             raise ValueError(f"cache chunk {config.chunk} differs from the runtime's "
                              f"{runtime.spec.chunk}")
         self.runtime, self.config = runtime, config
-        self.policy = policy if config.enabled else "disabled"
+        self.policy = cls.name
         self.key = stage_key or stage_key_for(runtime)
         self.stage = self.key.digest
-        recurrent = self.policy == "KvRecurrent"
-        # dense entries as payloads rather than lanes (module docstring)
-        self._stored = self.policy == "ResidentKv" and not runtime.lane_entries
         self.prefixes = PrefixCache(block=config.stride, max_entries=config.max_entries,
                                     max_bytes=config.max_bytes,
-                                    max_tokens=config.max_tokens_per_entry, kind=self.policy,
-                                    whole_entry=recurrent)
+                                    max_tokens=config.max_tokens_per_entry, kind=cls.name,
+                                    whole_entry=cls.whole_entry)
         self.admission = Admission(config.admit_after)
         self.store = store if store is not None else (
-            BlockStore(config.block_store_max_bytes) if recurrent or self._stored else None)
+            BlockStore(config.block_store_max_bytes) if cls.stores_payloads else None)
+        self.entries: CachePolicy = cls(runtime, self.prefixes, self.store,
+                                        self.key.stage_index)
+        self.lanes = Lanes(runtime, WARM_LANES if runtime.lane_entries else None)
+        self.leases = Leases(lease_seconds, clock)
+        self.restore_failures = 0   # restores that failed after a plan: recomputed
         self.results = ExactResults(config.max_entries, config.activation_max_bytes) \
             if runtime.spec.is_last else None
         self.frames = ActivationCache(config.activation_max_entries,
@@ -112,11 +112,6 @@ class StageCache:
             if not runtime.spec.is_last and config.activation_max_bytes else None
         self._width = runtime.cfg.hidden if self.frames is not None else 0  # frame row width
         self._scopes: dict[str, bytes] = {"": self.stage}
-        self._entry_lanes: dict[int, int] = {}          # ResidentKv entry -> runtime lane
-        self._entry_payloads: dict[int, Manifest] = {}  # KvRecurrent entry -> manifest
-        self._lanes: dict[int, _LaneInfo] = {}
-        self._warm: dict[int, None] = {}  # idle lanes that keep their rows, oldest first
-        self._bytes_per_token: int | None = None
 
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self, tokens: Sequence[int] = (), namespace: str = "") -> int:
@@ -125,46 +120,20 @@ class StageCache:
         runtime out of lanes gives up its oldest warm lane. (Cache entries hold lanes
         only on runtimes whose lanes are unlimited, so they never keep one from a
         request.)"""
-        best, most = None, 0
-        for lane in self._warm:
-            n = self._own_reuse(lane, tokens, len(tokens), namespace)
-            if n > most:
-                best, most = lane, n
-        if best is not None:
-            del self._warm[best]
-            return best
-        while True:
-            try:
-                lane = self.runtime.alloc_lane()
-                break
-            except StageError:
-                if not self._warm:
-                    raise
-                self._free(next(iter(self._warm)))
-        self._lanes[lane] = _LaneInfo()
-        return lane
+        self._expire_leases()
+        return self.lanes.alloc(lambda lane: self._own_reuse(lane, tokens, len(tokens),
+                                                             namespace))
 
     def free_lane(self, lane: int, *, keep_warm: bool = False) -> None:
-        """The request is over. `keep_warm`: the lane keeps its rows for a follow-up
-        (never for a probe's rows, which bypass every cache)."""
-        info = self._lanes.get(lane)
-        if keep_warm and self.policy != "disabled" and info is not None and info.tokens:
-            self._warm[lane] = None
-            while self.runtime.lane_entries and len(self._warm) > WARM_LANES:
-                self._free(next(iter(self._warm)))
-            return
-        self._free(lane)
+        """The request is over; its lease, if any, ends. `keep_warm`: the lane keeps its
+        rows for a follow-up (never for a probe's rows, which bypass every cache)."""
+        self._end_lease(lane)
+        self.lanes.release(lane, keep_warm=keep_warm and self.entries.enabled)
 
     def drop_warm_lanes(self, keep: int = 0) -> None:
         """Free warm lanes, oldest first, down to `keep` (0: later hits must come from
         the cache entries)."""
-        while len(self._warm) > keep:
-            self._free(next(iter(self._warm)))
-
-    def _free(self, lane: int) -> None:
-        self._warm.pop(lane, None)
-        self._lanes.pop(lane, None)
-        self.runtime.free_lane(lane)
+        self.lanes.drop_warm(keep)
 
     def scope(self, namespace: str = "") -> bytes:
         """The stage digest entries are keyed under: one per tenant namespace, so that
@@ -180,30 +149,45 @@ class StageCache:
              probe: bool = False, namespace: str = "") -> int:
         """Where this stage starts its prefill, given that the next stage needs rows from
         `downstream` (None at the last stage). Rows [downstream, start) are then served
-        from the frame cache; without them the stage starts no later than `downstream`."""
-        best = self.available(lane, tokens, limit, probe=probe, namespace=namespace)
-        if downstream is None or downstream >= best:
-            return best
-        if self._cached_frame(tokens, best, probe, namespace) is not None:
-            return best
-        return self.available(lane, tokens, downstream, probe=probe, namespace=namespace)
+        from the frame cache; without them the stage starts no later than `downstream`.
+        When the start comes from a cache entry, the entry is leased to the lane (pinned)
+        until `restore` consumes it, or a new plan, a prefill, `free_lane` or expiry
+        ends the lease."""
+        self._expire_leases()
+        self._end_lease(lane)
+        best, hit = self._best(lane, tokens, limit, probe, namespace)
+        if downstream is not None and downstream < best and \
+                self._cached_frame(tokens, best, probe, namespace) is None:
+            self._release(hit)
+            best, hit = self._best(lane, tokens, downstream, probe, namespace)
+        if hit is not None:
+            self.leases.grant(lane, hit, self.scope(namespace), tokens)
+        return best
 
     def available(self, lane: int, tokens: Sequence[int], max_len: int, *,
                   probe: bool = False, namespace: str = "") -> int:
         """The longest chunk-aligned prefix (<= max_len) this stage could restore for
         `tokens` into `lane`: its own rows, or a cache entry. Pins nothing."""
-        best = self._own_reuse(lane, tokens, max_len, namespace)
-        if self.policy == "disabled" or probe or max_len < self.config.min_prefix:
-            return best
+        best, hit = self._best(lane, tokens, max_len, probe, namespace)
+        self._release(hit)
+        return best
+
+    def _best(self, lane: int, tokens: Sequence[int], max_len: int, probe: bool,
+              namespace: str) -> tuple[int, Hit | None]:
+        """(longest reusable prefix, the pinned hit that provides it or None when the
+        lane's own rows do)."""
+        own = self._own_reuse(lane, tokens, max_len, namespace)
+        if not self.entries.enabled or probe or max_len < self.config.min_prefix:
+            return own, None
         hit = self.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
-        if hit is None:
-            return best
-        self.prefixes.release(hit)
-        return max(best, hit.length)
+        if hit is None or hit.length <= own:
+            self._release(hit)
+            return own, None
+        return hit.length, hit
 
     def _own_reuse(self, lane: int, tokens: Sequence[int], max_len: int,
                    namespace: str = "") -> int:
-        info = self._lanes[lane]
+        info = self.lanes.info(lane)
         if info.namespace != namespace:
             return 0
         held = info.tokens
@@ -211,32 +195,38 @@ class StageCache:
         i = 0
         while i < n and held[i] == tokens[i]:
             i += 1
-        reuse = self.runtime.resume_point(lane, i, len(tokens))
-        if self.policy == "KvRecurrent" and reuse != self.runtime.lane_length(lane):
-            return 0  # recurrent state exists only at the lane's very end
-        return reuse
+        return self.entries.own_reuse(lane, self.runtime.resume_point(lane, i, len(tokens)))
 
     def restore(self, lane: int, tokens: Sequence[int], start: int, *,
                 namespace: str = "") -> bool:
-        """Make `lane` hold this stage's state for tokens [0, start). False: it could not
-        (evicted meanwhile, corrupt block): the caller recomputes from 0."""
+        """Make `lane` hold this stage's state for tokens [0, start), from the entry its
+        plan leased (else a fresh lookup). False: it could not (a corrupt block, an
+        unplanned start whose entry went away): the caller recomputes from 0."""
+        self._expire_leases()
+        lease = self.leases.take(lane)
         if start == 0 or self._own_reuse(lane, tokens, start, namespace) == start:
+            self._release_lease(lease)
             return True  # nothing to restore, or the hot lane already holds it
-        hit = self.prefixes.lookup(self.scope(namespace), tokens, max_len=start)
+        scope = self.scope(namespace)
+        if lease is not None and lease.serves(scope, tokens, start):
+            hit = lease.hit
+        else:
+            self._release_lease(lease)
+            hit = self.prefixes.lookup(scope, tokens, max_len=start)
+        if self._restore_hit(lane, hit, tokens, start, namespace):
+            return True
+        self.restore_failures += 1
+        return False
+
+    def _restore_hit(self, lane: int, hit: Hit | None, tokens: Sequence[int], start: int,
+                     namespace: str) -> bool:
+        """Restore a pinned hit (released here, whatever happens)."""
         if hit is None or hit.length != start:
-            if hit is not None:
-                self.prefixes.release(hit)
+            self._release(hit)
             return False
         try:
-            if hit.entry_id in self._entry_lanes:
-                self.runtime.copy_lane(self._entry_lanes[hit.entry_id], lane, start)
-            else:
-                state = self._load(self._entry_payloads[hit.entry_id])
-                self.runtime.import_state(lane, state)
-                if state.n_tokens > start:  # a dense entry serves its shorter prefixes
-                    self.runtime.copy_lane(lane, lane, start)
-            self._lanes[lane].tokens = list(tokens[:start])
-            self._lanes[lane].namespace = namespace
+            self.entries.restore(lane, hit, start)
+            self.lanes.hold(lane, tokens[:start], namespace)
             return True
         except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
             # RuntimeError: the runtime refused the state (llama.cpp's LlamaCppError)
@@ -245,7 +235,24 @@ class StageCache:
             self.prefixes.remove(hit.entry_id)
             return False
         finally:
-            self._drop(self.prefixes.release(hit))
+            self._release(hit)
+
+    # -- leases ----------------------------------------------------------------------------
+    def _end_lease(self, lane: int) -> None:
+        self._release_lease(self.leases.take(lane))
+
+    def _expire_leases(self) -> None:
+        for lease in self.leases.take_expired():
+            self._release_lease(lease)
+
+    def _release_lease(self, lease: Lease | None) -> None:
+        if lease is not None:
+            self._release(lease.hit)
+
+    def _release(self, hit: Hit | None) -> None:
+        """Unpin a hit; an entry removed while pinned is freed now."""
+        if hit is not None:
+            self.entries.drop(self.prefixes.release(hit))
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill(self, lane: int, tokens: Sequence[int], inputs, start: int,
@@ -255,46 +262,48 @@ class StageCache:
         """Prefill tokens [start, n) (inputs are ids for stage 0, a Frame otherwise) on a
         lane that holds [0, start), then record what was admitted. A non-final stage's
         frame covers rows [downstream, n) (default: [start, n)): rows before `start`
-        come from the frame cache (the plan made sure they are there)."""
+        come from the frame cache (the plan made sure they are there). A lease the lane
+        still holds ends here: its restore was skipped."""
+        self._expire_leases()
+        self._end_lease(lane)
         n = len(tokens)
         scope = self.scope(namespace)
         boundaries = self._admitted(tokens, start, probe, scope)
-        snapshots = tuple(boundaries) if self.policy == "KvRecurrent" else ()
-        out = self.runtime.prefill(lane, inputs, start, logits, snapshots=snapshots,
+        out = self.runtime.prefill(lane, inputs, start, logits,
+                                   snapshots=self.entries.snapshots(boundaries),
                                    between_chunks=between_chunks)
-        info = self._lanes[lane]
-        info.tokens, info.namespace = list(tokens[:n]), namespace
-        if self._stored and boundaries:
-            b = max(boundaries)
-            self._record_payload(tokens, b, self.runtime.export_state(lane, b), scope)
-        elif self.policy == "ResidentKv" and boundaries:
-            self._record_resident(lane, tokens, max(boundaries), scope)
-        elif self.policy == "KvRecurrent":
-            for b, state in sorted(out.snapshots.items(), reverse=True):
-                self._record_payload(tokens, b, state, scope)
+        self.lanes.hold(lane, tokens[:n], namespace)
+        self.entries.record(lane, tokens, boundaries, out, scope)
         if out.frame is not None:
-            earlier = None
-            if start and (boundaries or (downstream is not None and downstream < start)):
-                earlier = self._cached_frame(tokens, start, probe, namespace)
-            whole = _join(earlier, out.frame, start)  # rows [0, n) when the cache had [0, start)
-            if boundaries and whole is not None:
-                self._record_frames(tokens, boundaries, whole, scope)
-            if downstream is not None and downstream != start:
-                if downstream < start:
-                    if whole is None:
-                        raise StageError(f"no cached frame rows [{downstream}, {start})")
-                    out.frame = _rows(whole, downstream, n)
-                else:
-                    out.frame = _rows(out.frame, downstream, n)
+            out.frame = self._frames_after_prefill(tokens, start, out.frame, boundaries,
+                                                   probe, namespace, downstream)
         return out
+
+    def _frames_after_prefill(self, tokens, start: int, frame: Frame, boundaries: list[int],
+                              probe: bool, namespace: str, downstream: int | None) -> Frame:
+        """Record the admitted frames; the frame to send: rows [downstream, n)."""
+        n = len(tokens)
+        earlier = None
+        if start and (boundaries or (downstream is not None and downstream < start)):
+            earlier = self._cached_frame(tokens, start, probe, namespace)
+        whole = _join(earlier, frame, start)  # rows [0, n) when the cache had [0, start)
+        if boundaries and whole is not None:
+            self._record_frames(tokens, boundaries, whole, self.scope(namespace))
+        if downstream is None or downstream == start:
+            return frame
+        if downstream > start:
+            return _rows(frame, downstream, n)
+        if whole is None:
+            raise StageError(f"no cached frame rows [{downstream}, {start})")
+        return _rows(whole, downstream, n)
 
     def note_decoded(self, lane: int, token: int) -> None:
         """A decode step appended a row (never reused by a prefill, DESIGN.md §5.3)."""
-        self._lanes[lane].tokens.append(int(token))
+        self.lanes.info(lane).tokens.append(int(token))
 
     def _admitted(self, tokens, start: int, probe: bool, scope: bytes) -> list[int]:
         """Boundaries past the restored start that have now been seen often enough."""
-        if self.policy == "disabled" or probe:
+        if not self.entries.enabled or probe:
             return []
         limit = len(tokens) // self.runtime.spec.chunk * self.runtime.spec.chunk
         candidates = [b for b in self.config.record_lengths(len(tokens)) if start < b <= limit]
@@ -307,7 +316,7 @@ class StageCache:
 
     def _cached_frame(self, tokens, start: int, probe: bool, namespace: str) -> Frame | None:
         """Rows [0, L) for some recorded L >= start, cut to [0, start); None if absent."""
-        if self.frames is None or self.policy == "disabled" or probe or not start:
+        if self.frames is None or not self.entries.enabled or probe or not start:
             return None
         scope, width = self.scope(namespace), self._width
         lengths = sorted({start, *(b for b in self.config.record_lengths(len(tokens))
@@ -330,87 +339,16 @@ class StageCache:
         self.frames.put_frame(self._frame_key(scope, tokens, b), self._width,
                               frame, nbytes)
 
-    def _record_resident(self, lane: int, tokens, b: int, scope: bytes) -> None:
-        per_token = self._state_bytes_per_token(lane)
-        r = self.prefixes.reserve(scope, tokens[:b], per_token * b)
-        if r is None:
-            return
-        self._drop(list(r.evicted))
-        try:
-            holder = self.runtime.alloc_lane()
-        except StageError:  # no lane free to hold the entry: skip recording, never fail
-            self.prefixes.abort(r)
-            return
-        try:
-            self.runtime.copy_lane(lane, holder, b)
-        except Exception:
-            self.runtime.free_lane(holder)
-            self.prefixes.abort(r)
-            raise
-        if self.prefixes.commit(r):
-            self._entry_lanes[r.entry_id] = holder
-        else:
-            self.runtime.free_lane(holder)
-
-    def _record_payload(self, tokens, b: int, state: LaneState, scope: bytes) -> None:
-        token_arrays = {f"k.{i:04d}": t.numpy() for i, t in enumerate(state.keys)}
-        token_arrays.update({f"v.{i:04d}": t.numpy() for i, t in enumerate(state.values)})
-        fixed = {name: t.numpy() for name, t in state.fixed.items()}
-        r = self.prefixes.reserve(scope, tokens[:b], state.nbytes)
-        if r is None:
-            return
-        self._drop(list(r.evicted))
-        # Recurrent state travels with its KV; a dense model's is ResidentKv (rows, or
-        # the runtime's opaque KV bytes).
-        kind = PayloadKind.KvRecurrent if fixed and self.policy == "KvRecurrent" else \
-            PayloadKind.ResidentKv
-        try:
-            manifest = encode_payload(kind,
-                                      prefix_digest(scope, tokens[:b]),
-                                      {"stage_index": self.key.stage_index, "prefilled":
-                                       state.prefilled}, token_arrays, fixed, b, self.store)
-        except BlockError:
-            self.prefixes.abort(r)
-            return
-        if self.prefixes.commit(r):
-            self._entry_payloads[r.entry_id] = manifest
-        else:
-            release_payload(manifest, self.store)
-
-    def _load(self, manifest: Manifest) -> LaneState:
-        token_arrays, fixed = decode_payload(manifest, self.store)
-        keys = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
-                if k.startswith("k.")]
-        values = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
-                  if k.startswith("v.")]
-        return LaneState(manifest.n_tokens, int(manifest.identity_fields["prefilled"]),
-                         keys, values, {k: torch.from_numpy(np.array(v)) for k, v in fixed.items()})
-
-    def _state_bytes_per_token(self, lane: int) -> int:
-        if self._bytes_per_token is None:
-            self._bytes_per_token = self.runtime.export_state(lane, 1).nbytes
-        return self._bytes_per_token
-
-    def _drop(self, entry_ids: list[int]) -> None:
-        """Free the state of entries the cache evicted or removed."""
-        for eid in entry_ids:
-            holder = self._entry_lanes.pop(eid, None)
-            if holder is not None:
-                self.runtime.free_lane(holder)
-            manifest = self._entry_payloads.pop(eid, None)
-            if manifest is not None:
-                release_payload(manifest, self.store)
-
     # -- exact results (last stage) ----------------------------------------------------------
     def cached_result(self, tokens: Sequence[int], *, probe: bool = False,
                       namespace: str = ""):
-        if self.results is None or self.policy == "disabled":
+        if self.results is None or not self.entries.enabled:
             return None
         return self.results.get_result(self.scope(namespace), tokens, probe=probe)
 
     def remember_result(self, tokens: Sequence[int], logits: torch.Tensor, *,
                         probe: bool = False, namespace: str = "") -> None:
-        if self.results is None or self.policy == "disabled" or probe:
+        if self.results is None or not self.entries.enabled or probe:
             return
         value = logits.clone()
         self.results.put_result(self.scope(namespace), tokens, value,
@@ -419,7 +357,9 @@ class StageCache:
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> dict:
         """Totals over this stage's caches (hits by kind, bytes by state), plus each part:
-        `prefix` (resident KV or payload entries, under max_bytes), `results`, `blocks`."""
+        `prefix` (resident KV or payload entries, under max_bytes), `results`, `blocks`;
+        `restore_failures` (restores that failed after a plan: each one a recompute),
+        `leases_held` and `leases_expired` (plans whose restore never came in time)."""
         prefix = self.prefixes.stats()
         extra = {name: c.stats() for name, c in (("results", self.results),
                                                   ("frames", self.frames)) if c is not None}
@@ -430,10 +370,14 @@ class StageCache:
             snap[name] = s.as_dict()
         if self.store is not None:
             snap["blocks"] = dataclasses.asdict(self.store.stats())
+        snap["restore_failures"] = self.restore_failures
+        snap["leases_held"] = len(self.leases)
+        snap["leases_expired"] = self.leases.expired
         return snap
 
     def clear(self) -> None:
-        self._drop(self.prefixes.clear())
+        """Forget every entry; one leased to a lane is freed when its lease ends."""
+        self.entries.drop(self.prefixes.clear())
         for c in (self.results, self.frames):
             if c is not None:
                 c.clear()

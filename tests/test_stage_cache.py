@@ -88,7 +88,7 @@ def test_payload_restore_equals_recompute_and_dedupes(qwen3_f32):
     a, b = stem + [1] * 40, stem + [2] * 40          # one 992-token payload each
     for ids in (a, b):
         assert first_logits_and_tokens(on, ids)[1] == first_logits_and_tokens(off, ids)[1]
-    manifests = list(cache._entry_payloads.values())
+    manifests = list(cache.entries.manifests.values())
     assert len(manifests) == 2
     store = cache.store.stats()
     larger = max(m.total_bytes for m in manifests)
@@ -104,7 +104,7 @@ def test_corrupt_block_costs_time_not_correctness(qwen3_f32):
     off = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", chunk=32, n_ctx=1024)
     on, cache = payload_cache(qwen3_f32)
     first_logits_and_tokens(on, PROMPTS[1])
-    for manifest in cache._entry_payloads.values():
+    for manifest in cache.entries.manifests.values():
         for h in manifest.blocks:
             cache.store._corrupt_for_test(h, 0)
     on.drop_warm_lanes()  # no hot lane: force a restore from the store

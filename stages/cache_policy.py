@@ -1,0 +1,212 @@
+"""How a stage's prefix-cache entries are held, recorded, restored and dropped: one
+policy object per StageCache, chosen once (`policy_class`) from the family's policy
+name and the runtime.
+
+- ResidentLanes (ResidentKv, dense families): an entry is a runtime lane holding KV rows
+  [0, L); it serves any chunk-aligned prefix it shares with a request (rows are copied
+  into the request's lane).
+- StoredPayloads (ResidentKv on a runtime whose lanes are few, `lane_entries` False:
+  llama.cpp): the entry is the exported state [0, L) as a payload in the block store,
+  imported and cut to the hit's length, so entries never take a request's lane.
+- RecurrentSnapshots (KvRecurrent, hybrid families): recurrent state cannot be rolled
+  back, so it is captured as snapshots at admitted boundaries while the prefill passes
+  them, stored as payloads, and imported whole on a hit; a lane continues from its own
+  state only at its very end.
+- Disabled: no entries; a lane still continues from its own rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from skippy.cache.blocks import BlockError, BlockStore
+from skippy.cache.identity import prefix_digest
+from skippy.cache.payload import (Manifest, PayloadKind, decode_payload, encode_payload,
+                                  release_payload)
+from skippy.cache.prefix_cache import Hit, PrefixCache
+
+from .runtime import LaneState, StageError, StageOutput, StageRuntime
+
+POLICIES = ("ResidentKv", "KvRecurrent", "disabled")
+
+
+class CachePolicy:
+    """The operations that differ between policies; StageCache does the rest."""
+
+    name = "disabled"        # the payload kind its hits count under
+    enabled = True           # False: no lookups, records, warm lanes or results
+    whole_entry = False      # an entry serves only queries holding all its tokens
+    stores_payloads = False  # entries live in a block store
+
+    def __init__(self, runtime: StageRuntime, prefixes: PrefixCache,
+                 store: BlockStore | None, stage_index: int):
+        self.runtime, self.prefixes, self.store = runtime, prefixes, store
+        self.stage_index = stage_index
+
+    def own_reuse(self, lane: int, reuse: int) -> int:
+        """How much of the `reuse` rows a lane shares with a request it may keep."""
+        return reuse
+
+    def snapshots(self, boundaries: list[int]) -> tuple[int, ...]:
+        """Boundaries at which the prefill must hand back exported state."""
+        return ()
+
+    def record(self, lane: int, tokens, boundaries: list[int], out: StageOutput,
+               scope: bytes) -> None:
+        """Record entries for the admitted boundaries after a successful prefill."""
+
+    def restore(self, lane: int, hit: Hit, start: int) -> None:
+        """Make `lane` hold the hit's state for [0, start); raises when it cannot."""
+        raise KeyError(f"no state for entry {hit.entry_id}")
+
+    def drop(self, entry_ids) -> None:
+        """Free the state of entries the prefix cache evicted or removed."""
+
+
+class Disabled(CachePolicy):
+    enabled = False
+
+
+class ResidentLanes(CachePolicy):
+    name = "ResidentKv"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.holders: dict[int, int] = {}   # entry id -> runtime lane holding its rows
+        self._bytes_per_token: int | None = None
+
+    def record(self, lane, tokens, boundaries, out, scope) -> None:
+        if not boundaries:
+            return
+        b = max(boundaries)  # shorter prefixes are served from the same rows
+        r = self.prefixes.reserve(scope, tokens[:b], self._per_token(lane) * b)
+        if r is None:
+            return
+        self.drop(r.evicted)
+        try:
+            holder = self.runtime.alloc_lane()
+        except StageError:  # no lane free to hold the entry: skip recording, never fail
+            self.prefixes.abort(r)
+            return
+        try:
+            self.runtime.copy_lane(lane, holder, b)
+        except Exception:
+            self.runtime.free_lane(holder)
+            self.prefixes.abort(r)
+            raise
+        if self.prefixes.commit(r):
+            self.holders[r.entry_id] = holder
+        else:
+            self.runtime.free_lane(holder)
+
+    def restore(self, lane, hit, start) -> None:
+        self.runtime.copy_lane(self.holders[hit.entry_id], lane, start)
+
+    def drop(self, entry_ids) -> None:
+        for eid in entry_ids:
+            holder = self.holders.pop(eid, None)
+            if holder is not None:
+                self.runtime.free_lane(holder)
+
+    def _per_token(self, lane: int) -> int:
+        if self._bytes_per_token is None:
+            self._bytes_per_token = self.runtime.export_state(lane, 1).nbytes
+        return self._bytes_per_token
+
+
+class _Payloads(CachePolicy):
+    """Entries as exported state in the block store."""
+
+    stores_payloads = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.manifests: dict[int, Manifest] = {}
+
+    def restore(self, lane, hit, start) -> None:
+        state = self._load(self.manifests[hit.entry_id])
+        self.runtime.import_state(lane, state)
+        if state.n_tokens > start:  # a dense entry serves its shorter prefixes
+            self.runtime.copy_lane(lane, lane, start)
+
+    def drop(self, entry_ids) -> None:
+        for eid in entry_ids:
+            manifest = self.manifests.pop(eid, None)
+            if manifest is not None:
+                release_payload(manifest, self.store)
+
+    def _kind(self, state: LaneState) -> PayloadKind:
+        return PayloadKind.ResidentKv
+
+    def _record(self, tokens, b: int, state: LaneState, scope: bytes) -> None:
+        token_arrays = {f"k.{i:04d}": t.numpy() for i, t in enumerate(state.keys)}
+        token_arrays.update({f"v.{i:04d}": t.numpy() for i, t in enumerate(state.values)})
+        fixed = {name: t.numpy() for name, t in state.fixed.items()}
+        r = self.prefixes.reserve(scope, tokens[:b], state.nbytes)
+        if r is None:
+            return
+        self.drop(r.evicted)
+        try:
+            manifest = encode_payload(self._kind(state), prefix_digest(scope, tokens[:b]),
+                                      {"stage_index": self.stage_index,
+                                       "prefilled": state.prefilled},
+                                      token_arrays, fixed, b, self.store)
+        except BlockError:
+            self.prefixes.abort(r)
+            return
+        if self.prefixes.commit(r):
+            self.manifests[r.entry_id] = manifest
+        else:
+            release_payload(manifest, self.store)
+
+    def _load(self, manifest: Manifest) -> LaneState:
+        token_arrays, fixed = decode_payload(manifest, self.store)
+        keys = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
+                if k.startswith("k.")]
+        values = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
+                  if k.startswith("v.")]
+        return LaneState(manifest.n_tokens, int(manifest.identity_fields["prefilled"]),
+                         keys, values,
+                         {k: torch.from_numpy(np.array(v)) for k, v in fixed.items()})
+
+
+class StoredPayloads(_Payloads):
+    name = "ResidentKv"
+
+    def record(self, lane, tokens, boundaries, out, scope) -> None:
+        if boundaries:
+            b = max(boundaries)  # shorter prefixes are cut from the imported state
+            self._record(tokens, b, self.runtime.export_state(lane, b), scope)
+
+
+class RecurrentSnapshots(_Payloads):
+    name = "KvRecurrent"
+    whole_entry = True
+
+    def own_reuse(self, lane, reuse) -> int:
+        # recurrent state exists only at the lane's very end
+        return reuse if reuse == self.runtime.lane_length(lane) else 0
+
+    def snapshots(self, boundaries) -> tuple[int, ...]:
+        return tuple(boundaries)
+
+    def record(self, lane, tokens, boundaries, out, scope) -> None:
+        for b, state in sorted(out.snapshots.items(), reverse=True):
+            self._record(tokens, b, state, scope)
+
+    def _kind(self, state: LaneState) -> PayloadKind:
+        # Recurrent state travels with its KV; a dense model's snapshots are KV alone.
+        return PayloadKind.KvRecurrent if state.fixed else PayloadKind.ResidentKv
+
+
+def policy_class(name: str, runtime: StageRuntime, enabled: bool = True) -> type[CachePolicy]:
+    """The one choice of policy: by name, and for ResidentKv by whether the runtime's
+    lanes are plentiful enough to hold entries."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown cache policy {name!r}")
+    if not enabled or name == "disabled":
+        return Disabled
+    if name == "KvRecurrent":
+        return RecurrentSnapshots
+    return ResidentLanes if runtime.lane_entries else StoredPayloads

@@ -1,0 +1,84 @@
+"""A stage's request lanes: the runtime's alloc/free, what each lane's rows hold, and the
+finished lanes kept warm for a follow-up.
+
+A cache policy never sees these: it decides how entries are held and restored, while a
+lane here is one request's slot (a follow-up continues in it when it still holds the
+prompt). Lanes that hold cache entries (resident KV) are the policy's, not listed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .runtime import StageError, StageRuntime
+
+
+@dataclass
+class LaneInfo:
+    tokens: list[int] = field(default_factory=list)  # the tokens its rows hold
+    namespace: str = ""                              # whose tokens they are
+
+
+class Lanes:
+    def __init__(self, runtime: StageRuntime, max_warm: int | None):
+        """max_warm: finished lanes kept warm at most (None: as many as the runtime
+        has, each given up when a fresh lane is needed)."""
+        self.runtime, self.max_warm = runtime, max_warm
+        self._info: dict[int, LaneInfo] = {}
+        self._warm: dict[int, None] = {}  # idle lanes that keep their rows, oldest first
+
+    def info(self, lane: int) -> LaneInfo:
+        return self._info[lane]
+
+    def hold(self, lane: int, tokens, namespace: str) -> None:
+        """The lane's rows now hold `tokens` of `namespace`."""
+        info = self._info[lane]
+        info.tokens, info.namespace = list(tokens), namespace
+
+    @property
+    def warm(self) -> int:
+        return len(self._warm)
+
+    def alloc(self, reuse: Callable[[int], int]) -> int:
+        """The warm lane with the largest `reuse(lane)` (> 0), else a fresh lane; a
+        runtime out of lanes gives up its oldest warm lane. Raises StageError when
+        none is left at all."""
+        best, most = None, 0
+        for lane in self._warm:
+            n = reuse(lane)
+            if n > most:
+                best, most = lane, n
+        if best is not None:
+            del self._warm[best]
+            return best
+        while True:
+            try:
+                lane = self.runtime.alloc_lane()
+                break
+            except StageError:
+                if not self._warm:
+                    raise
+                self._free(next(iter(self._warm)))
+        self._info[lane] = LaneInfo()
+        return lane
+
+    def release(self, lane: int, *, keep_warm: bool) -> None:
+        """The request is over: keep the lane warm (if its rows hold anything) or free it."""
+        info = self._info.get(lane)
+        if keep_warm and info is not None and info.tokens:
+            self._warm[lane] = None
+            while self.max_warm is not None and len(self._warm) > self.max_warm:
+                self._free(next(iter(self._warm)))
+            return
+        self._free(lane)
+
+    def drop_warm(self, keep: int = 0) -> None:
+        """Free warm lanes, oldest first, down to `keep`."""
+        while len(self._warm) > keep:
+            self._free(next(iter(self._warm)))
+
+    def _free(self, lane: int) -> None:
+        self._warm.pop(lane, None)
+        self._info.pop(lane, None)
+        self.runtime.free_lane(lane)
