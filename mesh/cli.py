@@ -64,10 +64,14 @@ def cmd_models_synth(args) -> int:
 
 # -- generate -----------------------------------------------------------------------------
 def cmd_generate(args) -> int:
+    import asyncio
+
+    from skippy.cache.config import CacheConfig
     from .chat import render_chat
+    from .control.local import InProcessEngine
+    from .engine import GenerationRequest
     from .models import resolve_model
-    from .pipeline import LocalPipeline
-    from .sampler import Sampler, SamplingParams
+    from .sampler import SamplingParams
     from .tokenizer import Tokenizer
 
     if not args.prompt.strip():
@@ -80,11 +84,16 @@ def cmd_generate(args) -> int:
     text = render_chat(path, [{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
     ids = tok.encode(text)
-    pipe = LocalPipeline(path, args.stages, wire_dtype=args.wire, n_ctx=args.ctx)
+    engine = InProcessEngine(path, args.stages, wire_dtype=args.wire, n_ctx=args.ctx,
+                             cache=CacheConfig(enabled=False))
+    request = GenerationRequest(tuple(ids), args.max_tokens, params, frozenset(tok.eog_ids))
     stream = tok.stream_decoder()
-    for token in pipe.generate(ids, args.max_tokens, Sampler(params), set(tok.eog_ids)):
-        sys.stdout.write(stream.push(token))
-        sys.stdout.flush()
+
+    async def run():  # the served path, in this process
+        async for step in engine.generate(request):
+            sys.stdout.write(stream.push(step.token))
+            sys.stdout.flush()
+    asyncio.run(run())
     sys.stdout.write(stream.flush() + "\n")
     return 0
 
@@ -191,7 +200,7 @@ def cmd_serve(args) -> int:
                            queue_timeout_s=args.queue_timeout)  # a bad value fails here
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .gateway import serve
-    from .ray_engine import RayEngine
+    from .control.ray_engine import RayEngine
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines, weight_format=args.weight_format,
                        lane_batch=args.lane_batch,

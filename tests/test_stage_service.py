@@ -207,3 +207,22 @@ def test_only_thread_invariant_runtimes_burst(smollm2):
     fp32 = StageServer(StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, threads=1),
                         CacheConfig(), policy="disabled", burst_threads=2)
     assert fp32.loop._burst is None
+
+
+def test_an_idle_session_is_closed_and_its_lane_freed(stage, monkeypatch):
+    import skippy.mesh.stage.grpc_service as grpc_service
+    monkeypatch.setattr(grpc_service, "IDLE_S", 0.5)
+    service, address = stage
+    with grpc.insecure_channel(address) as channel:
+        q: queue.Queue = queue.Queue()
+        replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+        q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPTS[0], limit=0)))
+        assert next(replies).WhichOneof("result") == "plan"   # it holds a lane now
+        with pytest.raises(grpc.RpcError) as e:
+            next(replies)                                     # and then says nothing
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        q.put(None)
+    deadline = time.monotonic() + 10
+    while service.stats()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.stats()["sessions"] == 0

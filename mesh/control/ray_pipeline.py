@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ACTOR_START_TIMEOUT = 900  # a stage loads its weights within this
 DRAIN_S = 600              # a replaced channel closes when its streams end, or after this
+REPLY_TIMEOUT_S = 900.0    # the longest a stage chain may take to answer (a long prefill)
 
 
 class GrpcStageLink:
@@ -38,9 +39,11 @@ class GrpcStageLink:
     async def ask(self, call: pb.StageCall) -> pb.StageResult:
         try:
             await self._call.write(call)
-            reply = await self._call.read()
+            reply = await asyncio.wait_for(self._call.read(), REPLY_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise StageFault(f"stage 0 is unreachable: {e.code().name}") from e
+        except asyncio.TimeoutError as e:
+            raise StageFault(f"no reply from the stages in {REPLY_TIMEOUT_S:.0f} s") from e
         if reply is grpc.aio.EOF:
             raise StageFault("stage 0 closed the stream")
         return reply

@@ -8,6 +8,7 @@ leaving them hanging; message sizes are capped at the largest frame a prefill se
 from __future__ import annotations
 
 import queue
+import threading
 from concurrent import futures
 
 import grpc
@@ -19,6 +20,8 @@ from .server import StageServer
 from .session import LinkDown
 
 MAX_SESSIONS = 64   # concurrent request streams a stage serves (each holds a thread)
+IDLE_S = 600.0      # a session silent this long is closed and its lane freed
+_IDLE = object()
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 << 20),
@@ -39,8 +42,15 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     def Session(self, calls, context):
         session = self.server.open_session()
+        waiting = _Reader(calls)
         try:
-            for call in calls:
+            while True:
+                call = waiting.next(IDLE_S)
+                if call is None:  # the client ended the stream
+                    return
+                if call is _IDLE:  # a client that holds a lane and says nothing
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"session idle for {IDLE_S:.0f} s")
                 yield session.handle(call)
         finally:
             session.close()
@@ -48,6 +58,29 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def GetBlocks(self, request, context):
         for h, data in self.server.blocks(request.hashes):
             yield pb.Block(hash=h, data=data)
+
+
+class _Reader:
+    """A session's incoming calls, read on a thread of their own so the handler can give
+    up on a silent client."""
+
+    def __init__(self, calls):
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(calls,), daemon=True).start()
+
+    def _read(self, calls) -> None:
+        try:
+            for call in calls:
+                self._q.put(call)
+        except Exception:  # the stream broke or was cancelled: the session ends
+            pass
+        self._q.put(None)
+
+    def next(self, timeout: float):
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return _IDLE
 
 
 class GrpcLink:
