@@ -1,23 +1,8 @@
-"""Cache settings: one frozen config, one strict byte parser, env variables and CLI flags.
+"""Cache settings: one frozen config, one strict byte parser, environment variables and flags.
 
-Every setting, where it comes from, and what it means (flags override environment
-variables, which override the defaults):
-
-| field                  | variable                        | flag                        | default | meaning |
-|------------------------|---------------------------------|-----------------------------|---------|---------|
-| enabled                | SKIPPY_CACHE                    | --cache                     | on      | on/off/1/0/true/false; off disables every stage cache |
-| chunk                  | SKIPPY_CACHE_CHUNK              | --cache-chunk               | 64      | the runtime's prefill chunk C (DESIGN.md §5.3) |
-| stride                 | SKIPPY_CACHE_STRIDE             | --cache-stride              | 64      | prefix lengths are multiples of it; a positive multiple of chunk |
-| min_prefix             | SKIPPY_CACHE_MIN_PREFIX         | --cache-min-prefix          | 64      | shortest prefix looked up or recorded; a multiple of stride |
-| max_prefix             | SKIPPY_CACHE_MAX_PREFIX         | --cache-max-prefix          | 8192    | longest prefix looked up or recorded; a multiple of stride |
-| max_entries            | SKIPPY_CACHE_MAX_ENTRIES        | --cache-max-entries         | 256     | resident entries per stage (LRU beyond it) |
-| max_bytes              | SKIPPY_CACHE_BYTES              | --cache-bytes               | 2GiB    | resident state bytes per stage; 0 disables resident caching |
-| max_tokens_per_entry   | SKIPPY_CACHE_MAX_TOKENS         | --cache-max-tokens          | 8192    | longest token sequence one entry may hold |
-| activation_max_entries | SKIPPY_ACTIVATION_CACHE_ENTRIES | --cache-activation-entries  | 256     | cached activation frames per stage |
-| activation_max_bytes   | SKIPPY_ACTIVATION_CACHE_BYTES   | --cache-activation-bytes    | 512MiB  | activation frame bytes per stage; 0 disables it |
-| block_store_max_bytes  | SKIPPY_BLOCK_STORE_BYTES        | --cache-block-store-bytes   | 4GiB    | payload block store bytes per node; 0 disables it |
-| admit_after            | SKIPPY_CACHE_ADMIT_AFTER        | --cache-admit-after         | 2       | sightings of a prefix before it is captured; 1 = first sight |
-| record_limit           | SKIPPY_CACHE_RECORD_LIMIT       | --cache-record-limit        | 4       | boundaries recorded per prefill (the longest ones) |
+Every setting is one row of `SETTINGS`: its config field, its `SKIPPY_*` variable, its
+flag and what it means (`skippy serve --help` prints them with their defaults). Flags
+override variables, which override the defaults.
 
 Byte sizes are `0` or a number with `GB` (10^9) or `GiB` (2^30), e.g. `3.5GB`, `2GiB`;
 integers are plain decimal digits. Anything else is a `ConfigError` naming the setting.
@@ -25,7 +10,6 @@ integers are plain decimal digits. Anything else is a `ConfigError` naming the s
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from collections.abc import Mapping
@@ -85,7 +69,7 @@ def parse_bool(setting: str, text: str) -> bool:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The cache settings of one stage (see the module docstring for each field).
+    """The cache settings of one stage (`SETTINGS` says what each field means).
 
     Prefix keys are lengths that are multiples of `stride` (itself a multiple of the prefill
     chunk, so a restored prefix is bitwise what a cold prefill computes). The exact whole
@@ -161,15 +145,16 @@ class CacheConfig:
         return cls._resolve(environ, {}, overrides)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace,
-                  environ: Mapping[str, str] = os.environ) -> CacheConfig:
-        """Defaults, then `SKIPPY_*` variables, then the flags of `add_cache_arguments`."""
-        flags = {}
-        for s in _SETTINGS:
-            text = getattr(args, _dest(s.flag), None)
-            if text is not None:
-                flags[s.field] = (s.flag, text)
-        return cls._resolve(environ, flags, {})
+    def from_flags(cls, flags: Mapping[str, str],
+                   environ: Mapping[str, str] = os.environ) -> CacheConfig:
+        """Defaults, then `SKIPPY_*` variables, then `flags`: the text given to each flag
+        that was used, by flag name (`{"--cache-bytes": "2GiB"}`)."""
+        by_flag = {s.flag: s for s in SETTINGS}
+        unknown = set(flags) - set(by_flag)
+        if unknown:
+            raise TypeError(f"unknown cache flags: {sorted(unknown)}")
+        return cls._resolve(environ, {by_flag[f].field: (f, text) for f, text in flags.items()},
+                            {})
 
     @classmethod
     def _resolve(cls, environ: Mapping[str, str], flags: dict[str, tuple[str, str]],
@@ -179,7 +164,7 @@ class CacheConfig:
             raise TypeError(f"unknown cache settings: {sorted(unknown)}")
         values: dict[str, Any] = {}
         origin: dict[str, str] = {}  # field -> the variable or flag that set it
-        for s in _SETTINGS:
+        for s in SETTINGS:
             source, text = flags.get(s.field, (s.env, environ.get(s.env)))
             if text is not None:
                 values[s.field] = s.parse(source, text)
@@ -196,52 +181,68 @@ class CacheConfig:
             raise
 
 
+def format_bytes(n: int) -> str:
+    """`n` bytes as `parse_bytes` reads them back exactly: 0, else GiB, else GB, with the
+    fewest decimals (at most 9) that spell `n` exactly."""
+    if n == 0:
+        return "0"
+    for unit, size in (("GiB", GiB), ("GB", GB)):
+        for places in range(10):
+            if n * 10**places % size == 0:
+                whole, frac = divmod(n * 10**places // size, 10**places)
+                return f"{whole}.{frac:0{places}d}{unit}" if places else f"{whole}{unit}"
+    raise ValueError(f"{n} bytes has no exact spelling in GB or GiB")
+
+
+def _format_bool(value: bool) -> str:
+    return "on" if value else "off"
+
+
+_FORMATS = {parse_bool: _format_bool, parse_bytes: format_bytes}
+
+
 @dataclass(frozen=True)
-class _Setting:
+class Setting:
+    """One cache setting: the config field it feeds, the variable and flag that set it (as
+    text, read by `parse`), and what it means."""
+
     field: str
     env: str
     flag: str
     parse: Any  # (setting name, text) -> value
-    help: str
+    meaning: str
+
+    def default_text(self) -> str:
+        """The field's default as the variable or flag would spell it."""
+        value = next(f.default for f in fields(CacheConfig) if f.name == self.field)
+        return _FORMATS.get(self.parse, str)(value)
 
 
-_SETTINGS = (
-    _Setting("enabled", "SKIPPY_CACHE", "--cache", parse_bool, "on/off: all stage caches"),
-    _Setting("chunk", "SKIPPY_CACHE_CHUNK", "--cache-chunk", parse_int,
-             "the runtime's prefill chunk C"),
-    _Setting("stride", "SKIPPY_CACHE_STRIDE", "--cache-stride", parse_int,
-             "prefix lengths are multiples of this (a multiple of the chunk)"),
-    _Setting("min_prefix", "SKIPPY_CACHE_MIN_PREFIX", "--cache-min-prefix", parse_int,
-             "shortest cached prefix, in tokens"),
-    _Setting("max_prefix", "SKIPPY_CACHE_MAX_PREFIX", "--cache-max-prefix", parse_int,
-             "longest cached prefix, in tokens"),
-    _Setting("max_entries", "SKIPPY_CACHE_MAX_ENTRIES", "--cache-max-entries", parse_int,
-             "resident entries per stage"),
-    _Setting("max_bytes", "SKIPPY_CACHE_BYTES", "--cache-bytes", parse_bytes,
-             "resident state bytes per stage, e.g. 2GiB; 0 disables"),
-    _Setting("max_tokens_per_entry", "SKIPPY_CACHE_MAX_TOKENS", "--cache-max-tokens", parse_int,
-             "longest token sequence one entry may hold"),
-    _Setting("activation_max_entries", "SKIPPY_ACTIVATION_CACHE_ENTRIES",
-             "--cache-activation-entries", parse_int, "cached activation frames per stage"),
-    _Setting("activation_max_bytes", "SKIPPY_ACTIVATION_CACHE_BYTES", "--cache-activation-bytes",
-             parse_bytes, "activation frame bytes per stage, e.g. 0.5GiB; 0 disables"),
-    _Setting("block_store_max_bytes", "SKIPPY_BLOCK_STORE_BYTES", "--cache-block-store-bytes",
-             parse_bytes, "payload block store bytes per node, e.g. 4GiB; 0 disables"),
-    _Setting("admit_after", "SKIPPY_CACHE_ADMIT_AFTER", "--cache-admit-after", parse_int,
-             "sightings of a prefix before it is captured (1 = first sight)"),
-    _Setting("record_limit", "SKIPPY_CACHE_RECORD_LIMIT", "--cache-record-limit", parse_int,
-             "boundaries recorded per prefill (the longest ones)"),
+SETTINGS = (
+    Setting("enabled", "SKIPPY_CACHE", "--cache", parse_bool,
+            "on/off (also 1/0, true/false); off disables every stage cache"),
+    Setting("chunk", "SKIPPY_CACHE_CHUNK", "--cache-chunk", parse_int,
+            "the runtime's prefill chunk C (DESIGN.md §5.3)"),
+    Setting("stride", "SKIPPY_CACHE_STRIDE", "--cache-stride", parse_int,
+            "prefix lengths are multiples of it; a positive multiple of the chunk"),
+    Setting("min_prefix", "SKIPPY_CACHE_MIN_PREFIX", "--cache-min-prefix", parse_int,
+            "shortest prefix looked up or recorded, in tokens; a multiple of the stride"),
+    Setting("max_prefix", "SKIPPY_CACHE_MAX_PREFIX", "--cache-max-prefix", parse_int,
+            "longest prefix looked up or recorded, in tokens; a multiple of the stride"),
+    Setting("max_entries", "SKIPPY_CACHE_MAX_ENTRIES", "--cache-max-entries", parse_int,
+            "resident entries per stage (LRU beyond it)"),
+    Setting("max_bytes", "SKIPPY_CACHE_BYTES", "--cache-bytes", parse_bytes,
+            "resident state bytes per stage; 0 disables resident caching"),
+    Setting("max_tokens_per_entry", "SKIPPY_CACHE_MAX_TOKENS", "--cache-max-tokens", parse_int,
+            "longest token sequence one entry may hold"),
+    Setting("activation_max_entries", "SKIPPY_ACTIVATION_CACHE_ENTRIES",
+            "--cache-activation-entries", parse_int, "cached activation frames per stage"),
+    Setting("activation_max_bytes", "SKIPPY_ACTIVATION_CACHE_BYTES", "--cache-activation-bytes",
+            parse_bytes, "activation frame bytes per stage; 0 disables the activation cache"),
+    Setting("block_store_max_bytes", "SKIPPY_BLOCK_STORE_BYTES", "--cache-block-store-bytes",
+            parse_bytes, "payload block store bytes per node; 0 disables the block store"),
+    Setting("admit_after", "SKIPPY_CACHE_ADMIT_AFTER", "--cache-admit-after", parse_int,
+            "sightings of a prefix before it is captured; 1 = first sight"),
+    Setting("record_limit", "SKIPPY_CACHE_RECORD_LIMIT", "--cache-record-limit", parse_int,
+            "boundaries recorded per prefill (the longest ones)"),
 )
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
-def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `--cache*` flags. Values stay strings here and are parsed strictly by
-    `CacheConfig.from_args`, so a bad flag is reported like a bad variable."""
-    group = parser.add_argument_group("cache", "stage cache settings (override SKIPPY_* variables)")
-    for s in _SETTINGS:
-        group.add_argument(s.flag, dest=_dest(s.flag), default=None, metavar=s.field.upper(),
-                           help=f"{s.help} [${s.env}]")

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from skippy.evals.bench_stage_cache import Family, Shape
-from skippy.evals.certify import certify
+from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.topology.planner import PlanError
 

@@ -102,7 +102,7 @@ def cmd_generate(args) -> int:
 def cmd_certify(args) -> int:
     import json
 
-    from skippy.evals.certify import certify
+    from skippy.stages.certify import certify
     from .models import resolve_model
 
     if args.stages < 1:
@@ -165,8 +165,8 @@ def cmd_package_verify(args) -> int:
 
 # -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    from skippy.cache.config import CacheConfig
     from skippy.topology.model_package import is_package, verify_package
+    from .cache_flags import cache_config
     from .models import resolve_model
 
     if args.stages is not None and args.stages < 1:
@@ -193,7 +193,7 @@ def cmd_serve(args) -> int:
             raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
                              "use --runtime torch, or the GGUF the package was split from")
         verify_package(path)  # a bad part fails here, named, before any stage starts
-    cache = CacheConfig.from_args(args)
+    cache = cache_config(args)
     from .limits import GatewayLimits
     limits = GatewayLimits(max_concurrent_requests=args.max_concurrent_requests,
                            max_request_tokens=args.max_request_tokens,
@@ -216,8 +216,8 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from skippy.cache.config import add_cache_arguments
     from . import limits
+    from .cache_flags import add_cache_arguments
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from skippy.evals import certify as certify_mod
-from skippy.evals.certify import certify
 from skippy.mesh.cli import build_parser
+from skippy.stages import certify as certify_mod
+from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.stages.runtime import StageError
 

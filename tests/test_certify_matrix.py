@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from skippy.evals import certify as certify_mod
 from skippy.evals import certify_matrix as matrix
+from skippy.stages import certify as certify_mod
 
 
 def test_table_and_json_of_a_passing_and_a_skipped_split(qwen3_f32, tmp_path, capsys):

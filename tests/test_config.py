@@ -1,14 +1,15 @@
-"""Cache settings: the strict byte parser, validation, candidate lengths, env and flags."""
+"""Cache settings: the strict byte parser, validation, candidate lengths, variables and
+flags by name (the command line that gives them is tests/test_cache_flags.py's)."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import re
 
 import pytest
 
 from skippy.cache.config import (
-    CacheConfig, ConfigError, GiB, MiB, add_cache_arguments, parse_bytes,
+    SETTINGS, CacheConfig, ConfigError, GiB, MiB, format_bytes, parse_bytes,
 )
 
 ACCEPTED = [
@@ -38,6 +39,16 @@ REJECTED = [
 @pytest.mark.parametrize("text, expected", ACCEPTED)
 def test_parse_bytes_accepts(text, expected):
     assert parse_bytes("SKIPPY_CACHE_BYTES", text) == expected
+
+
+@pytest.mark.parametrize("text, expected", ACCEPTED)
+def test_format_bytes_spells_what_parse_bytes_reads_back(text, expected):
+    assert parse_bytes("x", format_bytes(expected)) == expected
+
+
+def test_format_bytes_prefers_gib_and_few_decimals():
+    assert [format_bytes(n) for n in (0, 2 * GiB, 512 * MiB, 10**9, 3_500_000_000)] == \
+        ["0", "2GiB", "0.5GiB", "1GB", "3.5GB"]
 
 
 @pytest.mark.parametrize("text", REJECTED)
@@ -232,40 +243,19 @@ def test_unknown_override_is_a_type_error():
         CacheConfig.from_env({}, strides=64)
 
 
-def parse(argv):
-    parser = argparse.ArgumentParser()
-    add_cache_arguments(parser)
-    return parser.parse_args(argv)
-
-
-def test_flags_beat_variables_beat_defaults():
+def test_a_flag_beats_its_variable_and_is_named_when_bad():
     env = {"SKIPPY_CACHE_BYTES": "1GB", "SKIPPY_CACHE_MAX_ENTRIES": "10"}
-    c = CacheConfig.from_args(parse(["--cache-bytes", "2GiB"]), environ=env)
-    assert c.max_bytes == 2 * GiB          # flag over variable
-    assert c.max_entries == 10             # variable over default
-    assert c.record_limit == 4             # default
-
-
-def test_every_flag_is_read():
-    argv = ["--cache", "off", "--cache-chunk", "32", "--cache-stride", "64",
-            "--cache-min-prefix", "128", "--cache-max-prefix", "4096",
-            "--cache-max-entries", "10", "--cache-bytes", "3.5GB", "--cache-max-tokens", "2048",
-            "--cache-activation-entries", "11", "--cache-activation-bytes", "0.5GiB",
-            "--cache-block-store-bytes", "0", "--cache-admit-after", "1",
-            "--cache-record-limit", "3"]
-    c = CacheConfig.from_args(parse(argv), environ={})
-    assert c == CacheConfig(
-        enabled=False, chunk=32, stride=64, min_prefix=128, max_prefix=4096, max_entries=10,
-        max_bytes=3_500_000_000, max_tokens_per_entry=2048, activation_max_entries=11,
-        activation_max_bytes=512 * MiB, block_store_max_bytes=0, admit_after=1, record_limit=3)
-
-
-def test_no_flags_means_environment():
-    assert CacheConfig.from_args(parse([]), environ={"SKIPPY_CACHE": "off"}).enabled is False
-
-
-def test_bad_flag_is_named():
-    with pytest.raises(ConfigError, match=r"^--cache-bytes: '3\.5' is not a byte size"):
-        CacheConfig.from_args(parse(["--cache-bytes", "3.5"]), environ={})
+    c = CacheConfig.from_flags({"--cache-bytes": "2GiB"}, environ=env)
+    assert (c.max_bytes, c.max_entries) == (2 * GiB, 10)
     with pytest.raises(ConfigError, match=r"^--cache-stride: must be a positive multiple"):
-        CacheConfig.from_args(parse(["--cache-stride", "48"]), environ={})
+        CacheConfig.from_flags({"--cache-stride": "48"}, environ={})
+
+
+def test_unknown_flag_is_a_type_error():
+    with pytest.raises(TypeError):
+        CacheConfig.from_flags({"--cache-strides": "64"}, environ={})
+
+
+def test_every_setting_has_a_flag_a_variable_and_a_field():
+    assert [s.field for s in SETTINGS] == [f.name for f in dataclasses.fields(CacheConfig)]
+    assert len({s.flag for s in SETTINGS}) == len({s.env for s in SETTINGS}) == len(SETTINGS)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from skippy.evals.numerics import greedy_logits, margin_agreement, split_logits
-from skippy.evals.certify import certify
 from skippy.evals.reference import LlamaCppReference
+from skippy.stages.certify import certify
 from skippy.stages.layers import rms_norm
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.synth import FALCON_H1_SSM, falcon_h1_conv_dim, write_synthetic

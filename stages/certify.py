@@ -1,5 +1,7 @@
 """State-handoff certification: is every way of handing state around exact?
 
+What `skippy certify` runs (the CLI resolves the model and prints the report):
+
     skippy certify --model M --stages N [--runtime torch|llama.cpp]
         [--weight-format fp32|bf16|int8|...] [--json]
 
@@ -26,8 +28,6 @@ import is byte-identical to the one imported).
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,38 +171,54 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
     """Run every check on `path` cut into `n_stages` even stages whose weights are held
     in `weight_format` (torch runtime only). Raises StageError for a format the runtime
     does not have."""
+    _check_weight_format(runtime, weight_format)
+    report = Report(str(path), n_stages, runtime, weight_format if runtime == "torch" else None)
+    ids = prompt or [(i * 7919) % 30000 + 50 for i in range(3 * CHUNK + 21)]
+    stages = build(path, n_stages, runtime, "f32", weight_format)
+    lanes = [s.alloc_lane() for s in stages]
+    cold_logits, _ = prefill(stages, lanes, ids)
+    cold, cold_tokens = greedy(stages, lanes, cold_logits)
+    if n_stages > 1:
+        report.checks.append(_split_handoff(path, n_stages, runtime, weight_format, ids, cold))
+    store = BlockStore()
+    report.checks += _restore_checks(stages, ids, store, cold, cold_tokens)
+    report.checks += _full_state_checks(stages, ids, store, cold)
+    report.checks.append(_recurrent_only(path))
+    return report
+
+
+def _check_weight_format(runtime: str, weight_format: str) -> None:
     if weight_format not in WEIGHT_FORMATS:
         raise StageError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, "
                          f"not {weight_format!r}")
     if runtime != "torch" and weight_format != REFERENCE_FORMAT:
         raise StageError(f"the {runtime} runtime has no weight formats (it computes with "
                          f"the file's own weights): {weight_format!r} is for the torch runtime")
-    report = Report(str(path), n_stages, runtime, weight_format if runtime == "torch" else None)
-    add = report.checks.append
-    ids = prompt or [(i * 7919) % 30000 + 50 for i in range(3 * CHUNK + 21)]
-    b = (len(ids) - 1) // CHUNK * CHUNK                    # the restore boundary
-    wire = "f32"
-    stages = build(path, n_stages, runtime, wire, weight_format)
-    lanes = [s.alloc_lane() for s in stages]
-    cold_logits, _ = prefill(stages, lanes, ids)
-    cold, cold_tokens = greedy(stages, lanes, cold_logits)
 
-    if n_stages > 1:
-        one = build(path, 1, runtime, wire, weight_format)
-        lane1 = [one[0].alloc_lane()]
-        ref, ref_tokens = greedy(one, lane1, prefill(one, lane1, ids)[0])
-        f16 = build(path, n_stages, runtime, "f16", weight_format)
-        lf = [s.alloc_lane() for s in f16]
-        f16_logits, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
-        same, d = torch.equal(ref, cold), max_abs_diff(ref, cold)
-        f16_ok, why = wire_flip(ref, ref_tokens, f16_logits, f16_tokens)
-        add(Check("split_handoff", same and f16_ok,
-                  f"f32 wire bitwise: {same}; f16 wire tokens identical: "
-                  f"{f16_tokens == ref_tokens}; max |d| {d:.2e}" + why, d))
-        del one, f16
 
-    # State captured at b while prefilling another prompt that shares ids[:b].
-    store = BlockStore()
+def _split_handoff(path, n_stages: int, runtime: str, weight_format: str, ids: list[int],
+                   split: torch.Tensor) -> Check:
+    """The f32-wire split's logits (`split`) against the unsplit model's, and an f16-wire
+    split's greedy run against the same reference."""
+    one = build(path, 1, runtime, "f32", weight_format)
+    lane1 = [one[0].alloc_lane()]
+    ref, ref_tokens = greedy(one, lane1, prefill(one, lane1, ids)[0])
+    f16 = build(path, n_stages, runtime, "f16", weight_format)
+    lf = [s.alloc_lane() for s in f16]
+    f16_logits, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
+    same, d = torch.equal(ref, split), max_abs_diff(ref, split)
+    f16_ok, why = wire_flip(ref, ref_tokens, f16_logits, f16_tokens)
+    return Check("split_handoff", same and f16_ok,
+                 f"f32 wire bitwise: {same}; f16 wire tokens identical: "
+                 f"{f16_tokens == ref_tokens}; max |d| {d:.2e}" + why, d)
+
+
+def _restore_checks(stages, ids: list[int], store: BlockStore, cold: torch.Tensor,
+                    cold_tokens: list[int]) -> list[Check]:
+    """State captured at the last chunk boundary b while prefilling another prompt that
+    shares ids[:b], restored twice through `store`: each against the cold run and the two
+    against each other."""
+    b = (len(ids) - 1) // CHUNK * CHUNK
     other = ids[:b] + [7] * (len(ids) - b)
     src = [s.alloc_lane() for s in stages]
     _, snaps = prefill(stages, src, other, snapshots=(b,))
@@ -217,14 +233,20 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
         restored.append(greedy(stages, dst, logits))
     (got, got_tokens), (again, _) = restored
     d = max_abs_diff(got, cold)
-    add(Check("restore_equals_recompute", torch.equal(got, cold) and got_tokens == cold_tokens,
-              f"restored at {b} of {len(ids)}: logits bitwise {torch.equal(got, cold)}, "
-              f"{STEPS} greedy tokens identical {got_tokens == cold_tokens}; max |d| {d:.2e}", d))
+    restore = Check("restore_equals_recompute",
+                    torch.equal(got, cold) and got_tokens == cold_tokens,
+                    f"restored at {b} of {len(ids)}: logits bitwise {torch.equal(got, cold)}, "
+                    f"{STEPS} greedy tokens identical {got_tokens == cold_tokens}; "
+                    f"max |d| {d:.2e}", d)
     d = max_abs_diff(got, again)
-    add(Check("repeated_hits", torch.equal(got, again),
-              f"two restores of one payload equal; max |d| {d:.2e}", d))
+    return [restore, Check("repeated_hits", torch.equal(got, again),
+                           f"two restores of one payload equal; max |d| {d:.2e}", d)]
 
-    # Whole state after a prefill, exported and continued elsewhere.
+
+def _full_state_checks(stages, ids: list[int], store: BlockStore,
+                       cold: torch.Tensor) -> list[Check]:
+    """The whole state after a prefill, exported and continued elsewhere (full_state), and
+    whether re-exporting an imported state gives its bytes back (a diagnostic)."""
     a = [s.alloc_lane() for s in stages]
     logits_a, _ = prefill(stages, a, ids)
     exported = [s.export_state(lane, len(ids)) for s, lane in zip(stages, a)]
@@ -233,40 +255,23 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
         s.import_state(lane, through_store(st, store, PayloadKind.FullState))
     full, _ = greedy(stages, c, logits_a)
     d = max_abs_diff(full, cold)
-    add(Check("full_state", torch.equal(full, cold), "export at the prompt's end, import, "
-              f"decode {STEPS}: bitwise {torch.equal(full, cold)}; max |d| {d:.2e}", d))
+    full_state = Check("full_state", torch.equal(full, cold), "export at the prompt's end, "
+                       f"import, decode {STEPS}: bitwise {torch.equal(full, cold)}; "
+                       f"max |d| {d:.2e}", d)
 
     probe = [s.alloc_lane() for s in stages]
     for s, lane, st in zip(stages, probe, exported):
         s.import_state(lane, st)
     reexported = [s.export_state(lane, len(ids)) for s, lane in zip(stages, probe)]
     roundtrip = all(state_bytes(x) == state_bytes(y) for x, y in zip(exported, reexported))
-    add(Check("roundtrip_state_matches", None, f"re-export after import byte-identical: {roundtrip}"))
+    return [full_state, Check("roundtrip_state_matches", None,
+                              f"re-export after import byte-identical: {roundtrip}")]
+
+
+def _recurrent_only(path) -> Check:
     # Decided by the file, not by the state's shape: llama.cpp's opaque state always
     # sits in `fixed`, dense or not.
     recurrent = capability_for(GGUFFile(path)).hybrid
-    add(Check("recurrent_only", None,
-              "recurrent state present: KV must travel with it (KvRecurrent)" if recurrent
-              else "no recurrent state (dense family): nothing to check"))
-    return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from skippy.mesh.models import resolve_model
-    p = argparse.ArgumentParser(prog="python -m skippy.evals.certify")
-    p.add_argument("--model", required=True)
-    p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch")
-    p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=REFERENCE_FORMAT)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    report = certify(resolve_model(args.model), args.stages, args.runtime,
-                     weight_format=args.weight_format)
-    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
-    return 0 if report.passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return Check("recurrent_only", None,
+                 "recurrent state present: KV must travel with it (KvRecurrent)" if recurrent
+                 else "no recurrent state (dense family): nothing to check")
