@@ -39,15 +39,13 @@ from skippy.cache.prefix_cache import Hit, PrefixCache
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
 
-from .cache_policy import POLICIES, CachePolicy, policy_class
+from .cache_policy import CachePolicy, policy_class
 from .frame import Frame
 from .lanes import Lanes
 from .leases import Lease, Leases
 from .runtime import StageError, StageOutput, StageRuntime
 
 log = logging.getLogger(__name__)
-
-__all__ = ["POLICIES", "StageCache", "stage_key_for"]
 
 # Finished requests' lanes kept warm, on runtimes whose lanes are unlimited (each holds
 # memory). A fixed-lane runtime (llama.cpp) keeps every idle lane warm until it is needed.
@@ -83,8 +81,9 @@ class StageCache:
                  stage_key: StageKey | None = None, store: BlockStore | None = None,
                  lease_seconds: float = LEASE_SECONDS,
                  clock: Callable[[], float] = time.monotonic):
-        """policy: the family's cache policy name (POLICIES); a disabled config turns
-        it off. lease_seconds: how long a plan's hit stays pinned without a restore."""
+        """policy: the family's cache policy name (cache_policy.POLICIES); a disabled
+        config turns it off. lease_seconds: how long a plan's hit stays pinned without
+        a restore."""
         cls = policy_class(policy, runtime, config.enabled)
         if config.chunk != runtime.spec.chunk:
             raise ValueError(f"cache chunk {config.chunk} differs from the runtime's "
