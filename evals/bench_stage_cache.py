@@ -54,7 +54,7 @@ import torch
 from skippy.cache.config import CacheConfig
 from skippy.evals.reference import _quiet_stderr
 from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.pipeline import LocalPipeline
+from skippy.stages.chain import StageChain
 
 PREFIX, LONG_PREFIX, TAIL = 128, 1024, 16
 THREADS = 2
@@ -170,7 +170,7 @@ def _ms(samples: list[float]) -> float:
 
 
 # -- our side ---------------------------------------------------------------------------------
-def _uncached(pipe: LocalPipeline, ids: list[int]) -> torch.Tensor:
+def _uncached(pipe: StageChain, ids: list[int]) -> torch.Tensor:
     """The prompt's next-token logits on fresh runtime lanes, no cache involved."""
     lanes = [s.alloc_lane() for s in pipe.stages]
     try:
@@ -186,7 +186,7 @@ def ours(path: Path, runtime: str, rows: list[Row], repeats: int,
     answer. Raises ExactnessError when a next token differs."""
     engine = InProcessEngine(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
                              runtime=runtime, cache=CacheConfig(admit_after=1, chunk=chunk))
-    pipe = LocalPipeline(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
+    pipe = StageChain(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
                          runtime=runtime, chunk=chunk)  # the uncached references
     torch.set_num_threads(THREADS)
 

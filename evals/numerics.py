@@ -120,8 +120,8 @@ def split_logits(path, n_stages: int, ids: list[int], wire: str = "f32",
                  steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(prefill logits at every position, logits of `steps` greedy decode steps) of the
     model cut into `n_stages` stages: the same at any split with the f32 wire."""
-    from skippy.mesh.pipeline import LocalPipeline
-    pipe = LocalPipeline(path, n_stages, wire_dtype=wire, n_ctx=512)
+    from skippy.stages.chain import StageChain
+    pipe = StageChain(path, n_stages, wire_dtype=wire, n_ctx=512)
     lanes = pipe.alloc()
     all_logits = pipe.prefill(lanes, ids, logits="all")
     decoded, token = [], int(all_logits[-1].argmax())

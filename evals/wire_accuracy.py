@@ -21,12 +21,12 @@ import torch
 
 from skippy.evals.cache_exactness import prompt_ids
 from skippy.evals.numerics import DEFAULT_DATA, cosine, read_corpus
-from skippy.mesh.pipeline import LocalPipeline
+from skippy.stages.chain import StageChain
 
 ACCEPT_TOP1 = 0.99
 
 
-def all_logits(pipe: LocalPipeline, ids: list[int]) -> torch.Tensor:
+def all_logits(pipe: StageChain, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] logits, one row per prompt position."""
     lanes = pipe.alloc()
     try:
@@ -38,8 +38,8 @@ def all_logits(pipe: LocalPipeline, ids: list[int]) -> torch.Tensor:
 def compare_wire(path, prompts: list[list[int]], wire: str = "q8", stages: int = 2) -> dict:
     """Top-1 agreement and cosine of `wire` against the f32 wire over every position."""
     n_ctx = max(len(p) for p in prompts) + 64
-    exact = LocalPipeline(path, stages, wire_dtype="f32", n_ctx=n_ctx)
-    lossy = LocalPipeline(path, stages, wire_dtype=wire, n_ctx=n_ctx)
+    exact = StageChain(path, stages, wire_dtype="f32", n_ctx=n_ctx)
+    lossy = StageChain(path, stages, wire_dtype=wire, n_ctx=n_ctx)
     per_prompt = []
     for ids in prompts:
         want, got = all_logits(exact, ids), all_logits(lossy, ids)

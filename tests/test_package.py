@@ -17,7 +17,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from skippy.mesh.cli import main as cli_main
-from skippy.mesh.pipeline import LocalPipeline
+from skippy.stages.chain import StageChain
 from skippy.stages.package import split_package
 from skippy.stages.runtime import StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
@@ -45,7 +45,7 @@ def _split(model: Path, out: Path) -> Path:
 
 
 def _logits(path: Path, n_stages: int) -> torch.Tensor:
-    pipe = LocalPipeline(path, n_stages)
+    pipe = StageChain(path, n_stages)
     return pipe.prefill(pipe.alloc(), PROMPT_IDS, logits="all")
 
 

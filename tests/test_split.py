@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skippy.mesh.pipeline import LocalPipeline
+from skippy.stages.chain import StageChain
 from skippy.mesh.control.local import InProcessEngine
 
 PROMPT = list(range(1000, 1150))  # 150 ids: two full chunks of 64 and a padded one
 
 
 def run(path, n_stages: int, wire: str, decode_steps: int = 4):
-    pipe = LocalPipeline(path, n_stages, wire_dtype=wire, n_ctx=512)
+    pipe = StageChain(path, n_stages, wire_dtype=wire, n_ctx=512)
     lanes = pipe.alloc()
     all_logits = pipe.prefill(lanes, PROMPT, logits="all")
     steps = []

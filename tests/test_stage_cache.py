@@ -7,23 +7,37 @@ import torch
 
 from skippy.cache.config import CacheConfig
 from skippy.evals.cache_exactness import run_one
-from skippy.mesh.pipeline import LocalPipeline
-from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.mesh.control.local import InProcessEngine
 from skippy.stages.stage_cache import StageCache
 
 STEM = [(i * 7919) % 40000 + 100 for i in range(200)]
 PROMPTS = [STEM + [5, 6, 7], STEM + [8, 9] * 20, STEM[:150] + [11] * 30, STEM + [5, 6, 7],
            STEM + [8, 9] * 20 + [1, 2, 3]]
-GREEDY = SamplingParams(temperature=0)
 
 
 def cfg(**kw) -> CacheConfig:
     return CacheConfig(**{"chunk": 32, "stride": 32, "min_prefix": 32, "admit_after": 1, **kw})
 
 
-def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int]):
+def first_logits_and_tokens(engine: InProcessEngine, ids: list[int]):
     """(first-token logits, 8 greedy tokens, prompt tokens reused)."""
-    return run_one(pipe, ids)
+    return run_one(engine, ids)
+
+
+def engine(path, stages: int, cache: CacheConfig | None = None, **kw) -> InProcessEngine:
+    """Caches as given, or off (the same chunk)."""
+    return InProcessEngine(path, stages, cache=cache or cfg(enabled=False),
+                           **{"n_ctx": 1024, "wire_dtype": "f32", **kw})
+
+
+def cache_stats(e: InProcessEngine) -> list[dict]:
+    return e.stats()["stages"]
+
+
+def drop_warm_lanes(e: InProcessEngine) -> None:
+    """Later hits must come from the cache entries, not a lane left warm."""
+    for s in e.servers:
+        s.loop.call(s.cache.drop_warm_lanes)
 
 
 @pytest.mark.parametrize("model, stages", [("qwen3_f32", 1), ("qwen3_f32", 3), ("smollm2", 2),
@@ -31,8 +45,8 @@ def first_logits_and_tokens(pipe: LocalPipeline, ids: list[int]):
                                            ("falcon_h1_f32", 2)])
 def test_cache_on_equals_cache_off(model, stages, request):
     path = request.getfixturevalue(model)
-    off = LocalPipeline(path, stages, wire_dtype="f32", chunk=32, n_ctx=1024)
-    on = LocalPipeline(path, stages, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    off = engine(path, stages, n_ctx=1024)
+    on = engine(path, stages, cfg())
     reused_total = 0
     for ids in PROMPTS:
         want_logits, want_tokens, _ = first_logits_and_tokens(off, ids)
@@ -41,25 +55,24 @@ def test_cache_on_equals_cache_off(model, stages, request):
         assert torch.equal(got_logits, want_logits)
         reused_total += reused
     assert reused_total > 0
-    stats = on.cache_stats()
+    stats = cache_stats(on)
     assert all(s["counters"]["hits"] > 0 for s in stats)
 
 
 def test_small_byte_cap_forces_evictions_and_changes_nothing(qwen3_f32):
-    off = LocalPipeline(qwen3_f32, 2, wire_dtype="f32", chunk=32, n_ctx=1024)
+    off = engine(qwen3_f32, 2, n_ctx=1024)
     # 3 layers x 2 x 2 heads x 64 x 4 B = 3 KiB a token: room for one ~200-token entry
-    on = LocalPipeline(qwen3_f32, 2, wire_dtype="f32", n_ctx=1024,
-                       cache=cfg(max_bytes=1_000_000, max_entries=8))
+    on = engine(qwen3_f32, 2, cfg(max_bytes=1_000_000, max_entries=8))
     for ids in PROMPTS * 2:
         assert first_logits_and_tokens(on, ids)[1] == first_logits_and_tokens(off, ids)[1]
-    for s in on.cache_stats():
+    for s in cache_stats(on):
         kv = s["prefix"]
         assert kv["resident_bytes"] + kv["reserved_bytes"] <= 1_000_000
         assert kv["counters"]["evictions"] > 0
 
 
 def test_exact_repeat_is_served_from_the_result_cache(qwen3_f32):
-    on = LocalPipeline(qwen3_f32, 2, wire_dtype="f32", cache=cfg(), n_ctx=1024)
+    on = engine(qwen3_f32, 2, cfg())
     first = first_logits_and_tokens(on, PROMPTS[1])
     again = first_logits_and_tokens(on, PROMPTS[1])
     assert again[2] == len(PROMPTS[1])           # nothing run for the first token
@@ -67,22 +80,20 @@ def test_exact_repeat_is_served_from_the_result_cache(qwen3_f32):
 
 
 def test_probes_leave_no_trace(qwen3_f32):
-    on = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", cache=cfg(), n_ctx=1024)
-    list(on.generate(PROMPTS[0], 2, Sampler(GREEDY), probe=True))
-    s = on.cache_stats()[0]
+    on = engine(qwen3_f32, 1, cfg())
+    on.complete(PROMPTS[0], 2, probe=True)
+    s = cache_stats(on)[0]
     assert s["entries"] == 0 and s["counters"]["hits"] == 0 and s["counters"]["records"] == 0
 
 
-def payload_cache(path, **kw) -> tuple[LocalPipeline, StageCache]:
+def payload_cache(path, **kw) -> tuple[InProcessEngine, StageCache]:
     """Exported payloads in the block store: the KvRecurrent machinery on a dense model."""
-    pipe = LocalPipeline(path, 1, wire_dtype="f32", cache=cfg(**kw), n_ctx=2048)
-    rt = pipe.stages[0]
-    pipe.caches = [StageCache(rt, cfg(**kw), policy="KvRecurrent")]
-    return pipe, pipe.caches[0]
+    e = engine(path, 1, cfg(**kw), n_ctx=2048, policy="KvRecurrent")
+    return e, e.servers[0].cache
 
 
 def test_payload_restore_equals_recompute_and_dedupes(qwen3_f32):
-    off = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", chunk=32, n_ctx=2048)
+    off = engine(qwen3_f32, 1, n_ctx=2048)
     on, cache = payload_cache(qwen3_f32, record_limit=1, max_prefix=2048)
     stem = (STEM * 5)[:960]
     a, b = stem + [1] * 40, stem + [2] * 40          # one 992-token payload each
@@ -95,30 +106,30 @@ def test_payload_restore_equals_recompute_and_dedupes(qwen3_f32):
     print(f"\ntwo payloads of {larger} bytes sharing 960 of 992 tokens: "
           f"{store.physical_bytes} physical bytes ({store.physical_bytes / larger:.2f}x)")
     assert store.physical_bytes < 1.2 * larger
-    on.drop_warm_lanes()  # restore from the store, not from a warm lane
+    drop_warm_lanes(on)  # restore from the store, not from a warm lane
     assert first_logits_and_tokens(on, b)[1] == first_logits_and_tokens(off, b)[1]
     assert cache.stats()["prefix"]["counters"]["hits"] > 0
 
 
 def test_corrupt_block_costs_time_not_correctness(qwen3_f32):
-    off = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", chunk=32, n_ctx=1024)
+    off = engine(qwen3_f32, 1, n_ctx=1024)
     on, cache = payload_cache(qwen3_f32)
     first_logits_and_tokens(on, PROMPTS[1])
     for manifest in cache.entries.manifests.values():
         for h in manifest.blocks:
             cache.store._corrupt_for_test(h, 0)
-    on.drop_warm_lanes()  # no hot lane: force a restore from the store
+    drop_warm_lanes(on)  # no hot lane: force a restore from the store
     got = first_logits_and_tokens(on, PROMPTS[4])
     assert got[1] == first_logits_and_tokens(off, PROMPTS[4])[1]
     assert cache.store.stats().corrupt_reads > 0
 
 
 def test_hybrid_family_serves_kv_recurrent_payloads(lfm2_f32):
-    on = LocalPipeline(lfm2_f32, 2, wire_dtype="f32", cache=cfg(), n_ctx=1024)
-    assert all(c.policy == "KvRecurrent" for c in on.caches)
+    on = engine(lfm2_f32, 2, cfg())
+    assert all(s.cache.policy == "KvRecurrent" for s in on.servers)
     for ids in PROMPTS:
         first_logits_and_tokens(on, ids)
-    for s in on.cache_stats():
+    for s in cache_stats(on):
         assert s["blocks"]["blocks"] > 0 and s["prefix"]["counters"]["records"] > 0
 
 
@@ -126,34 +137,32 @@ def test_hybrid_family_serves_kv_recurrent_payloads(lfm2_f32):
 def test_downstream_miss_is_served_from_upstream_frames(qwen3_f32, wire):
     """Stage 0 holds the prefix but stage 1 lost it: stage 0 restores and sends rows
     [0, b) from its frame cache instead of recomputing them; nothing changes."""
-    off = LocalPipeline(qwen3_f32, 2, wire_dtype=wire, chunk=32, n_ctx=1024)
-    on = LocalPipeline(qwen3_f32, 2, wire_dtype=wire, cache=cfg(), n_ctx=1024)
+    off = engine(qwen3_f32, 2, wire_dtype=wire)
+    on = engine(qwen3_f32, 2, cfg(), wire_dtype=wire)
     first_logits_and_tokens(on, PROMPTS[0])
-    on.drop_warm_lanes()                      # no warm lanes: hits must come from the caches
-    on.caches[1].clear()                  # the downstream stage forgets everything
-    lanes = on.alloc()
-    starts = on.plan(lanes, PROMPTS[1])
-    assert starts[0] > 0 and starts[1] == 0
-    on.free(lanes)
-    on.drop_warm_lanes()
+    drop_warm_lanes(on)                      # no warm lanes: hits must come from the caches
+    downstream = on.servers[1]
+    downstream.loop.call(downstream.cache.clear)  # the downstream stage forgets everything
     want = first_logits_and_tokens(off, PROMPTS[1])
     got = first_logits_and_tokens(on, PROMPTS[1])
     assert got[1] == want[1] and torch.equal(got[0], want[0])
-    frames = on.cache_stats()[0]["frames"]["counters"]
-    assert frames["hits"] > 0
+    assert got[2] == 0                       # stage 1 computed every row
+    stage0 = cache_stats(on)[0]
+    assert stage0["prefix"]["counters"]["hits"] > 0      # stage 0 restored ...
+    assert stage0["frames"]["counters"]["hits"] > 0      # ... and sent cached rows down
 
 
 def test_namespaces_do_not_share_entries(qwen3_f32):
-    on = LocalPipeline(qwen3_f32, 1, wire_dtype="f32", cache=cfg(), n_ctx=1024)
-    lanes = on.alloc()
-    on.first_logits(lanes, PROMPTS[0], namespace="tenant-a")
-    on.free(lanes)
-    on.drop_warm_lanes()
-    lanes = on.alloc()
-    assert on.plan(lanes, PROMPTS[1], namespace="tenant-b") == [0]
-    assert on.plan(lanes, PROMPTS[1], namespace="tenant-a")[0] > 0
-    assert on.first_logits(lanes, PROMPTS[0], namespace="tenant-b")[1] == 0
-    on.free(lanes)
+    on = engine(qwen3_f32, 1, cfg())
+
+    def reused(ids, namespace):
+        return on.complete(ids, 1, namespace=namespace)[0].cached_tokens
+    reused(PROMPTS[0], "tenant-a")
+    drop_warm_lanes(on)
+    assert reused(PROMPTS[1], "tenant-b") == 0
+    drop_warm_lanes(on)
+    assert reused(PROMPTS[1], "tenant-a") > 0
+    assert reused(PROMPTS[0], "tenant-c") == 0   # an exact repeat, of another tenant
 
 
 def test_llama_cpp_entries_are_payloads_and_take_no_lane(smollm2):

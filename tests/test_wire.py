@@ -80,8 +80,8 @@ def test_frames_whose_sizes_disagree_are_refused(bad):
 
 def test_a_decoded_q8_frame_feeds_the_next_stage(smollm2):
     """The receiving torch stage takes a decoded q8 frame as its input rows."""
-    from skippy.mesh.pipeline import LocalPipeline
-    pipe = LocalPipeline(smollm2, 2, wire_dtype="q8", n_ctx=128)
+    from skippy.stages.chain import StageChain
+    pipe = StageChain(smollm2, 2, wire_dtype="q8", n_ctx=128)
     lanes = pipe.alloc()
     try:
         out = pipe.stages[0].prefill(lanes[0], torch.tensor([1, 2, 3, 4]), 0, "none")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from concurrent import futures
 from pathlib import Path
 
@@ -82,10 +83,12 @@ class InProcessEngine(PipelinesEngine):
                  cache: CacheConfig | None = None, runtime: str = "torch",
                  wire_dtype: str = "f16", model_name: str | None = None,
                  ranges: list[tuple[int, int]] | None = None, lanes: int = DEFAULT_LANES,
-                 **spec_options):
+                 policy: str | None = None, **spec_options):
+        """`policy` overrides the family's cache policy (tests of the payload path on a
+        dense model)."""
         path = Path(model_path)
         f = open_model(path)
-        config, policy = ModelConfig.from_gguf(f), capability_for(f).policy
+        config, policy = ModelConfig.from_gguf(f), policy or capability_for(f).policy
         model_digest = gguf_model_digest(f)
         f.close()
         self.cache = cache or CacheConfig()
@@ -96,6 +99,8 @@ class InProcessEngine(PipelinesEngine):
                                self.cache, policy, runtime)
                    for i, (a, b) in enumerate(ranges)]
         self.servers = servers
+        # Loop threads hold their stages: they end with the engine (or its close).
+        self._stop = weakref.finalize(self, _stop_loops, servers)
         self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
         self.info = EngineInfo(model=model_name or path.stem, path=str(path),
                                n_ctx=servers[0].runtime.n_ctx, n_stages=n,
@@ -115,4 +120,9 @@ class InProcessEngine(PipelinesEngine):
         return {"stages": [s.stats() for s in self.servers], **self._figures()}
 
     async def close(self) -> None:
-        return None
+        self._stop()
+
+
+def _stop_loops(servers: list[StageServer]) -> None:
+    for s in servers:
+        s.loop.stop()

@@ -84,6 +84,7 @@ class StageLoop:
         self.decoding = 0          # sessions past their prefill: rows to expect
         self.sessions = 0          # open sessions (thread bursting)
         self.timing = Timing()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="stage-loop", daemon=True)
         self._thread.start()
         if threads:
@@ -147,9 +148,17 @@ class StageLoop:
         if rows:
             self._run_rows(rows)
 
+    def stop(self) -> None:
+        """End the loop thread once the work already posted is done."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
     def _run(self) -> None:
         while True:
             rows, job = self._next()
+            if not rows and job is None:  # stopped
+                return
             if rows:
                 self._run_rows(rows)
             elif job is not None:
@@ -174,6 +183,8 @@ class StageLoop:
                     self._cv.wait(timeout=wait)
                 elif self._jobs:
                     return [], self._jobs.popleft()
+                elif self._stopped:
+                    return [], None
                 else:
                     self._cv.wait()
 
