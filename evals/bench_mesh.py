@@ -127,7 +127,7 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
 # -- (ii) the split's decode cost -------------------------------------------------------------------
 async def _decode_runs(engine, tokens: list[int], runs: int, n_tokens: int) -> list[float]:
     """Per-token decode ms of each run: (last step - first step) / (n - 1)."""
-    from skippy.mesh.engine import GenerationRequest
+    from skippy.mesh.control.engine import GenerationRequest
 
     request = GenerationRequest(tokens=tuple(tokens), max_tokens=n_tokens, probe=True)
     out = []
@@ -154,9 +154,9 @@ def _stage_decode_ms(before: dict, after: dict) -> list[float]:
 def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: int,
                 n_ctx: int = 2048, say=print) -> list[dict]:
     """One engine at a time: per-token decode time for each stage count."""
-    from skippy.mesh.chat import render_chat
+    from skippy.mesh.front.chat import render_chat
     from skippy.mesh.control.ray_engine import RayEngine
-    from skippy.mesh.tokenizer import Tokenizer
+    from skippy.mesh.front.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     tokens = tok.encode(render_chat(path, [{"role": "user", "content": PROMPT}]))

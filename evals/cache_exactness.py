@@ -31,7 +31,7 @@ DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / 
 
 
 def prompt_ids(tokenizer, path, record: dict, cap: int) -> list[int]:
-    from skippy.mesh.chat import ChatTemplateMissing, render_chat
+    from skippy.mesh.front.chat import ChatTemplateMissing, render_chat
     try:
         text = render_chat(path, record["messages"])
     except (ChatTemplateMissing, ValueError):
@@ -55,7 +55,7 @@ def cache_pair(path, stages: int, config: CacheConfig, **options):
 
 def compare(path, records: list[dict], stages: int, cap: int = 512,
             config: CacheConfig | None = None, runtime: str = "torch") -> dict:
-    from skippy.mesh.tokenizer import Tokenizer
+    from skippy.mesh.front.tokenizer import Tokenizer
     tok = Tokenizer(path)
     config = config or CacheConfig()
     off, on = cache_pair(path, stages, config, wire_dtype="f16", n_ctx=cap + 64,

@@ -102,7 +102,7 @@ def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f
 
 
 def _serve(pkg: Path, weight_format: str, say) -> dict:
-    from skippy.mesh.engine import GenerationRequest
+    from skippy.mesh.control.engine import GenerationRequest
     from skippy.mesh.control.ray_engine import RayEngine
 
     t = time.monotonic()

@@ -58,7 +58,7 @@ def compare_wire(path, prompts: list[list[int]], wire: str = "q8", stages: int =
 
 def main(argv: list[str] | None = None) -> int:
     from skippy.mesh.models import resolve_model
-    from skippy.mesh.tokenizer import Tokenizer
+    from skippy.mesh.front.tokenizer import Tokenizer
 
     p = argparse.ArgumentParser(prog="python -m skippy.evals.wire_accuracy")
     p.add_argument("--model", default="smollm2")

@@ -67,12 +67,12 @@ def cmd_generate(args) -> int:
     import asyncio
 
     from skippy.cache.config import CacheConfig
-    from .chat import render_chat
+    from .front.chat import render_chat
     from .control.local import InProcessEngine
-    from .engine import GenerationRequest
+    from .control.engine import GenerationRequest
     from .models import resolve_model
     from .sampler import SamplingParams
-    from .tokenizer import Tokenizer
+    from .front.tokenizer import Tokenizer
 
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
@@ -194,12 +194,12 @@ def cmd_serve(args) -> int:
                              "use --runtime torch, or the GGUF the package was split from")
         verify_package(path)  # a bad part fails here, named, before any stage starts
     cache = cache_config(args)
-    from .limits import GatewayLimits
+    from .front.limits import GatewayLimits
     limits = GatewayLimits(max_concurrent_requests=args.max_concurrent_requests,
                            max_request_tokens=args.max_request_tokens,
                            queue_timeout_s=args.queue_timeout)  # a bad value fails here
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
-    from .gateway import serve
+    from .front.gateway import serve
     from .control.ray_engine import RayEngine
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines, weight_format=args.weight_format,
@@ -216,7 +216,7 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import limits
+    from .front import limits
     from .cache_flags import add_cache_arguments
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     from skippy.topology.families import UnsupportedFamily
     from skippy.topology.gguf_file import GGUFError
     from skippy.topology.planner import PlanError
-    from .chat import ChatTemplateMissing
+    from .front.chat import ChatTemplateMissing
     from .models import ModelError
 
     user_errors = (UsageError, ModelError, PlanError, StageError, SynthError, GGUFError,

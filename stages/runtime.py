@@ -93,7 +93,7 @@ class StageRuntime(abc.ABC):
     lane_entries: bool = True
 
     # Whether the arithmetic is the same on any number of threads: a stage may then take
-    # more cores while it serves one session alone (mesh/stage_service.py).
+    # more cores while it serves one session alone (mesh/stage/loop.py).
     thread_invariant: bool = False
 
     @abc.abstractmethod

@@ -57,7 +57,7 @@ def test_repeat_prompt_encodes_to_the_asked_length_with_a_toy_vocabulary():
 
 
 def test_repeat_prompt_with_the_real_vocabulary(smollm2):
-    from skippy.mesh.tokenizer import Tokenizer
+    from skippy.mesh.front.tokenizer import Tokenizer
     tok = Tokenizer(smollm2)
     text, n = bg.repeat_prompt("The harbour town woke slowly; gulls argued. " * 3,
                                tok.encode, tok.decode)
@@ -170,7 +170,7 @@ def test_a_server_that_exits_early_reports_its_log():
 def gateway(smollm2):
     from skippy.cache.config import CacheConfig
     from skippy.mesh.control.local import InProcessEngine
-    from skippy.mesh.gateway import BackgroundServer, create_app
+    from skippy.mesh.front.gateway import BackgroundServer, create_app
     engine = InProcessEngine(smollm2, 1, n_ctx=1024, cache=CacheConfig(enabled=False),
                              model_name="smollm2")
     with BackgroundServer(create_app(engine, api_keys=())) as srv:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from skippy.mesh.chat import (GEMMA_TURNS, ChatTemplateError, ChatTemplateMissing,
+from skippy.mesh.front.chat import (GEMMA_TURNS, ChatTemplateError, ChatTemplateMissing,
                               has_chat_template, load_chat_template, render_chat,
                               validate_messages)
 from skippy.mesh.models import pull
-from skippy.mesh.tokenizer import Tokenizer
+from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.topology.gguf_file import GGUFFile
 
 SYSTEM_USER = [{"role": "system", "content": "You are terse."},
@@ -185,7 +185,7 @@ def test_template_sandbox_and_errors_are_chat_template_errors():
 
 
 def test_content_parts_and_the_developer_role_are_accepted():
-    from skippy.mesh.chat import validate_messages
+    from skippy.mesh.front.chat import validate_messages
     got = validate_messages([{"role": "developer", "content": "Be brief."},
                              {"role": "user", "content": [{"type": "text", "text": "Hi "},
                                                           {"type": "text", "text": "there"}]}])

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from skippy.cache.config import CacheConfig
-from skippy.mesh.chat import ChatTemplateMissing
+from skippy.mesh.front.chat import ChatTemplateMissing
 from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.engine import EngineBusy, EngineError, EngineInfo, Step
-from skippy.mesh.gateway import BackgroundServer, create_app
-from skippy.mesh.limits import GatewayLimits
-from skippy.mesh.tokenizer import Tokenizer
+from skippy.mesh.control.engine import EngineBusy, EngineError, EngineInfo, Step
+from skippy.mesh.front.gateway import BackgroundServer, create_app
+from skippy.mesh.front.limits import GatewayLimits
+from skippy.mesh.front.tokenizer import Tokenizer
 
 GREEDY = {"model": "smollm2", "temperature": 0}
 
@@ -488,7 +488,7 @@ def test_api_keys_guard_the_api_but_not_health(keyed):
 
 
 def test_api_keys_from_the_environment(engine, monkeypatch):
-    from skippy.mesh.gateway import load_api_keys
+    from skippy.mesh.front.gateway import load_api_keys
     monkeypatch.setenv("SKIPPY_API_KEYS", " one, two ,,")
     assert load_api_keys(None) == {"one", "two"}
     assert load_api_keys(()) == frozenset()
@@ -666,7 +666,7 @@ def test_stage_figures_beyond_caches_reach_metrics(scripted):
 
 
 def test_chat_without_a_template_is_a_clear_400(smollm2, monkeypatch):
-    import skippy.mesh.gateway as gateway
+    import skippy.mesh.front.gateway as gateway
 
     def missing(_source):
         raise ChatTemplateMissing("model plain.gguf has no chat template; use completion")

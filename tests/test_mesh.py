@@ -17,11 +17,11 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 
 from skippy.cache.config import CacheConfig  # noqa: E402
-from skippy.mesh.chat import render_chat  # noqa: E402
-from skippy.mesh.gateway import BackgroundServer, create_app  # noqa: E402
+from skippy.mesh.front.chat import render_chat  # noqa: E402
+from skippy.mesh.front.gateway import BackgroundServer, create_app  # noqa: E402
 from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
-from skippy.mesh.tokenizer import Tokenizer  # noqa: E402
+from skippy.mesh.front.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,7 +20,7 @@ import ray  # noqa: E402
 from skippy.cache.config import CacheConfig  # noqa: E402
 from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
-from skippy.mesh.engine import GenerationRequest, InvalidRequest  # noqa: E402
+from skippy.mesh.control.engine import GenerationRequest, InvalidRequest  # noqa: E402
 from skippy.mesh.sampler import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from skippy.mesh.engine import GenerationRequest
-from skippy.mesh.result_memo import KnownRun, ResultMemo, memo_key
+from skippy.mesh.control.engine import GenerationRequest
+from skippy.mesh.front.result_memo import KnownRun, ResultMemo, memo_key
 from skippy.mesh.sampler import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skippy.mesh.router import MAX_IMBALANCE, Router
+from skippy.mesh.control.router import MAX_IMBALANCE, Router
 
 STEM = list(range(100, 300))
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from skippy.mesh.stop_text import StopStrings, StopText
+from skippy.mesh.front.stop_text import StopStrings, StopText
 
 
 def feed(stops, pieces):
@@ -55,7 +55,7 @@ def test_empty_stop_string_is_refused():
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2):
-    from skippy.mesh.tokenizer import Tokenizer
+    from skippy.mesh.front.tokenizer import Tokenizer
     return Tokenizer(smollm2)
 
 

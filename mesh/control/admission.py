@@ -13,7 +13,7 @@ import asyncio
 import threading
 from collections import deque
 
-from ..engine import EngineBusy
+from .engine import EngineBusy
 
 QUEUE_WAIT_S = 30.0   # how long a request waits for a lane
 

@@ -21,7 +21,7 @@ import torch
 
 from skippy.proto import stage_pb2 as pb
 
-from ..engine import EngineBusy, EngineError, GenerationRequest, InvalidRequest, Step
+from .engine import EngineBusy, EngineError, GenerationRequest, InvalidRequest, Step
 from ..wire import sampling_to_proto, token_logprobs
 
 log = logging.getLogger(__name__)

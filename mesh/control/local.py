@@ -19,7 +19,7 @@ from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 from skippy.topology.planner import even_ranges, gguf_model_digest, topology_digest
 
-from ..engine import EngineInfo, GenerationRequest, Step
+from .engine import EngineInfo, GenerationRequest, Step
 from ..stage.server import StageServer
 from .pipelines import PipelinesEngine
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from ..engine import EngineInfo, GenerationRequest, Step, check_fits
-from ..router import Router
+from .engine import EngineInfo, GenerationRequest, Step, check_fits
+from .router import Router
 from .admission import Admission
 from .driver import Pipeline, drive
 

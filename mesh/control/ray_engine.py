@@ -27,7 +27,7 @@ from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import is_package, open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
 
-from ..engine import EngineInfo
+from .engine import EngineInfo
 from .pipelines import PipelinesEngine
 from .ray_pipeline import RayPipeline
 

@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import ChatTemplate, ChatTemplateMissing, load_chat_template
-from .control.admission import Admission
-from .engine import Engine, EngineBusy, EngineError, GenerationRequest, Step
+from ..control.admission import Admission
+from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest, Step
 from .limits import GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openai_api import (

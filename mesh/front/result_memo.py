@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from skippy.cache.keyed import KeyedCache
 from skippy.cache.telemetry import CacheStats
 
-from .engine import GenerationRequest
+from ..control.engine import GenerationRequest
 
 DEFAULT_MAX_ENTRIES = 4096
 DEFAULT_MAX_BYTES = 64 * 2**20

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .sampler import SamplingParams, TokenLogprobs
+from ..sampler import SamplingParams, TokenLogprobs
 
 
 class EngineError(RuntimeError):

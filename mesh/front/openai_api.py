@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from ..sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 # max_tokens when the request gives none: what is left of the context, at most this.
 # OpenAI's legacy completions default to 16, which cuts most answers short; 256 answers
