@@ -242,7 +242,10 @@ def test_metrics_cover_requests_latency_tokens_and_stage_caches(client):
                    'skippy_stage_cache_hits_total{stage="1"}',
                    'skippy_stage_cache_evictions_total{stage="0"}',
                    'skippy_stage_cache_resident_bytes{stage="1"}',
-                   "skippy_gateway_results_hits_total"):
+                   "skippy_gateway_results_hits_total",
+                   'skippy_engine_rebuilds_total{cause="evicted"} 0.0',
+                   'skippy_engine_rebuilds_total{cause="fault"} 0.0',
+                   "skippy_engine_lanes_in_use", 'skippy_stage_restore_failures{stage="0"}'):
         assert needle in text, needle
 
 

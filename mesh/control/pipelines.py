@@ -21,7 +21,8 @@ class PipelinesEngine:
         self.pipes = pipelines
         self.router = Router(len(pipelines), stride)
         self.admission = Admission(lanes * len(pipelines))
-        self.rebuilds: Counter[str] = Counter()  # requests rebuilt, by cause
+        # requests rebuilt, by cause: a stage fault, or state evicted before its restore
+        self.rebuilds: Counter[str] = Counter({"fault": 0, "evicted": 0})
         self.rebuilds_by_pipeline = [0] * len(pipelines)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:

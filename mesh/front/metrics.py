@@ -70,10 +70,12 @@ class _StageCollector:
             return families[name]
 
         try:
-            stages = self._stage_stats().get("stages", [])
+            stats = self._stage_stats()
         except Exception as e:  # noqa: BLE001 (a scrape must not fail with one engine call)
             log.warning("engine.stats() failed: %s", " ".join(str(e).split()))
-            stages = []
+            stats = {}
+        stages = stats.get("stages", [])
+        _engine_figures(stats, family)
         for i, stage in enumerate(stages):
             label = [str(i)]
             for k, v in (stage.get("counters") or {}).items():
@@ -105,6 +107,22 @@ class _StageCollector:
                    f"Gateway exact results {k.replace('_', ' ')}", []
                    ).add_metric([], getattr(memo, k))
         yield from families.values()
+
+
+def _engine_figures(stats: dict, family) -> None:
+    """The engine's own figures: requests rebuilt after a fault (by cause: a stage fault,
+    or cached state evicted between plan and restore), its lane budget, and stage actors
+    re-created after Ray gave up on them."""
+    for cause, n in (stats.get("rebuilds") or {}).items():
+        family(CounterMetricFamily, "skippy_engine_rebuilds",
+               "Requests rebuilt on a repaired pipeline, by cause", ["cause"]
+               ).add_metric([str(cause)], n)
+    for k, v in (stats.get("admission") or {}).items():
+        family(GaugeMetricFamily, f"skippy_engine_lanes_{k}",
+               f"Engine lane budget: {k}", []).add_metric([], v)
+    if "recreated" in stats:
+        family(CounterMetricFamily, "skippy_engine_stages_recreated",
+               "Stage actors the engine created again", []).add_metric([], stats["recreated"])
 
 
 class _AdmissionCollector:
