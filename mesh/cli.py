@@ -175,6 +175,8 @@ def cmd_serve(args) -> int:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
     if args.pipelines < 1:
         raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
+    if args.lanes < 1:
+        raise UsageError(f"--lanes must be at least 1, not {args.lanes}")
     if args.lane_batch is None:
         # One row: the lone request's step is fastest. Torch fp32 decodes fastest one row
         # at a time; llama.cpp then still decodes lanes under 256 tokens together, exactly
@@ -203,7 +205,7 @@ def cmd_serve(args) -> int:
     from .control.ray_engine import RayEngine
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines, weight_format=args.weight_format,
-                       lane_batch=args.lane_batch,
+                       lane_batch=args.lane_batch, lanes=args.lanes,
                        model_name=args.model_name or (path.name if args.package else args.model),
                        address=args.address,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
@@ -216,11 +218,15 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .front import limits
-    from .cache_flags import add_cache_arguments
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_models_parser, _generate_parser, _certify_parser, _plan_parser,
+                _package_parser, _serve_parser):
+        add(sub)
+    return p
 
+
+def _models_parser(sub) -> None:
     models = sub.add_parser("models", help="pull, list and synthesize models")
     msub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
     pull = msub.add_parser("pull", help="fetch a shipped model into $SKIPPY_HOME")
@@ -243,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model whose tokenizer is copied (default: smollm2)")
     syn.set_defaults(run=cmd_models_synth)
 
+
+def _generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate a continuation in-process")
     gen.add_argument("prompt", metavar="PROMPT")
     gen.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
@@ -258,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ctx", type=int, default=8192, help="context size in tokens")
     gen.set_defaults(run=cmd_generate)
 
+
+def _certify_parser(sub) -> None:
     cert = sub.add_parser("certify", help="check that every state hand-off is exact")
     cert.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
     cert.add_argument("--stages", type=int, default=1)
@@ -268,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     cert.add_argument("--json", action="store_true", help="print the report as JSON")
     cert.set_defaults(run=cmd_certify)
 
+
+def _plan_parser(sub) -> None:
     pln = sub.add_parser("plan", help="show how a model splits into stages over nodes")
     pln.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
     pln.add_argument("--nodes", metavar="FILE",
@@ -277,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the fewest that fit)")
     pln.add_argument("--max-stages", type=int)
     pln.add_argument("--ctx", type=int, default=8192, help="context per lane in tokens")
-    pln.add_argument("--lanes", type=int, default=4, help="concurrent sequences per stage")
+    pln.add_argument("--lanes", type=int, default=8, help="concurrent sequences per stage")
     pln.add_argument("--wire", choices=("f16", "f32", "q8"), default="f16",
                      help="activation dtype between stages")
     pln.add_argument("--weight-format",
@@ -286,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--json", action="store_true", help="print the plan as JSON")
     pln.set_defaults(run=cmd_plan)
 
+
+def _package_parser(sub) -> None:
     pkg = sub.add_parser("package", help="split a model by layer; verify a package")
     psub = pkg.add_subparsers(dest="package_command", required=True, parser_class=_Parser)
     spl = psub.add_parser("split", help="write a package: one GGUF part per layer, "
@@ -299,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("-v", "--verbose", action="store_true", help="name each part checked")
     ver.set_defaults(run=cmd_package_verify)
 
+
+def _serve_parser(sub) -> None:
+    from .control.ray_engine import DEFAULT_LANES
     srv = sub.add_parser("serve", help="serve a model over the OpenAI API on Ray stages")
     srv.add_argument("--model", default="smollm2", help="model name, path to a .gguf, or a "
                      "package directory")
@@ -328,6 +345,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "requests share a step): 1 (default) is fastest alone, 8 gives the "
                           "most tokens/s to many clients. llama.cpp: 1 decodes lanes past "
                           "255 tokens alone, 2 or more decodes every lane together")
+    srv.add_argument("--lanes", type=int, default=DEFAULT_LANES, metavar="N",
+                     help="a pipeline's lane budget: requests it runs at once (each stage "
+                          "holds this many lanes' KV); more wait, then get a 503 "
+                          "(default: %(default)s)")
+    _serve_limits(srv)
+
+
+def _serve_limits(srv) -> None:
+    """Who may call, and how much: keys, the gateway's limits, the caches."""
+    from .cache_flags import add_cache_arguments
+    from .front import limits
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated)")
     srv.add_argument("--max-concurrent-requests", type=int, metavar="N",
@@ -345,7 +373,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: %(default)s)")
     add_cache_arguments(srv)
     srv.set_defaults(run=cmd_serve)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
