@@ -42,6 +42,9 @@ class CountingEngine:
     def status(self):
         return self.inner.status()
 
+    async def reserve(self, lanes):
+        return await self.inner.reserve(lanes)
+
     async def close(self):
         await self.inner.close()
 
@@ -570,6 +573,11 @@ class ScriptedEngine:
 
     def stats(self):
         return {"stages": [{"latency_ms": {"decode": 1.5}}]}
+
+    async def reserve(self, lanes):
+        if self.mode == "busy":
+            raise EngineBusy("all 4 lanes in use")
+        return lambda: None
 
     def status(self):
         if self.serving == "raise":

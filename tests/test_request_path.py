@@ -173,3 +173,35 @@ def test_sixteen_streams_under_evictions_equal_cache_off(smollm2):
     assert sum(s["prefix"]["counters"]["evictions"] for s in stats["stages"]) > 0
     assert stats["rebuilds"] == NO_REBUILDS
     assert sum(s.get("restore_failures", 0) for s in stats["stages"]) == 0
+
+
+def test_sixty_four_requests_of_n_8_get_200s_or_503s_never_500s(ray_engine, smollm2):
+    """A burst far beyond the lane budget: each request takes all its lanes at once or
+    waits in line, then gets a 503 with Retry-After; stages stay within the plan."""
+    import httpx
+
+    from skippy.mesh.front.gateway import BackgroundServer, create_app
+    eng = RayEngine(smollm2, 2, model_name="smollm2", n_ctx=8192, weight_format="int4")
+    try:
+        with BackgroundServer(create_app(eng, api_keys=[])) as srv:
+            async def one(c, i):
+                return await c.post("/v1/completions", json={
+                    "model": "smollm2", "prompt": f"Request {i} says", "n": 8,
+                    "max_tokens": 8, "temperature": 0.8, "seed": i})
+
+            async def burst():
+                async with httpx.AsyncClient(base_url=srv.url, timeout=600) as c:
+                    return await asyncio.gather(*[one(c, i) for i in range(64)])
+            answers = asyncio.run(burst())
+        codes = [r.status_code for r in answers]
+        print(f"64 requests of n=8: {codes.count(200)} x 200, {codes.count(503)} x 503")
+        assert set(codes) <= {200, 503}, codes
+        assert codes.count(200) >= eng.info.lanes
+        assert all(r.headers.get("retry-after") for r in answers if r.status_code == 503)
+        assert all(len(r.json()["choices"]) == 8 for r in answers if r.status_code == 200)
+        for actor, st in zip(eng.actors, eng.plan.stages):
+            peak = ray.get(actor.memory.remote(), timeout=60)["peak_rss"]
+            print(f"stage {st.index}: peak RSS {peak >> 20} MiB of {st.total_bytes >> 20}")
+            assert peak <= st.total_bytes, (st.index, peak, st.total_bytes)
+    finally:
+        asyncio.run(eng.close())

@@ -1,10 +1,12 @@
 """Admission: the one place that decides whether a request may take lanes now.
 
 Each pipeline has a lane budget from the plan (every stage holds that many lanes' KV
-within its memory); a request takes one lane per pipeline stage for its life. Requests
-beyond the budget wait in a bounded queue for a bounded time, then are told busy (the
-gateway's 503 with Retry-After). Works across event loops and threads: the gateway's loop
-and the tests' each wait on their own futures.
+within its memory); a request takes one lane per choice for its life, all of them at once
+(a request with n choices never holds some lanes while it waits for the rest: two such
+requests would starve each other). Requests beyond the budget wait in a bounded, first-come
+queue for a bounded time, then are told busy (the gateway's 503 with Retry-After). The
+gateway's concurrent-request slots are the same mechanism with a budget of requests.
+Works across event loops and threads: each waiter waits on a future of its own loop.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from dataclasses import dataclass, field
 
 from .engine import EngineBusy
 
-QUEUE_WAIT_S = 30.0   # how long a request waits for a lane
+QUEUE_WAIT_S = 30.0   # how long a request waits for its lanes
+
+
+@dataclass
+class _Waiter:
+    k: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future = field(default=None)
 
 
 class Admission:
@@ -27,50 +37,59 @@ class Admission:
         self.max_queue = 4 * lanes if queue is None else queue
         self.in_use = 0
         self.refused = 0
-        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._waiters: deque[_Waiter] = deque()
         self._lock = threading.Lock()
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
+    async def acquire(self, k: int = 1) -> None:
+        """Take k lanes at once, waiting in line for them a bounded time."""
+        if not 1 <= k <= self.lanes:
+            raise ValueError(f"{k} lanes asked of a budget of {self.lanes}")
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self.in_use < self.lanes and not self._waiters:
-                self.in_use += 1
+            if self.in_use + k <= self.lanes and not self._waiters:
+                self.in_use += k
                 return
             if len(self._waiters) >= self.max_queue:
                 self.refused += 1
                 raise EngineBusy(f"all {self.lanes} lanes are busy and {self.max_queue} "
                                  "requests wait", retry_after=self.wait_s / 10)
-            future = loop.create_future()
-            self._waiters.append((loop, future))
+            waiter = _Waiter(k, loop, loop.create_future())
+            self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.wait_s)
+            await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
-            with self._lock:
-                if (loop, future) in self._waiters:  # never granted: leave the queue
-                    self._waiters.remove((loop, future))
-                    granted = False
-                else:
-                    granted = True
-            if granted:  # granted as we gave up: hand the lane on
-                self.release()
+            self._give_up(waiter)
             if isinstance(e, asyncio.CancelledError):
                 raise
             self.refused += 1
             raise EngineBusy(f"no lane came free in {self.wait_s:.0f} s",
                              retry_after=self.wait_s / 10) from None
 
-    def release(self) -> None:
+    def _give_up(self, waiter: _Waiter) -> None:
         with self._lock:
-            while self._waiters:
-                loop, future = self._waiters.popleft()
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(_grant, future)
-                    return  # the lane passes to the waiter: in_use unchanged
-            self.in_use -= 1
+            if waiter in self._waiters:  # never granted: leave the line
+                self._waiters.remove(waiter)
+                self._grant_waiting()     # those behind it may fit now
+                return
+        self.release(waiter.k)            # granted as it gave up: hand the lanes on
+
+    def release(self, k: int = 1) -> None:
+        with self._lock:
+            self.in_use -= k
+            self._grant_waiting()
+
+    def _grant_waiting(self) -> None:
+        """Under the lock: grant waiters in order while the first one fits."""
+        while self._waiters and self.in_use + self._waiters[0].k <= self.lanes:
+            waiter = self._waiters.popleft()
+            if waiter.loop.is_closed():
+                continue
+            self.in_use += waiter.k
+            waiter.loop.call_soon_threadsafe(_grant, waiter.future)
 
     def stats(self) -> dict:
         return {"lanes": self.lanes, "in_use": self.in_use, "waiting": self.waiting,

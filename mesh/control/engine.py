@@ -8,7 +8,7 @@ token ids out, one `Step` at a time.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -40,6 +40,7 @@ class GenerationRequest:
     namespace: str = ""              # per-tenant cache separation (`cache_salt`)
     probe: bool = False              # warm-up / health: bypasses every cache
     logits: bool = False             # return each step's raw logits row (tests, evals)
+    admitted: bool = False           # its lane is already reserved (Engine.reserve)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         """The continuation, a token at a time; a stop id ends it without a Step.
         Cancelling the iteration (client gone) frees the request's lanes."""
+
+    async def reserve(self, lanes: int) -> Callable[[], None]:
+        """Reserve `lanes` lanes at once for a request's choices (each then sent with
+        admitted=True), waiting in line a bounded time; EngineBusy if they do not come
+        free. Returns what releases them (once)."""
 
     def stats(self) -> dict:
         """Per-stage figures for /metrics: {"stages": [{...}, ...]}."""

@@ -6,7 +6,7 @@ in this process (mesh/control/local.py) or stage actors on Ray (mesh/control/ray
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from .engine import EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
@@ -25,9 +25,21 @@ class PipelinesEngine:
         self.rebuilds: Counter[str] = Counter({"fault": 0, "evicted": 0})
         self.rebuilds_by_pipeline = [0] * len(pipelines)
 
+    async def reserve(self, lanes: int) -> Callable[[], None]:
+        await self.admission.acquire(lanes)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.admission.release(lanes)
+        return release
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         check_fits(request, self.info.n_ctx)
-        await self.admission.acquire()
+        if not request.admitted:
+            await self.admission.acquire()
         try:
             p = self.router.choose(request.tokens, request.namespace)
             try:
@@ -37,7 +49,8 @@ class PipelinesEngine:
             finally:
                 self.router.finished(p)
         finally:
-            self.admission.release()
+            if not request.admitted:
+                self.admission.release()
 
     def _rebuilt(self, p: int, reason: str) -> None:
         self.rebuilds["evicted" if "went away" in reason else "fault"] += 1

@@ -372,6 +372,10 @@ class _Gateway:
         self.check_tokens(requests)
         release = await self.admit()
         try:
+            # every choice's lane at once: a request never waits holding some of them
+            lanes = await self.engine.reserve(len(requests))
+            release = _both(release, lanes)
+            requests = [dataclasses.replace(r, admitted=True) for r in requests]
             return await self._respond(parsed, requests, arrived, release)
         except BaseException:
             release()
@@ -549,6 +553,15 @@ def _as_api_error(e: Exception) -> ApiError:
 def _unavailable(message: str, code: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
     seconds = str(max(1, math.ceil(retry_after)))  # HTTP wants whole seconds
     return ApiError(503, message, code=code, headers={"Retry-After": seconds})
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def call() -> None:
+        try:
+            second()
+        finally:
+            first()
+    return _once(call)
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
