@@ -29,8 +29,8 @@ Every sample is one `time.perf_counter_ns()` pair around one call (the pair's ow
 reported as timer_overhead_ns and not subtracted), after untimed warm-up calls; the
 garbage collector stays enabled, as in a server, so p99 includes its pauses. Every query's
 match length is checked against what the corpus says it must be, so the figures are of
-correct answers. Targets: matching p50 <= 20 us at the largest size (4096: a flat scan
-measured ~200 us there), hashing <= 1 us per token.
+correct answers. Targets: matching p50 <= 20 us at the largest size (well under a flat
+scan's cost there: evals/README.md), hashing <= 1 us per token.
 
     python -m skippy.evals.bench_cache                           # 64,1024,4096 entries
     python -m skippy.evals.bench_cache --entries 64 --repeats 20 --json -  # JSON on stdout

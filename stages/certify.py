@@ -135,9 +135,8 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-# An f16 wire moves logits by up to ~0.2 in the integer formats (rows are rounded to bf16
-# before the kernels, which amplifies the wire's rounding); a broken conversion moves them
-# by whole units.
+# Above what an f16 wire's rounding moves logits by in any weight format, below the whole
+# units a broken conversion moves them by (certify_matrix's figures: evals/README.md).
 WIRE_NOISE_LIMIT = 1.0
 
 

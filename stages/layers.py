@@ -100,9 +100,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Grouped-query attention of T queries over L keys.
 
     q: [T, H, D]; k: [L, KVH, D]; v: [L, KVH, Dv]; mask: additive [T, L] or None.
-    Returns [T, H * Dv]. torch's fused CPU kernel (tiled, online softmax: 2-3x faster than
-    scores, softmax and values in three passes for a 64-row chunk over thousands of keys)
-    splits its work by (T, L) only, so the arithmetic depends on (T, L) and never on the
+    Returns [T, H * Dv]. torch's fused CPU kernel (tiled, online softmax: faster than
+    scores, softmax and values in three passes; evals/README.md, torch runtime) splits its
+    work by (T, L) only, so the arithmetic depends on (T, L) and never on the
     cache capacity behind k and v (token-major slices: the same strides however large
     the buffer has grown).
     """

@@ -16,18 +16,18 @@ arithmetic):
   goes to int8 instead.
 
 The integer kernels are fast only with bfloat16 activations (with float32 rows torch
-takes a path 10-50x slower here), so int8/int4 also round rows to bfloat16 on the way in.
+takes a far slower path), so int8/int4 also round rows to bfloat16 on the way in.
 They are made for a few rows (decode): they dequantize the weights again for every few
 rows, so above SMALL_ROWS rows (prefill chunks) int8/int4 multiply by a bfloat16 copy of
-the same weights instead (a GEMM twice as fast as fp32 here; it costs 2 bytes per weight
-of memory, never read by decode). Which kernel runs is a function of the row count only:
+the same weights instead (a faster GEMM than fp32's; it costs 2 bytes per weight of
+memory, never read by decode). The kernels' figures: evals/README.md, torch runtime. Which kernel runs is a function of the row count only:
 equal shapes give equal bits, which is all the exactness contract (DESIGN.md §5.3)
 needs; prefill rows and decode rows were never bitwise comparable anyway.
 
 ``int8-lean`` and ``int4-lean`` hold no bfloat16 copy: prefill rows go through the integer
-kernel as well. Measured here, that makes prefill GEMMs 2-2.4x slower, while a stage
-holds about 0.6 (int4) or 1 (int8) byte per weight instead of 2.6 or 3: the formats for
-a model that only fits in its nodes' memory that way.
+kernel as well, which makes prefill slower, while a stage holds about 0.6 (int4) or 1
+(int8) byte per weight instead of 2.6 or 3: the formats for a model that only fits in its
+nodes' memory that way.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Int8Blocks:
         """The same values as 4-bit blocks over twice the inputs: code = 16 * hi + lo with
         hi in -8..7 (scale 16 * d) and lo in 0..15 (scale d); x @ [W_hi | W_lo].T with
         x repeated twice is then x @ W.T, in one int4 call (torch's int8 kernel has one
-        scale per row only, which cost SmolLM2 2.5 points of top-1 on the head)."""
+        scale per row only, too coarse for the head: evals/README.md, torch runtime)."""
         q = self.codes.to(torch.int16)
         hi = torch.div(q, 16, rounding_mode="floor")
         lo = q - 16 * hi
@@ -129,8 +129,8 @@ class Linear:
 
 class TransposedLinear(Linear):
     """fp32 with W stored (in, out): y = x @ W. For one or two rows MKL's GEMV over this
-    layout runs twice as fast here (SmolLM2's head 5.6 vs 11.1 ms, Gemma 3's 35 vs 62);
-    for 4 or more rows it is up to 1.7x slower. Used for the head at lane batches of 1-2."""
+    layout is faster, for 4 or more rows slower (evals/README.md, torch runtime). Used for
+    the head at lane batches of 1-2."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.to(torch.float32).t().contiguous()

@@ -4,64 +4,38 @@ One llama.cpp context serves every lane. A lane is a sequence id with a KV strea
 own (`kv_unified=False`): n_ctx cells that no other lane touches. Payloads are llama.cpp's
 own per-sequence state bytes, opaque to us.
 
-Why per-lane streams (measured on this build, SmolLM2 Q4_0/Q4_1):
-- Speed. In one unified cache every lane's prefill attends over the cells of all lanes
-  (masked out, but walked): a 512-token prefill took 1,700 ms with six other lanes holding
-  1,500 tokens, against 850 ms alone. In its own stream it takes 830 ms either way.
-- Exactness. In a shared cache llama.cpp puts a new row into the first free cell, which
-  can be a hole another lane left ahead of the lane's own cells; the flash-attention
-  kernel then adds the lane's keys up in another order (max |Δlogit| 0.36-0.50 on the
-  next step). A private stream has no holes: a lane's cells are always [0, length) in
-  order, so where they sit never depends on other lanes.
-
-The remaining settings make the arithmetic independent of the batch a row runs in:
-- Flash attention on. Its CPU kernel walks the cells in index order and skips masked
-  ones, so cells past a lane's end (a decode group spans the longest lane's extent) drop
-  out exactly. Without it softmax reduces over every cell [0.43-0.57].
-- Every prompt row takes the same attention kernel, cached or not. From 64 rows in a
-  micro-batch the kernel is a tiled one, below it a per-row one, and the two give
-  different sums [0.57]; within the tiled one a row's result does not depend on the
-  other rows of its micro-batch (measured: resuming at 64 or 320 is bitwise, on Q4_0,
-  Q4_1, Q4_K_M and F16 files). So a dense prefill runs micro-batches that end at
-  multiples of `micro_batch` (256 rows), and its last chunk (1 to 64 rows) runs alone.
-  A prefill resumed at a chunk boundary then starts with the rest of a micro-batch (a
-  multiple of the 64-row chunk: tiled too) and ends with the same last chunk as a cold
-  run. Recurrent models, and chunks that are not multiples of 64, run one chunk per
-  micro-batch. (In a shared cache the tiled kernel also depended on where the cells
-  sat, which forced micro-batches below 64 rows: 2,048 tokens of SmolLM2 Q4_0 took 7.9 s
-  that way, 3.6 s now.)
-- A prompt's last chunk, shorter than 64 rows, runs on the per-row kernel, and there a
-  row's result depends neither on the other rows of its micro-batch nor on how many
-  there are. So a prompt whose last chunk begins where the lane's last prompt's did
-  resumes at any row inside it (`resume_point`), not at the chunk's start: it computes
-  just its new rows, as llama.cpp's own server does (measured bitwise through prefill
-  and decode, SmolLM2 Q4_1, resuming at rows 30, 298 and 1,290). Not where the lane's
-  rows were copied or imported (how they ran is not known then), not with float
-  matrices (one row takes another matmul kernel), and never as one row alone over
-  >= 512 cells (the split-KV path below): such a resume starts a row earlier.
-- A fixed thread count (it is in the identity). A one-row micro-batch over >= 512 cells
-  takes a split-KV path with one slice of cells per thread [0.45]. In a private stream
-  the slices depend only on the lane's own length, so the path is exact for a given
-  thread count.
-- Decode rows of several lanes run as one micro-batch (one row per stream), and a row's
-  result does not depend on the rows beside it or on their lengths (measured on SmolLM2
-  Q4_0, Q4_1, Q8_0, in groups of 1-8 lanes of 25-2,000 tokens): 8 lanes decode in
-  19 ms a step against 5-7 ms for one. A row alone differs, though, where it takes
-  another kernel: from 256 tokens in the lane (the split-KV path: llama.cpp pads a
-  stream's view to 256 cells), and always with F32/F16/BF16 matrices (another matmul
-  kernel for one row: up to 3e-2 on SmolLM2 F16). So with `lane_batch` 1 (the default)
-  such a lane always decodes alone, at the fastest speed alone, and the others decode
-  together; with `lane_batch` >= 2 every lane decodes together, and such a lane decoding
-  alone gets a padding row in a neighbouring stream (10-15 ms a step instead of 7-10).
+Every setting below makes a row's arithmetic independent of the batch it runs in, so a
+cached, resumed or batched row is bitwise a cold one. tests/test_llamacpp_runtime.py
+checks each rule; the figures that chose them are in evals/README.md ("llama.cpp runtime").
+- Private streams: in a unified cache a new row can land in a hole another lane left, and
+  flash attention then sums the lane's keys in another order; each lane's prefill would
+  also walk every other lane's cells.
+- Flash attention on: its CPU kernel skips masked cells exactly, so cells past a lane's
+  end (a decode group spans the longest lane) drop out.
+- Every prompt row takes the same attention kernel, cached or not. From 64 rows a
+  micro-batch runs a tiled kernel, below that a per-row one, and the two sum differently;
+  in the tiled one a row does not depend on the other rows. So a dense prefill runs
+  micro-batches that end at multiples of `micro_batch`, and its last chunk (1 to 64 rows)
+  runs alone: a prefill resumed at a chunk boundary runs the same kernels as a cold one.
+  Recurrent models, and chunks that are not multiples of 64, run one chunk per micro-batch.
+- On the per-row kernel a row depends neither on the rows beside it nor on their number,
+  so a prompt whose last chunk begins where the lane's last prompt's did resumes at any
+  row inside it (`resume_point`), as llama.cpp's server does. Not where the lane's rows
+  were copied or imported (how they ran is not known), not with float matrices (one row
+  takes another matmul kernel), never as one row alone over >= 512 cells (split-KV).
+- A fixed thread count, in the identity: one row over >= 512 cells takes a split-KV path
+  with one slice of cells per thread, exact for a given count in a private stream.
+- Decode rows of several lanes run as one micro-batch, where a row does not depend on the
+  rows beside it. A row alone takes another kernel from 256 tokens in the lane (split-KV:
+  llama.cpp pads a stream's view to 256 cells) and always with F32/F16/BF16 matrices: with
+  `lane_batch` 1 (the default) such a lane decodes alone and the others together; with
+  `lane_batch` >= 2 every lane decodes together, a lone one beside a padding row.
   Recurrent models (a padding row would advance a neighbour's state) and sliding-window
-  ones (Gemma 3: a row changes with the other lanes' lengths, by up to 4.5) decode every
-  lane alone.
+  ones (a row changes with the other lanes' lengths) decode every lane alone.
 
-The costs of streams: llama.cpp shares cells only inside a stream and copies across
-streams only whole and only at the next decode, so copies between lanes go through the
-state bytes (export, import, cut the tail): a few ms per MB-sized prefix, not free. And a
-state loads only into a context with as many streams ("n_stream mismatch"): the count is
-part of the identity.
+Streams share no cells, so copies between lanes go through the state bytes (export,
+import, cut the tail); and a state loads only into a context with as many streams
+("n_stream mismatch"): the count is part of the identity.
 """
 
 from __future__ import annotations
@@ -91,16 +65,15 @@ STATE_KEY = "llama_state"  # LaneState.fixed key of the opaque llama.cpp sequenc
 # The CPU flash-attention kernel switches to its tiled algorithm at this many rows of a
 # micro-batch (its sums differ from the per-row one's: see the module docstring).
 FA_TILED_MIN_ROWS = 64
-# Rows of a dense prefill's micro-batches: 2,048 tokens of SmolLM2 Q4_0 took 5.4 s in
-# 64-row micro-batches, 3.6 s in 256-row ones (3.6 s in 512-row ones too, which would
-# make other lanes' decode rows wait twice as long between micro-batches).
+# Rows of a dense prefill's micro-batches: the fewest that prefill as fast as larger ones,
+# so other lanes' decode rows wait least between them (evals/README.md, llama.cpp runtime).
 PREFILL_ROWS = 256
 # A lane this long decodes over >= 512 cells: alone, its row takes the split-KV path
 # (module docstring).
 SPLIT_KV_LENGTH = 256
 
-# The KV cache holds f16. An f32 cache would buy nothing: llama.cpp casts K and V to f16
-# for flash attention (measured: identical logits, twice the state bytes).
+# The KV cache holds f16: llama.cpp casts K and V to f16 for flash attention anyway, so an
+# f32 cache would only double the state bytes (evals/README.md, llama.cpp runtime).
 KV_DTYPE = "f16"
 
 
@@ -179,8 +152,8 @@ class _Lane:
 class LlamaCppStageRuntime(StageRuntime):
     """A whole-model stage on llama.cpp. Lanes are sequence ids 1..max_lanes of one
     context, each with its own KV stream of n_ctx cells. The streams are allocated and
-    zeroed up front: SmolLM2 takes 23 KB a cell, so 9 streams of 1024 cells come to
-    212 MB.
+    zeroed up front, so memory grows with max_lanes x n_ctx from the start (a cell's size:
+    evals/README.md, llama.cpp runtime).
 
     Sequence 0 is scratch: every export goes through it. llama.cpp writes the sequence
     id into the state bytes (and ignores it on import), so exporting from one fixed id
@@ -206,12 +179,22 @@ class LlamaCppStageRuntime(StageRuntime):
             raise StageError("the llama.cpp runtime serves a whole model (--stages 1)")
         if spec.chunk < 1 or spec.lane_batch < 1 or max_lanes < 1:
             raise StageError("chunk, lane_batch and max_lanes must be >= 1")
-        self._ll = ll = _init_llama_cpp()
+        self._ll = _init_llama_cpp()
         self.spec, self.architecture, self.n_layers = spec, arch, n_layers
         self.max_lanes = max_lanes
         self.threads = spec.threads or 2
         self._model = self._ctx = self._batch = None
+        self._load_model()
+        self._choose_batching(max_lanes)
+        self._create_context()
+        self._init_batch()
+        self.weights_digest = weights_digest(spec.model_path)
+        self._lanes: dict[int, _Lane] = {}
 
+    def _load_model(self) -> None:
+        """The model, with what the runtime reads from it: vocabulary size, whether its
+        state is recurrent, its context."""
+        ll, spec = self._ll, self.spec
         mparams = ll.llama_model_default_params()
         self._model = ll.llama_model_load_from_file(str(spec.model_path).encode(), mparams)
         if not self._model:
@@ -221,9 +204,13 @@ class LlamaCppStageRuntime(StageRuntime):
                               or ll.llama_model_is_hybrid(self._model))
         self.n_ctx = min(spec.n_ctx, ll.llama_model_n_ctx_train(self._model))
 
+    def _choose_batching(self, max_lanes: int) -> None:
+        """Which decode rows run together, how a prefill cuts its micro-batches, and
+        whether a prompt may resume inside a lane's last chunk (module docstring)."""
         # Which decode rows run together (module docstring): "none" for recurrent and
         # sliding-window models, "short" lanes only with lane_batch 1, else "all".
-        alone = self.recurrent or ll.llama_model_n_swa(self._model) > 0
+        alone = self.recurrent or self._ll.llama_model_n_swa(self._model) > 0
+        spec = self.spec
         self.decode_groups = "none" if alone else "short" if spec.lane_batch == 1 else "all"
         # Dense prefills run micro-batches of about PREFILL_ROWS rows, cut at multiples of
         # it; a chunk that is not a multiple of the tiled kernel's rows, or a recurrent
@@ -242,6 +229,10 @@ class LlamaCppStageRuntime(StageRuntime):
             raise StageError(f"{max_lanes} lanes need a micro-batch of {n_seq} rows to "
                              f"decode together; the chunk gives {self.micro_batch}")
 
+    def _create_context(self) -> None:
+        """One context: a private KV stream of n_ctx + 1 cells per sequence, flash
+        attention, an f16 cache and a fixed thread count (module docstring)."""
+        ll, n_seq = self._ll, self.n_seq
         cparams = ll.llama_context_default_params()
         # llama.cpp's n_ctx counts the cells of all streams. One cell beyond n_ctx: a
         # padding row can then always go into a neighbour's stream, even a full one.
@@ -261,16 +252,16 @@ class LlamaCppStageRuntime(StageRuntime):
         self._mem = ll.llama_get_memory(self._ctx)
         self._scratch = 0
 
+    def _init_batch(self) -> None:
+        """One llama_batch of micro_batch rows, reused by every call, with numpy views of
+        its token, position and output arrays."""
         rows = self.micro_batch
-        self._batch = ll.llama_batch_init(rows, 0, 1)
+        self._batch = self._ll.llama_batch_init(rows, 0, 1)
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(rows,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(rows,))
         self._wants = np.ctypeslib.as_array(self._batch.logits, shape=(rows,))
         np.ctypeslib.as_array(self._batch.n_seq_id, shape=(rows,))[:] = 1
         self._seq_ids = [self._batch.seq_id[i] for i in range(rows)]
-
-        self.weights_digest = weights_digest(spec.model_path)
-        self._lanes: dict[int, _Lane] = {}
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -399,18 +390,8 @@ class LlamaCppStageRuntime(StageRuntime):
         more rows, and its last row need not equal "last" bitwise (equal on SmolLM2
         Q4_1, not on f32 weights)."""
         st = self._lane(lane)
-        C = self.spec.chunk
         ids = self._ids(inputs)
-        n = len(ids)
-        first = start  # checked as its chunk's start when it resumes inside the last chunk
-        tail = self._shared_tail(lane, start + n)
-        if start % C and tail is not None and tail < start <= st.prefilled \
-                and not (n == 1 and self._split_kv(start)):
-            first = tail
-        end = check_prefill(first, n + start - first, chunk=C,
-                            boundary=self.prefill_boundary(lane), n_ctx=self.n_ctx,
-                            logits=logits, snapshots=snapshots)
-        last = (end - 1) // C * C
+        end = self._check_prefill(lane, start, len(ids), logits, snapshots)
         if not self._ll.llama_memory_seq_rm(self._mem, lane, start, -1):
             raise StageError(f"lane {lane} holds recurrent state at {st.length} that cannot "
                              f"be rolled back to {start}: import a snapshot at {start} first")
@@ -418,26 +399,7 @@ class LlamaCppStageRuntime(StageRuntime):
         out = StageOutput()
         rows_out: list[np.ndarray] = []
         for s, e in self._segments(start, end):
-            m = e - s
-            if logits == "all":
-                want = [True] * m
-            else:
-                want = [False] * m
-                want[-1] = logits == "last" and e == end
-            try:
-                self._run([(ids[s - start + j], s + j, lane) for j in range(m)], want)
-            except LlamaCppError:
-                self._drop_from(lane, s)
-                raise
-            st.length = st.prefilled = e
-            if e == end and e - last < FA_TILED_MIN_ROWS:  # the per-row last chunk
-                split = e - s == 1 and self._split_kv(s)
-                st.tail_exact = not split and (s == last or st.tail_exact)
-            if logits == "all":
-                ptr = self._ll.llama_get_logits(self._ctx)
-                rows_out.append(np.ctypeslib.as_array(ptr, shape=(m, self.vocab)).copy())
-            elif want[-1]:
-                rows_out.append(self._logits_row(m - 1))
+            rows_out += self._prefill_segment(lane, ids[s - start:e - start], s, end, logits)
             if self.recurrent and e in snapshots:
                 # Captured as the prefill passes e: recurrent state cannot go back later.
                 out.snapshots[e] = self._export(lane, e, e)
@@ -450,6 +412,46 @@ class LlamaCppStageRuntime(StageRuntime):
         elif logits == "last":
             out.logits = torch.from_numpy(rows_out[-1])
         return out
+
+    def _check_prefill(self, lane: int, start: int, n: int, logits: str,
+                       snapshots: tuple[int, ...]) -> int:
+        """check_prefill's verdict on [start, start + n), and its end. A start inside the
+        lane's per-row last chunk is checked as that chunk's start (resume_point)."""
+        C = self.spec.chunk
+        first = start
+        tail = self._shared_tail(lane, start + n)
+        if start % C and tail is not None and tail < start <= self._lanes[lane].prefilled \
+                and not (n == 1 and self._split_kv(start)):
+            first = tail
+        return check_prefill(first, n + start - first, chunk=C,
+                             boundary=self.prefill_boundary(lane), n_ctx=self.n_ctx,
+                             logits=logits, snapshots=snapshots)
+
+    def _prefill_segment(self, lane: int, ids: list[int], s: int, end: int,
+                         logits: str) -> list[np.ndarray]:
+        """One micro-batch of a prefill ending at `end`: `ids` at positions s, s + 1, ...;
+        the logits rows it was asked for (none, its last row, or all of them)."""
+        st, m = self._lanes[lane], len(ids)
+        e = s + m
+        if logits == "all":
+            want = [True] * m
+        else:
+            want = [False] * m
+            want[-1] = logits == "last" and e == end
+        try:
+            self._run([(ids[j], s + j, lane) for j in range(m)], want)
+        except LlamaCppError:
+            self._drop_from(lane, s)
+            raise
+        st.length = st.prefilled = e
+        last = (end - 1) // self.spec.chunk * self.spec.chunk
+        if e == end and e - last < FA_TILED_MIN_ROWS:  # the per-row last chunk
+            split = m == 1 and self._split_kv(s)
+            st.tail_exact = not split and (s == last or st.tail_exact)
+        if logits == "all":
+            ptr = self._ll.llama_get_logits(self._ctx)
+            return [np.ctypeslib.as_array(ptr, shape=(m, self.vocab)).copy()]
+        return [self._logits_row(m - 1)] if want[-1] else []
 
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
         """One position per lane, in as few llama_decode calls as exactness allows (module

@@ -330,34 +330,45 @@ def write_synthetic(
     tmp = out.with_name(out.name + ".partial")
     writer = GGUFWriter(tmp, arch)
     try:
-        writer.add_name(f"synthetic {arch} L{layers} seed {seed}")
-        writer.add_file_type(file_type)
-        for key, value in spec.hparams(dims).items():
-            _add_typed(writer, f"{arch}.{key}", value)
-        writer.add_uint64("skippy.synth.seed", seed)
-        writer.add_string("skippy.synth.arch", arch)
-        writer.add_uint32("skippy.synth.version", SYNTH_VERSION)
-        for key, (value, vtype, sub_type) in tok.items():
-            writer.add_key_value(key, value, vtype, sub_type)
-
-        stored = [np.float32 if len(t.shape) == 1 or t.always_f32 else np_dtype
-                  for t in tensors]
-        for t, dt in zip(tensors, stored):
-            nbytes = int(np.prod(t.shape)) * np.dtype(dt).itemsize
-            writer.add_tensor_info(t.name, t.shape, np.dtype(dt), nbytes)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for i, (t, dt) in enumerate(zip(tensors, stored)):
-            if progress is not None:
-                progress(f"[{i + 1}/{len(tensors)}] {t.name} {'x'.join(map(str, t.shape))}")
-            writer.write_tensor_data(_generate(t, seed, dt))
+        _add_metadata(writer, arch, layers, seed, file_type, spec.hparams(dims), tok)
+        _add_tensors(writer, tensors, seed, np_dtype, progress)
         writer.close()
         os.replace(tmp, out)
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _add_metadata(writer: GGUFWriter, arch: str, layers: int, seed: int, file_type: int,
+                  hparams: dict, tok: dict) -> None:
+    """The file's name, type, the architecture's hyperparameters, our synth keys and the
+    borrowed tokenizer."""
+    writer.add_name(f"synthetic {arch} L{layers} seed {seed}")
+    writer.add_file_type(file_type)
+    for key, value in hparams.items():
+        _add_typed(writer, f"{arch}.{key}", value)
+    writer.add_uint64("skippy.synth.seed", seed)
+    writer.add_string("skippy.synth.arch", arch)
+    writer.add_uint32("skippy.synth.version", SYNTH_VERSION)
+    for key, (value, vtype, sub_type) in tok.items():
+        writer.add_key_value(key, value, vtype, sub_type)
+
+
+def _add_tensors(writer: GGUFWriter, tensors: list[TensorSpec], seed: int, np_dtype,
+                 progress: Callable[[str], None] | None) -> None:
+    """Header, metadata and tensor infos, then each tensor's random data in turn."""
+    stored = [np.float32 if len(t.shape) == 1 or t.always_f32 else np_dtype for t in tensors]
+    for t, dt in zip(tensors, stored):
+        nbytes = int(np.prod(t.shape)) * np.dtype(dt).itemsize
+        writer.add_tensor_info(t.name, t.shape, np.dtype(dt), nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for i, (t, dt) in enumerate(zip(tensors, stored)):
+        if progress is not None:
+            progress(f"[{i + 1}/{len(tensors)}] {t.name} {'x'.join(map(str, t.shape))}")
+        writer.write_tensor_data(_generate(t, seed, dt))
 
 
 def _resolve_dims(spec: ArchSpec, *, layers: int, vocab: int, **given: int | None) -> Dims:
@@ -437,8 +448,9 @@ def _tokenizer_kv(path: Path) -> TokenizerKv:
 
 @functools.lru_cache(maxsize=4)
 def _read_tokenizer_kv(path: Path, size: int, mtime_ns: int) -> TokenizerKv:
-    # Cached on (path, size, mtime): GGUFReader needs ~2 s for a 49k-token vocabulary, and
-    # callers (tests, sweeps) write many models with the same tokenizer.
+    # Cached on (path, size, mtime): GGUFReader takes seconds over a vocabulary's arrays
+    # (evals/README.md, GGUF reading), and callers (tests, sweeps) write many models with
+    # the same tokenizer.
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:

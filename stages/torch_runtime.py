@@ -27,15 +27,15 @@ from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpe
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
-from .weights import load_stage_tensors
+from .weights import StageTensors, load_stage_tensors
 
 RUNTIME_ABI = f"skippy-torch/3 torch-{torch.__version__}"
 
 
 def _return_freed_memory() -> None:
     """Hand the allocator's free pages back to the OS. Loading reads every matrix, converts
-    it and drops it; glibc keeps much of that freed memory: 91 of 481 MB RSS for SmolLM2
-    in int4-lean, a stage's limit is its memory, so it matters. No-op off glibc."""
+    it and drops it, and glibc keeps much of that freed memory, while a stage's limit is
+    its memory (RSS before and after: evals/README.md, torch runtime). No-op off glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -64,14 +64,41 @@ class TorchStageRuntime(StageRuntime):
         if spec.threads:
             torch.set_num_threads(spec.threads)
         # One thread or two compute the same bits in every format but fp32, whose
-        # F.linear splits its sums by thread (measured: SmolLM2, Gemma 3 and the
-        # synthetic families, prefill 300 rows and decode; fp32 3e-5 apart).
+        # F.linear splits its sums by thread (tests/test_stage_service.py checks both).
         self.thread_invariant = spec.weight_format != "fp32"
         self.spec, self.cfg = spec, cfg
         self.n_ctx = min(spec.n_ctx, cfg.context_length)
         t = load_stage_tensors(f, cfg, spec.layer_start, spec.layer_end,
                                first=spec.is_first, last=spec.is_last)
         self.weights_digest, self.weights_source_bytes = t.digest, t.source_bytes
+        self._build_layers(t)
+        self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
+        self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
+        if spec.is_last:
+            self.norm = t[cfg.family.output_norm]
+            head = "token_embd.weight" if cfg.tied_head else "output.weight"
+            # The head's top logits stay fp32 in every format: they pick the token, and a
+            # head in fewer bits falls under the 99 % top-1 bar (evals/format_accuracy.py).
+            # It runs lane_batch rows at a time (_logits).
+            self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
+        # Decode rows of several lanes share a step unpadded where a row's bits do not
+        # depend on how many rows come with it: dense layers on the integer kernels (up to
+        # SMALL_ROWS rows) and, at the last stage, a rescored head (checked bitwise by
+        # tests/test_shape_invariance.py). Elsewhere steps run exactly lane_batch rows,
+        # padded.
+        self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
+                            and not self.recurrent
+                            and (not spec.is_last or isinstance(self.head, RescoredHead)))
+        f.close()
+        del t
+        _return_freed_memory()
+        self._lanes: dict[int, _Lane] = {}
+        self._next_lane = 0
+
+    def _build_layers(self, t: StageTensors) -> None:
+        """The stage's decoder layers, each with its mixer (attention, short conv, or
+        attention beside Mamba2), and the KV and recurrent-state slots they use."""
+        spec, cfg = self.spec, self.cfg
         ropes: dict[tuple[float, float], Rope] = {}
         self.layers: list[DecoderLayer] = []
         self.attn_layers: list[int] = []  # model layer index of each KV slot
@@ -100,29 +127,6 @@ class TorchStageRuntime(StageRuntime):
                     self.state_shapes += list(mamba2_state_shapes(cfg))
             self.layers.append(DecoderLayer(i, cfg, t, spec.weight_format, mixer))
         self.recurrent = bool(self.state_names)
-        self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
-        self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
-        if spec.is_last:
-            self.norm = t[cfg.family.output_norm]
-            head = "token_embd.weight" if cfg.tied_head else "output.weight"
-            # The head's top logits stay fp32 in every format: they pick the token. int4
-            # weights with an fp32 head agree with fp32 on 99.19 % (SmolLM2) and 99.33 %
-            # (Gemma 3) of top-1 tokens; with an int4 head, 97.8 % and 97.9 %; a bf16
-            # head, 98.5 %. It runs lane_batch rows at a time (_logits).
-            self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
-        # Decode rows of several lanes share a step unpadded where a row's bits do not
-        # depend on how many rows come with it: dense layers on the integer kernels (up to
-        # SMALL_ROWS rows) and, at the last stage, a rescored head (measured: SmolLM2 int4
-        # and int8, 1-16 lanes of 40-490 tokens, bitwise). Elsewhere steps run exactly
-        # lane_batch rows, padded.
-        self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
-                            and not self.recurrent
-                            and (not spec.is_last or isinstance(self.head, RescoredHead)))
-        f.close()
-        del t
-        _return_freed_memory()
-        self._lanes: dict[int, _Lane] = {}
-        self._next_lane = 0
 
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self) -> int:

@@ -1,7 +1,7 @@
 """A lazy GGUF reader: metadata and tensor index without the tokenizer's cost.
 
-gguf-py's `GGUFReader` builds a Python object per element of every array, which costs
-2-10 s on the tokenizer arrays of the shipped models. A stage that never tokenizes only
+gguf-py's `GGUFReader` builds a Python object per element of every array, which takes
+seconds on the tokenizer arrays of the shipped models (evals/README.md, GGUF reading). A stage that never tokenizes only
 needs the scalar metadata and the tensor index, so arrays are recorded here as
 (type, count, offset) and decoded only when someone asks for them.
 """

@@ -1,0 +1,83 @@
+"""The layout rules of DESIGN.md §3, read from the source: imports point one way (nothing
+in the product imports `skippy.evals`; `cache/` parses no command lines), and no function
+in `stages/` runs over 60 lines."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("topology", "stages", "cache", "mesh", "proto")
+MAX_FUNCTION_LINES = 60
+
+
+def sources(folder: str) -> list[Path]:
+    return sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def imported_modules(path: Path, folder: str) -> set[str]:
+    """Every module the file at `path` in `folder` imports, relative imports resolved."""
+    package = ["skippy", folder, *path.relative_to(ROOT / folder).parent.parts]
+    return imports_of(path.read_text(), package)
+
+
+def imports_of(source: str, package: list[str]) -> set[str]:
+    """Every module `source` imports, as if it were a module of `package` (its parts); a
+    `from X import y` counts as importing X and X.y (`from skippy import evals`)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("folder", PRODUCT)
+def test_no_product_module_imports_evals(folder):
+    offenders = sorted(f"{p.relative_to(ROOT)}: {m}" for p in sources(folder)
+                       for m in imported_modules(p, folder)
+                       if m == "skippy.evals" or m.startswith("skippy.evals."))
+    assert not offenders, "evals/ wraps the product, never the other way:\n" + \
+        "\n".join(offenders)
+
+
+def test_cache_parses_no_command_lines():
+    offenders = sorted(str(p.relative_to(ROOT)) for p in sources("cache")
+                       if "argparse" in imported_modules(p, "cache"))
+    assert not offenders, f"the command line belongs to mesh/, not cache/: {offenders}"
+
+
+def test_the_import_reader_sees_every_spelling():
+    code = ("import skippy.evals.numerics\nfrom skippy import evals\n"
+            "from ..evals import bench_cache\nfrom . import frame\n")
+    assert {"skippy.evals.numerics", "skippy.evals", "skippy.evals.bench_cache",
+            "skippy.stages.frame"} <= imports_of(code, ["skippy", "stages"])
+    assert {"skippy.stages.evals.bench_cache", "skippy.stages.sub.frame"} <= \
+        imports_of(code, ["skippy", "stages", "sub"])
+
+
+def long_functions(folder: str) -> list[str]:
+    found = []
+    for path in sources(folder):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                 f"({lines} lines)")
+    return found
+
+
+# mesh/ is not yet under the rule (mesh/cli.py build_parser runs over it); its owner adds
+# it here when that is split.
+@pytest.mark.parametrize("folder", ["stages"])
+def test_no_function_runs_over_60_lines(folder):
+    assert not long_functions(folder), "split these into named pieces:\n" + \
+        "\n".join(long_functions(folder))
