@@ -44,7 +44,7 @@ class StageSpec:
     n_ctx: int = 8192
     chunk: int = 64          # prefill chunk C; reuse boundaries are multiples of it
     # Decode batch B: decode always runs exactly B rows (padded). 1 by default: fp32
-    # F.linear at M=1 takes the GEMV path, 2-3x faster per row than small GEMMs here.
+    # F.linear at M=1 takes the GEMV path, faster per row than small GEMMs (evals/README.md).
     lane_batch: int = 1
     weight_format: str = "fp32"  # stages/linear.py WEIGHT_FORMATS
     threads: int | None = None
