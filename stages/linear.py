@@ -20,9 +20,10 @@ takes a far slower path), so int8/int4 also round rows to bfloat16 on the way in
 They are made for a few rows (decode): they dequantize the weights again for every few
 rows, so above SMALL_ROWS rows (prefill chunks) int8/int4 multiply by a bfloat16 copy of
 the same weights instead (a faster GEMM than fp32's; it costs 2 bytes per weight of
-memory, never read by decode). The kernels' figures: evals/README.md, torch runtime. Which kernel runs is a function of the row count only:
-equal shapes give equal bits, which is all the exactness contract (DESIGN.md §5.3)
-needs; prefill rows and decode rows were never bitwise comparable anyway.
+memory, never read by decode; the kernels' figures: evals/README.md, torch runtime).
+Which kernel runs is a function of the row count only: equal shapes give equal bits,
+which is all the exactness contract (DESIGN.md §5.3) needs; prefill rows and decode rows
+were never bitwise comparable anyway.
 
 ``int8-lean`` and ``int4-lean`` hold no bfloat16 copy: prefill rows go through the integer
 kernel as well, which makes prefill slower, while a stage holds about 0.6 (int4) or 1
