@@ -59,9 +59,11 @@ REQUEST_TIMEOUT_S = 900.0
 # speedup the single-stage server must reach per scenario (llama.cpp / ours for latency,
 # ours / llama.cpp for tokens per second)
 TARGETS = {"repeat": 1.5, "file_order": 1.2, "interleaved": 5.0, "concurrent": 2.0}
-SCENARIOS = ("repeat", "file_order", "interleaved", "concurrent")
+SCENARIOS = ("repeat", "file_order", "interleaved", "concurrent", "stream")
 LABELS = {"repeat": "(a) exact repeat 128 tok", "file_order": "(b) corpus, file order",
-          "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok"}
+          "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok",
+          "stream": "(e) one stream, ms/token"}
+STREAM_TOKENS, STREAMS = 64, 3  # (e): streamed chats alone, after one warm-up
 
 # distinct short questions for the concurrent scenario (a client/request tag keeps every
 # prompt unique, so no server answers one from an earlier identical request)
@@ -208,7 +210,7 @@ def comparisons(servers: dict, configs: Iterable[ServerConfig] = OURS) -> list[d
             if ours is None or scenario not in ref:
                 continue
             ratio = speedup(scenario, ours, ref[scenario])
-            target = TARGETS[scenario] if cfg.targets else None
+            target = TARGETS.get(scenario) if cfg.targets else None
             rows.append({"scenario": scenario, "config": cfg.key, "label": cfg.label,
                          "ours": _headline(scenario, ours),
                          "reference": _headline(scenario, ref[scenario]),
@@ -423,6 +425,39 @@ def run_sequential(base_url: str, path: str, bodies: list[dict], *, warmup: int 
     return out
 
 
+def run_streams(base_url: str, bodies: list[dict], *, warmup: int = 1) -> dict:
+    """Streamed chats one at a time: the time per token after the first (the gap between
+    the first and the last content event over the events between them)."""
+    per_token, errors, first_error = [], 0, None
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        for i, body in enumerate(bodies):
+            try:
+                times = _content_times(client, base_url + "/v1/chat/completions", body)
+            except (httpx.HTTPError, ValueError) as e:
+                errors += 1
+                first_error = first_error or f"{type(e).__name__}: {e}"
+                continue
+            if i >= warmup and len(times) > 1:
+                per_token.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+    out = summarize(per_token)
+    out.update(samples_ms=per_token, errors=errors, first_error=first_error)
+    return out
+
+
+def _content_times(client: httpx.Client, url: str, body: dict) -> list[float]:
+    times = []
+    with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise ValueError(f"HTTP {r.status_code}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+    return times
+
+
 def run_concurrent(base_url: str, per_client: list[list[dict]]) -> dict:
     """One thread per client, all released together, each sending its bodies in turn;
     aggregate completion tokens over the wall time from release to the last answer."""
@@ -499,6 +534,11 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
             per_client = [[salted(chat_body(work.model, m, 16), scenario) for m in msgs]
                           for msgs in work.concurrent]
             out[scenario] = run_concurrent(base_url, per_client)
+        elif scenario == "stream":
+            bodies = [{**chat_body(work.model, [{"role": "user", "content": q}],
+                                   STREAM_TOKENS), "stream": True}
+                      for q in QUESTIONS[:STREAMS + 1]]
+            out[scenario] = run_streams(base_url, [salted(b, scenario) for b in bodies])
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
     return out
@@ -569,8 +609,8 @@ def bench(args) -> dict:
         command = cfg.command(path, args.model, port, args.ctx)
         if cfg.ours:
             command += args.ours_args
-        server = ServerProcess(command,
-                               f"http://{HOST}:{port}", cfg.ready_path, env)
+        server = ServerProcess(command, f"http://{HOST}:{port}", cfg.ready_path,
+                               {**env, **(dict(args.ours_env) if cfg.ours else {})})
         entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command}
         say(f"[{cfg.label}] starting on port {port} ...")
         try:
@@ -608,6 +648,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-arg", action="append", dest="ours_args", default=[],
                    metavar="ARG", help="one more `skippy serve` argument for our servers "
                    "(repeatable), e.g. --ours-arg=--lane-batch=4")
+    p.add_argument("--ours-env", action="append", dest="ours_env", default=[],
+                   type=lambda kv: tuple(kv.split("=", 1)), metavar="KEY=VALUE",
+                   help="one more environment variable for our servers (repeatable), e.g. "
+                        "PYTHONPATH=DIR to bench another checkout's code (before/after)")
     p.add_argument("--scenario", action="append", dest="scenarios", choices=SCENARIOS,
                    help="run only these scenarios (repeatable; default: all)")
     p.add_argument("--json", metavar="PATH", help="also write everything as JSON to PATH "
