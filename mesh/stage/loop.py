@@ -22,8 +22,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# How long a free loop waits for the other decoding sessions' rows to join a step:
-# without it rows settle into groups that take turns and a batch runs half-empty.
+# How long a row waits for the other decoding sessions' rows to join its step (other
+# work runs meanwhile): without it rows settle into groups that take turns and a batch
+# runs half-empty.
 GATHER_S = 0.003
 
 
@@ -80,7 +81,7 @@ class StageLoop:
         self._cv = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._rows: list[Row] = []
-        self._free_at = 0.0        # when the last step ended
+        self._rows_since = 0.0     # when the oldest waiting row arrived
         self.decoding = 0          # sessions past their prefill: rows to expect
         self.sessions = 0          # open sessions (thread bursting)
         self.timing = Timing()
@@ -107,6 +108,8 @@ class StageLoop:
     def decode(self, row: Row):
         """Post one decode row and wait for its result."""
         with self._cv:
+            if not self._rows:
+                self._rows_since = time.monotonic()
             self._rows.append(row)
             self._cv.notify_all()
         row.done.wait()
@@ -167,22 +170,20 @@ class StageLoop:
                 except BaseException as e:  # the poster raises it
                     job.error = e
                 job.done.set()
-            with self._cv:
-                self._free_at = time.monotonic()
 
     def _next(self) -> tuple[list[Row], _Job | None]:
-        """Rows first (once every decoding session's row is in, or the gather time is up,
-        or other work waits), else the oldest job."""
+        """The waiting rows once every decoding session's row is in (or the gather time
+        is up); other work runs while they gather; then wait."""
         with self._cv:
             while True:
-                if self._rows:
-                    wait = self._free_at + GATHER_S - time.monotonic()
-                    if len(self._rows) >= self.decoding or wait <= 0 or self._jobs:
-                        rows, self._rows = self._rows, []
-                        return rows, None
-                    self._cv.wait(timeout=wait)
-                elif self._jobs:
+                wait = self._rows_since + GATHER_S - time.monotonic()
+                if self._rows and (len(self._rows) >= self.decoding or wait <= 0):
+                    rows, self._rows = self._rows, []
+                    return rows, None
+                if self._jobs:
                     return [], self._jobs.popleft()
+                if self._rows:
+                    self._cv.wait(timeout=wait)
                 elif self._stopped:
                     return [], None
                 else:
