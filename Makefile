@@ -2,15 +2,24 @@
 PYTHON      ?= python3.11
 VENV        := .venv
 BIN         := $(VENV)/bin
-# llama-cpp-python builds from source (~6 min on 2 cores): the wheel is built once per
-# machine and kept outside the repository.
+# llama-cpp-python builds from source (~6 min on 2 cores) for this machine's CPU
+# (GGML_NATIVE): the wheel is built once per machine and kept outside the repository, in a
+# folder named after the version and the build flags, so a change of either rebuilds it.
+# AMX is compiled out: these CPUs report AMX, but here the first tile instruction takes a
+# general-protection fault (SIGSEGV in ggml_backend_amx_mul_mat, at any model evaluation);
+# AVX2 / AVX-512 / VNNI and the CPU weight repacking (extra buffer types) stay on.
 WHEELS      := $(HOME)/.cache/skippy/wheels
 LLAMA_CPP   := 0.3.36
+ifeq ($(shell uname -m),x86_64)
+NO_AMX      := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE := -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
+endif
+LLAMA_WHEELS := $(WHEELS)/llama-cpp-python-$(LLAMA_CPP)-$(shell printf '%s' '$(LLAMA_CMAKE)' | sha256sum | cut -c1-10)
 HOST        ?= 127.0.0.1
 PORT        ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast venv clean proto
+.PHONY: run test test-fast venv llama-wheel clean proto
 
 venv: $(VENV)/.installed
 
@@ -19,10 +28,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: this machine installs its CPU build from disk
 	$(BIN)/pip install -q torch==2.13.0
-	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || \
-	  $(BIN)/pip wheel --no-deps llama-cpp-python==$(LLAMA_CPP) -w $(WHEELS)
-	$(BIN)/pip install -q --find-links $(WHEELS) -e '.[test]'
+	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || $(MAKE) llama-wheel
+	# by path and forced: a venv holding the same version built with other flags gets this one
+	$(BIN)/pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl
+	$(BIN)/pip install -q --find-links $(LLAMA_WHEELS) -e '.[test]'
 	touch $@
+
+# Build the llama-cpp-python wheel into $(LLAMA_WHEELS) (needs only a python with pip).
+# --no-cache-dir: pip would otherwise hand back a wheel it built earlier with other flags.
+llama-wheel:
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
+	CMAKE_ARGS='$(LLAMA_CMAKE)' $(BIN)/pip wheel --no-cache-dir --no-deps \
+	  llama-cpp-python==$(LLAMA_CPP) -w $(LLAMA_WHEELS)
 
 # The main job: serve the default model split into 2 stages on an embedded Ray, with the
 # OpenAI API on http://127.0.0.1:8000/v1 (Ctrl-C stops).
