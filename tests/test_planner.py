@@ -297,7 +297,7 @@ def nodes_file(tmp_path, *mib):
 
 def test_cli_plan_table(smollm2, tmp_path, capsys):
     nodes = nodes_file(tmp_path, 1200, 1200)
-    rc = cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024",
+    rc = cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024", "--lanes", "4",
                    "--weight-format", "fp32"])
     out = capsys.readouterr().out
     assert rc == 0
