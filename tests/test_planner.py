@@ -297,8 +297,8 @@ def nodes_file(tmp_path, *mib):
 
 def test_cli_plan_table(smollm2, tmp_path, capsys):
     nodes = nodes_file(tmp_path, 1200, 1200)
-    rc = cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024", "--lanes", "4",
-                   "--weight-format", "fp32"])
+    rc = cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024",
+                   "--lanes", "4", "--weight-format", "fp32"])
     out = capsys.readouterr().out
     assert rc == 0
     lines = out.splitlines()
@@ -308,7 +308,8 @@ def test_cli_plan_table(smollm2, tmp_path, capsys):
     assert lines[2].split() == ["1", "n1", "16-29", "297.1", "84.0", "893", "/", "1200"]
     assert lines[-1].startswith("topology digest ") and len(lines[-1].split()[-1]) == 64
     # int4 (serve's default) holds 360 MiB of weights: the whole model fits one node
-    assert cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024", "--lanes", "4"]) == 0
+    assert cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024",
+                     "--lanes", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["0", "n0", "0-29", "360.4", "180.0", "1052", "/", "1200"]
 

@@ -30,6 +30,7 @@ class StageServer:
         self.cache = self.loop.call(StageCache, self.runtime, cache, policy=policy)
         self._next: Callable[[], object] | None = None  # opens a link to the next stage
         self._lock = threading.Lock()
+        self.lane_freed = threading.Condition()  # a session waiting for a lane hears it
         # A test hook: raises for a row that must fail (fault isolation is tested with it).
         self.fault: Callable[[Row], None] | None = None
 

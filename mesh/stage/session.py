@@ -85,6 +85,8 @@ class StageSession:
         if self.lane is not None:
             lane, self.lane = self.lane, None
             self.loop.call(self.cache.free_lane, lane, keep_warm=not self.probe)
+            with self.server.lane_freed:
+                self.server.lane_freed.notify_all()
         self.loop.opened(-1)
 
     # -- calls ---------------------------------------------------------------------------
@@ -176,7 +178,8 @@ class StageSession:
             except StageError as e:
                 if time.monotonic() > deadline:
                     raise Busy(str(e)) from e
-                time.sleep(0.05)
+                with self.server.lane_freed:  # the next session's close wakes this
+                    self.server.lane_freed.wait(timeout=0.5)
 
     def _restore_and_prefill(self, tokens, inputs, start: int, probe: bool, namespace: str):
         """On the loop thread. A planned restore cannot fail for lack of its entry (the
