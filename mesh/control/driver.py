@@ -43,6 +43,7 @@ class Link(Protocol):
 
 class Pipeline(Protocol):
     generation: int  # how many times it was repaired
+    healthy: bool    # False while a repair has not made the chain whole
 
     async def open(self) -> Link: ...
 
@@ -68,7 +69,7 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
         except StageFault as e:
             failures += 1
             if failures > REBUILD_ATTEMPTS:
-                if not getattr(pipe, "healthy", True):  # down, not broken: come back later
+                if not pipe.healthy:  # down, not broken: come back later
                     raise EngineBusy(f"no stage chain can serve now: {e}",
                                      retry_after=5.0) from e
                 raise EngineError(f"the pipeline failed {failures} times: {e}") from e
@@ -79,7 +80,7 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
             if link is not None:
                 await link.close()
         await pipe.repair(generation)
-        if not getattr(pipe, "healthy", True):
+        if not pipe.healthy:
             await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
 
 

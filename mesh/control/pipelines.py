@@ -62,5 +62,5 @@ class PipelinesEngine:
                 "in_flight": list(self.router.load)}
 
     def status(self) -> dict:
-        up = sum(bool(getattr(p, "healthy", True)) for p in self.pipes)
+        up = sum(p.healthy for p in self.pipes)
         return {"serving": up > 0, "detail": f"{up} of {len(self.pipes)} pipeline(s) serving"}

@@ -28,29 +28,39 @@ log = logging.getLogger(__name__)
 GATHER_S = 0.003
 
 
-@dataclass
-class Row:
-    """One session's decode row. `finish` runs on the loop thread with the runtime's
-    output for this row (note the token, sample) and its return value is the row's
-    result; an exception there fails this row only."""
-    lane: int
-    x: object
-    finish: Callable[[object], object]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: object = None
-    error: BaseException | None = None
+class _Posted:
+    """Work a session posted to the loop: it waits for the loop to settle it."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.result: object = None
+        self.error: BaseException | None = None
 
     def settle(self, result=None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
         self.done.set()
 
+    def outcome(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
 
-@dataclass
-class _Job:
-    fn: Callable[[], object]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: object = None
-    error: BaseException | None = None
+
+class Row(_Posted):
+    """One session's decode row. `finish` runs on the loop thread with the runtime's
+    output for this row (note the token, sample) and its return value is the row's
+    result; an exception there fails this row only."""
+
+    def __init__(self, lane: int, x: object, finish: Callable[[object], object]):
+        super().__init__()
+        self.lane, self.x, self.finish = lane, x, finish
+
+
+class _Job(_Posted):
+    def __init__(self, fn: Callable[[], object]):
+        super().__init__()
+        self.fn = fn
 
 
 @dataclass
@@ -100,10 +110,7 @@ class StageLoop:
         with self._cv:
             self._jobs.append(job)
             self._cv.notify_all()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return job.outcome()
 
     def decode(self, row: Row):
         """Post one decode row and wait for its result."""
@@ -112,10 +119,7 @@ class StageLoop:
                 self._rows_since = time.monotonic()
             self._rows.append(row)
             self._cv.notify_all()
-        row.done.wait()
-        if row.error is not None:
-            raise row.error
-        return row.result
+        return row.outcome()
 
     def compute(self, kind: str, fn, *args, **kwargs):
         """A prefill-like job, timed and run at the loop's thread count."""
@@ -166,10 +170,9 @@ class StageLoop:
                 self._run_rows(rows)
             elif job is not None:
                 try:
-                    job.result = job.fn()
+                    job.settle(job.fn())
                 except BaseException as e:  # the poster raises it
-                    job.error = e
-                job.done.set()
+                    job.settle(error=e)
 
     def _next(self) -> tuple[list[Row], _Job | None]:
         """The waiting rows once every decoding session's row is in (or the gather time
