@@ -94,7 +94,33 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` (validated first); ready for Tokenizer.encode."""
+        return self._render(validate_messages(messages), add_generation_prompt)
+
+    def segments(self, messages: list[dict], *,
+                 add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The prompt text for `messages` as (text, from_template) pieces in order: what
+        the template wrote, and what the messages said. Tokenized apart (`encode_chat`),
+        text a user typed that spells a control token stays text, so chat roles cannot
+        be forged.
+
+        The pieces come from rendering twice: once with each content replaced by a
+        placeholder (where the contents go) and once for real; the real text must equal
+        the first with the contents put in (or, for templates that trim them, the trimmed
+        contents). A template that transforms contents otherwise gives no pieces we can
+        trust: then a message that spells a control token is refused (ValueError)."""
         checked = validate_messages(messages)
+        text = self._render(checked, add_generation_prompt)
+        holders = [f"\ue000{i}\ue001" for i in range(len(checked))]
+        skeleton = self._render([dict(m, content=h) for m, h in zip(checked, holders)],
+                                add_generation_prompt)
+        contents = [m["content"] for m in checked]
+        for fill in (contents, [c.strip() for c in contents]):
+            pieces = _fill(skeleton, holders, fill)
+            if pieces is not None and "".join(t for t, _ in pieces) == text:
+                return [(t, ours) for t, ours in pieces if t]
+        return [(text, True)]  # encode_chat checks the contents spell no control token
+
+    def _render(self, checked: list[dict], add_generation_prompt: bool) -> str:
         try:
             text = _compile(self.text).render(
                 messages=checked, add_generation_prompt=add_generation_prompt,
@@ -109,6 +135,39 @@ class ChatTemplate:
         if self.add_eos and self.eos_token and text.endswith(self.eos_token):
             text = text[:-len(self.eos_token)]
         return text
+
+
+def _fill(skeleton: str, holders: list[str], contents: list[str]
+          ) -> list[tuple[str, bool]] | None:
+    """The skeleton cut at its placeholders, each replaced by its content; None unless
+    every placeholder appears exactly once, in order."""
+    pieces, rest = [], skeleton
+    for holder, content in zip(holders, contents):
+        if skeleton.count(holder) != 1:
+            return None
+        before, found, rest = rest.partition(holder)
+        if not found:
+            return None
+        pieces += [(before, True), (content, False)]
+    return pieces + [(rest, True)]
+
+
+def encode_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], *,
+                control_text: bool = False) -> list[int]:
+    """The token ids of `messages` rendered by `template`. Control-token spellings in
+    what the messages say are tokenized as plain text unless `control_text` (a trusted
+    client's opt-in); what the template writes is tokenized with its control tokens."""
+    if control_text:
+        return tokenizer.encode(template.render(messages))
+    pieces = template.segments(messages)
+    if len(pieces) == 1 and pieces[0][1]:  # contents could not be told apart
+        for i, m in enumerate(validate_messages(messages)):
+            if tokenizer.encode(m["content"], add_special=False) != \
+                    tokenizer.encode(m["content"], add_special=False, control=False):
+                raise ValueError(f"messages[{i}].content spells a control token, and this "
+                                 f"model's chat template changes message text, so it "
+                                 f"cannot be kept as text")
+    return tokenizer.encode_pieces(pieces)
 
 
 def load_chat_template(source: ChatSource) -> ChatTemplate:

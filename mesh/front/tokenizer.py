@@ -85,11 +85,21 @@ class Tokenizer:
             raise TokenizerError(f"{self.path} has no vocabulary")
 
     # -- text -> ids ---------------------------------------------------------------------
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_special: bool = True, control: bool = True
+               ) -> list[int]:
         """Token ids of `text`. With add_special, BOS/EOS are added where the GGUF says so
-        (Gemma: BOS; SmolLM2: nothing). Special-token text is always parsed, as in
-        llama-server, so a rendered chat template tokenizes to its control ids."""
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+        (Gemma: BOS; SmolLM2: nothing). With control (as in llama-server), control-token
+        text such as `<|im_start|>` becomes its control id; without, it is plain text."""
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=control)
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Token ids of (text, control) pieces in order, BOS/EOS as for their joined text:
+        each piece parsed for control tokens or not. llama.cpp cuts text at control tokens
+        before its pre-tokenizer runs, so pieces that meet at one tokenize as the whole."""
+        ids = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        for text, control in pieces:
+            ids += self.encode(text, add_special=False, control=control)
+        return ids + ([self.eos_id] if self.add_eos and self.eos_id is not None else [])
 
     # -- ids -> text ---------------------------------------------------------------------
     def piece(self, token_id: int, *, special: bool = False) -> bytes:
