@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP gateway over any `Engine` (DESIGN.md §4, §8).
 
-validate (openai_api) -> chat template -> tokenize -> GenerationRequest -> the engine's
-steps, or the tokens already known for a deterministic request (result_memo) -> text with
-stop strings cut (stop_text) -> one JSON body or an SSE stream.
+edge (host, keys, content type) -> validate (openai_api) -> chat template -> tokenize ->
+GenerationRequest -> each choice's run (generation: the engine's steps, or the tokens
+already known for a deterministic request) -> one JSON body or an SSE stream.
 
 Bodies are parsed by hand rather than by FastAPI models, so every mistake is a 4xx in
 OpenAI's error envelope and never FastAPI's 422. A stream starts only once the first
@@ -14,6 +14,11 @@ many requests run at once, the next ones wait briefly in a bounded queue, then g
 503 with Retry-After, as does a busy engine. While the engine says no pipeline can serve,
 /ready is 503, /health still 200 but "degraded" (a restarted gateway would not bring the
 stages back sooner, so liveness probes should not kill it), and requests get a 503.
+Neither says why to whoever asks: the reason is logged.
+
+A request ends by its deadline (`request_timeout_s`) or as soon as its client leaves
+(disconnect), and its lanes are free then. Failures of ours are logged with their
+traceback and answered with an error id, never the exception's text.
 """
 
 from __future__ import annotations
@@ -22,31 +27,33 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hmac
 import logging
 import math
-import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .chat import ChatTemplate, ChatTemplateMissing, load_chat_template
 from ..control.admission import Admission
-from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest, Step
+from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest
+from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
+from .edge import TENANT, ApiKeys, Edge, cache_namespace, is_loopback, keys_for_bind, \
+    load_api_keys
+from .generation import Generation, RunContext, all_of, collect, pump, total_usage
 from .limits import GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openai_api import (
     DEFAULT_MAX_TOKENS,
     ApiError,
-    Logprobs,
     ParsedRequest,
     ResponseShape,
     Usage,
@@ -55,9 +62,10 @@ from .openai_api import (
     parse_request,
     sse,
 )
-from .result_memo import KnownRun, ResultMemo, memo_key
-from .stop_text import StopText
+from .result_memo import ResultMemo
 from .tokenizer import Tokenizer
+
+__all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -65,165 +73,14 @@ RETRY_AFTER_S = 2  # what a 503 tells the client when nothing better is known
 READY_PROBE_INTERVAL_S = 5.0   # /ready probes the engine at most this often
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready",
               "/metrics"}
-_OPEN_PATHS = {"/health", "/ready"}  # liveness and readiness stay reachable without a key
-
-
-# -- API keys ---------------------------------------------------------------------------------
-def load_api_keys(api_keys: Iterable[str] | str | Path | None) -> frozenset[str]:
-    """None: $SKIPPY_API_KEYS (comma separated); a str or Path: a file with one key per
-    line; otherwise the keys themselves. An empty set means no authentication."""
-    if api_keys is None:
-        keys: Iterable[str] = os.environ.get("SKIPPY_API_KEYS", "").split(",")
-    elif isinstance(api_keys, (str, Path)):
-        keys = Path(api_keys).read_text().splitlines()
-    else:
-        keys = api_keys
-    return frozenset(k.strip() for k in keys if k.strip())
-
-
-def _authorized(header: str | None, keys: frozenset[str]) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return False
-    # compare against every key in constant time: no early exit that leaks which matched
-    matched = [hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys]
-    return any(matched)
-
-
-# -- one generation ------------------------------------------------------------------------------
-@dataclass
-class _Outcome:
-    usage: Usage
-    finish_reason: str = "length"
-
-
-class _Generation:
-    """One request's run: from the engine, or replayed from a known deterministic run.
-
-    `start()` waits for the first token (so engine errors surface before any response is
-    sent); `texts()` then yields the completion text as it grows and fills `outcome`."""
-
-    def __init__(self, gw: _Gateway, request: GenerationRequest, stops: tuple[str, ...],
-                 arrived: float):
-        self.gw, self.request, self.stops, self.arrived = gw, request, stops, arrived
-        self.outcome = _Outcome(Usage(len(request.tokens)))
-        self.key = memo_key(request, gw.engine.info.topology_digest)
-        self.known: KnownRun | None = None
-        self._replay: tuple[int, ...] | None = None
-        self._steps: AsyncIterator | None = None
-        self._first = None           # the first Step, or None when the run yielded none
-        self._seen: list[int] = []
-        self._first_at: float | None = None
-
-    async def start(self) -> None:
-        self.known = self.gw.memo.get(self.key)
-        if self.known is not None and self._known_suffices(self.known):
-            self._replay = self.known.tokens[:self.request.max_tokens]
-            self.outcome.usage.cached_tokens = len(self.request.tokens)
-            self._first_at = time.perf_counter()
-            self.gw.metrics.ttft.observe(self._first_at - self.arrived)
-            return
-        self._steps = self.gw.engine.generate(self.request)
-        try:
-            self._first = await anext(self._steps, None)
-        except BaseException:
-            await self.close()
-            raise
-        self._first_at = time.perf_counter()
-        if self._first is not None:
-            self.outcome.usage.cached_tokens = self._first.cached_tokens
-            self.gw.metrics.ttft.observe(self._first_at - self.arrived)
-
-    def _known_suffices(self, known: KnownRun) -> bool:
-        """Whether the known tokens settle this request: enough of them, the stream ended
-        there, or one of this request's stop strings appears within them."""
-        if known.complete or len(known.tokens) >= self.request.max_tokens:
-            return True
-        text = StopText(self.gw.tokenizer, self.stops)
-        for t in known.tokens:
-            text.push(t)
-            if text.stopped:
-                return True
-        return False
-
-    async def _steps_or_replay(self) -> AsyncIterator[Step]:
-        if self._replay is not None:
-            for t in self._replay:
-                yield Step(t)
-            return
-        if self._first is None:
-            return
-        yield self._first
-        async for step in self._steps:
-            yield step
-
-    async def texts(self) -> AsyncIterator[tuple[str, Logprobs | None]]:
-        """The completion text as it grows, each piece with the log-probabilities of the
-        tokens it came from (None unless the request asked for them). A token whose text
-        is held back (a possible stop string) reports with the next piece; tokens that
-        made up a stop string report with the text before it."""
-        text = StopText(self.gw.tokenizer, self.stops)
-        usage = self.outcome.usage
-        wanted = self.request.sampling.logprobs is not None
-        pending: Logprobs = []
-        ran_out = False  # the token source ended by itself (not cut by a stop string,
-        try:             # an error or the client leaving)
-            async for step in self._steps_or_replay():
-                usage.completion_tokens += 1
-                self._seen.append(step.token)
-                if wanted and step.logprobs is not None:
-                    pending.append((step.token, step.logprobs))
-                delta = text.push(step.token)
-                if delta or (text.stopped and pending):
-                    yield delta, (pending if wanted else None)
-                    pending = []
-                if text.stopped:
-                    break
-            else:
-                ran_out = True
-            if ran_out:
-                tail = text.finish()
-                if tail or pending:
-                    yield tail, (pending if wanted else None)
-            # fewer tokens than allowed: an end-of-generation id or a stop string ended it
-            limit = self.request.max_tokens
-            self.outcome.finish_reason = "length" if (
-                ran_out and usage.completion_tokens >= limit) else "stop"
-        finally:
-            await self.close()
-            self._account(ran_out)
-
-    async def close(self) -> None:
-        """End the engine's iteration now: its lanes are freed even if the client left."""
-        steps, self._steps = self._steps, None
-        if steps is not None:
-            with contextlib.suppress(Exception):
-                await steps.aclose()
-
-    def _account(self, ran_out: bool) -> None:
-        n = self.outcome.usage.completion_tokens
-        source = "memo" if self._replay is not None else "engine"
-        self.gw.metrics.tokens.labels(source).inc(n)
-        if n > 1 and self._first_at is not None:
-            spent = time.perf_counter() - self._first_at
-            if spent > 0:
-                self.gw.metrics.tokens_per_second.observe((n - 1) / spent)
-        if self._replay is None:
-            # An engine run that ended by itself with fewer tokens than allowed met an
-            # end-of-generation id: the stream is known to end there. Any other run still
-            # gives a true prefix of the stream.
-            complete = ran_out and n < self.request.max_tokens
-            self.gw.memo.record(self.key, KnownRun(tuple(self._seen), complete), self.known)
 
 
 # -- the app ----------------------------------------------------------------------------------------
 class _Gateway:
     """What the routes share: the engine, its tokenizer and template, memo, metrics."""
 
-    def __init__(self, engine: Engine, api_keys: frozenset[str], limits: GatewayLimits,
-                 memo: ResultMemo):
-        self.engine, self.api_keys, self.limits = engine, api_keys, limits
-        self.memo = memo
+    def __init__(self, engine: Engine, limits: GatewayLimits, memo: ResultMemo):
+        self.engine, self.limits, self.memo = engine, limits, memo
         n = limits.max_concurrent_requests
         self.slots = Admission(n, queue=n, wait_s=limits.queue_timeout_s)
         self.tokenizer = Tokenizer(engine.info.path)
@@ -234,9 +91,18 @@ class _Gateway:
         except ChatTemplateMissing as e:
             self.template_missing = str(e).split(";")[0]
         self.metrics = GatewayMetrics(engine.stats, memo.stats, self.slots.stats)
+        self.runs = RunContext(engine, memo, self.metrics, self.tokenizer)
         self.created = int(time.time())
+        self._probe_ids = tuple(self.tokenizer.encode("Hello") or [0])
         self._ready_at = 0.0
         self._ready_lock = asyncio.Lock()
+        self._said_down = ""  # the last reason logged for not serving
+
+    def count(self, path: str, status: int) -> None:
+        """One answer, by endpoint and status (the edge calls this for every request)."""
+        endpoint = path if path in _ENDPOINTS else (
+            "/v1/models" if path.startswith("/v1/models/") else "other")
+        self.metrics.requests.labels(endpoint, str(status)).inc()
 
     # -- request -> GenerationRequest ---------------------------------------------------------
     async def read_body(self, request: Request) -> dict:
@@ -257,7 +123,8 @@ class _Gateway:
 
     def check_model(self, model: str) -> None:
         if model != self.engine.info.model:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+            shown = model if len(model) <= 100 else model[:100] + "..."
+            raise ApiError(404, f"the model '{shown}' does not exist; this server serves "
                                 f"'{self.engine.info.model}'", param="model",
                            code="model_not_found")
 
@@ -283,9 +150,12 @@ class _Gateway:
                       "prompt")
         return list(prompt)
 
-    def generation_requests(self, parsed: ParsedRequest) -> list[GenerationRequest]:
+    def generation_requests(self, parsed: ParsedRequest,
+                            tenant: str = "") -> list[GenerationRequest]:
         """One request per choice: each prompt n times, in order. Seeded copies of a
-        prompt take seeds seed, seed + 1, ... so their samples differ, repeatably."""
+        prompt take seeds seed, seed + 1, ... so their samples differ, repeatably. Their
+        cache namespace is the tenant's (the caller's key), then the request's salt.
+        Tokenizes: call it off the event loop."""
         vocab = self.tokenizer.vocab_size
         outside = [t for t, _ in parsed.sampling.logit_bias if t >= vocab]
         if outside:
@@ -293,7 +163,8 @@ class _Gateway:
                       f"(0..{vocab - 1})", "logit_bias")
         out = []
         for prompt in (None,) if parsed.chat else parsed.prompts:
-            first = self.generation_request(parsed, self.prompt_ids(parsed, prompt))
+            first = self.generation_request(parsed, self.prompt_ids(parsed, prompt),
+                                            cache_namespace(tenant, parsed.cache_salt))
             for copy in range(parsed.n):
                 seed = first.sampling.seed
                 if seed is None or copy == 0:
@@ -303,7 +174,8 @@ class _Gateway:
                     out.append(dataclasses.replace(first, sampling=sampling))
         return out
 
-    def generation_request(self, parsed: ParsedRequest, ids: list[int]) -> GenerationRequest:
+    def generation_request(self, parsed: ParsedRequest, ids: list[int],
+                           namespace: str) -> GenerationRequest:
         if not ids:
             raise bad("the prompt is empty", "messages" if parsed.chat else "prompt")
         n_ctx, room = self.engine.info.n_ctx, self.engine.info.n_ctx - len(ids)
@@ -321,7 +193,7 @@ class _Gateway:
         return GenerationRequest(tokens=tuple(ids), max_tokens=max_tokens,
                                  sampling=parsed.sampling,
                                  stop_ids=self.tokenizer.eog_ids,
-                                 namespace=parsed.namespace)
+                                 namespace=namespace)
 
     # -- admission ------------------------------------------------------------------------------
     def check_choices(self, parsed: ParsedRequest) -> None:
@@ -340,20 +212,24 @@ class _Gateway:
             raise bad(f"n x max_tokens over the request's choices is {total} tokens; this "
                       f"server allows at most {limit}", "max_tokens")
 
-    def serving(self) -> tuple[bool, str]:
-        """The engine's word on whether a pipeline can serve; one that cannot say cannot."""
+    def serving(self) -> bool:
+        """The engine's word on whether a pipeline can serve; one that cannot say cannot.
+        Why not is logged (once per reason), never told to the caller."""
         try:
             status = self.engine.status()
-            return bool(status["serving"]), str(status.get("detail", ""))
+            serving, detail = bool(status["serving"]), str(status.get("detail", ""))
         except Exception as e:  # noqa: BLE001
-            return False, f"the engine's status failed: {_one_line(e)}"
+            serving, detail = False, f"the engine's status failed: {_one_line(e)}"
+        if not serving and detail != self._said_down:
+            log.warning("no pipeline can serve: %s", detail)
+        self._said_down = "" if serving else detail
+        return serving
 
     async def admit(self) -> Callable[[], None]:
         """A slot among the concurrent requests (waiting for one a short while), or a
         503; returns what ends the slot (idempotent)."""
-        serving, detail = self.serving()
-        if not serving:
-            raise _unavailable(f"no pipeline can serve right now ({detail})", "unavailable")
+        if not self.serving():
+            raise _unavailable("no pipeline can serve right now; retry later", "unavailable")
         try:
             await self.slots.acquire()
         except EngineBusy:
@@ -364,11 +240,30 @@ class _Gateway:
 
     # -- responses ------------------------------------------------------------------------------
     async def complete(self, request: Request, chat: bool) -> Response:
+        """The answer to one POST, by its deadline, unless the client leaves first (then
+        its work stops and nobody reads what we send)."""
         arrived = time.perf_counter()
-        parsed = parse_request(await self.read_body(request), chat=chat)
+        deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
+        tenant = request.scope.get(TENANT, "")
+        try:
+            async with asyncio.timeout_at(deadline) as within:
+                body = await self.read_body(request)
+                return await unless_client_leaves(request.receive, self._answer(
+                    body, chat, tenant, arrived, deadline))
+        except TimeoutError:
+            if not within.expired():
+                raise
+            raise self._timed_out() from None
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=CLIENT_GONE_STATUS)
+
+    async def _answer(self, body: dict, chat: bool, tenant: str, arrived: float,
+                      deadline: float) -> Response:
+        parsed = parse_request(body, chat=chat)
         self.check_model(parsed.model)
         self.check_choices(parsed)
-        requests = self.generation_requests(parsed)
+        # templates and tokenizers take their time on long prompts: off the event loop
+        requests = await asyncio.to_thread(self.generation_requests, parsed, tenant)
         self.check_tokens(requests)
         release = await self.admit()
         try:
@@ -376,16 +271,25 @@ class _Gateway:
             lanes = await self.engine.reserve(len(requests))
             release = _both(release, lanes)
             requests = [dataclasses.replace(r, admitted=True) for r in requests]
-            return await self._respond(parsed, requests, arrived, release)
+            return await self._respond(parsed, requests, arrived, release, deadline)
         except BaseException:
             release()
             raise
 
+    def _timed_out(self) -> ApiError:
+        # 504, not 408: 408 says the client was slow to send its request (and invites it
+        # to resend at once); here the stages did not finish in time. OpenAI's clients
+        # raise their InternalServerError for it, which callers already handle and the
+        # clients retry with backoff, as for OpenAI's own timeouts.
+        return ApiError(504, f"the request did not finish within this server's limit of "
+                             f"{self.limits.request_timeout_s:g} s", code="timeout")
+
     async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
-                       arrived: float, release: Callable[[], None]) -> Response:
+                       arrived: float, release: Callable[[], None],
+                       deadline: float) -> Response:
         """Run the choices and answer; `release` ends the request's slot once the answer
         is complete (a stream's when its last event is sent or the client left)."""
-        runs = [_Generation(self, r, parsed.stop, arrived) for r in requests]
+        runs = [Generation(self.runs, r, parsed.stop, arrived) for r in requests]
 
         async def close() -> None:
             for run in runs:
@@ -393,20 +297,20 @@ class _Gateway:
             release()
 
         try:  # every choice's first token, so engine errors surface before any response
-            await _all(run.start() for run in runs)
+            await all_of(run.start() for run in runs)
         except BaseException:
             await close()
             raise
         shape = ResponseShape(parsed.chat, self.engine.info.model,
                               lambda t: self.tokenizer.piece(t, special=True))
-        usage = functools.partial(_usage, runs, parsed.n)  # read once the choices end
+        usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
         if parsed.stream:
-            return _ClosingStream(self._events(runs, shape, usage, parsed.include_usage),
-                                  on_close=close, media_type="text/event-stream",
+            events = self._events(runs, shape, usage, parsed.include_usage, deadline)
+            return _ClosingStream(events, on_close=close, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"})
         pieces: list[list] = [[] for _ in runs]
         try:
-            await _all(_collect(run.texts(), into) for run, into in zip(runs, pieces))
+            await all_of(collect(run.texts(), into) for run, into in zip(runs, pieces))
         finally:
             release()
         wanted = parsed.sampling.logprobs is not None
@@ -415,12 +319,14 @@ class _Gateway:
                    for run, parts in zip(runs, pieces)]
         return JSONResponse(shape.full(choices, usage()))
 
-    async def _events(self, runs: list[_Generation], shape: ResponseShape,
-                      usage: Callable[[], Usage], include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(self, runs: list[Generation], shape: ResponseShape,
+                      usage: Callable[[], Usage], include_usage: bool,
+                      deadline: float) -> AsyncIterator[bytes]:
         """The choices' chunks as their texts grow (interleaved, each with its index),
-        a finish chunk per choice, the usage if asked, then [DONE]."""
+        a finish chunk per choice, the usage if asked, then [DONE]; an error event
+        instead of the rest once something fails or the deadline passes."""
         queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(_pump(i, run, queue)) for i, run in enumerate(runs)]
+        pumps = [asyncio.create_task(pump(i, run, queue)) for i, run in enumerate(runs)]
         try:
             if shape.chat:
                 for i in range(len(runs)):
@@ -428,7 +334,7 @@ class _Gateway:
                                           index=i))
             left = len(runs)
             while left:
-                index, delta, logprobs, end = await queue.get()
+                index, delta, logprobs, end = await self._by(deadline, queue.get())
                 if isinstance(end, BaseException):
                     raise end
                 if end is None:
@@ -444,36 +350,42 @@ class _Gateway:
             # headers are gone: the error travels as an event, as OpenAI's servers do
             yield sse(_as_api_error(e).envelope())
         finally:
-            for pump in pumps:
-                pump.cancel()
+            for task in pumps:
+                task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
         yield sse("[DONE]")
 
+    async def _by(self, deadline: float, awaitable):
+        """`awaitable`'s result, or the deadline's error once it passes. (A timeout
+        around the stream's yields would cancel whatever the stream's consumer does.)"""
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(awaitable, max(left, 0))
+        except TimeoutError:
+            raise self._timed_out() from None
+
     def health(self) -> dict:
-        serving, detail = self.serving()
-        return {"status": "ok"} if serving else {"status": "degraded", "detail": detail}
+        return {"status": "ok" if self.serving() else "degraded"}
 
     async def ready(self) -> Response:
         """Ready while the engine says a pipeline can serve and it answers a 1-token probe
-        (no cache read or written)."""
-        serving, detail = self.serving()
-        if not serving:
+        (no cache read or written). The body says only that: the reason is logged."""
+        down = JSONResponse({"status": "unavailable"}, status_code=503)
+        if not self.serving():
             self._ready_at = 0.0
-            return JSONResponse({"status": "unavailable", "reason": detail}, status_code=503)
+            return down
         async with self._ready_lock:
             if time.monotonic() - self._ready_at > READY_PROBE_INTERVAL_S:
-                probe_ids = self.tokenizer.encode("Hello") or [0]
-                probe = GenerationRequest(tuple(probe_ids), 1, probe=True)
+                probe = GenerationRequest(self._probe_ids, 1, probe=True)
                 try:
                     async for _ in self.engine.generate(probe):
                         pass
                 except Exception as e:  # noqa: BLE001
                     self._ready_at = 0.0
                     log.warning("readiness probe failed: %s", _one_line(e))
-                    return JSONResponse({"status": "unavailable", "reason": _one_line(e)},
-                                        status_code=503)
+                    return down
                 self._ready_at = time.monotonic()
-        return JSONResponse({"status": "ready", "model": self.engine.info.model})
+        return JSONResponse({"status": "ready"})
 
     def model_card(self) -> dict:
         info = self.engine.info
@@ -498,44 +410,10 @@ class _ClosingStream(StreamingResponse):
             await self._on_close()
 
 
-async def _collect(texts: AsyncIterator, into: list) -> None:
-    async for piece in texts:
-        into.append(piece)
-
-
-async def _all(awaitables) -> None:
-    """Await every one together; the first failure is raised once all have ended (so no
-    choice is left running unseen)."""
-    results = await asyncio.gather(*awaitables, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-
-
-async def _pump(index: int, run: _Generation, queue: asyncio.Queue) -> None:
-    """One choice's text pieces into the shared queue: (index, text, logprobs, None),
-    then (index, None, None, finish_reason), or the failure in the last place."""
-    try:
-        async for delta, logprobs in run.texts():
-            await queue.put((index, delta, logprobs, None))
-        await queue.put((index, None, None, run.outcome.finish_reason))
-    except Exception as e:  # noqa: BLE001
-        await queue.put((index, None, None, e))
-
-
-def _usage(runs: list[_Generation], n: int) -> Usage:
-    """The usage of a response's choices: each prompt counted once (its n copies share
-    it), the completion tokens of every choice."""
-    firsts = [r.outcome.usage for r in runs[::n]]
-    return Usage(sum(u.prompt_tokens for u in firsts),
-                 sum(r.outcome.usage.completion_tokens for r in runs),
-                 sum(u.cached_tokens for u in firsts))
-
-
 def _as_api_error(e: Exception) -> ApiError:
     """A failure as the client's answer: busy -> 503 with Retry-After; a ValueError (the
     request refused, by us or by the engine's InvalidRequest) -> 400; an engine failure or
-    anything else -> 500, logged in one line."""
+    anything else -> 500: logged in full with an id, and only the id told."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, EngineBusy):
@@ -543,11 +421,18 @@ def _as_api_error(e: Exception) -> ApiError:
                             "engine_busy", e.retry_after)
     if isinstance(e, ValueError):
         return bad(_one_line(e))
-    if isinstance(e, EngineError):
-        log.error("engine failed: %s", _one_line(e))
-        return ApiError(500, f"the engine failed: {_one_line(e)}")
-    log.error("unexpected failure: %s: %s", type(e).__name__, _one_line(e))
-    return ApiError(500, f"internal error: {_one_line(e)}")
+    return _internal(e)
+
+
+def _internal(e: BaseException) -> ApiError:
+    """A 500 whose message names an error id the log has beside the traceback: the
+    exception's text may tell what a caller should not learn (hosts, paths, state)."""
+    error_id = uuid.uuid4().hex[:12]
+    what = "the engine failed" if isinstance(e, EngineError) else "unexpected failure"
+    log.error("%s [error %s]", what, error_id, exc_info=(type(e), e, e.__traceback__))
+    return ApiError(500, f"the server failed to answer this request (error {error_id}); "
+                         f"its operator can look the id up in the server's log",
+                    code="internal_error")
 
 
 def _unavailable(message: str, code: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
@@ -576,8 +461,8 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 async def _guarded(awaitable):
-    """Failures become a one-line error here, logged without a traceback (a handler
-    registered for Exception would still let Starlette re-raise and log one)."""
+    """Failures become an error answer here (a handler registered for Exception would
+    still let Starlette re-raise the failure and log it a second time)."""
     try:
         return await awaitable
     except Exception as e:  # noqa: BLE001
@@ -588,55 +473,17 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-class _Edge:
-    """API keys and request counting, as pure ASGI middleware: it sees streams and errors
-    alike without buffering bodies (Starlette's BaseHTTPMiddleware would wrap streams)."""
-
-    def __init__(self, app, gw: _Gateway):
-        self.app, self.gw = app, gw
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in _ENDPOINTS else (
-            "/v1/models" if path.startswith("/v1/models/") else "other")
-        status = [500]
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            if self.gw.api_keys and path not in _OPEN_PATHS and not _authorized(
-                    _header(scope, b"authorization"), self.gw.api_keys):
-                e = ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                             code="invalid_api_key")
-                await JSONResponse(e.envelope(), status_code=401)(scope, receive,
-                                                                  counting_send)
-            else:
-                await self.app(scope, receive, counting_send)
-        finally:
-            self.gw.metrics.requests.labels(endpoint, str(status[0])).inc()
-
-
-def _header(scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
-
-
 def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
-               limits: GatewayLimits | None = None,
-               memo: ResultMemo | None = None, close_engine: bool = False) -> FastAPI:
+               limits: GatewayLimits | None = None, memo: ResultMemo | None = None,
+               close_engine: bool = False, bind_host: str = "127.0.0.1") -> FastAPI:
     """The gateway app for `engine`.
 
     api_keys: see `load_api_keys` (None reads $SKIPPY_API_KEYS). limits: what it admits
     (the defaults by default). memo: the exact-results store (a fresh bounded one by
     default). close_engine: close the engine when the app shuts down (`serve` does; tests
-    that share an engine do not)."""
+    that share an engine do not). bind_host: where the server listens; on loopback the
+    app answers only requests addressed to loopback (the Host header), against DNS
+    rebinding."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -644,14 +491,14 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
         if close_engine:
             await engine.close()
 
-    gw = _Gateway(engine, load_api_keys(api_keys), limits or GatewayLimits(),
-                  memo or ResultMemo())
+    gw = _Gateway(engine, limits or GatewayLimits(), memo or ResultMemo())
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gateway = gw
     _error_handlers(app)
     _routes(app, gw)
-    app.add_middleware(_Edge, gw=gw)
+    app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys)),
+                       loopback=is_loopback(bind_host), count=gw.count)
     return app
 
 
@@ -674,9 +521,7 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, e: Exception):
-        log.error("unexpected failure: %s: %s", type(e).__name__, _one_line(e))
-        return JSONResponse(ApiError(500, f"internal error: {_one_line(e)}").envelope(),
-                            status_code=500)
+        return JSONResponse(_internal(e).envelope(), status_code=500)
 
 
 def _routes(app: FastAPI, gw: _Gateway) -> None:
@@ -690,7 +535,8 @@ def _routes(app: FastAPI, gw: _Gateway) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+        # the engine's figures may come from Ray (a blocking call): off the event loop
+        return Response(await asyncio.to_thread(gw.metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -712,10 +558,21 @@ def _routes(app: FastAPI, gw: _Gateway) -> None:
 
 # -- running it ---------------------------------------------------------------------------------------
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
-          api_keys: Iterable[str] | str | Path | None = None, **app_options) -> None:
-    """Serve until Ctrl-C (uvicorn handles the signal), then close the engine."""
+          api_keys: Iterable[str] | str | Path | None = None, *, insecure: bool = False,
+          **app_options) -> None:
+    """Serve until Ctrl-C (uvicorn handles the signal), then close the engine.
+
+    api_keys: see `load_api_keys`. Beyond loopback without keys it refuses to start
+    (OpenBindRefused, a ValueError) unless `insecure`; a key file that cannot be read or
+    holds no key is a KeyFileError (a ValueError). Either way the engine is closed."""
     import uvicorn
-    app = create_app(engine, api_keys=api_keys, close_engine=True, **app_options)
+    try:
+        keys = keys_for_bind(host, api_keys, insecure)
+    except ValueError:
+        asyncio.run(engine.close())
+        raise
+    app = create_app(engine, api_keys=keys, close_engine=True, bind_host=host,
+                     **app_options)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
 
 

@@ -13,18 +13,22 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # n x max_tokens, summed over a request's choices
 DEFAULT_QUEUE_TIMEOUT_S = 10.0      # how long a request waits for a slot before a 503
+DEFAULT_REQUEST_TIMEOUT_S = 600.0   # arrival to last byte; OpenAI's clients wait as long
 
 
 @dataclass(frozen=True)
 class GatewayLimits:
     """Beyond max_concurrent_requests running, as many again wait up to queue_timeout_s
     for a slot; the rest get a 503 with Retry-After. A request's choices may ask for at
-    most max_request_tokens new tokens together (a 400 beyond)."""
+    most max_request_tokens new tokens together (a 400 beyond). Every request ends within
+    request_timeout_s of its arrival (a 504, or an error event in a stream), so no
+    request holds lanes without end."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_concurrent_requests", "max_request_tokens"):
@@ -33,3 +37,6 @@ class GatewayLimits:
         if not 0 <= self.queue_timeout_s < math.inf:
             raise ValueError(f"the queue timeout must be >= 0 seconds and finite, not "
                              f"{self.queue_timeout_s}")
+        if not 0 < self.request_timeout_s < math.inf:
+            raise ValueError(f"the request timeout must be > 0 seconds and finite, not "
+                             f"{self.request_timeout_s}")

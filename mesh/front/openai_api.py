@@ -7,6 +7,9 @@ envelope {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
 Numbers must be finite: Python's json reads NaN, Infinity and 1e999, and a NaN
 temperature or bias would otherwise reach the sampler (a 400 here, never a 500 there).
+Text must be valid Unicode: JSON's escapes can spell a lone surrogate ("\\ud800"), which
+Python's json reads into a string that no UTF-8 encoder (the tokenizer, our own error
+messages) accepts.
 
 Defaults follow OpenAI, not our CLI: temperature 1.0 and top_p 1.0 when absent, so a
 client that wants greedy (and gateway-cached) output asks for temperature 0.
@@ -31,6 +34,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 MAX_CHOICES = 64  # prompts x n in one request; each runs in a lane of its own
+MAX_CACHE_SALT = 256  # characters of `cache_salt`: it becomes part of every cache key
 
 _TYPE_BY_STATUS = {401: "authentication_error", 404: "invalid_request_error",
                    413: "invalid_request_error", 503: "server_error"}
@@ -71,7 +75,7 @@ class ParsedRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    namespace: str
+    cache_salt: str                           # the client's part of its cache namespace
 
     @property
     def choices(self) -> int:
@@ -88,7 +92,40 @@ def parse_json(raw: bytes) -> dict:
         raise bad("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    field = _invalid_text(body)
+    if field is not None:
+        raise bad(f"{field or 'a field name'} holds text that is not valid Unicode (a lone "
+                  f"surrogate such as \\ud800)", field or None)
     return body
+
+
+def _invalid_text(body: dict) -> str | None:
+    """The top-level field whose value holds a string that is not valid Unicode ("" when
+    it is a field name), or None. Iterative: json has already bounded the nesting, but
+    a recursive walk would start deeper in the stack than json did."""
+    for name, value in body.items():
+        if not _valid(name):
+            return ""
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if not _valid(v):
+                    return name
+            elif isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+    return None
+
+
+def _valid(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
@@ -119,11 +156,14 @@ def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage must be a boolean", "stream_options")
-    namespace = _field(body, "cache_salt", str) or ""
+    salt = _field(body, "cache_salt", str) or ""
+    if len(salt) > MAX_CACHE_SALT:
+        raise bad(f"cache_salt takes at most {MAX_CACHE_SALT} characters, not {len(salt)}",
+                  "cache_salt")
     return ParsedRequest(chat=chat, model=model, prompts=prompts, messages=messages, n=n,
                          max_tokens=max_tokens, sampling=_sampling(body, _logprobs(body, chat)),
                          stop=_stop(body.get("stop")), stream=stream,
-                         include_usage=stream and include_usage, namespace=namespace)
+                         include_usage=stream and include_usage, cache_salt=salt)
 
 
 # -- fields ---------------------------------------------------------------------------------

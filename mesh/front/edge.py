@@ -1,0 +1,233 @@
+"""The gateway's edge: who may call, from where, with what, before any route runs.
+
+A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap streams), in order:
+
+- Host (only when the server listens on loopback): a browser page on another site can
+  point its own host name at 127.0.0.1 (DNS rebinding) and then reach a loopback server
+  as if it were that site; the Host header still names the page's site, so anything but
+  localhost / 127.x / [::1] is refused (400, as RFC 9110 asks for an invalid Host).
+- API keys (when there are any): Bearer keys, compared in constant time. The key's
+  tenant tag goes with the request (`scope[TENANT]`), so its cache namespace is its own.
+- Content-Type: a POST body must say application/json (415 otherwise), so a browser
+  form or a text/plain "simple request" cannot reach the API without a CORS preflight.
+
+Serving beyond loopback without keys is refused unless asked for in so many words
+(`keys_for_bind`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from fastapi.responses import JSONResponse
+
+from .openai_api import ApiError
+
+TENANT = "skippy.tenant"  # the ASGI scope key for the caller's tenant tag ("" unkeyed)
+OPEN_PATHS = frozenset({"/health", "/ready"})  # probes stay reachable without a key
+JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class KeyFileError(ValueError):
+    """The API keys given cannot be used (an unreadable or empty file, a bad key)."""
+
+
+class OpenBindRefused(ValueError):
+    """Serving beyond loopback without API keys, and not told `insecure`."""
+
+
+# -- API keys -----------------------------------------------------------------------------------
+def load_api_keys(api_keys: Iterable[str] | str | Path | None) -> frozenset[str]:
+    """None: $SKIPPY_API_KEYS (comma separated; unset or empty: none); a str or Path: a
+    file with one key per line, which must hold at least one; otherwise the keys
+    themselves. An empty set means no authentication. KeyFileError (one line) for a file
+    that cannot be read or holds no key, or a key that is not printable ASCII."""
+    if api_keys is None:
+        where = "$SKIPPY_API_KEYS"
+        keys = _keys(os.environ.get("SKIPPY_API_KEYS", "").split(","), where)
+    elif isinstance(api_keys, (str, Path)):
+        where = f"the API key file {api_keys}"
+        try:
+            text = Path(api_keys).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise KeyFileError(f"cannot read {where}: {reason}") from None
+        keys = _keys(text.splitlines(), where)
+        if not keys:  # an empty file is a mistake, never "no authentication"
+            raise KeyFileError(f"{where} holds no key (one key a line)")
+    else:
+        keys = _keys(api_keys, "the API keys given")
+    return keys
+
+
+def _keys(lines: Iterable[str], where: str) -> frozenset[str]:
+    keys = [k.strip() for k in lines]
+    for i, k in enumerate(keys):
+        # a header carries printable ASCII; anything else could never match
+        if k and not all(0x21 <= ord(c) <= 0x7E for c in k):
+            raise KeyFileError(f"{where}: key {i + 1} is not printable ASCII without spaces")
+    return frozenset(k for k in keys if k)
+
+
+class ApiKeys:
+    """The accepted keys, and each one's tenant tag: a keyed hash of the key (never the
+    key itself), under a secret of this process, so a namespace seen in a stage's memory
+    or a log tells nothing about the key."""
+
+    def __init__(self, keys: frozenset[str]):
+        self._keys = tuple((k.encode(), k) for k in sorted(keys))
+        self._secret = secrets.token_bytes(32)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant tag of a valid `Authorization: Bearer <key>`, or None."""
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return None
+        sent = token.encode("latin-1")
+        # compare against every key in constant time: no early exit that leaks which matched
+        matched = [k for raw, k in self._keys if hmac.compare_digest(sent, raw)]
+        if not matched:
+            return None
+        return hmac.new(self._secret, matched[0].encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def cache_namespace(tenant: str, cache_salt: str) -> str:
+    """The namespace a request's cached state lives in: its tenant's, then its salt's.
+    Unkeyed servers keep the salt alone (one tenant, as before keys existed)."""
+    return f"{tenant}/{cache_salt}" if tenant else cache_salt
+
+
+# -- where it listens ---------------------------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    """Whether binding to `host` keeps the server to this machine: localhost, 127.0.0.0/8,
+    ::1. Any other name or address counts as open (the cautious answer)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def keys_for_bind(host: str, api_keys: Iterable[str] | str | Path | None,
+                  insecure: bool = False) -> frozenset[str]:
+    """The keys a server on `host` will check (see `load_api_keys`). OpenBindRefused
+    (one line) when `host` is beyond loopback and there are none, unless `insecure`."""
+    keys = load_api_keys(api_keys)
+    if not keys and not insecure and not is_loopback(host):
+        raise OpenBindRefused(
+            f"refusing to serve on {host} without API keys: anyone who can reach it could "
+            f"use the model; give keys (--api-keys-file FILE or $SKIPPY_API_KEYS) or serve "
+            f"it open on purpose (--insecure)")
+    return keys
+
+
+def loopback_host_header(value: str | None) -> bool:
+    """Whether a Host header names this machine by loopback: localhost, 127.x.x.x or
+    [::1], with any port."""
+    name, port = _split_host(value or "")
+    if port and not port.isdigit():
+        return False
+    if name in ("localhost", "[::1]"):
+        return True
+    try:
+        return ipaddress.IPv4Address(name) in _LOOPBACK_V4
+    except ValueError:
+        return False
+
+
+_LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
+
+
+def _split_host(value: str) -> tuple[str, str]:
+    """(name, port) of a Host header; an IPv6 name keeps its brackets. Anything after
+    the name but a ":" and a port comes back in the port, which then is not digits."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, bracket, rest = value.partition("]")
+        if not bracket:
+            return "", ""
+        return name + "]", rest[1:] if rest.startswith(":") else rest or ""
+    name, _, port = value.partition(":")
+    return name, port
+
+
+def json_content_type(value: str | None) -> bool:
+    """application/json, with a UTF-8 charset or none (JSON is UTF-8: RFC 8259)."""
+    media, *params = (value or "").split(";")
+    if media.strip().lower() != "application/json":
+        return False
+    for p in params:
+        name, _, v = p.partition("=")
+        if name.strip().lower() == "charset" and \
+                v.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return False
+    return True
+
+
+# -- the middleware -----------------------------------------------------------------------------
+class Edge:
+    """Host, keys and content type (see the module's docstring), and each answer counted
+    by `count(path, status)` whoever gave it."""
+
+    def __init__(self, app, *, keys: ApiKeys, loopback: bool,
+                 count: Callable[[str, int], None]):
+        self.app, self.keys, self.loopback, self.count = app, keys, loopback, count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self.refusal(scope)
+            if refusal is None:
+                await self.app(scope, receive, counting_send)
+            else:
+                await JSONResponse(refusal.envelope(), status_code=refusal.status)(
+                    scope, receive, counting_send)
+        finally:
+            self.count(scope.get("path", ""), status[0])
+
+    def refusal(self, scope) -> ApiError | None:
+        """Why the request is refused before any route sees it, or None (and its tenant
+        noted in the scope)."""
+        path = scope.get("path", "")
+        if self.loopback and not loopback_host_header(_header(scope, b"host")):
+            return ApiError(400, "this server listens on loopback and answers only requests "
+                                 "addressed to localhost, 127.0.0.1 or [::1]",
+                            code="invalid_host")
+        tenant = ""
+        if self.keys and path not in OPEN_PATHS:
+            tenant = self.keys.tenant(_header(scope, b"authorization"))
+            if tenant is None:
+                return ApiError(401, "missing or invalid API key (Authorization: Bearer "
+                                     "<key>)", code="invalid_api_key")
+        scope[TENANT] = tenant
+        if scope.get("method") == "POST" and path in JSON_POSTS and \
+                not json_content_type(_header(scope, b"content-type")):
+            return ApiError(415, "the request body must be JSON, sent with Content-Type: "
+                                 "application/json", code="unsupported_media_type")
+        return None
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
