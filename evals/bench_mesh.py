@@ -32,6 +32,7 @@ import torch
 
 HOP_SHAPES = ((1, 576), (128, 576))
 DECODE_TOKENS = 64
+HOP_MESSAGE_LIMIT = 8 << 20  # the largest hop frame, [128, 576] f16, with room to spare
 SPLIT_TARGET = 1.3   # 2-stage per-token decode time / 1-stage, at most
 PROMPT = ("The harbour town woke slowly. Fishing boats came back with the tide, gulls "
           "argued over the nets, and the baker opened his shutters to a queue of people. "
@@ -57,8 +58,9 @@ def _echo_actor_class():
 
     @ray.remote(num_cpus=0)
     class EchoActor:
-        def __init__(self, host: str):
-            self._server, self._address = serve(EchoStage(), host)
+        def __init__(self, host: str, credentials):
+            self._server, self._address = serve(EchoStage(), host, credentials,
+                                                max_message=HOP_MESSAGE_LIMIT)
 
         def address(self) -> str:
             return self._address
@@ -82,21 +84,22 @@ def _timed(fn, repeats: int, warmup: int) -> list[float]:
 
 def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
     """Per-hop round trips (ms) for each frame shape, gRPC vs Ray, into one actor."""
-    import grpc
     import ray
 
-    from skippy.mesh.stage.grpc_service import GrpcLink
+    from skippy.mesh.stage.grpc_service import GrpcLink, channel_options
+    from skippy.mesh.stage.security import StageCredentials, new_secret
     from skippy.mesh.wire import frame_to_proto
     from skippy.proto import stage_pb2 as pb
     from skippy.proto import stage_pb2_grpc
     from skippy.stages.frame import Frame
 
-    actor = _echo_actor_class().remote("127.0.0.1")
+    credentials = StageCredentials.plain(new_secret())  # a stage's calls carry its token
+    actor = _echo_actor_class().remote("127.0.0.1", credentials)
     channel = None
     try:
         address = ray.get(actor.address.remote(), timeout=120)
-        channel = grpc.insecure_channel(address)
-        down = GrpcLink(stage_pb2_grpc.StageStub(channel))
+        channel = credentials.channel(address, channel_options(HOP_MESSAGE_LIMIT))
+        down = GrpcLink(stage_pb2_grpc.StageStub(channel), credentials.metadata)
         rows_out = []
         for n, width in HOP_SHAPES:
             rows = torch.randn(n, width).to(torch.float16)

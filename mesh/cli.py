@@ -189,6 +189,8 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port must be in 1..65535, not {args.port}")
     if args.api_keys_file and not Path(args.api_keys_file).is_file():
         raise UsageError(f"no API key file at {args.api_keys_file}")
+    from .stage.security import load_secret
+    secret = load_secret(args.cluster_secret_file)  # an empty or unreadable file: one line
     path = resolve_model(args.package or args.model)
     if is_package(path):
         if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
@@ -207,7 +209,7 @@ def cmd_serve(args) -> int:
                        pipelines=args.pipelines, weight_format=args.weight_format,
                        lane_batch=args.lane_batch, lanes=args.lanes,
                        model_name=args.model_name or (path.name if args.package else args.model),
-                       address=args.address,
+                       address=args.address, secret=secret, stage_tls=args.stage_tls,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
                        n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
@@ -328,7 +330,13 @@ def _serve_parser(sub) -> None:
                      help="copies of the whole chain; requests go where their prefix is "
                           "cached, else to the least loaded")
     srv.add_argument("--address", help="join a Ray cluster ('auto' for the local one); "
-                     "default: start an embedded Ray")
+                     "default: start an embedded Ray, listening on loopback only")
+    srv.add_argument("--cluster-secret-file", metavar="FILE", help="the secret every call "
+                     "between stages carries (also: $SKIPPY_CLUSTER_SECRET; default: a new "
+                     "random one)")
+    srv.add_argument("--stage-tls", choices=("auto", "on", "off"), default="auto",
+                     help="mutual TLS between stages, certificates made at start: auto "
+                     "(default) is on when the Ray cluster has more than one node")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--ctx", type=int, default=8192,

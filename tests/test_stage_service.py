@@ -12,6 +12,7 @@ import pytest
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.stage.grpc_service import start_server
+from skippy.mesh.stage.security import StageCredentials, new_secret
 from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
@@ -21,22 +22,28 @@ pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [[1] + [(i * 37 + k * 101) % 30000 + 50 for i in range(40 + 9 * k)] for k in range(4)]
 STEPS = 6
+CREDS = StageCredentials.plain(new_secret())  # what every call to these stages carries
 
 
 @pytest.fixture(scope="module")
 def stage(smollm2):
     spec = StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, lane_batch=4)
     service = StageServer(spec, CacheConfig(), policy="ResidentKv")
-    server, address = start_server(service, "127.0.0.1")
+    server, address = start_server(service, "127.0.0.1", CREDS)
     yield service, address
     server.stop(None)
+
+
+def _stream(channel, q: queue.Queue):
+    """A Session stream fed from `q`, carrying the cluster's token."""
+    return stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None), metadata=CREDS.metadata)
 
 
 def session(address: str, tokens: list[int], steps: int) -> list[int]:
     with grpc.insecure_channel(address) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
         q: queue.Queue = queue.Queue()
-        replies = stub.Session(iter(q.get, None))
+        replies = stub.Session(iter(q.get, None), metadata=CREDS.metadata)
         q.put(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=0)))
         start = next(replies).plan.start
         q.put(pb.StageCall(prefill=pb.Prefill(tokens=tokens, start=start)))
@@ -74,7 +81,8 @@ def test_a_bad_call_is_an_error_reply_not_a_dead_stream(stage):
     _, address = stage
     with grpc.insecure_channel(address) as channel:
         stub = stage_pb2_grpc.StageStub(channel)
-        replies = stub.Session(iter([pb.StageCall(decode=pb.Decode(token=5))]))
+        replies = stub.Session(iter([pb.StageCall(decode=pb.Decode(token=5))]),
+                               metadata=CREDS.metadata)
         reply = next(replies)
         assert reply.WhichOneof("result") == "error"
 
@@ -94,7 +102,7 @@ def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smo
     def decoder():
         with grpc.insecure_channel(address) as channel:
             q: queue.Queue = queue.Queue()
-            replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+            replies = _stream(channel, q)
             q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPTS[0], limit=0)))
             start = next(replies).plan.start
             q.put(pb.StageCall(prefill=pb.Prefill(tokens=PROMPTS[0], start=start)))
@@ -112,7 +120,7 @@ def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smo
         time.sleep(0.05)  # the decoder is streaming
         with grpc.insecure_channel(address) as channel:
             q: queue.Queue = queue.Queue()
-            replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+            replies = _stream(channel, q)
             q.put(pb.StageCall(prefill=pb.Prefill(tokens=long_prompt, start=0, probe=True)))
             window["start"] = time.monotonic()
             assert next(replies).WhichOneof("result") == "token"
@@ -133,7 +141,7 @@ def first_token(address: str, tokens: list[int], probe: bool = False) -> tuple[i
     """(first token, prompt tokens the stage did not compute) of one plan + prefill."""
     with grpc.insecure_channel(address) as channel:
         q: queue.Queue = queue.Queue()
-        replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+        replies = _stream(channel, q)
         limit = (len(tokens) - 1) // 64 * 64
         q.put(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=limit, probe=probe)))
         start = next(replies).plan.start
@@ -170,7 +178,7 @@ def test_a_stage_alone_with_one_session_bursts_to_its_pipelines_cores(smollm2):
     # bits either way, so the outputs do not depend on the load.
     spec = StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, weight_format="int4", threads=1)
     service = StageServer(spec, CacheConfig(), policy="disabled", burst_threads=2)
-    server, address = start_server(service, "127.0.0.1")
+    server, address = start_server(service, "127.0.0.1", CREDS)
     try:
         alone = session(address, PROMPTS[0], STEPS)
         assert _torch_threads(service) == 2
@@ -215,7 +223,7 @@ def test_an_idle_session_is_closed_and_its_lane_freed(stage, monkeypatch):
     service, address = stage
     with grpc.insecure_channel(address) as channel:
         q: queue.Queue = queue.Queue()
-        replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None))
+        replies = _stream(channel, q)
         q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPTS[0], limit=0)))
         assert next(replies).WhichOneof("result") == "plan"   # it holds a lane now
         with pytest.raises(grpc.RpcError) as e:

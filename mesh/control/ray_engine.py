@@ -8,6 +8,7 @@ pipeline's stage 0 over a gRPC stream.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -27,6 +28,8 @@ from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import is_package, open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
 
+from ..stage.grpc_service import message_limit
+from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .engine import EngineInfo
 from .pipelines import PipelinesEngine
 from .ray_pipeline import RayPipeline
@@ -41,16 +44,38 @@ DEFAULT_LANES = 8  # a pipeline's lane budget: 8 clients still decode together
 GOMP_SPINCOUNT = "10000"
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
-    """Join `address`, or start a light embedded Ray (DESIGN.md §9). True if we started it."""
+    """Join `address`, or start a light embedded Ray (DESIGN.md §9) that listens on
+    loopback only. True if we started it."""
     if ray.is_initialized():
         return False
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
-    ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
-             object_store_memory=100 * 2**20, log_to_driver=False)
+    with _loopback_node():
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+                 object_store_memory=100 * 2**20, log_to_driver=False,
+                 _node_ip_address=LOOPBACK)
     return True
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """Ray's servers (GCS, raylet, workers, the autoscaler's metrics) bind 127.0.0.1 only
+    when the node's address is 127.0.0.1, and `ray.init` turns a loopback address into
+    the host's primary one unless clusters are off (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    its macOS default). That switch, for the start only (tests/test_stage_network.py
+    lists what binds where)."""
+    from ray._private import ray_constants
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
 
 
 def stage_env() -> dict[str, str]:
@@ -99,6 +124,8 @@ class _Launch:
     pipelines: int
     restarts: int
     options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
+    credentials: ClusterCredentials  # issues each actor its own
+    host: str | None  # where stage servers listen (None: Ray's address of their node)
 
     def spec(self, st: StagePlan) -> tuple[StageSpec, int | None]:
         """The stage's spec and its burst threads. Stages sharing a node share its cores
@@ -121,7 +148,8 @@ class _Launch:
             scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
-        ).remote(spec, self.cache, self.policy, self.runtime, burst_threads=burst)
+        ).remote(spec, self.cache, self.policy, self.runtime, self.host, burst,
+                  credentials=self.credentials.issue())
 
 
 class RayEngine(PipelinesEngine):
@@ -131,9 +159,15 @@ class RayEngine(PipelinesEngine):
                  runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
                  threads: int | None = None, weight_format: str = "fp32",
                  lane_batch: int = 1, lanes: int = DEFAULT_LANES, restarts: int = RESTARTS,
+                 secret: str | None = None, stage_tls: str = "auto",
                  progress: Callable[[str], None] = log.info):
+        """`secret`: what every stage call must carry (default: a new random one);
+        `stage_tls`: auto (on when the cluster has more than one node), on, off."""
         if pipelines < 1:
             raise ValueError(f"pipelines must be at least 1, not {pipelines}")
+        if stage_tls not in TLS_MODES:
+            raise ValueError(f"stage_tls must be one of {', '.join(TLS_MODES)}, not "
+                             f"{stage_tls!r}")
         path = Path(model_path)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
@@ -151,13 +185,23 @@ class RayEngine(PipelinesEngine):
         n = len(self.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")
+        # One node: no stage traffic leaves the host, so it stays on loopback in the clear.
+        self.stage_tls = tls_wanted(stage_tls, len(nodes))
+        cluster = ClusterCredentials(secret or new_secret(), self.stage_tls)
+        host = LOOPBACK if len(nodes) == 1 else None
+        progress(f"stage network: {'mutual TLS' if self.stage_tls else 'plain TCP'} on "
+                 f"{host or 'each node address'}, calls carry the cluster secret")
         self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines, restarts,
                                dict(wire_dtype=wire_dtype, n_ctx=n_ctx, threads=threads,
-                                    lane_batch=lane_batch, weight_format=weight_format))
+                                    lane_batch=lane_batch, weight_format=weight_format),
+                               cluster, host)
         for r in range(pipelines):
             for st in self.plan.stages:
                 progress(_placement(r, st, path))
-        self.pipelines = [RayPipeline(self._launch.actor, n) for _ in range(pipelines)]
+        driver = cluster.issue()
+        limit = message_limit(str(path), n_ctx, wire_dtype)
+        self.pipelines = [RayPipeline(self._launch.actor, n, credentials=driver,
+                                      max_message=limit) for _ in range(pipelines)]
         t = time.monotonic()
         for pipe in self.pipelines:
             pipe.wire()

@@ -20,7 +20,8 @@ from ray.exceptions import RayActorError
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.grpc_service import CHANNEL_OPTIONS
+from ..stage.grpc_service import channel_options
+from ..stage.security import StageCredentials
 from .driver import StageFault
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ REPLY_TIMEOUT_S = 900.0    # the longest a stage chain may take to answer (a lon
 class GrpcStageLink:
     """The driver's session with stage 0 over a grpc.aio stream."""
 
-    def __init__(self, stub: stage_pb2_grpc.StageStub):
-        self._call = stub.Session()
+    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=()):
+        self._call = stub.Session(metadata=metadata)
 
     async def ask(self, call: pb.StageCall) -> pb.StageResult:
         try:
@@ -53,8 +54,12 @@ class GrpcStageLink:
 
 
 class RayPipeline:
-    def __init__(self, make_actor: Callable[[int], object], n_stages: int):
+    def __init__(self, make_actor: Callable[[int], object], n_stages: int, *,
+                 credentials: StageCredentials, max_message: int):
+        """`credentials` are the driver's own for its calls to stage 0."""
         self._make = make_actor
+        self._credentials = credentials
+        self._options = channel_options(max_message)
         self.actors = [make_actor(i) for i in range(n_stages)]
         self.addresses: list[str] = []
         self.generation = 0
@@ -104,12 +109,12 @@ class RayPipeline:
         address = self.addresses[0]
         entry = self._channels.get(id(loop))
         if entry is None or entry[0] != address:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._credentials.channel(address, self._options, aio=True)
             if entry is not None:  # drain the replaced channel, then close it
                 asyncio.ensure_future(entry[1].close(grace=DRAIN_S))
             entry = self._channels[id(loop)] = (address, channel,
                                                 stage_pb2_grpc.StageStub(channel))
-        return GrpcStageLink(entry[2])
+        return GrpcStageLink(entry[2], self._credentials.metadata)
 
     async def close(self) -> None:
         for _, channel, _ in self._channels.values():

@@ -11,18 +11,24 @@ import ray
 from skippy.cache.config import CacheConfig
 from skippy.stages.runtime import StageSpec
 
-from .grpc_service import grpc_opener, start_server
+from .grpc_service import grpc_opener, message_limit, start_server
+from .security import StageCredentials
 from .server import StageServer
 
 
 @ray.remote
 class StageActor:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
-                 host: str | None = None, burst_threads: int | None = None):
+                 host: str | None = None, burst_threads: int | None = None, *,
+                 credentials: StageCredentials):
+        """Serves on `host` (default: Ray's address of this node), taking calls that carry
+        `credentials`' token (over TLS when they hold certificates) and making its own."""
         logging.basicConfig(level=logging.INFO)
         self.server = StageServer(spec, cache, policy, runtime, burst_threads=burst_threads)
         host = host or ray.util.get_node_ip_address()
-        self._rpc, self._address = start_server(self.server, host)
+        self._credentials = credentials
+        self._limit = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
+        self._rpc, self._address = start_server(self.server, host, credentials)
         self._next: str | None = None
 
     def address(self) -> str:
@@ -39,7 +45,10 @@ class StageActor:
         if next_address == self._next:
             return
         self._next = next_address
-        self.server.link_next(grpc_opener(next_address) if next_address else None)
+        if next_address is None:
+            self.server.link_next(None)
+            return
+        self.server.link_next(grpc_opener(next_address, self._credentials, self._limit))
 
     def stats(self) -> dict:
         return self.server.stats()

@@ -2,7 +2,9 @@
 
 A `Session` stream is one request's life at this stage (mesh/stage/session.py). Channels
 carry keepalive pings, so a peer that vanished (a node lost) ends its streams instead of
-leaving them hanging; message sizes are capped at the largest frame a prefill sends.
+leaving them hanging; message sizes are capped at the largest message the model's stages
+exchange (`message_limit`). Every call carries the cluster's token and, between nodes,
+runs over mutual TLS (mesh/stage/security.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ from concurrent import futures
 
 import grpc
 
+from skippy.cache.blocks import BLOCK_SIZE
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
+from skippy.topology.model_config import ModelConfig
+from skippy.topology.model_package import open_model
 
+from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
 
@@ -23,17 +29,34 @@ MAX_SESSIONS = 64   # concurrent request streams a stage serves (each holds a th
 IDLE_S = 600.0      # a session silent this long is closed and its lane freed
 _IDLE = object()
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-_SERVER_OPTIONS = CHANNEL_OPTIONS + [
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-]
+HEADROOM = 1 << 20  # a message's fields besides rows and token ids (sampling, logit_bias)
+_VALUE_BYTES = {"f32": 4, "f16": 2, "q8": 1}
+
+
+def message_limit(model_path: str, n_ctx: int, wire_dtype: str) -> int:
+    """The largest message a stage of this model sends or takes, in bytes: a prefill's
+    frame of up to n_ctx rows (f16 and q8 rows carry an f32 scale) with the prompt's and
+    the generated tokens' ids, a reply's logits row, or a cache block; plus headroom."""
+    f = open_model(model_path, verify=False)
+    try:
+        cfg = ModelConfig.from_gguf(f)
+    finally:
+        f.close()
+    n = min(n_ctx, cfg.context_length or n_ctx)
+    row = cfg.hidden * _VALUE_BYTES.get(wire_dtype, 4) + 4
+    prefill = n * row + 2 * n * 5  # a token id is a varint of at most 5 bytes
+    return max(prefill, cfg.vocab * 4, BLOCK_SIZE) + HEADROOM
+
+
+def channel_options(max_message: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -86,9 +109,9 @@ class _Reader:
 class GrpcLink:
     """One request's stream to the next stage: send a call, read its answer."""
 
-    def __init__(self, stub: stage_pb2_grpc.StageStub):
+    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=()):
         self._calls: queue.Queue = queue.Queue()
-        self._replies = stub.Session(iter(self._calls.get, None))
+        self._replies = stub.Session(iter(self._calls.get, None), metadata=metadata)
 
     def ask(self, call: pb.StageCall) -> pb.StageResult:
         self._calls.put(call)
@@ -104,24 +127,32 @@ class GrpcLink:
         self._replies.cancel()
 
 
-def grpc_opener(address: str):
+def grpc_opener(address: str, credentials: StageCredentials, max_message: int):
     """Opens links over one channel to `address`. A channel replaced by a newer one is
     closed by the garbage collector once the last stream on it ends: it drains."""
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    channel = credentials.channel(address, channel_options(max_message))
     stub = stage_pb2_grpc.StageStub(channel)
-    return lambda: GrpcLink(stub)
+    return lambda: GrpcLink(stub, credentials.metadata)
 
 
-def start_server(server: StageServer, host: str) -> tuple[grpc.Server, str]:
+def start_server(server: StageServer, host: str,
+                 credentials: StageCredentials) -> tuple[grpc.Server, str]:
     """Serve `server` on host:<free port>; returns the gRPC server and its address."""
-    return serve(StageServicer(server), host)
+    spec = server.spec
+    return serve(StageServicer(server), host, credentials,
+                 max_message=message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype))
 
 
-def serve(servicer: stage_pb2_grpc.StageServicer, host: str) -> tuple[grpc.Server, str]:
-    """Any Stage servicer on host:<free port> (benchmarks serve a trivial one)."""
+def serve(servicer: stage_pb2_grpc.StageServicer, host: str, credentials: StageCredentials,
+          *, max_message: int) -> tuple[grpc.Server, str]:
+    """Any Stage servicer on host:<free port> (benchmarks serve a trivial one), taking
+    calls that carry the credentials' token only, over TLS when they have certificates."""
+    options = channel_options(max_message) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
     rpc = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_SESSIONS + 4),
-                      options=_SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_SESSIONS)
+                      interceptors=[SecretCheck(credentials.token)], options=options,
+                      maximum_concurrent_rpcs=MAX_SESSIONS)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, rpc)
-    port = rpc.add_insecure_port(f"{host}:0")
+    port = credentials.add_port(rpc, host)
     rpc.start()
     return rpc, f"{host}:{port}"
