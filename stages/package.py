@@ -5,8 +5,9 @@ The splitter streams: each part's header is written from the source's own metada
 bytes are copied through one fixed buffer. Nothing is dequantized and no source file is
 memory-mapped past its header, so the splitter's memory stays about one copy buffer
 whatever the model's size. Each part is hashed as it is written and appears atomically
-(written under a temporary name, then renamed); the manifest is written last, so an
-interrupted split never leaves a package that looks complete.
+(written under a temporary name, synced to disk, then renamed); the manifest is written
+last the same way, so an interrupted split, or a crash after it, never leaves a package
+that looks complete.
 """
 
 from __future__ import annotations
@@ -109,9 +110,7 @@ def split_package(model: str | Path, out_dir: str | Path,
                             family=family.name if family else None, n_layers=n_layers,
                             tied_head="output.weight" not in names,
                             source=tuple(p.name for p in files), parts=tuple(entries))
-        tmp = out / (MANIFEST + ".partial")
-        tmp.write_text(manifest.to_json())
-        os.replace(tmp, out / MANIFEST)
+        _write_durably(out / MANIFEST, manifest.to_json().encode())
         return manifest
     finally:
         for s in sources:
@@ -184,10 +183,31 @@ def _write_part(path: Path, part: _Part, kv: list[bytes], align: int) -> tuple[i
                 _copy(src, t, fh, h, buf)
                 _emit(fh, h, bytes(_pad(t.nbytes, align) - t.nbytes))
             size = fh.tell()
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before the rename publishes it
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return size, h.hexdigest()
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all, surviving a crash: the bytes reach the disk under a
+    temporary name before the rename, and the rename before we return."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # the directory entries: the parts' renames and the manifest's
+    finally:
+        os.close(fd)
 
 
 def _emit(fh, h, data) -> None:

@@ -223,6 +223,57 @@ def test_corrupt_byte_fails_verify_and_load_naming_the_part(smollm2_pkg, tmp_pat
     TorchStageRuntime(StageSpec(str(pkg), 20, 30, 2, 3))  # other stages' parts are fine
 
 
+def _manifest_only(tmp_path: Path, manifest: dict) -> Path:
+    """A package directory holding only this manifest (the name checks need no part)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / MANIFEST).write_text(json.dumps(manifest))
+    return pkg
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("file", "../layer-003.gguf", "holds a path separator"),
+    ("file", "..", "holds '..'"),
+    ("file", "layer..gguf", "holds '..'"),
+    ("file", "/etc/passwd", "is an absolute path"),
+    ("file", "sub/layer-003.gguf", "holds a path separator"),
+    ("file", "sub\\layer-003.gguf", "holds a path separator"),
+    ("file", "", "is empty"),
+    ("file", "layer\0.gguf", "holds a NUL byte"),
+    ("file", ".", "names the directory"),
+    ("name", "../layer-003", "holds a path separator"),
+    ("name", "", "is empty"),
+])
+def test_a_manifest_naming_a_part_outside_the_package_is_refused(smollm2_pkg, tmp_path,
+                                                                 field, value, reason):
+    manifest = json.loads((smollm2_pkg / MANIFEST).read_text())
+    manifest["parts"][5][field] = value
+    pkg = _manifest_only(tmp_path, manifest)
+    message = f"part {field} {value!r} is not allowed: it {reason}"
+    for load in (verify_package, ModelPackage):
+        with pytest.raises(PackageError) as e:
+            load(pkg)
+        assert message in str(e.value)
+    from skippy.topology.model_package import layers_present
+    assert layers_present(pkg, manifest["model_digest"]) == frozenset()
+
+
+def test_a_manifest_listing_one_file_twice_is_refused(smollm2_pkg, tmp_path):
+    manifest = json.loads((smollm2_pkg / MANIFEST).read_text())
+    manifest["parts"][5]["file"] = manifest["parts"][4]["file"]
+    pkg = _manifest_only(tmp_path, manifest)
+    with pytest.raises(PackageError, match="part file 'layer-002.gguf' is listed twice"):
+        verify_package(pkg)
+
+
+def test_a_manifest_part_name_must_be_text(smollm2_pkg, tmp_path):
+    manifest = json.loads((smollm2_pkg / MANIFEST).read_text())
+    manifest["parts"][5]["file"] = ["..", "x"]
+    pkg = _manifest_only(tmp_path, manifest)
+    with pytest.raises(PackageError, match="malformed manifest .*is not a string"):
+        verify_package(pkg)
+
+
 def test_cli_verify_and_serve_fail_on_a_bad_part_in_one_line(smollm2_pkg, tmp_path, capsys):
     pkg = _copy_package(smollm2_pkg, tmp_path / "bad")
     assert cli_main(["package", "verify", str(pkg)]) == 0

@@ -63,9 +63,24 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+            mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as e:
             raise GGUFError(f"{self.path}: cannot open ({e})") from e
+        self._load(mm, len(mm))
+
+    @classmethod
+    def from_header(cls, path: str | Path, head: bytes, size: int) -> GGUFFile:
+        """Metadata and tensor index parsed from the leading bytes of a `size`-byte file that
+        the caller already holds (a package part read once and hashed): nothing is read from
+        `path`, which only names the file in messages, and `raw` has no tensor bytes."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self._load(np.frombuffer(head, dtype=np.uint8), size)
+        return self
+
+    def _load(self, mm: np.ndarray, size: int) -> None:
+        self._mm = mm
+        self._size = size
         self._buf = memoryview(self._mm)
         self.metadata: dict[str, object] = {}
         # Where each key-value entry's bytes lie, [start, end): a package part copies
@@ -109,7 +124,7 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[qtype]
             nbytes = int(np.prod(dims)) // block * type_size
             start = data_start + rel
-            if start + nbytes > len(self._mm):
+            if start + nbytes > self._size:
                 raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
             self.tensors[name] = TensorInfo(name, dims, qtype, start, nbytes)
         self.data_start = data_start
@@ -186,6 +201,8 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes, memory-mapped (no copy)."""
         info = self.tensors[name]
+        if info.offset + info.nbytes > len(self._mm):
+            raise GGUFError(f"{self.path}: only the header is held, not {name}'s bytes")
         return self._mm[info.offset:info.offset + info.nbytes]
 
     def close(self) -> None:

@@ -12,9 +12,12 @@ the model's metadata (so gguf tools can read any part on its own):
 Tensors keep the bytes of the original file, quantization included, so a stage loaded from
 a package holds bitwise the same weights as one loaded from the GGUF. `ModelPackage` reads
 a package through the same interface as `GGUFFile` (metadata, tensor index, `raw`), and
-opens a part only when one of its tensors is read, checking the part's BLAKE3 first: a
-stage never reads, hashes or maps another stage's parts. The model digest is written by
-the splitter into the manifest; nothing hashes the whole model at load.
+opens a part only when one of its tensors is read, checking the part's BLAKE3 on the open
+file it then reads from (package_part.py): a stage never reads, hashes or maps another
+stage's parts. The model digest is written by the splitter into the manifest; nothing
+hashes the whole model at load. A manifest names each part by a plain file name in the
+package directory; one naming anything else (`..`, a separator, an absolute path) is
+refused when it is loaded.
 
 `open_model(path)` is the one place that decides between a GGUF file and a package.
 """
@@ -22,16 +25,17 @@ the splitter into the manifest; nothing hashes the whole model at load.
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import blake3
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from .gguf_file import GGUFFile, TensorInfo
+from .package_part import OpenPart, PackageError, hash_fd, open_part_file
 
 MANIFEST = "manifest.json"
 PACKAGE_FORMAT = "skippy-package"
@@ -39,12 +43,6 @@ PACKAGE_VERSION = 1
 
 # Roles of parts; "layer" parts also carry their layer index.
 SHARED, EMBEDDINGS, OUTPUT, LAYER = "shared", "embeddings", "output", "layer"
-
-_HASH_CHUNK = 8 * 2**20
-
-
-class PackageError(ValueError):
-    """A package is missing, malformed or corrupted; the message names the part."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +88,8 @@ class Manifest:
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
+        """The manifest of the package in `directory`; raises PackageError if it is missing,
+        malformed, of another version, or names a part file outside the directory."""
         path = directory / MANIFEST
         if not path.is_file():
             raise PackageError(f"{directory}: not a package (no {MANIFEST})")
@@ -100,26 +100,16 @@ class Manifest:
             if d.get("version") != PACKAGE_VERSION:
                 raise PackageError(f"{path}: package version {d.get('version')} is not "
                                    f"supported (this skippy reads {PACKAGE_VERSION})")
-            order = 0
-            parts = []
-            for p in d["parts"]:
-                infos = []
-                for t in p["tensors"]:
-                    infos.append(TensorInfo(t["name"], tuple(int(x) for x in t["shape"]),
-                                            GGMLQuantizationType[t["qtype"]], order,
-                                            int(t["nbytes"])))
-                    order += 1
-                layer = p.get("layer")
-                parts.append(PartEntry(str(p["name"]), str(p["file"]), str(p["role"]),
-                                       None if layer is None else int(layer), int(p["size"]),
-                                       str(p["blake3"]), tuple(infos)))
-            return cls(str(d["model_digest"]), str(d["architecture"]), d.get("family"),
-                       int(d["n_layers"]), bool(d["tied_head"]),
-                       tuple(d.get("source", ())), tuple(parts))
+            parts = _parts_from_json(d["parts"])
+            manifest = cls(str(d["model_digest"]), str(d["architecture"]), d.get("family"),
+                           int(d["n_layers"]), bool(d["tied_head"]),
+                           tuple(d.get("source", ())), parts)
         except PackageError:
             raise
         except (ValueError, KeyError, TypeError) as e:
             raise PackageError(f"{path}: malformed manifest ({e!r})") from None
+        _check_part_names(path, manifest.parts)
+        return manifest
 
     def part(self, name: str) -> PartEntry:
         for p in self.parts:
@@ -128,32 +118,74 @@ class Manifest:
         raise PackageError(f"package has no part {name!r}")
 
 
+def _parts_from_json(entries: list[dict]) -> tuple[PartEntry, ...]:
+    order = 0  # TensorInfo.offset: the tensor's place in package order
+    parts = []
+    for p in entries:
+        infos = []
+        for t in p["tensors"]:
+            infos.append(TensorInfo(t["name"], tuple(int(x) for x in t["shape"]),
+                                    GGMLQuantizationType[t["qtype"]], order, int(t["nbytes"])))
+            order += 1
+        layer = p.get("layer")
+        parts.append(PartEntry(_text(p, "name"), _text(p, "file"), str(p["role"]),
+                               None if layer is None else int(layer), int(p["size"]),
+                               str(p["blake3"]), tuple(infos)))
+    return tuple(parts)
+
+
+def _text(entry: dict, key: str) -> str:
+    value = entry[key]
+    if not isinstance(value, str):
+        raise TypeError(f"part {key} {value!r} is not a string")
+    return value
+
+
+def unsafe_name_reason(name: str) -> str | None:
+    """Why `name` cannot be a part's name or file (a bare file name inside the package
+    directory), or None if it can."""
+    if not name:
+        return "it is empty"
+    if "\0" in name:
+        return "it holds a NUL byte"
+    if os.path.isabs(name):
+        return "it is an absolute path"
+    if "/" in name or "\\" in name:
+        return "it holds a path separator (a part is a file in the package directory)"
+    if ".." in name:
+        return "it holds '..'"
+    if name == ".":
+        return "it names the directory"
+    return None
+
+
+def _check_part_names(path: Path, parts: tuple[PartEntry, ...]) -> None:
+    # A manifest may come from elsewhere (copied with its parts): a part file must be a
+    # plain name in the package directory, never a path that reaches out of it.
+    files: set[str] = set()
+    for p in parts:
+        for field, value in (("name", p.name), ("file", p.file)):
+            reason = unsafe_name_reason(value)
+            if reason is not None:
+                raise PackageError(f"{path}: part {field} {value!r} is not allowed: {reason}")
+        if p.file in files:
+            raise PackageError(f"{path}: part file {p.file!r} is listed twice")
+        files.add(p.file)
+
+
 def is_package(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def file_blake3(path: Path, progress: Callable[[int], None] | None = None) -> str:
-    """BLAKE3 of a file, read in chunks (no mapping: the pages never count as ours)."""
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            h.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return h.hexdigest()
-
-
 def check_part(directory: Path, part: PartEntry) -> None:
     """Raise PackageError naming the part unless its file exists with the manifest's size
-    and BLAKE3."""
-    path = directory / part.file
-    if not path.is_file():
-        raise PackageError(f"{directory}: part {part.file} is missing")
-    size = path.stat().st_size
-    if size != part.size:
-        raise PackageError(f"{directory}: part {part.file} has {size} bytes, the manifest "
-                           f"says {part.size} (truncated or replaced)")
-    if file_blake3(path) != part.blake3:
+    and BLAKE3 (size and bytes both read through one open descriptor)."""
+    fd = open_part_file(directory, part.file, part.size)
+    try:
+        digest = hash_fd(fd, part.size, f"{directory}: part {part.file}")
+    finally:
+        os.close(fd)
+    if digest != part.blake3:
         raise PackageError(f"{directory}: part {part.file} is corrupted (BLAKE3 mismatch)")
 
 
@@ -190,24 +222,23 @@ def layers_present(directory: str | Path, model_digest: str) -> frozenset[int]:
 
 class ModelPackage:
     """A package read like a `GGUFFile`: metadata and the tensor index of the whole model,
-    tensor bytes only from the parts actually read (each hash-checked when first opened)."""
+    tensor bytes only from the parts actually read. Each part is opened once, when first
+    needed, and hash-checked on that open file; reads come only from it (package_part.py)."""
 
     def __init__(self, directory: str | Path, *, verify: bool = True):
         self.path = Path(directory)
         self.manifest = Manifest.load(self.path)
         self.model_digest = self.manifest.model_digest
         self._verify = verify
-        self._checked: set[str] = set()
+        self._open: dict[str, OpenPart] = {}
         self._part_of: dict[str, PartEntry] = {}
         self.tensors: dict[str, TensorInfo] = {}
         for part in self.manifest.parts:
             for info in part.tensors:
                 self.tensors[info.name] = info
                 self._part_of[info.name] = part
-        self._offsets: dict[str, dict[str, int]] = {}  # part name -> tensor -> file offset
         self._last: tuple[str, weakref.ref] | None = None
-        shared = self.manifest.part(SHARED)
-        self._shared = GGUFFile(self._checked_path(shared))
+        self._shared = self._part(self.manifest.part(SHARED)).header
         self.metadata = self._shared.metadata
 
     # -- GGUFFile's interface ----------------------------------------------------------------
@@ -223,22 +254,7 @@ class ModelPackage:
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes, read from its part (a copy: no mapping outlives the read)."""
-        part = self._part_of[name]
-        offsets = self._offsets.get(part.name)
-        if offsets is None:
-            path = self._checked_path(part)
-            f = GGUFFile(path)
-            try:
-                offsets = {n: t.offset for n, t in f.tensors.items()}
-                for t in part.tensors:
-                    got = f.tensors.get(t.name)
-                    if got is None or (got.shape, got.qtype, got.nbytes) != \
-                            (t.shape, t.qtype, t.nbytes):
-                        raise PackageError(f"{self.path}: part {part.file} does not hold "
-                                           f"{t.name} as the manifest says")
-            finally:
-                f.close()
-            self._offsets[part.name] = offsets
+        part = self._part(self._part_of[name])
         # The loader may read a tensor twice in a row (its values, then its 4-bit blocks)
         # while it holds the first read: hand back that same array rather than a second
         # copy of a possibly huge tensor; held weakly, so nothing outlives that use.
@@ -246,15 +262,15 @@ class ModelPackage:
             data = self._last[1]()
             if data is not None:
                 return data
-        info = self.tensors[name]
-        data = np.fromfile(self.path / part.file, dtype=np.uint8, count=info.nbytes,
-                           offset=offsets[name])
+        data = part.raw(name)
         self._last = (name, weakref.ref(data))
         return data
 
     def close(self) -> None:
         self._last = None
-        self._shared.close()
+        for part in self._open.values():
+            part.close()
+        self._open.clear()
 
     # -- package ---------------------------------------------------------------------------
     def parts_for(self, names: Iterable[str]) -> list[PartEntry]:
@@ -262,11 +278,20 @@ class ModelPackage:
         wanted = {self._part_of[n].name for n in names}
         return [p for p in self.manifest.parts if p.name in wanted]
 
-    def _checked_path(self, part: PartEntry) -> Path:
-        if self._verify and part.name not in self._checked:
-            check_part(self.path, part)
-            self._checked.add(part.name)
-        return self.path / part.file
+    def _part(self, entry: PartEntry) -> OpenPart:
+        part = self._open.get(entry.name)
+        if part is None:
+            part = OpenPart(self.path, entry.file, entry.size,
+                            entry.blake3 if self._verify else None)
+            for t in entry.tensors:
+                got = part.header.tensors.get(t.name)
+                if got is None or (got.shape, got.qtype, got.nbytes) != \
+                        (t.shape, t.qtype, t.nbytes):
+                    part.close()
+                    raise PackageError(f"{self.path}: part {entry.file} does not hold "
+                                       f"{t.name} as the manifest says")
+            self._open[entry.name] = part
+        return part
 
 
 def open_model(path: str | Path, *, verify: bool = True) -> GGUFFile | ModelPackage:
