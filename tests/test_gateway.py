@@ -439,6 +439,10 @@ def test_unknown_routes_and_methods_are_enveloped(client):
     ("completions", '"logprobs": NaN', "logprobs", "NaN"),
     ("chat/completions", '"temperature": -Infinity', "temperature", "-Infinity"),
     ("chat/completions", '"logprobs": true, "top_logprobs": NaN', "top_logprobs", "NaN"),
+    ("chat/completions", '"top_p": NaN', "top_p", "NaN"),
+    ("chat/completions", '"presence_penalty": Infinity', "presence_penalty", "Infinity"),
+    ("chat/completions", '"frequency_penalty": NaN', "frequency_penalty", "NaN"),
+    ("chat/completions", '"logit_bias": {"7": -Infinity}', "logit_bias", "-Infinity"),
 ])
 def test_non_finite_numbers_are_a_400_naming_the_field(client, path, fields, param, shown):
     what = '"messages": [{"role": "user", "content": "hi"}]' if path.startswith("chat") \
@@ -449,7 +453,46 @@ def test_non_finite_numbers_are_a_400_naming_the_field(client, path, fields, par
 
 
 def test_deep_nesting_is_a_400(client):
-    envelope(client.post("/v1/completions", content=b"[" * 100_000, headers=JSON), 400)
+    for path in ("completions", "chat/completions"):
+        for raw in (b"[" * 100_000, b'{"model": "smollm2", "prompt": ' + b"[" * 100_000):
+            envelope(client.post(f"/v1/{path}", content=raw, headers=JSON), 400)
+
+
+# JSON's escapes spell lone surrogates that no UTF-8 encoder takes: raw bodies again.
+@pytest.mark.parametrize("path,fields,param", [
+    ("completions", '"prompt": "a\\ud800b"', "prompt"),
+    ("completions", '"prompt": ["ok", "\\udfff"]', "prompt"),
+    ("completions", '"prompt": "hi", "stop": ["\\ud800"]', "stop"),
+    ("completions", '"prompt": "hi", "stop": "x\\udc00"', "stop"),
+    ("completions", '"prompt": "hi", "cache_salt": "\\ud800"', "cache_salt"),
+    ("completions", '"prompt": "hi", "logit_bias": {"\\ud800": 1}', "logit_bias"),
+    ("completions", '"prompt": "hi", "user": "\\ud800"', "user"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "a\\udc00"}]', "messages"),
+    ("chat/completions", '"messages": [{"role": "us\\ud800er", "content": "a"}]', "messages"),
+    ("chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", '
+                         '"text": "\\ud83d"}]}]', "messages"),
+    ("chat/completions", '"messages": [{"role": "user", "content": "hi"}], '
+                         '"stop": ["\\udbff"]', "stop"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(client, path, fields, param):
+    raw = f'{{"model": "smollm2", {fields}, "max_tokens": 1}}'.encode()
+    err = envelope(client.post(f"/v1/{path}", content=raw, headers=JSON), 400)
+    assert err["param"] == param and "not valid Unicode" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_a_lone_surrogate_in_the_model_or_a_field_name_is_a_400(client, path):
+    what = '"messages": [{"role": "user", "content": "hi"}]' if path.startswith("chat") \
+        else '"prompt": "hi"'
+    for raw, param in ((f'{{"model": "smoll\\ud800", {what}}}', "model"),
+                       (f'{{"model": "smollm2", {what}, "\\ud800": 1}}', None)):
+        err = envelope(client.post(f"/v1/{path}", content=raw.encode(), headers=JSON), 400)
+        assert err["param"] == param and "not valid Unicode" in err["message"]
+    # a surrogate pair is one valid character
+    ok = client.post(f"/v1/{path}", headers=JSON, content=(
+        f'{{"model": "smollm2", {what}, "max_tokens": 1, "stop": ["\\ud83d\\ude00"]}}'
+    ).encode())
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_temperature_that_overflows_the_logits_gives_the_greedy_text(client):
@@ -679,6 +722,52 @@ def test_client_disconnect_closes_the_engine_iteration(scripted):
     assert engine.yielded < 20
 
 
+@pytest.fixture(scope="module")
+def hurried(smollm2):
+    """Every request must end within 1 s."""
+    engine = ScriptedEngine(smollm2)
+    limits = GatewayLimits(request_timeout_s=1.0)
+    with BackgroundServer(create_app(engine, api_keys=(), limits=limits)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            yield engine, c
+
+
+def test_a_request_past_its_deadline_is_a_504_and_stops(hurried):
+    engine, c = hurried
+    engine.mode, engine.yielded = "slow", 0  # 0.2 s a token: 50 tokens would take 10 s
+    try:
+        start = time.monotonic()
+        r = ask(c, max_tokens=50)
+        took = time.monotonic() - start
+        assert engine.closed.wait(1)
+    finally:
+        engine.mode = "ok"
+    err = envelope(r, 504)
+    assert err["code"] == "timeout" and err["type"] == "server_error" and "1 s" in err["message"]
+    assert 0.9 < took < 2 and engine.yielded < 10
+
+
+def test_a_stream_past_its_deadline_ends_with_an_error_event(hurried):
+    engine, c = hurried
+    engine.mode, engine.yielded = "slow", 0
+    try:
+        start = time.monotonic()
+        r = ask(c, max_tokens=50, stream=True)
+        took = time.monotonic() - start
+        assert engine.closed.wait(1)
+    finally:
+        engine.mode = "ok"
+    events = sse_events(r.text)
+    assert r.status_code == 200 and events[0]["choices"][0]["text"] == "\n"
+    assert events[-1]["error"]["code"] == "timeout"
+    assert 0.9 < took < 2 and engine.yielded < 10
+
+
+def test_a_request_within_its_deadline_is_untouched(hurried):
+    _, c = hurried
+    assert ask(c, max_tokens=5).json()["choices"][0]["text"] == "\n" * 5
+
+
 def test_stage_figures_beyond_caches_reach_metrics(scripted):
     _, c = scripted
     assert 'skippy_stage_latency_ms_decode{stage="0"} 1.5' in c.get("/metrics").text
@@ -800,7 +889,8 @@ def test_an_engine_that_cannot_serve_is_not_ready_and_health_says_degraded(
 
 def test_gateway_limits_refuse_nonsense():
     for bad_limit in ({"max_concurrent_requests": 0}, {"max_request_tokens": -1},
-                      {"queue_timeout_s": float("nan")}, {"max_body_bytes": 0}):
+                      {"queue_timeout_s": float("nan")}, {"max_body_bytes": 0},
+                      {"request_timeout_s": 0}, {"request_timeout_s": float("inf")}):
         with pytest.raises(ValueError):
             GatewayLimits(**bad_limit)
 
