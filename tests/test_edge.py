@@ -88,8 +88,8 @@ def test_an_unreadable_key_file_is_an_error(tmp_path):
 
 def test_a_key_a_header_cannot_carry_is_an_error(tmp_path):
     path = tmp_path / "keys.txt"
-    path.write_text("good\nsp ace\n")
-    with pytest.raises(KeyFileError, match="key 2"):
+    path.write_text("good\n\nsp ace\n")
+    with pytest.raises(KeyFileError, match="line 3"):
         load_api_keys(path)
     with pytest.raises(KeyFileError):
         load_api_keys(["clé"])

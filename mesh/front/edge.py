@@ -50,7 +50,7 @@ def load_api_keys(api_keys: Iterable[str] | str | Path | None) -> frozenset[str]
     that cannot be read or holds no key, or a key that is not printable ASCII."""
     if api_keys is None:
         where = "$SKIPPY_API_KEYS"
-        keys = _keys(os.environ.get("SKIPPY_API_KEYS", "").split(","), where)
+        keys = _keys(os.environ.get("SKIPPY_API_KEYS", "").split(","), f"{where}, item")
     elif isinstance(api_keys, (str, Path)):
         where = f"the API key file {api_keys}"
         try:
@@ -58,20 +58,21 @@ def load_api_keys(api_keys: Iterable[str] | str | Path | None) -> frozenset[str]
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise KeyFileError(f"cannot read {where}: {reason}") from None
-        keys = _keys(text.splitlines(), where)
+        keys = _keys(text.splitlines(), f"{where}, line")
         if not keys:  # an empty file is a mistake, never "no authentication"
             raise KeyFileError(f"{where} holds no key (one key a line)")
     else:
-        keys = _keys(api_keys, "the API keys given")
+        keys = _keys(api_keys, "the API keys given, key")
     return keys
 
 
 def _keys(lines: Iterable[str], where: str) -> frozenset[str]:
+    """The non-blank keys; `where` names the place of the i-th one in an error."""
     keys = [k.strip() for k in lines]
     for i, k in enumerate(keys):
         # a header carries printable ASCII; anything else could never match
         if k and not all(0x21 <= ord(c) <= 0x7E for c in k):
-            raise KeyFileError(f"{where}: key {i + 1} is not printable ASCII without spaces")
+            raise KeyFileError(f"{where} {i + 1}: a key is printable ASCII without spaces")
     return frozenset(k for k in keys if k)
 
 
@@ -81,11 +82,12 @@ class ApiKeys:
     or a log tells nothing about the key."""
 
     def __init__(self, keys: frozenset[str]):
-        self._keys = tuple((k.encode(), k) for k in sorted(keys))
-        self._secret = secrets.token_bytes(32)
+        secret = secrets.token_bytes(32)
+        self._tags = {k.encode(): hmac.new(secret, k.encode(), hashlib.sha256).hexdigest()[:16]
+                      for k in keys}
 
     def __bool__(self) -> bool:
-        return bool(self._keys)
+        return bool(self._tags)
 
     def tenant(self, authorization: str | None) -> str | None:
         """The tenant tag of a valid `Authorization: Bearer <key>`, or None."""
@@ -95,10 +97,8 @@ class ApiKeys:
             return None
         sent = token.encode("latin-1")
         # compare against every key in constant time: no early exit that leaks which matched
-        matched = [k for raw, k in self._keys if hmac.compare_digest(sent, raw)]
-        if not matched:
-            return None
-        return hmac.new(self._secret, matched[0].encode(), hashlib.sha256).hexdigest()[:16]
+        matched = [tag for key, tag in self._tags.items() if hmac.compare_digest(sent, key)]
+        return matched[0] if matched else None
 
 
 def cache_namespace(tenant: str, cache_salt: str) -> str:

@@ -356,11 +356,12 @@ class _Gateway:
         yield sse("[DONE]")
 
     async def _by(self, deadline: float, awaitable):
-        """`awaitable`'s result, or the deadline's error once it passes. (A timeout
-        around the stream's yields would cancel whatever the stream's consumer does.)"""
-        left = deadline - asyncio.get_running_loop().time()
+        """`awaitable`'s result, or the deadline's error once it passes. Only around one
+        await: a timeout spanning the stream's yields would cancel whatever the stream's
+        consumer (Starlette) is doing when it fires."""
         try:
-            return await asyncio.wait_for(awaitable, max(left, 0))
+            async with asyncio.timeout_at(deadline):
+                return await awaitable
         except TimeoutError:
             raise self._timed_out() from None
 
@@ -377,9 +378,10 @@ class _Gateway:
         async with self._ready_lock:
             if time.monotonic() - self._ready_at > READY_PROBE_INTERVAL_S:
                 probe = GenerationRequest(self._probe_ids, 1, probe=True)
-                try:
-                    async for _ in self.engine.generate(probe):
-                        pass
+                try:  # a probe is a request too: it ends by the deadline
+                    async with asyncio.timeout(self.limits.request_timeout_s):
+                        async for _ in self.engine.generate(probe):
+                            pass
                 except Exception as e:  # noqa: BLE001
                     self._ready_at = 0.0
                     log.warning("readiness probe failed: %s", _one_line(e))
