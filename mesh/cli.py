@@ -187,10 +187,9 @@ def cmd_serve(args) -> int:
     args.weight_format = _weight_format(args.weight_format)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, not {args.port}")
-    if args.api_keys_file and not Path(args.api_keys_file).is_file():
-        raise UsageError(f"no API key file at {args.api_keys_file}")
     from .stage.security import load_secret
     secret = load_secret(args.cluster_secret_file)  # an empty or unreadable file: one line
+    gateway = _gateway_options(args, secret)  # refused binds and bad key files: before Ray
     path = resolve_model(args.package or args.model)
     if is_package(path):
         if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
@@ -198,10 +197,6 @@ def cmd_serve(args) -> int:
                              "use --runtime torch, or the GGUF the package was split from")
         verify_package(path)  # a bad part fails here, named, before any stage starts
     cache = cache_config(args)
-    from .front.limits import GatewayLimits
-    limits = GatewayLimits(max_concurrent_requests=args.max_concurrent_requests,
-                           max_request_tokens=args.max_request_tokens,
-                           queue_timeout_s=args.queue_timeout)  # a bad value fails here
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .front.gateway import serve
     from .control.ray_engine import RayEngine
@@ -214,9 +209,22 @@ def cmd_serve(args) -> int:
                        n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
          f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
-    keys = args.api_keys_file or None
-    serve(engine, args.host, args.port, api_keys=keys, limits=limits)
+    serve(engine, args.host, args.port, **gateway)
     return 0
+
+
+def _gateway_options(args, secret: str) -> dict:
+    """serve()'s options from the flags; a bad value, an unreadable or empty key file, or a
+    bind beyond loopback without keys (unless --insecure) fails here, in one line."""
+    from .front.edge import keys_for_bind
+    from .front.limits import GatewayLimits
+    limits = GatewayLimits(max_concurrent_requests=args.max_concurrent_requests,
+                           max_request_tokens=args.max_request_tokens,
+                           queue_timeout_s=args.queue_timeout,
+                           request_timeout_s=args.request_timeout)
+    keys = keys_for_bind(args.host, args.api_keys_file or None, args.insecure)
+    return dict(api_keys=keys, insecure=args.insecure, limits=limits,
+                control_text=args.allow_control_tokens, tenant_secret=secret)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,7 +373,17 @@ def _serve_limits(srv) -> None:
     from .cache_flags import add_cache_arguments
     from .front import limits
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
-                     "line (also: $SKIPPY_API_KEYS, comma-separated)")
+                     "line (also: $SKIPPY_API_KEYS, comma-separated); each key's cached "
+                     "state is its own")
+    srv.add_argument("--insecure", action="store_true",
+                     help="serve beyond loopback without API keys (refused otherwise)")
+    srv.add_argument("--allow-control-tokens", action="store_true",
+                     help="message text that spells a control token (<|im_start|>...) is "
+                          "that token: for trusted clients only (default: it is text)")
+    srv.add_argument("--request-timeout", type=float, metavar="S",
+                     default=limits.DEFAULT_REQUEST_TIMEOUT_S,
+                     help="a request's deadline from arrival, then a 504 (or an error "
+                          "event in a stream) (default: %(default)s)")
     srv.add_argument("--max-concurrent-requests", type=int, metavar="N",
                      default=limits.DEFAULT_MAX_CONCURRENT_REQUESTS,
                      help="requests the gateway runs at once; as many more wait up to "

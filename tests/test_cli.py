@@ -67,6 +67,11 @@ def test_seeded_sampling_repeats(smollm2):
     (("serve", "--port", "70000"), "port"),
     (("serve", "--model", "no-such-model"), "no such model file"),
     (("serve", "--cache-bytes", "lots"), "cache"),
+    (("serve", "--host", "0.0.0.0"), "without API keys"),
+    (("serve", "--host", "10.1.2.3", "--api-keys-file", "/dev/null"), "holds no key"),
+    (("serve", "--api-keys-file", "/no/such/keys"), "cannot read the API key file"),
+    (("serve", "--cluster-secret-file", "/dev/null"), "is empty"),
+    (("serve", "--request-timeout", "0"), "request timeout"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message):
     r = skippy(*args)

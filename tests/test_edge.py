@@ -104,6 +104,10 @@ def test_tenant_tags_are_per_key_and_never_the_key():
         assert keys.tenant(header) is None
     # another app (another process) tags the same key differently
     assert ApiKeys(frozenset({"alpha"})).tenant("Bearer alpha") != a
+    # unless both are given the same secret (serve gives the cluster's): a restarted
+    # gateway finds a key's cached state again
+    same = [ApiKeys(frozenset({"alpha"}), "cluster").tenant("Bearer alpha") for _ in "ab"]
+    assert same[0] == same[1] != ApiKeys(frozenset({"alpha"}), "other").tenant("Bearer alpha")
 
 
 def test_api_keys_guard_the_api_but_not_the_probes(keyed):

@@ -78,11 +78,13 @@ def _keys(lines: Iterable[str], where: str) -> frozenset[str]:
 
 class ApiKeys:
     """The accepted keys, and each one's tenant tag: a keyed hash of the key (never the
-    key itself), under a secret of this process, so a namespace seen in a stage's memory
-    or a log tells nothing about the key."""
+    key itself), so a namespace seen in a stage's memory or a log tells nothing about the
+    key. `secret` keys the hash: serve passes the cluster's, so a restarted gateway (or a
+    second one over the same stages) finds a key's cached state again; by default a
+    secret of this process."""
 
-    def __init__(self, keys: frozenset[str]):
-        secret = secrets.token_bytes(32)
+    def __init__(self, keys: frozenset[str], secret: str | None = None):
+        secret = secret.encode() if secret else secrets.token_bytes(32)
         self._tags = {k.encode(): hmac.new(secret, k.encode(), hashlib.sha256).hexdigest()[:16]
                       for k in keys}
 

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .chat import ChatTemplate, ChatTemplateMissing, load_chat_template
+from .chat import ChatTemplate, ChatTemplateMissing, encode_chat, load_chat_template
 from ..control.admission import Admission
 from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
@@ -79,8 +79,10 @@ _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health"
 class _Gateway:
     """What the routes share: the engine, its tokenizer and template, memo, metrics."""
 
-    def __init__(self, engine: Engine, limits: GatewayLimits, memo: ResultMemo):
+    def __init__(self, engine: Engine, limits: GatewayLimits, memo: ResultMemo,
+                 control_text: bool = False):
         self.engine, self.limits, self.memo = engine, limits, memo
+        self.control_text = control_text
         n = limits.max_concurrent_requests
         self.slots = Admission(n, queue=n, wait_s=limits.queue_timeout_s)
         self.tokenizer = Tokenizer(engine.info.path)
@@ -136,11 +138,11 @@ class _Gateway:
                 raise bad(f"{self.template_missing}, so chat messages cannot be turned "
                           f"into a prompt; use /v1/completions", "messages",
                           "chat_template_missing")
-            try:
-                text = self.template.render(list(parsed.messages))
+            try:  # what users typed stays text unless the server trusts its clients
+                return encode_chat(self.template, self.tokenizer, list(parsed.messages),
+                                   control_text=self.control_text)
             except ValueError as e:  # bad messages, or the template refused them
                 raise bad(" ".join(str(e).split()), "messages") from None
-            return self.tokenizer.encode(text)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size
@@ -477,7 +479,8 @@ def _one_line(e: BaseException) -> str:
 
 def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
                limits: GatewayLimits | None = None, memo: ResultMemo | None = None,
-               close_engine: bool = False, bind_host: str = "127.0.0.1") -> FastAPI:
+               close_engine: bool = False, bind_host: str = "127.0.0.1",
+               control_text: bool = False, tenant_secret: str | None = None) -> FastAPI:
     """The gateway app for `engine`.
 
     api_keys: see `load_api_keys` (None reads $SKIPPY_API_KEYS). limits: what it admits
@@ -485,7 +488,9 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     default). close_engine: close the engine when the app shuts down (`serve` does; tests
     that share an engine do not). bind_host: where the server listens; on loopback the
     app answers only requests addressed to loopback (the Host header), against DNS
-    rebinding."""
+    rebinding. control_text: message text that spells a control token is that token
+    (trusted clients only; by default it is text). tenant_secret: keys each API key's
+    cache namespace (see `ApiKeys`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -493,13 +498,13 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
         if close_engine:
             await engine.close()
 
-    gw = _Gateway(engine, limits or GatewayLimits(), memo or ResultMemo())
+    gw = _Gateway(engine, limits or GatewayLimits(), memo or ResultMemo(), control_text)
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gateway = gw
     _error_handlers(app)
     _routes(app, gw)
-    app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys)),
+    app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys), tenant_secret),
                        loopback=is_loopback(bind_host), count=gw.count)
     return app
 
