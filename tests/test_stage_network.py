@@ -1,0 +1,189 @@
+"""The stage network as `skippy serve` builds it: a bad secret file is one line; mutual TLS
+between Ray stages answers bitwise as plain TCP does and refuses plain TCP; and on a host
+with an address besides loopback, `skippy serve` with defaults binds nothing but loopback —
+its stages and its embedded Ray alike.
+
+What embedded Ray binds, measured with `ss -ltnp` in a namespace whose default route
+goes out through 10.77.0.1 (so Ray's own guess of the node address is 10.77.0.1):
+  plain `ray.init` (and `_node_ip_address="127.0.0.1"`, which Ray turns back into the
+  primary address): gcs_server, raylet (node manager, object manager), the driver's and
+  every worker's core-worker server on `*` (all addresses), the autoscaler monitor's
+  metrics on 0.0.0.0:44217, the runtime-env agent on 10.77.0.1;
+  with Ray's cluster switch off while it starts (ray_engine.start_ray): every one of them
+  on 127.0.0.1, nothing else listening (no dashboard, no metrics or dashboard agent port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from skippy.mesh.stage import security
+from skippy.proto import stage_pb2 as pb
+from skippy.proto import stage_pb2_grpc
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPT = [1] + [(i * 29) % 30000 + 50 for i in range(90)]
+PRIVATE = "10.77.0.1"
+
+
+def skippy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "skippy.mesh.cli", *args],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("content, message", [(None, "cannot read"), ("\n", "is empty")])
+def test_a_bad_cluster_secret_file_is_one_line_and_exit_code_2(tmp_path, content, message):
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_text(content)
+    r = skippy("serve", "--model", "smollm2", "--cluster-secret-file", str(path))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr and str(path) in r.stderr
+
+
+# -- Ray stages, TLS on and off ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_up():
+    import ray
+
+    from skippy.mesh.control.ray_engine import start_ray
+    owned = start_ray()
+    yield
+    if owned:
+        ray.shutdown()
+
+
+SECRET = security.new_secret()
+
+
+def engine(smollm2, tls: str):
+    from skippy.cache.config import CacheConfig
+    from skippy.mesh.control.ray_engine import RayEngine
+    return RayEngine(smollm2, 2, model_name="smollm2", cache=CacheConfig(), n_ctx=1024,
+                     weight_format="int4", secret=SECRET, stage_tls=tls)
+
+
+def answer(eng) -> list:
+    from skippy.mesh.control.engine import GenerationRequest
+    request = GenerationRequest(tuple(PROMPT), 8, logits=True)
+
+    async def run():
+        return [(s.token, s.logits.tolist()) async for s in eng.generate(request)]
+    return asyncio.run(run())
+
+
+def settled_stats(eng) -> list[dict]:
+    deadline = time.monotonic() + 10
+    while any(s["sessions"] for s in eng.stats()["stages"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return eng.stats()["stages"]
+
+
+def call_code(channel: grpc.Channel, metadata=()) -> grpc.StatusCode:
+    stub = stage_pb2_grpc.StageStub(channel)
+    call = pb.StageCall(plan=pb.Plan(tokens=PROMPT, limit=len(PROMPT) - 1))
+    with pytest.raises(grpc.RpcError) as e:
+        next(stub.Session(iter([call]), metadata=metadata, timeout=60))
+    return e.value.code()
+
+
+@pytest.mark.slow
+def test_tls_between_ray_stages_answers_bitwise_as_plain_tcp(ray_up, smollm2):
+    plain = engine(smollm2, "off")
+    try:
+        assert not plain.stage_tls
+        want = answer(plain)
+        before = settled_stats(plain)
+        for address in plain.pipelines[0].addresses:   # one node: loopback, no TLS
+            assert address.startswith("127.0.0.1:")
+            with grpc.insecure_channel(address) as channel:
+                assert call_code(channel) == grpc.StatusCode.UNAUTHENTICATED
+        assert settled_stats(plain) == before
+    finally:
+        asyncio.run(plain.close())
+    tls = engine(smollm2, "on")
+    try:
+        assert tls.stage_tls
+        assert answer(tls) == want
+        before = settled_stats(tls)
+        token = security.StageCredentials.plain(SECRET).metadata  # the right one, even
+        for address in tls.pipelines[0].addresses:
+            with grpc.insecure_channel(address) as channel:     # plain TCP to a TLS port
+                assert call_code(channel, token) == grpc.StatusCode.UNAVAILABLE
+        assert settled_stats(tls) == before
+    finally:
+        asyncio.run(tls.close())
+
+
+# -- what `skippy serve` binds ----------------------------------------------------------------
+# Inside a fresh network namespace: loopback and a private address that carries the
+# default route, `skippy serve` with defaults, /ready, then every listening socket.
+_SERVE_IN_NAMESPACE = r"""
+set -u
+ip link set lo up
+ip link add d0 type dummy 2>/dev/null || ip link add d0 type bridge  # no dummy module here
+ip addr add {private}/24 dev d0 && ip link set d0 up
+ip route add default via 10.77.0.2 dev d0 onlink
+setsid "$PY" -m skippy.mesh.cli serve --model smollm2 --stages 2 --port 8000 \
+    > "$LOG" 2>&1 &
+serve=$!
+"$PY" - <<'EOF'
+import time, urllib.request
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8000/ready", timeout=5)
+        break
+    except Exception:
+        time.sleep(2)
+EOF
+ss -ltnp > "$SS"
+ip -br addr > "$ADDR"
+kill -INT "$serve"
+for _ in $(seq 60); do kill -0 "$serve" 2>/dev/null || break; sleep 1; done
+kill -KILL -- -"$serve" 2>/dev/null  # whatever of its process group is left
+wait
+exit 0
+"""
+
+
+def _namespaces_allowed() -> bool:
+    if not (shutil.which("unshare") and shutil.which("ip") and shutil.which("ss")):
+        return False
+    return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+def listening(ss_output: str) -> list[str]:
+    """Every listening socket's local address (`host:port`) in `ss -ltn` output."""
+    return [line.split()[3] for line in ss_output.splitlines()[1:] if line.strip()]
+
+
+@pytest.mark.slow
+def test_serve_with_defaults_binds_only_loopback(smollm2, tmp_path):
+    if not _namespaces_allowed():
+        pytest.skip("no network namespaces here (`unshare -n` is not permitted)")
+    files = {k: tmp_path / k for k in ("LOG", "SS", "ADDR")}
+    script = _SERVE_IN_NAMESPACE.format(private=PRIVATE)
+    subprocess.run(["unshare", "-n", "bash", "-c", script], timeout=840, check=True,
+                   env={**os.environ, "PY": sys.executable,
+                        **{k: str(v) for k, v in files.items()}})
+    log, ss = files["LOG"].read_text(), files["SS"].read_text()
+    assert PRIVATE in files["ADDR"].read_text()
+    addresses = listening(ss)
+    assert "127.0.0.1:8000" in addresses, f"never ready:\n{log}\n{ss}"
+    assert len(addresses) >= 6, ss             # the gateway, 2 stages, Ray's own servers
+    hosts = [a.rsplit(":", 1)[0] for a in addresses]
+    wrong = [a for a, h in zip(addresses, hosts)
+             if PRIVATE in h or h in ("0.0.0.0", "[::]", "*")]
+    assert not wrong, ss
+    assert all(h in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]") for h in hosts), ss
