@@ -8,7 +8,14 @@ these checks do not reach, so no cloud client is needed.
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,3 +72,127 @@ def test_aws_uses_cpu_instances():
     config = prepare_config(load("cluster-aws.yaml"))
     types = {t["node_config"]["InstanceType"] for t in config["available_node_types"].values()}
     assert all(re.fullmatch(r"(m|c|r)\d+[a-z]*\.\w+", t) for t in types), types
+
+
+# -- Ray's token authentication ------------------------------------------------------------------
+TOKEN_DIR = "~/skippy-ray-auth"
+TOKEN_ENV = "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/skippy-ray-auth/token"
+
+
+def secret_commands(config: dict) -> list[str]:
+    return [c for c in config["head_setup_commands"] if "import secrets" in c]
+
+
+@pytest.mark.parametrize("name", YAMLS)
+def test_every_ray_command_runs_with_token_auth(name):
+    text = (DEPLOY / name).read_text()
+    assert "RAY_AUTH_MODE=disabled" not in text
+    config = prepare_config(load(name))
+    for role in ("head", "worker"):
+        for command in config[f"{role}_start_ray_commands"]:
+            assert TOKEN_ENV in command, command
+            assert command.index(TOKEN_ENV) < command.index("bin/ray "), command
+    # interactive shells (ray exec: skippy serve --address auto) present the token too
+    shells = " ".join(c for c in config["setup_commands"] if ".bashrc" in c)
+    assert 'RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$HOME/skippy-ray-auth/token"' in shells
+
+
+@pytest.mark.parametrize("name", YAMLS)
+def test_the_head_makes_the_token_and_the_workers_receive_it(name):
+    config = prepare_config(load(name))
+    made = secret_commands(config)
+    assert any(f"{TOKEN_DIR}/token" in c for c in made)
+    assert not any("import secrets" in c for c in config["worker_setup_commands"])
+    assert config["cluster_synced_files"] == [TOKEN_DIR]  # head -> workers, rsync -a
+
+
+def test_the_secret_commands_make_private_files_once(tmp_path):
+    # Run them as a head would (bash, $HOME, ~/skippy-venv/bin/python): no Ray needed.
+    (tmp_path / "skippy-venv").symlink_to(Path(sys.executable).parents[1])
+    made = secret_commands(prepare_config(load("cluster-local.yaml")))
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
+    for command in made:
+        subprocess.run(["bash", "-c", command], env=env, check=True)
+    token = tmp_path / "skippy-ray-auth" / "token"
+    keys = tmp_path / "skippy-api-keys"
+    assert re.fullmatch(r"[0-9a-f]{64}\n", token.read_text())
+    assert re.fullmatch(r"[A-Za-z0-9_-]{43}\n", keys.read_text())
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(token.stat().st_mode) == stat.S_IMODE(keys.stat().st_mode) == 0o600
+    before = token.read_text(), keys.read_text()
+    for command in made:  # `ray up` again keeps them
+        subprocess.run(["bash", "-c", command], env=env, check=True)
+    assert (token.read_text(), keys.read_text()) == before
+
+
+def test_no_token_or_key_is_committed():
+    tracked = subprocess.run(["git", "ls-files"], cwd=DEPLOY.parent, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    named = [p for p in tracked if re.search(r"auth_token|skippy-ray-auth|skippy-api-keys|"
+                                             r"(^|/)token$", p)]
+    assert not named, named
+    for path in sorted(DEPLOY.iterdir()):
+        text = path.read_text()
+        assert not re.search(r"\b[0-9a-f]{32,}\b", text), f"{path.name} holds a hex secret"
+        assert not re.search(r"RAY_AUTH_TOKEN=\S", text), f"{path.name} sets a literal token"
+
+
+_DRIVER = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+print(ray.get(ray.remote(lambda: "served").remote()))
+"""
+
+_HEAD = """
+import sys, ray
+from skippy.mesh.control.ray_engine import start_ray
+start_ray(num_cpus=1)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()  # until the test closes it
+ray.shutdown()
+"""
+
+
+def _gcs_call(address: str, token: str | None) -> str:
+    """The status of one GCS call carrying `token` as Ray's clients do (or no token)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=30,
+                              metadata=metadata)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+
+
+def test_a_token_auth_head_serves_only_token_holders(tmp_path):
+    """Ray 2.60's token auth as the recipes set it (RAY_AUTH_MODE=token, the token in a
+    file named by RAY_AUTH_TOKEN_PATH): a driver with the file is served, a call without
+    the token or with another is refused. Starts Ray: run in the loopback-only namespace."""
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # socket paths: <= 107 bytes
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    base |= {"HOME": str(tmp_path), "RAY_TMPDIR": ray_tmp}
+    holder = base | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    head = subprocess.Popen([sys.executable, "-c", _HEAD], env=holder, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the head did not start"
+
+        r = subprocess.run([sys.executable, "-c", _DRIVER, address], env=holder,
+                           capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == "served", r.stderr[-2000:]
+        # Refusals asked of the GCS directly: a refused ray.init only says so after 20 s
+        # of retries, while the server's answer is immediate.
+        assert _gcs_call(address, token.read_text()) == "OK"
+        assert _gcs_call(address, None) == "UNAUTHENTICATED"
+        assert _gcs_call(address, "0" * 64) == "UNAUTHENTICATED"
+    finally:
+        head.stdin.close()  # the head's ray.shutdown() stops what it started
+        head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
