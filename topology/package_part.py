@@ -162,5 +162,6 @@ class OpenPart:
         return out
 
     def close(self) -> None:
-        self._closer()
-        self.header.close()
+        if self._closer.alive:
+            self._closer()
+            self.header.close()
