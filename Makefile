@@ -18,6 +18,7 @@ LLAMA_WHEELS := $(WHEELS)/llama-cpp-python-$(LLAMA_CPP)-$(shell printf '%s' '$(L
 HOST        ?= 127.0.0.1
 PORT        ?= 8000
 PYTEST_ARGS ?=
+SERVE_ARGS  ?=
 
 .PHONY: run test test-fast venv llama-wheel clean proto
 
@@ -45,7 +46,7 @@ llama-wheel:
 # OpenAI API on http://127.0.0.1:8000/v1 (Ctrl-C stops).
 run: venv
 	$(BIN)/skippy models pull smollm2
-	$(BIN)/skippy serve --model smollm2 --stages 2 --host $(HOST) --port $(PORT)
+	$(BIN)/skippy serve --model smollm2 --stages 2 --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # Everything CI runs. Downloads happen first, with the tests that need the package
 # registry; the rest run in a network namespace with only loopback (DESIGN.md §9),
