@@ -621,6 +621,8 @@ class LlamaCppStageRuntime(StageRuntime):
             "rope": [],  # from the GGUF: its hyperparameters are in weights_digest
             "numeric_policy": {
                 "compute": "llama.cpp-cpu",
+                # the kernels ggml was built with and found (AVX2, AVX-512, repacking)
+                "cpu": llama_cpp.llama_print_system_info().decode().strip(),
                 "flash_attn": True,
                 "threads": self.threads,
                 "chunk": spec.chunk,

@@ -48,6 +48,9 @@ class StageSpec:
     lane_batch: int = 1
     weight_format: str = "fp32"  # stages/linear.py WEIGHT_FORMATS
     threads: int | None = None
+    # The whole split's identity (planner.topology_digest): a stage's frames depend on
+    # where the stages before it cut, so its cached state is keyed by the split too.
+    topology_digest: str = ""
 
     @property
     def is_first(self) -> bool:

@@ -90,7 +90,7 @@ class StageCache:
                              f"{runtime.spec.chunk}")
         self.runtime, self.config = runtime, config
         self.policy = cls.name
-        self.key = stage_key or stage_key_for(runtime)
+        self.key = stage_key or stage_key_for(runtime, runtime.spec.topology_digest)
         self.stage = self.key.digest
         self.prefixes = PrefixCache(block=config.stride, max_entries=config.max_entries,
                                     max_bytes=config.max_bytes,

@@ -367,6 +367,9 @@ class TorchStageRuntime(StageRuntime):
             **({"recurrent_state": self._recurrent_state_kind()} if self.recurrent else {}),
             "numeric_policy": {
                 "compute": "f32",
+                # torch's kernels differ by CPU kind (AVX2 vs AVX-512 round differently):
+                # nodes of one cluster need not share one, nor their cached state
+                "cpu": torch.backends.cpu.get_cpu_capability(),
                 "weights": spec.weight_format,
                 "threads": "any" if self.thread_invariant else torch.get_num_threads(),
                 "chunk": spec.chunk,

@@ -94,8 +94,9 @@ class InProcessEngine(PipelinesEngine):
         self.cache = cache or CacheConfig()
         spec_options.setdefault("chunk", self.cache.chunk)
         ranges = ranges or even_ranges(config.n_layers, n_stages)
-        n = len(ranges)
-        servers = [StageServer(StageSpec(str(path), a, b, i, n, wire_dtype, **spec_options),
+        n, split = len(ranges), topology_digest(model_digest, ranges, wire_dtype)
+        servers = [StageServer(StageSpec(str(path), a, b, i, n, wire_dtype,
+                                         topology_digest=split, **spec_options),
                                self.cache, policy, runtime)
                    for i, (a, b) in enumerate(ranges)]
         self.servers = servers
@@ -104,8 +105,7 @@ class InProcessEngine(PipelinesEngine):
         self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
         self.info = EngineInfo(model=model_name or path.stem, path=str(path),
                                n_ctx=servers[0].runtime.n_ctx, n_stages=n,
-                               topology_digest=topology_digest(model_digest, ranges,
-                                                               wire_dtype), lanes=lanes,
+                               topology_digest=split, lanes=lanes,
                                extra={"runtime": runtime, "policy": policy, "pipelines": 1})
 
     def complete(self, tokens, max_tokens: int, **fields) -> list[Step]:

@@ -137,7 +137,8 @@ class _Launch:
         spec = StageSpec(str(self.path), st.start, st.end, st.index, len(self.plan.stages),
                          o["wire_dtype"], n_ctx=o["n_ctx"], chunk=self.cache.chunk,
                          threads=o["threads"] or share, lane_batch=o["lane_batch"],
-                         weight_format=o["weight_format"])
+                         weight_format=o["weight_format"],
+                         topology_digest=self.plan.digest)
         return spec, None if o["threads"] else share * sharing
 
     def actor(self, i: int):
