@@ -1,0 +1,212 @@
+"""Hosts that really are separate, on one machine (DESIGN.md §9): each host is a network
+namespace with a private address of its own on a bridge, its own Ray node, its own
+`SKIPPY_HOME`, `HOME` and Ray temp dir, so hosts share no address, socket or file but the
+model files read by absolute path. The test process sits on the bridge too and reaches
+every host over the network, as a client on another machine would.
+
+Needs root, veth and bridge links, and a loopback-only namespace to start in
+(`unshare -n`, as `make test` runs), so the addresses exist nowhere else; skips, saying
+why, where any is missing. Teardown stops every process inside the hosts (by pid: never
+`ray stop`, which would stop every Ray on the machine) and removes the namespaces, links
+and bridge, whatever the test did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SUBNET = "10.88.0"
+BRIDGE = "skbr0"               # lives in the test's own namespace, which no one else sees
+BRIDGE_IP = f"{SUBNET}.254"    # the test process's address on the bridge
+RAY_PORT = 6379
+BIN = Path(sys.executable).parent
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Host:
+    netns: str
+    ip: str
+    root: Path   # everything this host writes: SKIPPY_HOME, HOME, Ray's temp dir, logs
+
+    @property
+    def env(self) -> dict[str, str]:
+        home = self.root / "home"
+        return {**os.environ, "HOME": str(home), "SKIPPY_HOME": str(home / "skippy"),
+                "TMPDIR": str(self.root / "tmp"), "RAY_AUTH_MODE": "disabled",
+                "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+
+    def argv(self, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *cmd]
+
+    def run(self, *cmd: str, input: str | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run `cmd` inside this host and wait; raises with its output if it fails."""
+        done = subprocess.run(self.argv(*cmd), env=self.env, capture_output=True, text=True,
+                              input=input, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"{self.netns}: {' '.join(cmd)} failed ({done.returncode}):\n"
+                               f"{done.stdout}\n{done.stderr}")
+        return done
+
+    def start(self, *cmd: str, log: str) -> subprocess.Popen:
+        """Start `cmd` inside this host in the background, output to root/log."""
+        out = open(self.root / log, "w")
+        return subprocess.Popen(self.argv(*cmd), env=self.env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def pids(self) -> list[int]:
+        """Every process in this host's namespace: only ones this harness started."""
+        done = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True,
+                              text=True)
+        return [int(p) for p in done.stdout.split()]
+
+    def listening(self) -> list[tuple[str, str]]:
+        """(local address, process name) of each listening TCP socket in this host."""
+        out = self.run("ss", "-Htlnp").stdout
+        rows = []
+        for line in out.splitlines():
+            fields = line.split()
+            name = fields[-1].split('"')[1] if '"' in fields[-1] else ""
+            rows.append((fields[3], name))
+        return rows
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+def check_allowed() -> None:
+    """Skip, saying why, unless this process may make private hosts here."""
+    if os.geteuid() != 0:
+        pytest.skip("separate hosts need root (network namespaces, veth, bridge)")
+    links = _ip("-o", "link", "show").stdout.split("\n")
+    if any(line and ": lo:" not in line for line in links):
+        # the bridge's address must exist only in a namespace the test made
+        pytest.skip("separate hosts run only in a loopback-only namespace (unshare -n)")
+    probe = f"skprobe{os.getpid()}"
+    tried = [_ip("link", "add", f"{probe}a", "type", "veth", "peer", "name", f"{probe}b"),
+             _ip("link", "add", f"{probe}c", "type", "bridge"),
+             _ip("netns", "add", probe)]
+    for link in ("a", "c"):
+        _ip("link", "del", f"{probe}{link}")
+    _ip("netns", "del", probe)
+    for done in tried:
+        if done.returncode:
+            pytest.skip(f"cannot make separate hosts here: {' '.join(done.args)}: "
+                        f"{done.stderr.strip()}")
+
+
+def _wire(hosts: Sequence[Host]) -> None:
+    """The bridge, with our address, and one veth pair per host into its namespace."""
+    steps = [["link", "add", BRIDGE, "type", "bridge"],
+             ["addr", "add", f"{BRIDGE_IP}/24", "dev", BRIDGE],
+             ["link", "set", BRIDGE, "up"]]
+    for i, h in enumerate(hosts, 1):
+        outer = f"skv{i}"
+        steps += [["netns", "add", h.netns],
+                  ["link", "add", outer, "type", "veth", "peer", "name", "eth0",
+                   "netns", h.netns],
+                  ["link", "set", outer, "master", BRIDGE],
+                  ["link", "set", outer, "up"],
+                  ["-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", "eth0"],
+                  ["-n", h.netns, "link", "set", "eth0", "up"],
+                  ["-n", h.netns, "link", "set", "lo", "up"]]
+    for step in steps:
+        done = _ip(*step)
+        if done.returncode:
+            raise RuntimeError(f"ip {' '.join(step)}: {done.stderr.strip()}")
+
+
+def _unwire(hosts: Sequence[Host]) -> None:
+    """Stop every process in the hosts (TERM, then KILL), then remove the links."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        for h in hosts:
+            for pid in h.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while any(h.pids() for h in hosts) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    for h in hosts:
+        _ip("netns", "del", h.netns)   # takes the host's veth end, and so the pair, along
+    _ip("link", "del", BRIDGE)
+
+
+def _start_ray(hosts: Sequence[Host], memory: Sequence[int], num_cpus: int) -> None:
+    """A head on the first host, a worker on each other, each with its own temp dir.
+    `memory`: each node's Ray memory resource, which the planner places stages by."""
+    head = f"{hosts[0].ip}:{RAY_PORT}"
+    for i, (h, mem) in enumerate(zip(hosts, memory)):
+        role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 \
+            else [f"--address={head}"]
+        h.run(str(BIN / "ray"), "start", *role, f"--node-ip-address={h.ip}",
+              f"--num-cpus={num_cpus}", f"--memory={mem}",
+              f"--object-store-memory={100 * MiB}", f"--temp-dir={h.root / 'ray'}",
+              "--disable-usage-stats")
+    _wait_for_nodes(head, len(hosts))
+
+
+def ray_nodes(head: str) -> dict[str, str]:
+    """Alive Ray nodes as {node address: node id}, asked of the head's GCS over the bridge."""
+    from ray._raylet import GcsClient
+    from ray.core.generated import gcs_pb2
+    infos = GcsClient(address=head).get_all_node_info(timeout=10).values()
+    return {i.node_manager_address: i.node_id.hex() for i in infos
+            if i.state == gcs_pb2.GcsNodeInfo.ALIVE}
+
+
+def _wait_for_nodes(head: str, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(ray_nodes(head)) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(ray_nodes(head))} of {n} Ray nodes joined")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def separate_hosts(root: Path, memory: Sequence[int], *,
+                   num_cpus: int = 1) -> Iterator[list[Host]]:
+    """One host per entry of `memory` (its Ray memory resource, in bytes), at
+    10.88.0.1, .2, ...; Ray's head on the first. Everything is gone after the block."""
+    check_allowed()
+    tag = f"sk{os.getpid()}"   # namespace names are machine-wide: ours carry our pid
+    hosts = [Host(f"{tag}h{i}", f"{SUBNET}.{i}", root / f"h{i}")
+             for i in range(1, len(memory) + 1)]
+    for h in hosts:
+        for sub in ("home/skippy", "tmp", "ray"):
+            (h.root / sub).mkdir(parents=True, exist_ok=True)
+    try:
+        _wire(hosts)
+        _start_ray(hosts, memory, num_cpus)
+        yield hosts
+    finally:
+        _unwire(hosts)
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    """Wait until `url` answers (any HTTP status); fail with the log if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{url} never answered (exit {proc.poll()}):\n"
+                               f"{log.read_text()[-4000:]}")
+        time.sleep(1)

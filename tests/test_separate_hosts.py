@@ -1,0 +1,139 @@
+"""The mesh across hosts that really are separate (tests/hosts.py): three network
+namespaces on a bridge, each with its own address, Ray node and SKIPPY_HOME; `skippy
+serve` on the first; the test a client on the bridge. One stage per host, mutual TLS
+between them, the same answer as the in-process pipeline, and a stage port that a host
+of the network without the cluster's certificate cannot call.
+
+Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("ray")
+
+import openai  # noqa: E402
+
+from hosts import BIN, RAY_PORT, separate_hosts, ray_nodes, wait_http  # noqa: E402
+from skippy.cache.config import CacheConfig  # noqa: E402
+from skippy.mesh.control.local import InProcessEngine  # noqa: E402
+from skippy.mesh.front.chat import render_chat  # noqa: E402
+from skippy.mesh.front.tokenizer import Tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+GiB = 2**30
+# The planner ranks nodes by memory, stage 0 on the largest: decreasing memories put
+# stage i on host i. Ray's memory resource is a number it schedules by, not a limit.
+MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
+PORT = 8000
+CTX = 1024
+QUESTION = "What is the capital of France?"
+STAGE_LINE = re.compile(r"pipeline 0 stage (\d+): layers (\d+)-(\d+) on node (\w+)")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
+        yield hs
+
+
+@pytest.fixture(scope="module")
+def serve_log(hosts, smollm2):
+    """`skippy serve` inside host 1, three stages, the gateway on host 1's address; the
+    model by absolute path (host 1's SKIPPY_HOME is empty). Yields its log once it answers."""
+    head = hosts[0]
+    secret = head.root / "cluster-secret"
+    secret.write_text("a secret the test knows, so that it can show it is not enough\n")
+    proc = head.start(str(BIN / "skippy"), "serve", "--model", str(smollm2),
+                      "--model-name", "smollm2", "--stages", "3",
+                      "--address", f"{head.ip}:{RAY_PORT}", "--host", head.ip,
+                      "--port", str(PORT), "--insecure", "--cluster-secret-file", str(secret),
+                      "--ctx", str(CTX), "--lanes", "1", "--weight-format", "int4",
+                      log="serve.log")
+    log = head.root / "serve.log"
+    try:
+        wait_http(f"http://{head.ip}:{PORT}/v1/models", proc, log)
+        yield log.read_text()
+    finally:
+        proc.terminate()   # the driver's end takes its stage actors with it
+        proc.wait(30)
+
+
+def planned(serve_log: str) -> list[tuple[int, int, str]]:
+    """(start, end, node id prefix) of each stage, from the serve log's plan lines."""
+    rows = sorted((int(i), int(a), int(b) + 1, node) for i, a, b, node
+                  in STAGE_LINE.findall(serve_log))
+    assert [r[0] for r in rows] == list(range(len(rows))), serve_log
+    return [r[1:] for r in rows]
+
+
+def stage_address(host) -> str:
+    """The address the stage server on `host` listens on: its actor's one socket bound to
+    an address (the actor's other, on `*`, is Ray's core-worker server; see
+    tests/test_stage_network.py)."""
+    found = [addr.replace("[::ffff:", "").replace("]", "") for addr, name in host.listening()
+             if name == "ray::StageActor" and not addr.startswith("*")]
+    assert len(found) == 1, host.listening()
+    return found[0]
+
+
+def test_one_stage_per_host_each_on_its_own_address_with_tls(hosts, serve_log):
+    nodes = ray_nodes(f"{hosts[0].ip}:{RAY_PORT}")
+    stages = planned(serve_log)
+    assert len(stages) == 3
+    for h, (_, _, node) in zip(hosts, stages):
+        assert nodes[h.ip].startswith(node), (h.ip, node, nodes)
+        assert stage_address(h).rsplit(":", 1)[0] == h.ip
+    assert "stage network: mutual TLS on each node address" in serve_log
+
+
+def test_greedy_chat_matches_the_in_process_pipeline(hosts, serve_log, smollm2):
+    client = openai.OpenAI(base_url=f"http://{hosts[0].ip}:{PORT}/v1", api_key="x",
+                           max_retries=0, timeout=300)
+    got = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16, temperature=0)
+    tok = Tokenizer(smollm2)
+    ids = tok.encode(render_chat(smollm2, [{"role": "user", "content": QUESTION}]))
+    local = InProcessEngine(smollm2, ranges=[(a, b) for a, b, _ in planned(serve_log)],
+                            n_ctx=CTX, weight_format="int4", cache=CacheConfig(enabled=False))
+    want = [s.token for s in local.complete(ids, 16, stop_ids=frozenset(tok.eog_ids))]
+    assert want and tok.encode(got.choices[0].message.content) == want
+    assert got.choices[0].message.content == tok.decode(want)
+
+
+# Run inside host 3: reach host 2's stage port over TCP, then call it over gRPC knowing
+# the cluster secret, in the clear and over TLS under another CA.
+PROBE = """
+import json, socket, sys, grpc
+from skippy.mesh.stage.security import ClusterCredentials, StageCredentials
+from skippy.proto import stage_pb2 as pb, stage_pb2_grpc
+address, secret = sys.argv[1], sys.stdin.read().strip()
+host, port = address.rsplit(":", 1)
+socket.create_connection((host, int(port)), timeout=10).close()
+token = StageCredentials.plain(secret).metadata
+def code(channel):
+    try:
+        with channel:
+            list(stage_pb2_grpc.StageStub(channel).GetBlocks(
+                pb.BlockRequest(), metadata=token, timeout=20))
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+print(json.dumps({"plain": code(grpc.insecure_channel(address)),
+                  "other_ca": code(ClusterCredentials(secret, tls=True).issue()
+                                   .channel(address, []))}))
+"""
+
+
+def test_a_host_without_the_cluster_certificate_cannot_call_a_stage(hosts, serve_log):
+    address = stage_address(hosts[1])
+    secret = (hosts[0].root / "cluster-secret").read_text()
+    done = hosts[2].run(sys.executable, "-c", PROBE, address, input=secret)
+    # the port is reachable from the other host (TCP connected): TLS is what refuses
+    assert json.loads(done.stdout) == {"plain": "UNAVAILABLE", "other_ca": "UNAVAILABLE"}
