@@ -126,6 +126,36 @@ class _Launch:
     options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
     credentials: ClusterCredentials  # issues each actor its own
     host: str | None  # where stage servers listen (None: Ray's address of their node)
+    moved: dict[int, str] = dataclasses.field(default_factory=dict)  # stage -> new node
+
+    def node_for(self, i: int) -> str:
+        """Where stage i's actor goes: its planned node while that is alive (or the node it
+        moved to). A lost node's stages move, with the same layer ranges, to the alive node
+        with the most memory left that can hold them (and, serving a package, holds their
+        parts): the split and its topology digest stay, so state and answers stay exact."""
+        st = self.plan.stages[i]
+        current = self.moved.get(i, st.node.name)
+        if any(n["NodeID"] == current and n.get("Alive") for n in ray.nodes()):
+            return current
+        alive = cluster_nodes(self.path if is_package(self.path) else None,
+                              self.plan.model_digest)
+        held = Counter()
+        for j, other in enumerate(self.plan.stages):
+            if j != i:
+                held[self.moved.get(j, other.node.name)] += other.total_bytes * self.pipelines
+        fits = [n for n in alive
+                if n.memory - held[n.name] >= st.total_bytes * self.pipelines
+                and (not is_package(self.path) or set(range(st.start, st.end)) <= n.layers)]
+        if not fits:
+            log.error("stage %d lost node %s and no alive node can hold layers %d-%d; "
+                      "it waits for that node", i, current[:12], st.start, st.end - 1)
+            return current
+        node = max(fits, key=lambda n: n.memory - held[n.name]).name
+        log.warning("stage %d: node %s is lost; layers %d-%d move to node %s (same split, "
+                    "topology %s)", i, current[:12], st.start, st.end - 1, node[:12],
+                    self.plan.digest[:16])
+        self.moved[i] = node
+        return node
 
     def spec(self, st: StagePlan) -> tuple[StageSpec, int | None]:
         """The stage's spec and its burst threads. Stages sharing a node share its cores
@@ -146,7 +176,7 @@ class _Launch:
         st = self.plan.stages[i]
         spec, burst = self.spec(st)
         return StageActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(st.node.name, soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_for(i), soft=False),
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
         ).remote(spec, self.cache, self.policy, self.runtime, self.host, burst,

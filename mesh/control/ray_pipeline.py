@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import grpc
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
@@ -80,7 +80,9 @@ class RayPipeline:
     def _address(self, i: int) -> str:
         try:
             return ray.get(self.actors[i].address.remote(), timeout=ACTOR_START_TIMEOUT)
-        except RayActorError as e:  # Ray gave up restarting it: a new actor
+        # Ray gave up restarting it, or cannot restart it where it was (its node is
+        # lost): a new actor, placed anew
+        except (RayActorError, ActorUnschedulableError) as e:
             log.warning("stage %d is gone for good (%s); creating it again", i, e)
             self.actors[i] = self._make(i)
             self.recreated += 1
