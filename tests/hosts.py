@@ -1,8 +1,9 @@
 """Hosts that really are separate, on one machine (DESIGN.md §9): each host is a network
 namespace with a private address of its own on a bridge, its own Ray node, its own
-`SKIPPY_HOME`, `HOME` and Ray temp dir, so hosts share no address, socket or file but the
-model files read by absolute path. The test process sits on the bridge too and reaches
-every host over the network, as a client on another machine would.
+`SKIPPY_HOME`, `HOME` and Ray temp dir under a root no other host can see, so hosts share
+no address, socket or file (but the repository, the venv and files outside the hosts'
+roots, such as the models the fixtures pulled, read by absolute path). The test process
+sits on the bridge too and reaches every host over the network, as a client would.
 
 Needs root, veth and bridge links, and a loopback-only namespace to start in
 (`unshare -n`, as `make test` runs), so the addresses exist nowhere else; skips, saying
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ class Host:
     netns: str
     ip: str
     root: Path   # everything this host writes: SKIPPY_HOME, HOME, Ray's temp dir, logs
+    others: tuple[Path, ...] = ()  # the other hosts' roots, which this host cannot see
 
     @property
     def env(self) -> dict[str, str]:
@@ -48,7 +51,12 @@ class Host:
                 "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
     def argv(self, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *cmd]
+        """`cmd` inside this host. `ip netns exec` runs it in a mount namespace of its
+        own, where an empty tmpfs covers each other host's root: a host that reads
+        another's files (a model pulled there, a cache) fails as it would on a real one."""
+        hide = " ".join(f'mount -t tmpfs -o size=1m skippy-other-host "{d}" &&'
+                        for d in self.others)
+        return ["ip", "netns", "exec", self.netns, "sh", "-c", f'{hide} exec "$@"', "sh", *cmd]
 
     def run(self, *cmd: str, input: str | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
@@ -131,7 +139,8 @@ def _wire(hosts: Sequence[Host]) -> None:
 
 def _unwire(hosts: Sequence[Host]) -> None:
     """Stop every process in the hosts (TERM, then KILL), then remove the links."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+    # Ray's daemons can take more than 8 s to end on TERM (each waits on the others)
+    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
         for h in hosts:
             for pid in h.pids():
                 with contextlib.suppress(ProcessLookupError):
@@ -182,8 +191,9 @@ def separate_hosts(root: Path, memory: Sequence[int], *,
     10.88.0.1, .2, ...; Ray's head on the first. Everything is gone after the block."""
     check_allowed()
     tag = f"sk{os.getpid()}"   # namespace names are machine-wide: ours carry our pid
-    hosts = [Host(f"{tag}h{i}", f"{SUBNET}.{i}", root / f"h{i}")
-             for i in range(1, len(memory) + 1)]
+    roots = [root / f"h{i}" for i in range(1, len(memory) + 1)]
+    hosts = [Host(f"{tag}h{i}", f"{SUBNET}.{i}", r, tuple(o for o in roots if o != r))
+             for i, r in enumerate(roots, 1)]
     for h in hosts:
         for sub in ("home/skippy", "tmp", "ray"):
             (h.root / sub).mkdir(parents=True, exist_ok=True)

@@ -82,6 +82,14 @@ def stage_address(host) -> str:
     return found[0]
 
 
+def test_hosts_see_only_their_own_address_and_files(hosts):
+    first, second = hosts[0], hosts[1]
+    addresses = second.run("ip", "-o", "-4", "addr", "show").stdout
+    assert f"inet {second.ip}/24" in addresses and f"inet {first.ip}/" not in addresses
+    assert "home" in first.run("ls", str(first.root)).stdout.split()
+    assert second.run("ls", str(first.root)).stdout == ""   # an empty tmpfs covers it
+
+
 def test_one_stage_per_host_each_on_its_own_address_with_tls(hosts, serve_log):
     nodes = ray_nodes(f"{hosts[0].ip}:{RAY_PORT}")
     stages = planned(serve_log)
