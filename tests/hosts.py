@@ -82,13 +82,22 @@ class Host:
 
     def listening(self) -> list[tuple[str, str]]:
         """(local address, process name) of each listening TCP socket in this host."""
-        out = self.run("ss", "-Htlnp").stdout
         rows = []
-        for line in out.splitlines():
+        for line in self.run("ss", "-Htlnp").stdout.splitlines():
             fields = line.split()
             name = fields[-1].split('"')[1] if '"' in fields[-1] else ""
-            rows.append((fields[3], name))
+            rows.append((_ipv4(fields[3]), name))
         return rows
+
+    def peers(self) -> set[str]:
+        """Remote addresses of this host's established TCP connections."""
+        out = self.run("ss", "-Htn", "state", "established").stdout
+        return {_ipv4(line.split()[3]) for line in out.splitlines()}
+
+
+def _ipv4(address: str) -> str:
+    """ss's "[::ffff:10.88.0.1]:port" (a dual-stack socket) as "10.88.0.1:port"."""
+    return address.replace("[::ffff:", "").replace("]", "")
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:

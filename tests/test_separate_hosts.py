@@ -76,7 +76,7 @@ def stage_address(host) -> str:
     """The address the stage server on `host` listens on: its actor's one socket bound to
     an address (the actor's other, on `*`, is Ray's core-worker server; see
     tests/test_stage_network.py)."""
-    found = [addr.replace("[::ffff:", "").replace("]", "") for addr, name in host.listening()
+    found = [addr for addr, name in host.listening()
              if name == "ray::StageActor" and not addr.startswith("*")]
     assert len(found) == 1, host.listening()
     return found[0]
@@ -113,6 +113,8 @@ def test_greedy_chat_matches_the_in_process_pipeline(hosts, serve_log, smollm2):
     want = [s.token for s in local.complete(ids, 16, stop_ids=frozenset(tok.eog_ids))]
     assert want and tok.encode(got.choices[0].message.content) == want
     assert got.choices[0].message.content == tok.decode(want)
+    # the activations went host to host: stage 1 (host 2) holds a connection to stage 2
+    assert stage_address(hosts[2]) in hosts[1].peers()
 
 
 # Run inside host 3: reach host 2's stage port over TCP, then call it over gRPC knowing
