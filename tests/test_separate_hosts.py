@@ -147,3 +147,33 @@ def test_a_host_without_the_cluster_certificate_cannot_call_a_stage(hosts, serve
     done = hosts[2].run(sys.executable, "-c", PROBE, address, input=secret)
     # the port is reachable from the other host (TCP connected): TLS is what refuses
     assert json.loads(done.stdout) == {"plain": "UNAVAILABLE", "other_ca": "UNAVAILABLE"}
+
+
+def test_a_model_file_only_one_host_has_is_served_there_alone(hosts, serve_log, smollm2):
+    """A GGUF at a path only host 1 holds: the planner leaves out the hosts without it
+    (and says so), rather than starting stages there that cannot open it."""
+    import shutil
+    head = hosts[0]
+    own = head.root / "own.gguf"
+    shutil.copyfile(smollm2, own)
+    proc = head.start(str(BIN / "skippy"), "serve", "--model", str(own),
+                      "--model-name", "smollm2", "--stages", "2",
+                      "--address", f"{head.ip}:{RAY_PORT}", "--host", head.ip,
+                      "--port", str(PORT + 1), "--insecure", "--ctx", str(CTX),
+                      "--lanes", "1", "--weight-format", "int4", log="serve-own.log")
+    log = head.root / "serve-own.log"
+    try:
+        wait_http(f"http://{head.ip}:{PORT + 1}/v1/models", proc, log)
+        client = openai.OpenAI(base_url=f"http://{head.ip}:{PORT + 1}/v1", api_key="x",
+                               max_retries=0, timeout=300)
+        got = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=4, temperature=0)
+        assert got.choices[0].message.content
+        text = log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    head_node = ray_nodes(f"{head.ip}:{RAY_PORT}")[head.ip]
+    assert {node for _, _, node in planned(text)} == {head_node[:12]}, text
+    assert text.count(f"has no {own}: no stage is placed there") == 2, text

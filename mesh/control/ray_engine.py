@@ -91,10 +91,17 @@ def _layers_here(package: str, model_digest: str) -> list[int]:
     return sorted(layers_present(package, model_digest))
 
 
-def cluster_nodes(package: Path | None = None, model_digest: str = "") -> list[NodeSpec]:
+@ray.remote(num_cpus=0)
+def _file_here(path: str, size: int) -> bool:
+    p = Path(path)
+    return p.is_file() and p.stat().st_size == size
+
+
+def cluster_nodes(model: Path | None = None, model_digest: str = "") -> list[NodeSpec]:
     """The alive Ray nodes as planner nodes; the name is the Ray node id. Serving a
     package, each node also says which layers' parts it holds at the same path, so the
-    planner can put stages where their parts are."""
+    planner can put stages where their parts are; serving a GGUF file, nodes without it at
+    the same path (and size) are left out, and said so in the log."""
     out = []
     for n in ray.nodes():
         if not n.get("Alive"):
@@ -104,13 +111,20 @@ def cluster_nodes(package: Path | None = None, model_digest: str = "") -> list[N
                             cpus=int(res.pop("CPU", 1)),
                             resources={k: v for k, v in res.items()
                                        if not k.startswith(("node:", "object_store"))}))
-    if package is None:
+    if model is None:
         return out
-    asks = [_layers_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node.name, soft=False)).remote(str(package), model_digest) for node in out]
-    held = ray.get(asks, timeout=60)
-    return [dataclasses.replace(node, layers=frozenset(layers))
-            for node, layers in zip(out, held)]
+    package = is_package(model)
+    ask = _layers_here if package else _file_here
+    arg = model_digest if package else model.stat().st_size
+    held = ray.get([ask.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node.name, soft=False)).remote(str(model), arg) for node in out], timeout=60)
+    if package:
+        return [dataclasses.replace(node, layers=frozenset(layers))
+                for node, layers in zip(out, held)]
+    for node, here in zip(out, held):
+        if not here:
+            log.warning("node %s has no %s: no stage is placed there", node.name[:12], model)
+    return [node for node, here in zip(out, held) if here]
 
 
 @dataclasses.dataclass
@@ -137,8 +151,7 @@ class _Launch:
         current = self.moved.get(i, st.node.name)
         if any(n["NodeID"] == current and n.get("Alive") for n in ray.nodes()):
             return current
-        alive = cluster_nodes(self.path if is_package(self.path) else None,
-                              self.plan.model_digest)
+        alive = cluster_nodes(self.path, self.plan.model_digest)
         held = Counter()
         for j, other in enumerate(self.plan.stages):
             if j != i:
@@ -210,7 +223,7 @@ class RayEngine(PipelinesEngine):
         n_ctx = min(n_ctx, facts.context_length or n_ctx)
         # Every pipeline uses the same plan: the same ranges compute the same numbers, so
         # one topology digest names them all (the gateway's exact results rely on it).
-        nodes = cluster_nodes(path if is_package(path) else None, facts.model_digest)
+        nodes = cluster_nodes(path, facts.model_digest)
         self.plan: Plan = plan(facts, nodes, wire_dtype=wire_dtype, n_ctx=n_ctx,
                                stages=n_stages, lanes=lanes * pipelines)
         n = len(self.plan.stages)
