@@ -140,15 +140,7 @@ def loopback_host_header(value: str | None) -> bool:
     name, port = _split_host(value or "")
     if port and not port.isdigit():
         return False
-    if name in ("localhost", "[::1]"):
-        return True
-    try:
-        return ipaddress.IPv4Address(name) in _LOOPBACK_V4
-    except ValueError:
-        return False
-
-
-_LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
+    return is_loopback(name)  # an IPv6 name keeps its brackets here, as a Host needs
 
 
 def _split_host(value: str) -> tuple[str, str]:

@@ -28,7 +28,7 @@ class StageActor:
         host = host or ray.util.get_node_ip_address()
         self._credentials = credentials
         self._limit = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
-        self._rpc, self._address = start_server(self.server, host, credentials)
+        self._rpc, self._address = start_server(self.server, host, credentials, self._limit)
         self._next: str | None = None
 
     def address(self) -> str:

@@ -136,12 +136,14 @@ def grpc_opener(address: str, credentials: StageCredentials, max_message: int):
     return lambda: GrpcLink(stub, credentials.metadata)
 
 
-def start_server(server: StageServer, host: str,
-                 credentials: StageCredentials) -> tuple[grpc.Server, str]:
-    """Serve `server` on host:<free port>; returns the gRPC server and its address."""
+def start_server(server: StageServer, host: str, credentials: StageCredentials,
+                 max_message: int | None = None) -> tuple[grpc.Server, str]:
+    """Serve `server` on host:<free port>; returns the gRPC server and its address.
+    max_message: the stage's `message_limit` when the caller has it already."""
     spec = server.spec
-    return serve(StageServicer(server), host, credentials,
-                 max_message=message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype))
+    if max_message is None:
+        max_message = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
+    return serve(StageServicer(server), host, credentials, max_message=max_message)
 
 
 def serve(servicer: stage_pb2_grpc.StageServicer, host: str, credentials: StageCredentials,
