@@ -93,8 +93,14 @@ class Manifest:
         path = directory / MANIFEST
         if not path.is_file():
             raise PackageError(f"{directory}: not a package (no {MANIFEST})")
+        return cls.from_json(path.read_text(), path)
+
+    @classmethod
+    def from_json(cls, text: str, path: str | Path = MANIFEST) -> Manifest:
+        """A manifest from its text (`path` names it in errors), checked as `load` does:
+        a manifest may travel between nodes."""
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(text)
             if d.get("format") != PACKAGE_FORMAT:
                 raise PackageError(f"{path}: not a skippy package manifest")
             if d.get("version") != PACKAGE_VERSION:
@@ -106,7 +112,7 @@ class Manifest:
                            tuple(d.get("source", ())), parts)
         except PackageError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise PackageError(f"{path}: malformed manifest ({e!r})") from None
         _check_part_names(path, manifest.parts)
         return manifest
