@@ -167,6 +167,16 @@ class BlockStore:
             entry = self._blocks.get(digest)
             return entry.refs if entry is not None else 0
 
+    def retain(self, digest: bytes) -> None:
+        """One more reference on a held block (a second owner of a payload already
+        stored); raises `MissingBlock` if it is not held."""
+        with self._lock:
+            entry = self._blocks.get(digest)
+            if entry is None or entry.data is None:
+                raise MissingBlock(digest)
+            entry.refs += 1
+            self._logical += entry.size
+
     def release(self, digest: bytes) -> None:
         """Drop one reference; the block is freed with its last. Releasing more references
         than were put raises `MissingBlock`."""

@@ -63,20 +63,22 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., generated: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., logits: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("tokens", "limit", "probe", "namespace", "sampling", "results")
+    __slots__ = ("tokens", "limit", "probe", "namespace", "sampling", "results", "peers")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     limit: int
     probe: bool
     namespace: str
     sampling: Sampling
     results: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ...) -> None: ...
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("start",)
@@ -189,3 +191,21 @@ class Block(_message.Message):
     hash: bytes
     data: bytes
     def __init__(self, hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("tokens", "limit", "after", "namespace")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    limit: int
+    after: int
+    namespace: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., after: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class ExportReply(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: bytes
+    def __init__(self, manifest: _Optional[bytes] = ...) -> None: ...

@@ -46,6 +46,11 @@ class StageStub:
                 request_serializer=stage__pb2.BlockRequest.SerializeToString,
                 response_deserializer=stage__pb2.Block.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/skippy.v1.Stage/Export',
+                request_serializer=stage__pb2.ExportRequest.SerializeToString,
+                response_deserializer=stage__pb2.ExportReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -66,6 +71,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +89,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.GetBlocks,
                     request_deserializer=stage__pb2.BlockRequest.FromString,
                     response_serializer=stage__pb2.Block.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=stage__pb2.ExportRequest.FromString,
+                    response_serializer=stage__pb2.ExportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +152,33 @@ class Stage:
             '/skippy.v1.Stage/GetBlocks',
             stage__pb2.BlockRequest.SerializeToString,
             stage__pb2.Block.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/skippy.v1.Stage/Export',
+            stage__pb2.ExportRequest.SerializeToString,
+            stage__pb2.ExportReply.FromString,
             options,
             channel_credentials,
             insecure,

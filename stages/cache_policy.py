@@ -63,6 +63,18 @@ class CachePolicy:
     def drop(self, entry_ids) -> None:
         """Free the state of entries the prefix cache evicted or removed."""
 
+    def kind_of(self, state: LaneState) -> PayloadKind:
+        """The payload kind this policy stores `state` as."""
+        return PayloadKind.ResidentKv
+
+    def export(self, hit: Hit, length: int, identity: bytes) -> Manifest:
+        """The hit's state for [0, length) as a payload in the store, for a peer stage
+        to import; the caller owns one reference on each of its blocks."""
+        raise KeyError(f"no state for entry {hit.entry_id}")
+
+    def adopt(self, tokens, state: LaneState, scope: bytes) -> None:
+        """Record state a peer stage computed for tokens [0, state.n_tokens) as an entry."""
+
 
 class Disabled(CachePolicy):
     enabled = False
@@ -80,7 +92,23 @@ class ResidentLanes(CachePolicy):
         if not boundaries:
             return
         b = max(boundaries)  # shorter prefixes are served from the same rows
-        r = self.prefixes.reserve(scope, tokens[:b], self._per_token(lane) * b)
+        self._hold(scope, tokens[:b], self._per_token(lane) * b,
+                   lambda holder: self.runtime.copy_lane(lane, holder, b))
+
+    def restore(self, lane, hit, start) -> None:
+        self.runtime.copy_lane(self.holders[hit.entry_id], lane, start)
+
+    def export(self, hit, length, identity) -> Manifest:
+        state = self.runtime.export_state(self.holders[hit.entry_id], length)
+        return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store)
+
+    def adopt(self, tokens, state, scope) -> None:
+        self._hold(scope, tokens[:state.n_tokens], state.nbytes,
+                   lambda holder: self.runtime.import_state(holder, state))
+
+    def _hold(self, scope: bytes, tokens, nbytes: int, fill) -> None:
+        """An entry for `tokens`: a lane of its own, filled by `fill(lane)`."""
+        r = self.prefixes.reserve(scope, tokens, nbytes)
         if r is None:
             return
         self.drop(r.evicted)
@@ -90,7 +118,7 @@ class ResidentLanes(CachePolicy):
             self.prefixes.abort(r)
             return
         try:
-            self.runtime.copy_lane(lane, holder, b)
+            fill(holder)
         except Exception:
             self.runtime.free_lane(holder)
             self.prefixes.abort(r)
@@ -99,9 +127,6 @@ class ResidentLanes(CachePolicy):
             self.holders[r.entry_id] = holder
         else:
             self.runtime.free_lane(holder)
-
-    def restore(self, lane, hit, start) -> None:
-        self.runtime.copy_lane(self.holders[hit.entry_id], lane, start)
 
     def drop(self, entry_ids) -> None:
         for eid in entry_ids:
@@ -125,7 +150,7 @@ class _Payloads(CachePolicy):
         self.manifests: dict[int, Manifest] = {}
 
     def restore(self, lane, hit, start) -> None:
-        state = self._load(self.manifests[hit.entry_id])
+        state = decode_state(self.manifests[hit.entry_id], self.store)
         self.runtime.import_state(lane, state)
         if state.n_tokens > start:  # a dense entry serves its shorter prefixes
             self.runtime.copy_lane(lane, lane, start)
@@ -136,22 +161,14 @@ class _Payloads(CachePolicy):
             if manifest is not None:
                 release_payload(manifest, self.store)
 
-    def _kind(self, state: LaneState) -> PayloadKind:
-        return PayloadKind.ResidentKv
-
     def _record(self, tokens, b: int, state: LaneState, scope: bytes) -> None:
-        token_arrays = {f"k.{i:04d}": t.numpy() for i, t in enumerate(state.keys)}
-        token_arrays.update({f"v.{i:04d}": t.numpy() for i, t in enumerate(state.values)})
-        fixed = {name: t.numpy() for name, t in state.fixed.items()}
         r = self.prefixes.reserve(scope, tokens[:b], state.nbytes)
         if r is None:
             return
         self.drop(r.evicted)
         try:
-            manifest = encode_payload(self._kind(state), prefix_digest(scope, tokens[:b]),
-                                      {"stage_index": self.stage_index,
-                                       "prefilled": state.prefilled},
-                                      token_arrays, fixed, b, self.store)
+            manifest = encode_state(state, self.kind_of(state), prefix_digest(scope, tokens[:b]),
+                                    self.stage_index, self.store)
         except BlockError:
             self.prefixes.abort(r)
             return
@@ -160,15 +177,17 @@ class _Payloads(CachePolicy):
         else:
             release_payload(manifest, self.store)
 
-    def _load(self, manifest: Manifest) -> LaneState:
-        token_arrays, fixed = decode_payload(manifest, self.store)
-        keys = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
-                if k.startswith("k.")]
-        values = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
-                  if k.startswith("v.")]
-        return LaneState(manifest.n_tokens, int(manifest.identity_fields["prefilled"]),
-                         keys, values,
-                         {k: torch.from_numpy(np.array(v)) for k, v in fixed.items()})
+    def export(self, hit, length, identity) -> Manifest:
+        manifest = self.manifests[hit.entry_id]
+        if manifest.n_tokens == length:  # as stored: the caller's references, no copy
+            for h in manifest.blocks:
+                self.store.retain(h)
+            return manifest
+        state = cut_state(decode_state(manifest, self.store), length)
+        return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store)
+
+    def adopt(self, tokens, state, scope) -> None:
+        self._record(tokens, state.n_tokens, state, scope)
 
 
 class StoredPayloads(_Payloads):
@@ -195,7 +214,7 @@ class RecurrentSnapshots(_Payloads):
         for b, state in sorted(out.snapshots.items(), reverse=True):
             self._record(tokens, b, state, scope)
 
-    def _kind(self, state: LaneState) -> PayloadKind:
+    def kind_of(self, state: LaneState) -> PayloadKind:
         # Recurrent state travels with its KV; a dense model's snapshots are KV alone.
         return PayloadKind.KvRecurrent if state.fixed else PayloadKind.ResidentKv
 
@@ -210,3 +229,36 @@ def policy_class(name: str, runtime: StageRuntime, enabled: bool = True) -> type
     if name == "KvRecurrent":
         return RecurrentSnapshots
     return ResidentLanes if runtime.lane_entries else StoredPayloads
+
+
+# -- state as payloads: what an entry stores, and what travels between nodes ----------------
+def encode_state(state: LaneState, kind: PayloadKind, identity: bytes, stage_index: int,
+                 store: BlockStore) -> Manifest:
+    """The state as a payload in `store` (its blocks hold one reference each)."""
+    token_arrays = {f"k.{i:04d}": t.numpy() for i, t in enumerate(state.keys)}
+    token_arrays.update({f"v.{i:04d}": t.numpy() for i, t in enumerate(state.values)})
+    fixed = {name: t.numpy() for name, t in state.fixed.items()}
+    return encode_payload(kind, identity, {"stage_index": stage_index,
+                                           "prefilled": state.prefilled},
+                          token_arrays, fixed, state.n_tokens, store)
+
+
+def decode_state(manifest: Manifest, store: BlockStore) -> LaneState:
+    """The state a payload holds, every block verified by the store."""
+    token_arrays, fixed = decode_payload(manifest, store)
+    keys = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
+            if k.startswith("k.")]
+    values = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)
+              if k.startswith("v.")]
+    return LaneState(manifest.n_tokens, int(manifest.identity_fields["prefilled"]),
+                     keys, values, {k: torch.from_numpy(np.array(v)) for k, v in fixed.items()})
+
+
+def cut_state(state: LaneState, length: int) -> LaneState:
+    """Rows [0, length) of a dense state (recurrent state exists only at its end)."""
+    if length == state.n_tokens:
+        return state
+    if state.fixed or length > state.n_tokens:
+        raise ValueError(f"a state of {state.n_tokens} tokens cannot serve {length}")
+    return LaneState(length, min(state.prefilled, length), [k[:length] for k in state.keys],
+                     [v[:length] for v in state.values])

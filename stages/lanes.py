@@ -40,6 +40,10 @@ class Lanes:
     def warm(self) -> int:
         return len(self._warm)
 
+    def warm_lanes(self) -> list[int]:
+        """The idle lanes that keep their rows, oldest first."""
+        return list(self._warm)
+
     def alloc(self, reuse: Callable[[int], int]) -> int:
         """The warm lane with the largest `reuse(lane)` (> 0), else a fresh lane; a
         runtime out of lanes gives up its oldest warm lane. Raises StageError when

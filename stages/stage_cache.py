@@ -33,13 +33,13 @@ from skippy.cache.activation import ActivationCache
 from skippy.cache.admission import Admission
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
-from skippy.cache.identity import StageKey, page_id, prefix_digest
-from skippy.cache.payload import IncompatiblePayload
+from skippy.cache.identity import StageKey, page_id, prefix_digest, prefix_digests
+from skippy.cache.payload import IncompatiblePayload, Manifest, release_payload
 from skippy.cache.prefix_cache import Hit, PrefixCache
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
 
-from .cache_policy import CachePolicy, policy_class
+from .cache_policy import CachePolicy, decode_state, encode_state, policy_class
 from .frame import Frame
 from .lanes import Lanes
 from .leases import Lease, Leases
@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 WARM_LANES = 4
 # A plan's lease on its hit ends this long after the plan if no restore consumed it.
 LEASE_SECONDS = 30.0
+# Payloads exported to peer stages or pulled from them, kept (newest last) so that a
+# second asker, or this node's next pull of the same prefix, finds the blocks here.
+SHARED_PAYLOADS = 8
 
 
 def stage_key_for(runtime: StageRuntime, topology_digest: str = "",
@@ -97,8 +100,9 @@ class StageCache:
                                     max_tokens=config.max_tokens_per_entry, kind=cls.name,
                                     whole_entry=cls.whole_entry)
         self.admission = Admission(config.admit_after)
-        self.store = store if store is not None else (
-            BlockStore(config.block_store_max_bytes) if cls.stores_payloads else None)
+        # Every policy's state can travel between nodes as payloads, so every stage has a
+        # store: entries live there for payload policies, shared payloads for all.
+        self.store = store if store is not None else BlockStore(config.block_store_max_bytes)
         self.entries: CachePolicy = cls(runtime, self.prefixes, self.store,
                                         self.key.stage_index)
         self.lanes = Lanes(runtime, WARM_LANES if runtime.lane_entries else None)
@@ -111,6 +115,8 @@ class StageCache:
             if not runtime.spec.is_last and config.activation_max_bytes else None
         self._width = runtime.cfg.hidden if self.frames is not None else 0  # frame row width
         self._scopes: dict[str, bytes] = {"": self.stage}
+        self._shared: dict[bytes, Manifest] = {}  # prefix identity -> payload, oldest first
+        self.exports = self.adopted = 0
 
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self, tokens: Sequence[int] = (), namespace: str = "") -> int:
@@ -353,6 +359,87 @@ class StageCache:
         self.results.put_result(self.scope(namespace), tokens, value,
                                 value.numel() * value.element_size())
 
+    # -- state shared with peer stages (other pipelines, other nodes) ----------------------
+    def export(self, tokens: Sequence[int], limit: int, after: int, *,
+               namespace: str = "") -> Manifest | None:
+        """This stage's state for the longest prefix of `tokens` it holds, longer than
+        `after` and at most `limit` tokens (a stride multiple), as a payload in the store
+        that stays there for the asker to fetch; None when it holds nothing longer."""
+        if not self.entries.enabled:
+            return None
+        self._expire_leases()
+        scope, stride = self.scope(namespace), self.config.stride
+        lengths = list(range(min(limit, len(tokens)) // stride * stride, after, -stride))
+        if not lengths:
+            return None
+        digests = prefix_digests(scope, tokens, lengths)
+        for b in lengths:
+            if digests[b] in self._shared:
+                return self._share(self._shared.pop(digests[b]))
+        lane, own = self._best_warm_lane(tokens, lengths[0], namespace)
+        hit = self.prefixes.lookup(scope, tokens, max_len=lengths[0])
+        try:
+            if hit is not None and hit.length > max(own, after):
+                manifest = self.entries.export(hit, hit.length, digests[hit.length])
+            elif own > after:
+                state = self.runtime.export_state(lane, own)
+                manifest = encode_state(state, self.entries.kind_of(state), digests[own],
+                                        self.key.stage_index, self.store)
+            else:
+                return None
+        except (BlockError, KeyError, ValueError, RuntimeError) as e:
+            log.warning("stage %s: export failed: %s", self.key.stage_index, e)
+            return None
+        finally:
+            self._release(hit)
+        self.exports += 1
+        return self._share(manifest)
+
+    def _best_warm_lane(self, tokens, max_len: int, namespace: str) -> tuple[int, int]:
+        """(a warm lane, its rows reusable for `tokens`: a stride multiple, or 0)."""
+        stride, best = self.config.stride, (-1, 0)
+        for lane in self.lanes.warm_lanes():
+            n = self._own_reuse(lane, tokens, max_len, namespace)
+            cut = n // stride * stride
+            if cut != n and self.entries.whole_entry:
+                cut = 0  # recurrent state exists only at the lane's end
+            if cut > best[1]:
+                best = (lane, cut)
+        return best
+
+    def adopt(self, tokens: Sequence[int], manifest: Manifest, *,
+              namespace: str = "") -> bool:
+        """Take a payload pulled from a peer stage (its blocks already in the store, one
+        reference each, which pass to this cache) as an entry for its prefix. False,
+        with its references released, when it is not this stage's state for these
+        tokens: another identity (model, split, CPU kind, tenant) never enters."""
+        n = manifest.n_tokens
+        scope = self.scope(namespace)
+        if not self.entries.enabled or n > len(tokens) or \
+                manifest.identity != prefix_digest(scope, tokens[:n]):
+            release_payload(manifest, self.store)
+            return False
+        try:
+            self.entries.adopt(tokens, decode_state(manifest, self.store), scope)
+        except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
+            log.warning("stage %s: a pulled payload did not import: %s",
+                        self.key.stage_index, e)
+            release_payload(manifest, self.store)
+            return False
+        self.adopted += 1
+        self._share(manifest)
+        return True
+
+    def _share(self, manifest: Manifest) -> Manifest:
+        """Keep a payload (and the references it holds) as the newest shared one."""
+        old = self._shared.pop(manifest.identity, None)
+        if old is not None and old is not manifest:
+            release_payload(old, self.store)
+        self._shared[manifest.identity] = manifest
+        while len(self._shared) > SHARED_PAYLOADS:
+            release_payload(self._shared.pop(next(iter(self._shared))), self.store)
+        return manifest
+
     # -- observability -----------------------------------------------------------------------
     def stats(self) -> dict:
         """Totals over this stage's caches (hits by kind, bytes by state), plus each part:
@@ -370,6 +457,7 @@ class StageCache:
         if self.store is not None:
             snap["blocks"] = dataclasses.asdict(self.store.stats())
         snap["restore_failures"] = self.restore_failures
+        snap["exports"], snap["adopted"] = self.exports, self.adopted
         snap["leases_held"] = len(self.leases)
         snap["leases_expired"] = self.leases.expired
         return snap
@@ -377,6 +465,9 @@ class StageCache:
     def clear(self) -> None:
         """Forget every entry; one leased to a lane is freed when its lease ends."""
         self.entries.drop(self.prefixes.clear())
+        for manifest in self._shared.values():
+            release_payload(manifest, self.store)
+        self._shared.clear()
         for c in (self.results, self.frames):
             if c is not None:
                 c.clear()

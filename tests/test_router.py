@@ -46,6 +46,21 @@ def test_a_busy_pipeline_gives_way():
     assert r.choose(STEM) == 1 - a
 
 
+def test_a_request_moved_away_learns_where_its_prefix_is():
+    r = Router(3, stride=64)
+    a = r.route(STEM).pipeline
+    assert r.route(STEM[:64] + [5]).holder is None    # kept where its prefix is
+    r.finished(a), r.finished(a)
+    r.load[a] += MAX_IMBALANCE + 1
+    moved = r.route(STEM + [6])
+    assert moved.pipeline != a and moved.holder == a  # its stages pull from a's
+    r.finished(moved.pipeline)
+    r.load[a] -= MAX_IMBALANCE + 1
+    third = 3 - a - moved.pipeline                    # the only one without the prefix
+    down = r.route(STEM + [7], usable=[third])        # the others cannot serve now
+    assert down.pipeline == third and down.holder in (a, moved.pipeline)
+
+
 def test_needs_a_pipeline():
     with pytest.raises(ValueError):
         Router(0, stride=64)

@@ -44,6 +44,7 @@ class Link(Protocol):
 class Pipeline(Protocol):
     generation: int  # how many times it was repaired
     healthy: bool    # False while a repair has not made the chain whole
+    addresses: list[str]  # where each stage listens for peers (empty: not reachable)
 
     async def open(self) -> Link: ...
 
@@ -52,9 +53,10 @@ class Pipeline(Protocol):
 
 
 async def drive(pipe: Pipeline, request: GenerationRequest,
-                on_rebuild=lambda reason: None) -> AsyncIterator[Step]:
+                on_rebuild=lambda reason: None, peers: list[str] = ()) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
-    iteration (client gone) closes the session, which frees the lanes down the chain."""
+    iteration (client gone) closes the session, which frees the lanes down the chain.
+    `peers`: another pipeline's stage addresses, to pull the prompt's state from."""
     produced: list[int] = []
     failures = 0
     while True:
@@ -62,7 +64,7 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
         link = None
         try:
             link = await pipe.open()
-            async for step in _attempt(link, request, produced):
+            async for step in _attempt(link, request, produced, peers):
                 produced.append(step.token)
                 yield step
             return
@@ -84,19 +86,19 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
             await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
 
 
-async def _attempt(link: Link, request: GenerationRequest,
-                   produced: list[int]) -> AsyncIterator[Step]:
+async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
+                   peers: list[str]) -> AsyncIterator[Step]:
     """One try: plan, prefill (or rebuild what `produced` already holds), then decode.
     The caller appends each yielded token to `produced`."""
     prompt = list(request.tokens)
-    reply = await _ask(link, _plan(request, produced, results=not produced))
+    reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers))
     if reply.WhichOneof("result") == "token":  # an exact repeat, answered from results
         if reply.token.id in request.stop_ids:
             return
         yield _step(reply.token, len(prompt))
         if len(produced) >= request.max_tokens:
             return
-        reply = await _ask(link, _plan(request, produced, results=False))
+        reply = await _ask(link, _plan(request, produced, results=False, peers=peers))
     start = _expect(reply, "plan").plan.start
     sampling = _sampling(request, produced)
     reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
@@ -116,11 +118,12 @@ async def _attempt(link: Link, request: GenerationRequest,
         token = _expect(await _ask(link, _decode(token.id)), "token").token
 
 
-def _plan(request: GenerationRequest, produced: list[int], results: bool) -> pb.StageCall:
+def _plan(request: GenerationRequest, produced: list[int], results: bool,
+          peers: list[str] = ()) -> pb.StageCall:
     return pb.StageCall(plan=pb.Plan(
         tokens=request.tokens, limit=len(request.tokens) - 1, probe=request.probe,
         namespace=request.namespace, sampling=_sampling(request, produced),
-        results=results and not request.probe))
+        results=results and not request.probe, peers=peers))
 
 
 def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:

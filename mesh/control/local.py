@@ -67,6 +67,7 @@ class InProcessPipeline:
         self.servers = servers
         self.generation = 0
         self.healthy = True
+        self.addresses: list[str] = []  # in-process stages take no peer calls
         for here, after in zip(servers, servers[1:]):
             here.link_next(lambda after=after: LocalLink(after))
 

@@ -41,16 +41,26 @@ class PipelinesEngine:
         if not request.admitted:
             await self.admission.acquire()
         try:
-            p = self.router.choose(request.tokens, request.namespace)
+            route = self.router.route(request.tokens, request.namespace,
+                                      [i for i, pipe in enumerate(self.pipes) if pipe.healthy])
+            p = route.pipeline
             try:
                 async for step in drive(self.pipes[p], request,
-                                        lambda reason: self._rebuilt(p, reason)):
+                                        lambda reason: self._rebuilt(p, reason),
+                                        peers=self._peers(route.holder)):
                     yield step
             finally:
                 self.router.finished(p)
         finally:
             if not request.admitted:
                 self.admission.release()
+
+    def _peers(self, holder: int | None) -> list[str]:
+        """Where the holder pipeline's stages listen, for this request's stages to pull
+        its prefix from (none while it is being repaired)."""
+        if holder is None or not self.pipes[holder].healthy:
+            return []
+        return list(self.pipes[holder].addresses)
 
     def _rebuilt(self, p: int, reason: str) -> None:
         self.rebuilds["evicted" if "went away" in reason else "fault"] += 1

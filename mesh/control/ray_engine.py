@@ -140,35 +140,51 @@ class _Launch:
     options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
     credentials: ClusterCredentials  # issues each actor its own
     host: str | None  # where stage servers listen (None: Ray's address of their node)
-    moved: dict[int, str] = dataclasses.field(default_factory=dict)  # stage -> new node
+    # (pipeline, stage) -> the node its actor was put on
+    placed: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
 
-    def node_for(self, i: int) -> str:
-        """Where stage i's actor goes: its planned node while that is alive (or the node it
-        moved to). A lost node's stages move, with the same layer ranges, to the alive node
-        with the most memory left that can hold them (and, serving a package, holds their
-        parts): the split and its topology digest stay, so state and answers stay exact."""
+    def node_for(self, r: int, i: int) -> str:
+        """Where pipeline r's stage i goes: the node it is on while that is alive. The
+        first pipeline starts where the plan put it; the others on the alive nodes with
+        the most memory left that hold them, so pipelines spread over the cluster (and
+        share the plan's node when nothing else has room). A lost node's stages move,
+        with the same layer ranges, to such a node: the split and its topology digest
+        stay, so state and answers stay exact."""
         st = self.plan.stages[i]
-        current = self.moved.get(i, st.node.name)
-        if any(n["NodeID"] == current and n.get("Alive") for n in ray.nodes()):
+        current = self.placed.get((r, i), st.node.name if r == 0 else None)
+        if current is not None and any(n["NodeID"] == current and n.get("Alive")
+                                       for n in ray.nodes()):
+            self.placed[(r, i)] = current
             return current
-        alive = cluster_nodes(self.path, self.plan.model_digest)
+        node = self._roomiest(r, i)
+        if node is None:
+            if current is not None:
+                log.error("pipeline %d stage %d lost node %s and no alive node can hold "
+                          "layers %d-%d; it waits for that node", r, i, current[:12],
+                          st.start, st.end - 1)
+                return current
+            node = st.node.name
+        elif current is not None:
+            log.warning("pipeline %d stage %d: node %s is lost; layers %d-%d move to node "
+                        "%s (same split, topology %s)", r, i, current[:12], st.start,
+                        st.end - 1, node[:12], self.plan.digest[:16])
+        self.placed[(r, i)] = node
+        return node
+
+    def _roomiest(self, r: int, i: int) -> str | None:
+        """The alive node with the most memory left that can hold pipeline r's stage i
+        (serving a package: holding its parts); None if none can."""
+        st = self.plan.stages[i]
         held = Counter()
-        for j, other in enumerate(self.plan.stages):
-            if j != i:
-                held[self.moved.get(j, other.node.name)] += other.total_bytes * self.pipelines
-        fits = [n for n in alive
-                if n.memory - held[n.name] >= st.total_bytes * self.pipelines
+        for (q, j), node in self.placed.items():
+            if (q, j) != (r, i):
+                held[node] += self.plan.stages[j].total_bytes
+        fits = [n for n in cluster_nodes(self.path, self.plan.model_digest)
+                if n.memory - held[n.name] >= st.total_bytes
                 and (not is_package(self.path) or set(range(st.start, st.end)) <= n.layers)]
         if not fits:
-            log.error("stage %d lost node %s and no alive node can hold layers %d-%d; "
-                      "it waits for that node", i, current[:12], st.start, st.end - 1)
-            return current
-        node = max(fits, key=lambda n: n.memory - held[n.name]).name
-        log.warning("stage %d: node %s is lost; layers %d-%d move to node %s (same split, "
-                    "topology %s)", i, current[:12], st.start, st.end - 1, node[:12],
-                    self.plan.digest[:16])
-        self.moved[i] = node
-        return node
+            return None
+        return max(fits, key=lambda n: n.memory - held[n.name]).name
 
     def spec(self, st: StagePlan) -> tuple[StageSpec, int | None]:
         """The stage's spec and its burst threads. Stages sharing a node share its cores
@@ -184,12 +200,13 @@ class _Launch:
                          topology_digest=self.plan.digest)
         return spec, None if o["threads"] else share * sharing
 
-    def actor(self, i: int):
+    def actor(self, r: int, i: int):
         from ..stage.actor import StageActor
         st = self.plan.stages[i]
         spec, burst = self.spec(st)
         return StageActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_for(i), soft=False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_for(r, i),
+                                                               soft=False),
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
         ).remote(spec, self.cache, self.policy, self.runtime, self.host, burst,
@@ -239,13 +256,16 @@ class RayEngine(PipelinesEngine):
                                dict(wire_dtype=wire_dtype, n_ctx=n_ctx, threads=threads,
                                     lane_batch=lane_batch, weight_format=weight_format),
                                cluster, host)
-        for r in range(pipelines):
-            for st in self.plan.stages:
-                progress(_placement(r, st, path))
+        for st in self.plan.stages:
+            progress(_placement(st, path))
         driver = cluster.issue()
         limit = message_limit(str(path), n_ctx, wire_dtype)
-        self.pipelines = [RayPipeline(self._launch.actor, n, credentials=driver,
-                                      max_message=limit) for _ in range(pipelines)]
+        self.pipelines = [RayPipeline(functools.partial(self._launch.actor, r), n,
+                                      credentials=driver, max_message=limit)
+                          for r in range(pipelines)]
+        for r in range(1, pipelines):
+            progress(f"pipeline {r}: " + ", ".join(
+                f"stage {i} on node {self._launch.placed[(r, i)][:12]}" for i in range(n)))
         t = time.monotonic()
         for pipe in self.pipelines:
             pipe.wire()
@@ -286,12 +306,12 @@ class RayEngine(PipelinesEngine):
             self._owns_ray = False
 
 
-def _placement(r: int, st: StagePlan, path: Path) -> str:
+def _placement(st: StagePlan, path: Path) -> str:
     here = ""
     if is_package(path):
         n_here = sum(i in st.node.layers for i in range(st.start, st.end))
         here = f", parts of {n_here}/{st.n_layers} layers already there"
-    return (f"pipeline {r} stage {st.index}: layers {st.start}-{st.end - 1} on node "
+    return (f"stage {st.index}: layers {st.start}-{st.end - 1} on node "
             f"{st.node.name[:12]}, {st.total_bytes / 2**20:.0f} MiB{here}")
 
 

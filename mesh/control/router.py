@@ -1,10 +1,13 @@
 """Choosing a pipeline for a request: where its prefix is cached, else the least loaded.
 
 The router remembers, per pipeline, the digests of the chunk-aligned prefixes it sent
-there recently (a bounded LRU each). A new request goes to the pipeline that served the
-longest prefix of it — its stages most likely still hold that state — unless that
-pipeline is much busier than the idlest one; otherwise to the least loaded. The request
-then stays on its pipeline for its whole life.
+there recently (a bounded LRU each): the cluster's directory of which pipeline's stages
+hold which prefix. A new request goes to the pipeline that served the longest prefix of
+it — its stages most likely still hold that state — unless that pipeline is much busier
+than the idlest one (or cannot serve now); otherwise to the least loaded. A request moved
+away from its prefix learns where that prefix is (`Route.holder`): its stages then pull
+the state from their counterparts there (mesh/stage/state_pull.py) instead of
+recomputing it. The request stays on its pipeline for its whole life.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from skippy.cache.identity import prefix_digests
 
@@ -19,11 +23,17 @@ REMEMBERED = 4096        # prefix digests kept per pipeline
 MAX_IMBALANCE = 4        # in-flight requests a cached prefix may cost over the idlest
 
 
+@dataclass(frozen=True)
+class Route:
+    pipeline: int
+    holder: int | None = None  # another pipeline that served a longer prefix of it
+
+
 class Router:
-    def __init__(self, n_pipelines: int, stride: int):
+    def __init__(self, n_pipelines: int, stride: int, max_imbalance: int = MAX_IMBALANCE):
         if n_pipelines < 1:
             raise ValueError("a router needs at least one pipeline")
-        self.stride = stride
+        self.stride, self.max_imbalance = stride, max_imbalance
         self.load = [0] * n_pipelines
         self._seen: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(n_pipelines)]
         self._lock = threading.Lock()
@@ -33,19 +43,29 @@ class Router:
         return prefix_digests(namespace.encode(), tokens, list(lengths))
 
     def choose(self, tokens: Sequence[int], namespace: str = "") -> int:
-        """The pipeline for this request; counted as in flight until `finished`."""
+        return self.route(tokens, namespace).pipeline
+
+    def route(self, tokens: Sequence[int], namespace: str = "",
+              usable: Sequence[int] | None = None) -> Route:
+        """The pipeline for this request (among `usable`, default all; all when none is),
+        counted as in flight until `finished`, and the one holding a longer prefix."""
         digests = self._digests(tokens, namespace)
         longest_first = sorted(digests, reverse=True)
         with self._lock:
-            idlest = min(range(len(self.load)), key=lambda p: (self.load[p], p))
+            candidates = [p for p in (usable or ()) if 0 <= p < len(self.load)] or \
+                list(range(len(self.load)))
+            held = {p: next((n for n in longest_first if digests[n] in seen), 0)
+                    for p, seen in enumerate(self._seen)}
+            idlest = min(candidates, key=lambda p: (self.load[p], p))
             best, best_len = idlest, 0
-            for p, seen in enumerate(self._seen):
-                if self.load[p] - self.load[idlest] > MAX_IMBALANCE:
+            for p in candidates:
+                if self.load[p] - self.load[idlest] > self.max_imbalance:
                     continue
-                length = next((n for n in longest_first if digests[n] in seen), 0)
+                length = held[p]
                 if length > best_len or (length == best_len and length
                                          and self.load[p] < self.load[best]):
                     best, best_len = p, length
+            holder = max(held, key=lambda p: (held[p], p == best))
             self.load[best] += 1
             seen = self._seen[best]
             for d in digests.values():
@@ -53,7 +73,7 @@ class Router:
                 seen.move_to_end(d)
             while len(seen) > REMEMBERED:
                 seen.popitem(last=False)
-            return best
+            return Route(best, holder if held[holder] > best_len else None)
 
     def finished(self, pipeline: int) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from skippy.stages.runtime import StageSpec
 from .grpc_service import grpc_opener, message_limit, start_server
 from .security import StageCredentials
 from .server import StageServer
+from .state_pull import StatePuller
 
 
 @ray.remote
@@ -28,6 +29,7 @@ class StageActor:
         host = host or ray.util.get_node_ip_address()
         self._credentials = credentials
         self._limit = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
+        self.server.puller = StatePuller(credentials, self._limit)
         self._rpc, self._address = start_server(self.server, host, credentials, self._limit)
         self._next: str | None = None
 

@@ -16,6 +16,7 @@ import grpc
 from blake3 import blake3
 
 from skippy.cache.blocks import BlockStore
+from skippy.cache.payload import IncompatiblePayload, Manifest
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
@@ -23,6 +24,7 @@ from .security import StageCredentials
 
 ATTEMPTS = 2       # a block that arrives damaged is asked for once more
 REPLY_S = 60.0     # a holder that says nothing this long is given up on: recompute
+EXPORT_S = 10.0    # a peer that cannot export a prefix in this long is not worth waiting for
 
 
 @dataclass
@@ -48,6 +50,25 @@ class BlockPeer:
         self._channel = credentials.channel(address, channel_options(max_message))
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._metadata = credentials.metadata
+
+    def export(self, tokens: list[int], limit: int, after: int,
+               namespace: str = "") -> Manifest | None:
+        """The peer's payload for the longest prefix of `tokens` it holds (longer than
+        `after`, at most `limit`); None when it holds nothing longer or answers with
+        something that is not a manifest. Raises ConnectionError when it cannot be
+        reached."""
+        try:
+            reply = self._stub.Export(pb.ExportRequest(tokens=tokens, limit=limit, after=after,
+                                                       namespace=namespace),
+                                      metadata=self._metadata, timeout=EXPORT_S)
+        except grpc.RpcError as e:
+            raise ConnectionError(f"peer {self.address}: {e.code().name}") from None
+        if not reply.manifest:
+            return None
+        try:
+            return Manifest.from_bytes(reply.manifest)
+        except IncompatiblePayload:
+            return None
 
     def fetch(self, hashes: Iterable[bytes], local: BlockStore | None = None) -> Fetch:
         """The blocks of `hashes` that `local` lacks, verified; the holder's absence or a

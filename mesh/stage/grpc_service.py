@@ -83,6 +83,10 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         for h, data in self.server.blocks(request.hashes):
             yield pb.Block(hash=h, data=data)
 
+    def Export(self, request, context):
+        return pb.ExportReply(manifest=self.server.export(
+            list(request.tokens), request.limit, request.after, request.namespace))
+
 
 class _Reader:
     """A session's incoming calls, read on a thread of their own so the handler can give

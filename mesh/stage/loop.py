@@ -69,11 +69,21 @@ class Timing:
     seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     count: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     rows: int = 0  # decode rows: rows / count["decode"] is the mean batch
+    prefill_rows: int = 0  # rows prefills computed: what recomputing a prefix costs
 
     def add(self, kind: str, dt: float, rows: int = 0) -> None:
         self.seconds[kind] += dt
         self.count[kind] += 1
-        self.rows += rows
+        if kind == "decode":
+            self.rows += rows
+        else:
+            self.prefill_rows += rows
+
+    def prefill_s_per_row(self) -> float | None:
+        """Mean seconds a prefill spent per row computed; None before any prefill."""
+        if not self.prefill_rows:
+            return None
+        return self.seconds["prefill"] / self.prefill_rows
 
 
 class StageLoop:
@@ -121,15 +131,15 @@ class StageLoop:
             self._cv.notify_all()
         return row.outcome()
 
-    def compute(self, kind: str, fn, *args, **kwargs):
-        """A prefill-like job, timed and run at the loop's thread count."""
+    def compute(self, kind: str, fn, *args, rows: int = 0, **kwargs):
+        """A prefill-like job of `rows` rows, timed and run at the loop's thread count."""
         def timed():
             self._fit_threads()
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.timing.add(kind, time.perf_counter() - t)
+                self.timing.add(kind, time.perf_counter() - t, rows)
         return self.call(timed)
 
     def allow_burst(self, burst: int | None) -> None:

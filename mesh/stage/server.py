@@ -15,6 +15,7 @@ from skippy.stages.stage_cache import StageCache
 
 from .loop import Row, StageLoop
 from .session import LinkDown, StageSession
+from .state_pull import StatePuller
 
 
 class StageServer:
@@ -33,6 +34,8 @@ class StageServer:
         self.lane_freed = threading.Condition()  # a session waiting for a lane hears it
         # A test hook: raises for a row that must fail (fault isolation is tested with it).
         self.fault: Callable[[Row], None] | None = None
+        # Pulls state from peer stages (set where the stage network exists).
+        self.puller: StatePuller | None = None
 
     # -- the chain -----------------------------------------------------------------------
     def link_next(self, opener: Callable[[], object] | None) -> None:
@@ -73,8 +76,17 @@ class StageServer:
                 data = b""
             yield h, data
 
+    def export(self, tokens: list[int], limit: int, after: int, namespace: str) -> bytes:
+        """A peer's ask for this stage's state of a prefix: its payload manifest (the
+        blocks wait in the store for GetBlocks), empty when nothing longer is held."""
+        manifest = self.loop.call(self.cache.export, tokens, limit, after,
+                                  namespace=namespace)
+        return b"" if manifest is None else manifest.to_bytes()
+
     def stats(self) -> dict:
         s = self.loop.call(self.cache.stats)
+        if self.puller is not None:
+            s["pulls"] = self.puller.stats()
         t = self.loop.timing
         s.update(stage_index=self.spec.stage_index,
                  layers=[self.spec.layer_start, self.spec.layer_end],

@@ -18,6 +18,7 @@ free.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -99,12 +100,17 @@ class StageSession:
             if logits is not None:  # an exact repeat: its first token, nothing computed
                 self._new_sampler(p.sampling)
                 return pb.StageResult(token=self._sample(logits, len(tokens)))
+        pulling = self._pull(p, tokens)  # while the stages below plan theirs
         d = None
         if not self.last:
             reply = self._downstream().ask(pb.StageCall(plan=p))
+            if pulling is not None:
+                pulling.join()
             if reply.WhichOneof("result") != "plan":
                 return reply
             d = reply.plan.start
+        elif pulling is not None:
+            pulling.join()
         start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, probe=p.probe,
                                namespace=p.namespace)
         self.downstream_start = d
@@ -122,7 +128,7 @@ class StageSession:
         if self.last:
             self._new_sampler(p.sampling)
         out = self.loop.compute("prefill", self._restore_and_prefill, tokens, inputs, start,
-                                p.probe, p.namespace)
+                                p.probe, p.namespace, rows=len(tokens) - start)
         self._start_decoding()
         if self.last:
             if not p.probe:
@@ -163,6 +169,18 @@ class StageSession:
         return self._downstream().ask(pb.StageCall(decode=sent))
 
     # -- pieces --------------------------------------------------------------------------
+    def _pull(self, p: pb.Plan, tokens: list[int]) -> threading.Thread | None:
+        """Start pulling this prompt's state from the peer stage the plan names (another
+        pipeline that served a longer prefix), if any."""
+        i, puller = self.server.spec.stage_index, self.server.puller
+        if p.probe or puller is None or i >= len(p.peers) or not p.peers[i]:
+            return None
+        t = threading.Thread(target=puller.pull, daemon=True,
+                             args=(self.server, p.peers[i], self.lane, tokens, p.limit,
+                                   p.namespace))
+        t.start()
+        return t
+
     def _begin(self, tokens: list[int], probe: bool, namespace: str) -> None:
         """At the first call: the warm lane holding most of the prompt (a probe: a fresh
         one), waiting for one where the runtime has a fixed number."""
