@@ -33,7 +33,7 @@ MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
 PORT = 8000
 CTX = 1024
 QUESTION = "What is the capital of France?"
-STAGE_LINE = re.compile(r"pipeline 0 stage (\d+): layers (\d+)-(\d+) on node (\w+)")
+STAGE_LINE = re.compile(r"stage (\d+): layers (\d+)-(\d+) on node (\w+)")
 
 
 @pytest.fixture(scope="module")

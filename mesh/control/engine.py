@@ -41,6 +41,7 @@ class GenerationRequest:
     probe: bool = False              # warm-up / health: bypasses every cache
     logits: bool = False             # return each step's raw logits row (tests, evals)
     admitted: bool = False           # its lane is already reserved (Engine.reserve)
+    pipeline: int | None = None      # run on this pipeline, wherever its prefix is (evals)
 
 
 @dataclass(frozen=True)

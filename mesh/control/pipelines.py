@@ -42,7 +42,8 @@ class PipelinesEngine:
             await self.admission.acquire()
         try:
             route = self.router.route(request.tokens, request.namespace,
-                                      [i for i, pipe in enumerate(self.pipes) if pipe.healthy])
+                                      [i for i, pipe in enumerate(self.pipes) if pipe.healthy],
+                                      pinned=request.pipeline)
             p = route.pipeline
             try:
                 async for step in drive(self.pipes[p], request,

@@ -286,6 +286,11 @@ class RayEngine(PipelinesEngine):
         return ray.get([a.node_id.remote() for a in self.pipelines[pipeline].actors],
                        timeout=60)
 
+    def pipeline_stats(self, pipeline: int) -> list[dict]:
+        """One pipeline's stage figures."""
+        return ray.get([a.stats.remote() for a in self.pipelines[pipeline].actors],
+                       timeout=60)
+
     def stats(self) -> dict:
         """Per-stage figures, summed over pipelines stage by stage."""
         try:

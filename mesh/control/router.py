@@ -46,13 +46,17 @@ class Router:
         return self.route(tokens, namespace).pipeline
 
     def route(self, tokens: Sequence[int], namespace: str = "",
-              usable: Sequence[int] | None = None) -> Route:
-        """The pipeline for this request (among `usable`, default all; all when none is),
-        counted as in flight until `finished`, and the one holding a longer prefix."""
+              usable: Sequence[int] | None = None, pinned: int | None = None) -> Route:
+        """The pipeline for this request (`pinned`, else among `usable`, default all; all
+        when none is), counted as in flight until `finished`, and the one holding a
+        longer prefix."""
         digests = self._digests(tokens, namespace)
         longest_first = sorted(digests, reverse=True)
         with self._lock:
-            candidates = [p for p in (usable or ()) if 0 <= p < len(self.load)] or \
+            if pinned is not None and not 0 <= pinned < len(self.load):
+                raise ValueError(f"no pipeline {pinned}: there are {len(self.load)}")
+            candidates = [pinned] if pinned is not None else \
+                [p for p in (usable or ()) if 0 <= p < len(self.load)] or \
                 list(range(len(self.load)))
             held = {p: next((n for n in longest_first if digests[n] in seen), 0)
                     for p, seen in enumerate(self._seen)}

@@ -1,0 +1,176 @@
+"""State shared between pipelines: time to first token for a local hit, a remote hit and a
+recompute, at several prompt lengths, on one cluster.
+
+    python -m skippy.evals.bench_cluster [--model smollm2] [--tokens 512,2048,4096]
+                                         [--address HOST:PORT] [--json PATH]
+
+Two pipelines of one stage each (the second on another node when the cluster has one,
+otherwise beside the first). For each length n, a prompt of n tokens from the corpus:
+
+- recompute: turn 2 of a conversation on pipeline B with no state anywhere for it (another
+  tenant namespace, so no cache of either pipeline can serve it);
+- local hit: turn 1 served on pipeline A, turn 2 (turn 1 + its answer + a new message)
+  on A again: A's stage continues from its own state;
+- remote hit: turn 2 sent to pipeline B: its stage pulls turn 1's state from A's stage
+  over the stage network (only the blocks it lacks), then computes the new message.
+
+Every remote-hit answer is checked against the recompute of the same prompt: the tokens
+and the logits of every step must be bitwise equal, or the bench fails. `--json P` writes
+P and a plot P.png (TTFT by prompt length). Target (issue 17): remote hit at most 0.3x
+recompute at 2,048 tokens for SmolLM2. With no --address the bench starts an embedded
+Ray on this machine, where the "remote" link is loopback: run it on a cluster (or the
+3-host harness, tests/hosts.py) for a real link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from skippy.cache.config import CacheConfig
+from skippy.mesh.control.engine import GenerationRequest
+from skippy.mesh.control.ray_engine import RayEngine
+from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.models import pull
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
+NEW_MESSAGE = 64   # tokens a follow-up turn adds after turn 1 and its answer
+ANSWER = 4         # tokens generated per turn
+TARGET = 0.3       # remote / recompute at 2,048 tokens
+
+
+def corpus_ids(tok: Tokenizer, data: Path, n: int, skip: int = 0) -> list[int]:
+    """n tokens of corpus text (records joined, starting after `skip` records)."""
+    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    ids: list[int] = []
+    for record in records[skip:] + records[:skip]:
+        ids += tok.encode("".join(m["content"] for m in record["messages"]))
+        if len(ids) >= n:
+            return ids[:n]
+    raise ValueError(f"the corpus holds fewer than {n} tokens")
+
+
+async def _turn(engine, tokens: list[int], pipeline: int, namespace: str = ""):
+    """(seconds to the first token, the steps) of a greedy request pinned to a pipeline."""
+    t = time.perf_counter()
+    first, steps = None, []
+    async for step in engine.generate(GenerationRequest(
+            tuple(tokens), ANSWER, namespace=namespace, logits=True, pipeline=pipeline)):
+        if first is None:
+            first = time.perf_counter() - t
+        steps.append(step)
+    return first, steps
+
+
+def _pulls(engine, pipeline: int) -> dict:
+    stats = engine.pipeline_stats(pipeline)
+    return stats[0].get("pulls", {}) if stats else {}
+
+
+def measure(engine, tok: Tokenizer, data: Path, n: int, skip: int) -> dict:
+    """One prompt length: recompute, local hit and remote hit, checked for exactness."""
+    ids = corpus_ids(tok, data, n + 2 * NEW_MESSAGE, skip)
+    turn1, news = ids[:n], (ids[n:n + NEW_MESSAGE], ids[n + NEW_MESSAGE:])
+
+    async def run():
+        _, first = await _turn(engine, turn1, 0)
+        answer = [s.token for s in first]
+        local_s, _ = await _turn(engine, turn1 + answer + news[0], 0)
+        before = _pulls(engine, 1)
+        turn2 = turn1 + answer + news[1]
+        remote_s, remote = await _turn(engine, turn2, 1)
+        after = _pulls(engine, 1)
+        cold_s, cold = await _turn(engine, turn2, 1, namespace=f"cold-{n}")
+        exact = [s.token for s in remote] == [s.token for s in cold] and all(
+            a.logits is not None and a.logits.equal(b.logits) for a, b in zip(remote, cold))
+        return dict(tokens=n, turn2_tokens=len(turn2), recompute_s=cold_s,
+                    local_hit_s=local_s, remote_hit_s=remote_s,
+                    remote_cached_tokens=remote[0].cached_tokens,
+                    pulled_tokens=after.get("pulled_tokens", 0) - before.get("pulled_tokens", 0),
+                    fetched_bytes=after.get("fetched_bytes", 0) - before.get("fetched_bytes", 0),
+                    remote_over_recompute=remote_s / cold_s, exact=exact)
+    return asyncio.run(run())
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    xs = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for key, label in (("recompute_s", "recompute"), ("remote_hit_s", "remote hit (pulled)"),
+                       ("local_hit_s", "local hit")):
+        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xlabel("conversation tokens before the new message")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_title("Turn 2 on another pipeline: pull the state or recompute it")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(result: dict) -> str:
+    lines = [f"nodes: pipeline A {result['nodes'][0]}, pipeline B {result['nodes'][1]}",
+             f"{'tokens':>7} {'recompute':>10} {'local hit':>10} {'remote hit':>11} "
+             f"{'remote/rec':>11} {'pulled MiB':>11} exact"]
+    for r in result["rows"]:
+        lines.append(f"{r['tokens']:>7} {r['recompute_s']:>9.3f}s {r['local_hit_s']:>9.3f}s "
+                     f"{r['remote_hit_s']:>10.3f}s {r['remote_over_recompute']:>10.2f}x "
+                     f"{r['fetched_bytes'] / 2**20:>11.1f} {r['exact']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_cluster",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a model name to pull, or a GGUF path")
+    p.add_argument("--tokens", default="512,2048,4096",
+                   help="conversation lengths before turn 2, comma-separated")
+    p.add_argument("--address", default=None, help="a Ray cluster (default: embedded)")
+    p.add_argument("--weight-format", default="fp32")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="corpus JSONL")
+    p.add_argument("--json", type=Path, default=None, help="write results here (and .png)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    try:
+        lengths = sorted({int(x) for x in args.tokens.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--tokens takes numbers separated by commas, not {args.tokens!r}")
+    path = Path(args.model) if Path(args.model).is_file() else pull(args.model)
+    tok = Tokenizer(path)
+    n_ctx = max(lengths) + 2 * NEW_MESSAGE + 4 * ANSWER + 64
+    engine = RayEngine(path, 1, pipelines=2, address=args.address, n_ctx=n_ctx,
+                       weight_format=args.weight_format, cache=CacheConfig(), lanes=2)
+    try:
+        rows = [measure(engine, tok, args.data, n, skip=7 * i) for i, n in enumerate(lengths)]
+        result = {"model": path.name, "weight_format": args.weight_format,
+                  "nodes": [engine.node_ids(0), engine.node_ids(1)],
+                  "stage_tls": engine.stage_tls, "rows": rows}
+    finally:
+        asyncio.run(engine.close())
+    print(table(result))
+    at = next((r for r in rows if r["tokens"] == 2048), None)
+    if at is not None:
+        verdict = "met" if at["remote_over_recompute"] <= TARGET else "missed"
+        print(f"target remote <= {TARGET}x recompute at 2048 tokens: {verdict}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+        plot(rows, args.json.with_suffix(".png"))
+    if not all(r["exact"] for r in rows):
+        raise SystemExit("a remote hit answered differently from a recompute")
+    return result
+
+
+if __name__ == "__main__":
+    main()
