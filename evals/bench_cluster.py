@@ -79,7 +79,7 @@ def measure(engine, tok: Tokenizer, data: Path, n: int, skip: int) -> dict:
     async def run():
         _, first = await _turn(engine, turn1, 0)
         answer = [s.token for s in first]
-        local_s, _ = await _turn(engine, turn1 + answer + news[0], 0)
+        local_s, local = await _turn(engine, turn1 + answer + news[0], 0)
         before = _pulls(engine, 1)
         turn2 = turn1 + answer + news[1]
         remote_s, remote = await _turn(engine, turn2, 1)
@@ -89,6 +89,7 @@ def measure(engine, tok: Tokenizer, data: Path, n: int, skip: int) -> dict:
             a.logits is not None and a.logits.equal(b.logits) for a, b in zip(remote, cold))
         return dict(tokens=n, turn2_tokens=len(turn2), recompute_s=cold_s,
                     local_hit_s=local_s, remote_hit_s=remote_s,
+                    local_cached_tokens=local[0].cached_tokens,
                     remote_cached_tokens=remote[0].cached_tokens,
                     pulled_tokens=after.get("pulled_tokens", 0) - before.get("pulled_tokens", 0),
                     fetched_bytes=after.get("fetched_bytes", 0) - before.get("fetched_bytes", 0),

@@ -1,0 +1,55 @@
+"""State shared between hosts that really are separate (tests/hosts.py): a conversation
+served by pipeline A on host 1 continues on pipeline B on host 2, whose stage pulls the
+state from host 1 over the stage network (mutual TLS) instead of recomputing it, and
+answers bitwise as a recompute does. The driver is `evals/bench_cluster.py` itself, run
+inside host 1, so the figures in its JSON are the eval's.
+
+Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from hosts import RAY_PORT, ray_nodes, separate_hosts  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+GiB = 2**30
+# Pipeline A goes where the plan puts stage 0 (the largest host), B to the host with
+# the most memory left after it.
+MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
+TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
+        yield hs
+
+
+def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smollm2):
+    if not DATA.is_file():
+        pytest.skip(f"no corpus at {DATA}")
+    head = hosts[0]
+    out = head.root / "bench_cluster.json"
+    done = head.run(sys.executable, "-m", "skippy.evals.bench_cluster", "--model", str(smollm2),
+                    "--tokens", str(TOKENS), "--address", f"{head.ip}:{RAY_PORT}",
+                    "--data", str(DATA), "--json", str(out), timeout=480)
+    print(done.stdout)
+    result = json.loads(out.read_text())
+    nodes = ray_nodes(f"{head.ip}:{RAY_PORT}")
+    assert result["nodes"] == [[nodes[hosts[0].ip]], [nodes[hosts[1].ip]]]
+    assert result["stage_tls"]
+    row, = result["rows"]
+    assert row["exact"]                                   # tokens and logits, every step
+    assert row["pulled_tokens"] == TOKENS                 # turn 1 came from host 1
+    assert row["remote_cached_tokens"] >= TOKENS and row["local_cached_tokens"] >= TOKENS
+    assert 0 < row["fetched_bytes"]
+    assert out.with_suffix(".png").stat().st_size > 0
