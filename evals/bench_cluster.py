@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [measure(engine, tok, args.data, n, skip=7 * i) for i, n in enumerate(lengths)]
         result = {"model": path.name, "weight_format": args.weight_format,
                   "nodes": [engine.node_ids(0), engine.node_ids(1)],
-                  "stage_tls": engine.stage_tls, "rows": rows}
+                  "stage_tls": engine.stage_tls, "rows": rows,
+                  "state_by_node": engine.stats()["nodes"]}
     finally:
         asyncio.run(engine.close())
     print(table(result))

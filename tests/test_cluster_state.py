@@ -53,3 +53,6 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     assert row["remote_cached_tokens"] >= TOKENS and row["local_cached_tokens"] >= TOKENS
     assert 0 < row["fetched_bytes"]
     assert out.with_suffix(".png").stat().st_size > 0
+    a, b = (result["state_by_node"][nodes[h.ip][:12]] for h in hosts[:2])
+    assert a["exports"] >= 1 and a["fetched_bytes"] == 0        # host 1 gave
+    assert b["pulls"] == 1 and b["fetched_bytes"] == row["fetched_bytes"]  # host 2 took

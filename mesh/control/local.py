@@ -21,7 +21,7 @@ from skippy.topology.planner import even_ranges, gguf_model_digest, topology_dig
 
 from .engine import EngineInfo, GenerationRequest, Step
 from ..stage.server import StageServer
-from .pipelines import PipelinesEngine
+from .pipelines import PipelinesEngine, node_figures
 
 DEFAULT_LANES = 8
 # Sessions block a thread while their stage computes; the default executor's few
@@ -118,7 +118,9 @@ class InProcessEngine(PipelinesEngine):
         return asyncio.run(run())
 
     def stats(self) -> dict:
-        return {"stages": [s.stats() for s in self.servers], **self._figures()}
+        stages = [s.stats() for s in self.servers]
+        return {"stages": stages, "nodes": node_figures(("local", s) for s in stages),
+                **self._figures()}
 
     async def close(self) -> None:
         self._stop()

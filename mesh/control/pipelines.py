@@ -6,7 +6,7 @@ in this process (mesh/control/local.py) or stage actors on Ray (mesh/control/ray
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from .engine import EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
@@ -75,3 +75,22 @@ class PipelinesEngine:
     def status(self) -> dict:
         up = sum(p.healthy for p in self.pipes)
         return {"serving": up > 0, "detail": f"{up} of {len(self.pipes)} pipeline(s) serving"}
+
+
+def node_figures(stages: Iterable[tuple[str, dict]]) -> dict[str, dict]:
+    """State bytes per node from (node, stage figures) pairs, its stages' stores added up:
+    logical and physical bytes held, what deduplication saves, what pulls fetched from
+    peers and what they found held here already, and exports to peers."""
+    nodes: dict[str, dict] = {}
+    for node, s in stages:
+        blocks, pulls = s.get("blocks") or {}, s.get("pulls") or {}
+        figures = nodes.setdefault(node, dict.fromkeys(
+            ("logical_bytes", "physical_bytes", "saved_bytes", "fetched_bytes",
+             "fetch_saved_bytes", "pulls", "exports"), 0))
+        for k in ("logical_bytes", "physical_bytes", "saved_bytes"):
+            figures[k] += blocks.get(k, 0)
+        figures["fetched_bytes"] += pulls.get("fetched_bytes", 0)
+        figures["fetch_saved_bytes"] += pulls.get("held_bytes", 0)
+        figures["pulls"] += pulls.get("pulls", 0)
+        figures["exports"] += s.get("exports", 0)
+    return nodes

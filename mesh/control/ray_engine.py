@@ -31,7 +31,7 @@ from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .engine import EngineInfo
-from .pipelines import PipelinesEngine
+from .pipelines import PipelinesEngine, node_figures
 from .ray_pipeline import RayPipeline
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,11 @@ class RayEngine(PipelinesEngine):
             per = [[]]
         stages = per[0] if len(per) == 1 else [_sum(col) for col in zip(*per)]
         return {"stages": stages, "recreated": sum(p.recreated for p in self.pipelines),
-                **self._figures()}
+                "nodes": self._by_node(per), **self._figures()}
+
+    def _by_node(self, per: list[list[dict]]) -> dict[str, dict]:
+        return node_figures((self._launch.placed.get((r, i), "")[:12], s)
+                            for r, stages in enumerate(per) for i, s in enumerate(stages))
 
     async def close(self) -> None:
         for pipe in self.pipelines:

@@ -111,8 +111,9 @@ class _StageCollector:
 
 def _engine_figures(stats: dict, family) -> None:
     """The engine's own figures: requests rebuilt after a fault (by cause: a stage fault,
-    or cached state evicted between plan and restore), its lane budget, and stage actors
-    re-created after Ray gave up on them."""
+    or cached state evicted between plan and restore), its lane budget, state bytes per
+    node (held, deduplicated, fetched from peers), and stage actors re-created after Ray
+    gave up on them."""
     for cause, n in (stats.get("rebuilds") or {}).items():
         family(CounterMetricFamily, "skippy_engine_rebuilds",
                "Requests rebuilt on a repaired pipeline, by cause", ["cause"]
@@ -120,6 +121,11 @@ def _engine_figures(stats: dict, family) -> None:
     for k, v in (stats.get("admission") or {}).items():
         family(GaugeMetricFamily, f"skippy_engine_lanes_{k}",
                f"Engine lane budget: {k}", []).add_metric([], v)
+    for node, figures in (stats.get("nodes") or {}).items():
+        for k, v in _numbers(figures):
+            family(GaugeMetricFamily, f"skippy_node_{k}",
+                   f"Per node, its stages' state: {k.replace('_', ' ')}", ["node"]
+                   ).add_metric([str(node)], v)
     if "recreated" in stats:
         family(CounterMetricFamily, "skippy_engine_stages_recreated",
                "Stage actors the engine created again", []).add_metric([], stats["recreated"])
