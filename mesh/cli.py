@@ -195,7 +195,9 @@ def cmd_serve(args) -> int:
         if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
             raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
                              "use --runtime torch, or the GGUF the package was split from")
-        verify_package(path)  # a bad part fails here, named, before any stage starts
+        # a bad part fails here, named, before any stage starts; parts the head lacks
+        # are fetched by the nodes whose stages read them
+        verify_package(path, held_only=True)
     cache = cache_config(args)
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .front.gateway import serve

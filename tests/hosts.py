@@ -108,8 +108,7 @@ def check_allowed() -> None:
     """Skip, saying why, unless this process may make private hosts here."""
     if os.geteuid() != 0:
         pytest.skip("separate hosts need root (network namespaces, veth, bridge)")
-    links = _ip("-o", "link", "show").stdout.split("\n")
-    if any(line and ": lo:" not in line for line in links):
+    if _links_besides_lo():
         # the bridge's address must exist only in a namespace the test made
         pytest.skip("separate hosts run only in a loopback-only namespace (unshare -n)")
     probe = f"skprobe{os.getpid()}"
@@ -160,6 +159,16 @@ def _unwire(hosts: Sequence[Host]) -> None:
     for h in hosts:
         _ip("netns", "del", h.netns)   # takes the host's veth end, and so the pair, along
     _ip("link", "del", BRIDGE)
+    # The kernel removes a deleted namespace's veth pairs a moment later: wait, so that the
+    # next module's hosts find a loopback-only namespace again (check_allowed).
+    deadline = time.monotonic() + 10
+    while _links_besides_lo() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _links_besides_lo() -> bool:
+    links = _ip("-o", "link", "show").stdout.split("\n")
+    return any(line and ": lo:" not in line for line in links)
 
 
 def _start_ray(hosts: Sequence[Host], memory: Sequence[int], num_cpus: int) -> None:
@@ -229,3 +238,25 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240)
             raise RuntimeError(f"{url} never answered (exit {proc.poll()}):\n"
                                f"{log.read_text()[-4000:]}")
         time.sleep(1)
+
+
+def greedy_chat(url: str, model: Path, ranges: Sequence[tuple[int, int]], question: str, *,
+                n_ctx: int, max_tokens: int = 16) -> tuple[str, list[int], object]:
+    """Ask the gateway at `url` (its model named "smollm2") `question`, greedy, and compute
+    the answer the in-process pipeline gives on `model` with the same `ranges` (int4
+    weights, cache off): (the served text, the in-process token ids, the tokenizer)."""
+    import openai
+    from skippy.cache.config import CacheConfig
+    from skippy.mesh.control.local import InProcessEngine
+    from skippy.mesh.front.chat import render_chat
+    from skippy.mesh.front.tokenizer import Tokenizer
+    messages = [{"role": "user", "content": question}]
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
+    got = client.chat.completions.create(model="smollm2", messages=messages,
+                                         max_tokens=max_tokens, temperature=0)
+    tok = Tokenizer(model)
+    local = InProcessEngine(model, ranges=list(ranges), n_ctx=n_ctx, weight_format="int4",
+                            cache=CacheConfig(enabled=False))
+    want = [s.token for s in local.complete(tok.encode(render_chat(model, messages)),
+                                            max_tokens, stop_ids=frozenset(tok.eog_ids))]
+    return got.choices[0].message.content, want, tok

@@ -212,6 +212,23 @@ def test_layers_present_counts_parts_at_their_size_of_this_model(smollm2_pkg, tm
     assert layers_present(tmp_path / "nothing", digest) == frozenset()
 
 
+def test_a_head_holding_some_parts_verifies_those_and_needs_the_shared_one(smollm2_pkg,
+                                                                          tmp_path):
+    """A cluster's head may hold the manifest and a few parts; nodes fetch the rest."""
+    pkg = _copy_package(smollm2_pkg, tmp_path / "head")
+    for layer in range(5, 30):
+        (pkg / f"layer-{layer:03d}.gguf").unlink()
+    with pytest.raises(PackageError, match="layer-005.gguf is missing"):
+        verify_package(pkg)
+    verify_package(pkg, held_only=True)
+    _flip_byte(pkg / "layer-002.gguf", 500_000)
+    with pytest.raises(PackageError, match="layer-002.gguf is corrupted"):
+        verify_package(pkg, held_only=True)
+    (pkg / "shared.gguf").unlink()
+    with pytest.raises(PackageError, match="shared.gguf is missing"):
+        verify_package(pkg, held_only=True)
+
+
 # -- corruption ------------------------------------------------------------------------------
 def test_corrupt_byte_fails_verify_and_load_naming_the_part(smollm2_pkg, tmp_path):
     pkg = _copy_package(smollm2_pkg, tmp_path / "bad")

@@ -18,11 +18,8 @@ pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import BIN, RAY_PORT, separate_hosts, ray_nodes, wait_http  # noqa: E402
-from skippy.cache.config import CacheConfig  # noqa: E402
-from skippy.mesh.control.local import InProcessEngine  # noqa: E402
-from skippy.mesh.front.chat import render_chat  # noqa: E402
-from skippy.mesh.front.tokenizer import Tokenizer  # noqa: E402
+from hosts import (BIN, RAY_PORT, greedy_chat, ray_nodes, separate_hosts,  # noqa: E402
+                   wait_http)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -101,18 +98,10 @@ def test_one_stage_per_host_each_on_its_own_address_with_tls(hosts, serve_log):
 
 
 def test_greedy_chat_matches_the_in_process_pipeline(hosts, serve_log, smollm2):
-    client = openai.OpenAI(base_url=f"http://{hosts[0].ip}:{PORT}/v1", api_key="x",
-                           max_retries=0, timeout=300)
-    got = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=16, temperature=0)
-    tok = Tokenizer(smollm2)
-    ids = tok.encode(render_chat(smollm2, [{"role": "user", "content": QUESTION}]))
-    local = InProcessEngine(smollm2, ranges=[(a, b) for a, b, _ in planned(serve_log)],
-                            n_ctx=CTX, weight_format="int4", cache=CacheConfig(enabled=False))
-    want = [s.token for s in local.complete(ids, 16, stop_ids=frozenset(tok.eog_ids))]
-    assert want and tok.encode(got.choices[0].message.content) == want
-    assert got.choices[0].message.content == tok.decode(want)
+    got, want, tok = greedy_chat(f"http://{hosts[0].ip}:{PORT}/v1", smollm2,
+                                 [(a, b) for a, b, _ in planned(serve_log)], QUESTION,
+                                 n_ctx=CTX)
+    assert want and tok.encode(got) == want and got == tok.decode(want)
     # the activations went host to host: stage 1 (host 2) holds a connection to stage 2
     assert stage_address(hosts[2]) in hosts[1].peers()
 

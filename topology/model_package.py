@@ -195,12 +195,16 @@ def check_part(directory: Path, part: PartEntry) -> None:
         raise PackageError(f"{directory}: part {part.file} is corrupted (BLAKE3 mismatch)")
 
 
-def verify_package(directory: str | Path,
-                   progress: Callable[[str], None] | None = None) -> Manifest:
-    """Check every part's size and BLAKE3; raise PackageError naming the first bad one."""
+def verify_package(directory: str | Path, progress: Callable[[str], None] | None = None,
+                   *, held_only: bool = False) -> Manifest:
+    """Check every part's size and BLAKE3; raise PackageError naming the first bad one.
+    `held_only`: parts absent here are skipped (a cluster's nodes fetch them from a node
+    that holds them), but for the shared part, which the metadata and tokenizer come from."""
     directory = Path(directory)
     manifest = Manifest.load(directory)
     for i, part in enumerate(manifest.parts):
+        if held_only and part.role != SHARED and not (directory / part.file).exists():
+            continue
         if progress is not None:
             progress(f"[{i + 1}/{len(manifest.parts)}] {part.file}")
         check_part(directory, part)

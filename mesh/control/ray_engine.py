@@ -31,6 +31,7 @@ from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .engine import EngineInfo
+from .part_sources import PartSources
 from .pipelines import PipelinesEngine, node_figures
 from .ray_pipeline import RayPipeline
 
@@ -87,8 +88,9 @@ def stage_env() -> dict[str, str]:
 
 @ray.remote(num_cpus=0)
 def _layers_here(package: str, model_digest: str) -> list[int]:
-    from skippy.topology.model_package import layers_present
-    return sorted(layers_present(package, model_digest))
+    # at the head's path or in this node's own package folder (fetched or pre-seeded)
+    from skippy.mesh.stage.part_store import layers_held
+    return sorted(layers_held(package, model_digest))
 
 
 @ray.remote(num_cpus=0)
@@ -140,6 +142,7 @@ class _Launch:
     options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
     credentials: ClusterCredentials  # issues each actor its own
     host: str | None  # where stage servers listen (None: Ray's address of their node)
+    parts: PartSources | None = None  # serving a package: where stages get their parts
     # (pipeline, stage) -> the node its actor was put on
     placed: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
 
@@ -200,6 +203,15 @@ class _Launch:
                          topology_digest=self.plan.digest)
         return spec, None if o["threads"] else share * sharing
 
+    def parts_for(self, spec: StageSpec):
+        """Serving a package: the stage's parts and where to fetch those its node lacks."""
+        if not is_package(self.path):
+            return None
+        if self.parts is None:
+            self.parts = PartSources(self.path, self.credentials, self.host,
+                                     lambda: cluster_nodes(self.path, self.plan.model_digest))
+        return self.parts.for_stage(spec)
+
     def actor(self, r: int, i: int):
         from ..stage.actor import StageActor
         st = self.plan.stages[i]
@@ -210,7 +222,7 @@ class _Launch:
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
         ).remote(spec, self.cache, self.policy, self.runtime, self.host, burst,
-                  credentials=self.credentials.issue())
+                  credentials=self.credentials.issue(), parts=self.parts_for(spec))
 
 
 class RayEngine(PipelinesEngine):

@@ -3,6 +3,7 @@ requests reach it over gRPC (mesh/stage/grpc_service.py), never through Ray call
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -14,6 +15,7 @@ from skippy.stages.runtime import StageSpec
 from .grpc_service import grpc_opener, message_limit, start_server
 from .security import StageCredentials
 from .server import StageServer
+from .stage_parts import PartSource, local_package
 from .state_pull import StatePuller
 
 
@@ -21,10 +23,12 @@ from .state_pull import StatePuller
 class StageActor:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
                  host: str | None = None, burst_threads: int | None = None, *,
-                 credentials: StageCredentials):
+                 credentials: StageCredentials, parts: PartSource | None = None):
         """Serves on `host` (default: Ray's address of this node), taking calls that carry
         `credentials`' token (over TLS when they hold certificates) and making its own."""
         logging.basicConfig(level=logging.INFO)
+        if parts is not None:  # a package: its parts from this node, fetched here if need be
+            spec = dataclasses.replace(spec, model_path=local_package(parts, credentials))
         self.server = StageServer(spec, cache, policy, runtime, burst_threads=burst_threads)
         host = host or ray.util.get_node_ip_address()
         self._credentials = credentials
