@@ -30,7 +30,10 @@ def package_home(model_digest: str) -> Path:
 
 
 def package_dirs(path: str | Path, model_digest: str) -> list[Path]:
-    """The folders of this node that may hold the package: the path, then its own copy."""
+    """The folders of this node that may hold the package: the path, then its own copy
+    (none for a digest that cannot name one)."""
+    if not _DIGEST.fullmatch(model_digest):
+        return [Path(path)]
     return [Path(path), package_home(model_digest)]
 
 
