@@ -74,7 +74,7 @@ class BlockStoreStats:
 
 @dataclass(slots=True)
 class _Entry:
-    data: bytes | None  # None once dropped as corrupt while references remain
+    data: object | None  # where the bytes are (`_keep`); None once dropped as corrupt
     refs: int
     size: int
 
@@ -113,9 +113,10 @@ class BlockStore:
             if grows and self._max_bytes and self._physical + len(data) > self._max_bytes:
                 self._refused_puts += 1
                 raise StoreFull(len(data), self._physical, self._max_bytes)
+            where = self._keep(digest, data, None if entry is None else entry.data)
             self._puts += 1
             if entry is None:
-                entry = self._blocks[digest] = _Entry(data, 0, len(data))
+                entry = self._blocks[digest] = _Entry(None, 0, len(data))
             elif entry.data is None:
                 # Refilling a block dropped as corrupt: the references that outlived it count again.
                 self._logical += entry.refs * entry.size
@@ -124,9 +125,7 @@ class BlockStore:
             if grows:
                 self._present += 1
                 self._physical += entry.size
-            # These bytes were just hashed, so they are known good: keeping them heals a
-            # stored copy that may have rotted since it was put.
-            entry.data = data
+            entry.data = where
             entry.refs += 1
             self._logical += entry.size
         return digest
@@ -139,12 +138,13 @@ class BlockStore:
         """
         with self._lock:
             entry = self._blocks.get(digest)
-            data = entry.data if entry is not None else None
-            if data is None:
+            where = entry.data if entry is not None else None
+            if where is None:
                 self._gets += 1
                 self._misses += 1
                 raise MissingBlock(digest)
-        ok = blake3(data).digest() == digest  # hashed outside the lock
+        data = self._read(where)
+        ok = blake3(data).digest() == digest  # read and hashed outside the lock
         with self._lock:
             self._gets += 1  # counted with its outcome: gets == hits + misses + corrupt
             if ok:
@@ -152,8 +152,8 @@ class BlockStore:
                 return data
             self._corrupt_reads += 1
             entry = self._blocks.get(digest)
-            if entry is not None and entry.data is data:  # not healed by a put meanwhile
-                self._drop(entry)
+            if entry is not None and entry.data is where:  # not healed by a put meanwhile
+                self._drop(digest, entry)
         raise CorruptBlock(digest)
 
     def has(self, digest: bytes) -> bool:
@@ -191,6 +191,7 @@ class BlockStore:
                 if entry.data is not None:
                     self._present -= 1
                     self._physical -= entry.size
+                    self._forget(digest, entry.data)
                 del self._blocks[digest]
 
     def stats(self) -> BlockStoreStats:
@@ -210,16 +211,34 @@ class BlockStore:
                 corrupt_reads=self._corrupt_reads,
             )
 
-    def _drop(self, entry: _Entry) -> None:
+    def node_stats(self) -> dict[str, int]:
+        """What the node holds for all its stages, where they share a store (none here)."""
+        return {}
+
+    def _drop(self, digest: bytes, entry: _Entry) -> None:
         # Keep the entry (refs and size) so that the payloads still holding references can
         # release them, and so a later put of the good bytes restores a consistent count.
         self._present -= 1
         self._physical -= entry.size
         self._logical -= entry.refs * entry.size
+        self._forget(digest, entry.data)
         entry.data = None
 
+    # -- where the bytes live: here, in memory; cache/block_dir.py keeps them in files ----
+    def _keep(self, digest: bytes, data: bytes, held: object | None) -> object:
+        """Keep a put's bytes (under the lock); returns what `_read` reads them from.
+        `held`: where they are already, if they are. These bytes were just hashed, so they
+        are known good: keeping them heals a stored copy that may have rotted."""
+        return data
+
+    def _read(self, where: object) -> bytes:
+        return where
+
+    def _forget(self, digest: bytes, where: object) -> None:
+        """The block is freed or dropped: let go of its bytes (under the lock)."""
+
     def _corrupt_for_test(self, digest: bytes, offset: int = 0) -> None:
-        """Flip one bit of a stored block in place, as memory or disk rot would."""
+        """Flip one bit of a stored block in place, as memory rot would."""
         with self._lock:
             entry = self._blocks[digest]
             data = bytearray(entry.data)

@@ -455,7 +455,8 @@ class StageCache:
         for name, s in extra.items():
             snap[name] = s.as_dict()
         if self.store is not None:
-            snap["blocks"] = dataclasses.asdict(self.store.stats())
+            snap["blocks"] = {**dataclasses.asdict(self.store.stats()),
+                              **self.store.node_stats()}
         snap["restore_failures"] = self.restore_failures
         snap["exports"], snap["adopted"] = self.exports, self.adopted
         snap["leases_held"] = len(self.leases)

@@ -1,4 +1,5 @@
-"""The content-addressed block store: dedupe, refcounts, verification, cap, threads."""
+"""The content-addressed block store: dedupe, refcounts, verification, cap, threads; in
+memory, and in a directory a node's stage processes share (cache/block_dir.py)."""
 
 import random
 import threading
@@ -9,19 +10,36 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from skippy.cache.block_dir import DirBlockStore
 from skippy.cache.blocks import (BLOCK_SIZE, BlockError, BlockStore, CorruptBlock, MissingBlock,
                                  StoreFull)
 
 
-def test_block_key_is_the_blake3_digest_of_its_bytes():
-    store = BlockStore()
+@pytest.fixture(params=["memory", "directory"])
+def make_store(request, tmp_path):
+    """Makes stores of one kind; directory stores made by one test share one directory."""
+    if request.param == "memory":
+        yield BlockStore
+        return
+    made = []
+
+    def make(max_bytes=0):
+        made.append(DirBlockStore(tmp_path / "node", max_bytes))
+        return made[-1]
+    yield make
+    for store in made:
+        store.close()
+
+
+def test_block_key_is_the_blake3_digest_of_its_bytes(make_store):
+    store = make_store()
     h = store.put(b"hello")
     assert h == blake3(b"hello").digest() and len(h) == 32
     assert store.get(h) == b"hello" and store.has(h)
 
 
-def test_identical_bytes_are_stored_once_and_counted_per_reference():
-    store = BlockStore()
+def test_identical_bytes_are_stored_once_and_counted_per_reference(make_store):
+    store = make_store()
     a = store.put(b"x" * 1000)
     assert store.put(bytearray(b"x" * 1000)) == a
     store.put(b"y" * 10)
@@ -31,8 +49,8 @@ def test_identical_bytes_are_stored_once_and_counted_per_reference():
     assert store.refs(a) == 2
 
 
-def test_block_holds_one_to_block_size_bytes():
-    store = BlockStore()
+def test_block_holds_one_to_block_size_bytes(make_store):
+    store = make_store()
     store.put(bytes(BLOCK_SIZE))
     with pytest.raises(ValueError):
         store.put(b"")
@@ -40,16 +58,16 @@ def test_block_holds_one_to_block_size_bytes():
         store.put(bytes(BLOCK_SIZE + 1))
 
 
-def test_store_keeps_its_own_copy_of_a_reused_buffer():
-    store = BlockStore()
+def test_store_keeps_its_own_copy_of_a_reused_buffer(make_store):
+    store = make_store()
     buf = bytearray(b"abc")
     h = store.put(buf)
     buf[0] = ord("z")
     assert store.get(h) == b"abc"
 
 
-def test_block_is_freed_with_its_last_reference():
-    store = BlockStore()
+def test_block_is_freed_with_its_last_reference(make_store):
+    store = make_store()
     h = store.put(b"shared")
     store.put(b"shared")
     store.release(h)
@@ -64,8 +82,8 @@ def test_block_is_freed_with_its_last_reference():
     assert (s.blocks, s.physical_bytes, s.logical_bytes) == (0, 0, 0)
 
 
-def test_get_of_unknown_digest_is_a_missing_block_and_a_key_error():
-    store = BlockStore()
+def test_get_of_unknown_digest_is_a_missing_block_and_a_key_error(make_store):
+    store = make_store()
     with pytest.raises(KeyError) as info:
         store.get(bytes(32))
     assert isinstance(info.value, MissingBlock) and isinstance(info.value, BlockError)
@@ -73,8 +91,8 @@ def test_get_of_unknown_digest_is_a_missing_block_and_a_key_error():
     assert (s.gets, s.misses, s.hits) == (1, 1, 0)
 
 
-def test_flipped_bit_is_detected_on_read_and_the_block_dropped():
-    store = BlockStore()
+def test_flipped_bit_is_detected_on_read_and_the_block_dropped(make_store):
+    store = make_store()
     h = store.put(b"state bytes" * 100)
     store.put(b"state bytes" * 100)
     store._corrupt_for_test(h, offset=7)
@@ -94,8 +112,8 @@ def test_flipped_bit_is_detected_on_read_and_the_block_dropped():
     assert store.refs(h) == 0
 
 
-def test_put_of_good_bytes_restores_a_dropped_block_with_its_references():
-    store = BlockStore()
+def test_put_of_good_bytes_restores_a_dropped_block_with_its_references(make_store):
+    store = make_store()
     data = b"k" * 4096
     h = store.put(data)
     store._corrupt_for_test(h)
@@ -115,8 +133,8 @@ def test_put_of_good_bytes_heals_a_block_rotted_in_place():
     assert store.get(h) == b"v" * 64
 
 
-def test_cap_refuses_a_new_block_and_leaves_the_store_unchanged():
-    store = BlockStore(max_bytes=3000)
+def test_cap_refuses_a_new_block_and_leaves_the_store_unchanged(make_store):
+    store = make_store(max_bytes=3000)
     a = store.put(b"a" * 1000)
     b = store.put(b"b" * 1500)
     before = store.stats()
@@ -208,8 +226,8 @@ TestStoreAgainstOracle = StoreAgainstOracle.TestCase
 TestStoreAgainstOracle.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
-def test_concurrent_puts_gets_and_releases_end_consistent():
-    store = BlockStore()
+def test_concurrent_puts_gets_and_releases_end_consistent(make_store):
+    store = make_store()
     pool = [bytes([i]) * (1000 + 37 * i) for i in range(12)]  # shared: threads dedupe onto each other
     n_threads, rounds = 8, 300
     errors = []
@@ -259,3 +277,34 @@ def test_concurrent_puts_gets_and_releases_end_consistent():
     assert (s.blocks, s.physical_bytes, s.logical_bytes) == (0, 0, 0)
     assert s.gets == s.hits and s.corrupt_reads == 0
     assert s.puts == sum(puts)
+
+
+# -- one directory, several owners: the stage processes of a node --------------------------
+def test_owners_of_a_node_share_one_copy_and_the_last_one_frees_it(tmp_path):
+    a, b = DirBlockStore(tmp_path), DirBlockStore(tmp_path)
+    data = bytes(range(256)) * 100
+    h = a.put(data)
+    assert b.put(data) == h and b.linked_puts == 1            # linked, not written again
+    assert a.node_stats() == {"node_blocks": 1, "node_physical_bytes": len(data)}
+    a.release(h)
+    assert b.get(h) == data and b.node_stats()["node_blocks"] == 1
+    b.release(h)
+    assert b.node_stats() == {"node_blocks": 0, "node_physical_bytes": 0}
+
+
+def test_a_dead_owners_blocks_are_swept_by_the_next_to_open(tmp_path):
+    dead = DirBlockStore(tmp_path, owner="999999999-dead")    # no such pid
+    h = dead.put(b"left behind")
+    alive = DirBlockStore(tmp_path)
+    assert alive.node_stats()["node_blocks"] == 0 and not alive.has(h)
+    assert not (tmp_path / "refs" / "999999999-dead").exists()
+
+
+def test_rotten_bytes_are_never_linked_by_another_owner(tmp_path):
+    a, b = DirBlockStore(tmp_path), DirBlockStore(tmp_path)
+    data = b"x" * 5000
+    h = a.put(data)
+    a._corrupt_for_test(h)
+    with pytest.raises(CorruptBlock):
+        a.get(h)
+    assert b.put(data) == h and b.linked_puts == 0 and b.get(h) == data

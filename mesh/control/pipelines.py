@@ -78,19 +78,26 @@ class PipelinesEngine:
 
 
 def node_figures(stages: Iterable[tuple[str, dict]]) -> dict[str, dict]:
-    """State bytes per node from (node, stage figures) pairs, its stages' stores added up:
-    logical and physical bytes held, what deduplication saves, what pulls fetched from
-    peers and what they found held here already, and exports to peers."""
+    """State bytes per node from (node, stage figures) pairs: the logical bytes its stages
+    reference, the physical bytes held (once for the node where its stages share a
+    store, else each stage's own added up), what deduplication saves, what pulls fetched
+    from peers and what they found held here already, and exports to peers."""
     nodes: dict[str, dict] = {}
+    shared: dict[str, int] = {}  # node -> bytes its shared store holds
     for node, s in stages:
         blocks, pulls = s.get("blocks") or {}, s.get("pulls") or {}
         figures = nodes.setdefault(node, dict.fromkeys(
             ("logical_bytes", "physical_bytes", "saved_bytes", "fetched_bytes",
              "fetch_saved_bytes", "pulls", "exports"), 0))
-        for k in ("logical_bytes", "physical_bytes", "saved_bytes"):
-            figures[k] += blocks.get(k, 0)
+        figures["logical_bytes"] += blocks.get("logical_bytes", 0)
+        figures["physical_bytes"] += blocks.get("physical_bytes", 0)
+        if "node_physical_bytes" in blocks:
+            shared[node] = max(shared.get(node, 0), blocks["node_physical_bytes"])
         figures["fetched_bytes"] += pulls.get("fetched_bytes", 0)
         figures["fetch_saved_bytes"] += pulls.get("held_bytes", 0)
         figures["pulls"] += pulls.get("pulls", 0)
         figures["exports"] += s.get("exports", 0)
+    for node, figures in nodes.items():
+        figures["physical_bytes"] = shared.get(node, figures["physical_bytes"])
+        figures["saved_bytes"] = figures["logical_bytes"] - figures["physical_bytes"]
     return nodes

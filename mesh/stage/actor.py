@@ -14,6 +14,7 @@ from skippy.stages.runtime import StageSpec
 
 from .grpc_service import grpc_opener, message_limit, start_server
 from .security import StageCredentials
+from .node_store import node_store
 from .server import StageServer
 from .stage_parts import PartSource, local_package
 from .state_pull import StatePuller
@@ -29,8 +30,9 @@ class StageActor:
         logging.basicConfig(level=logging.INFO)
         if parts is not None:  # a package: its parts from this node, fetched here if need be
             spec = dataclasses.replace(spec, model_path=local_package(parts, credentials))
-        self.server = StageServer(spec, cache, policy, runtime, burst_threads=burst_threads)
         host = host or ray.util.get_node_ip_address()
+        self.server = StageServer(spec, cache, policy, runtime, burst_threads=burst_threads,
+                                  store=node_store(host, cache.block_store_max_bytes))
         self._credentials = credentials
         self._limit = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
         self.server.puller = StatePuller(credentials, self._limit)

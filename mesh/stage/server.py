@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
-from skippy.cache.blocks import BlockError
+from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
 from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import StageError, StageSpec
@@ -20,7 +20,10 @@ from .state_pull import StatePuller
 
 class StageServer:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str,
-                 runtime: str = "torch", *, burst_threads: int | None = None):
+                 runtime: str = "torch", *, burst_threads: int | None = None,
+                 store: BlockStore | None = None):
+        """`store`: where this stage's state blocks live (default: its own, in memory;
+        a stage actor shares its node's, mesh/stage/node_store.py)."""
         self.spec = spec
         self.loop = StageLoop(self._step, check=self._check_row, threads=spec.threads)
         self.runtime = self.loop.call(make_runtime, spec, runtime)
@@ -28,7 +31,8 @@ class StageServer:
             # A stage sharing its node's cores may take its pipeline's cores while one
             # session alone keeps the stages computing in turn (same bits on any count).
             self.loop.allow_burst(burst_threads)
-        self.cache = self.loop.call(StageCache, self.runtime, cache, policy=policy)
+        self.cache = self.loop.call(StageCache, self.runtime, cache, policy=policy,
+                                    store=store)
         self._next: Callable[[], object] | None = None  # opens a link to the next stage
         self._lock = threading.Lock()
         self.lane_freed = threading.Condition()  # a session waiting for a lane hears it
