@@ -211,6 +211,9 @@ class BlockStore:
                 corrupt_reads=self._corrupt_reads,
             )
 
+    def close(self) -> None:
+        """The owner is done with the store (its memory goes with it here)."""
+
     def node_stats(self) -> dict[str, int]:
         """What the node holds for all its stages, where they share a store (none here)."""
         return {}

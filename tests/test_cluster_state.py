@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("ray")
 
 from hosts import RAY_PORT, ray_nodes, separate_hosts  # noqa: E402
+from skippy.mesh.stage.node_store import node_store_root  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -56,3 +57,5 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     a, b = (result["state_by_node"][nodes[h.ip][:12]] for h in hosts[:2])
     assert a["exports"] >= 1 and a["fetched_bytes"] == 0        # host 1 gave
     assert b["pulls"] == 1 and b["fetched_bytes"] == row["fetched_bytes"]  # host 2 took
+    for h in hosts[:2]:  # the stages closed: nothing of theirs is left in the nodes' RAM
+        assert not list((node_store_root(h.ip) / "blocks").iterdir())

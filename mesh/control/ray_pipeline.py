@@ -125,6 +125,11 @@ class RayPipeline:
             except Exception:  # its event loop may be gone already
                 pass
         self._channels.clear()
+        try:  # free their blocks in the nodes' stores, then end them
+            await asyncio.wait_for(asyncio.gather(*(a.close.remote() for a in self.actors)),
+                                   timeout=10)
+        except Exception as e:  # a dead or hung stage: its blocks are swept later
+            log.warning("a stage did not close cleanly: %s", e)
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []

@@ -61,6 +61,13 @@ class StageActor:
     def stats(self) -> dict:
         return self.server.stats()
 
+    def close(self) -> None:
+        """Stop serving and let go of this stage's blocks in the node's shared store
+        (what a killed stage leaves there is swept by the next stage to open it)."""
+        self._rpc.stop(grace=None)
+        self.server.loop.call(self.server.cache.clear)
+        self.server.cache.store.close()
+
     def memory(self) -> dict[str, int]:
         """This process's resident bytes now and at its peak (VmRSS, VmHWM)."""
         with open("/proc/self/status") as fh:
