@@ -8,6 +8,9 @@ A stage fault costs time, never the request: the driver holds the tokens produce
 has the pipeline repaired (mesh/control/ray_pipeline.py), and rebuilds the request's state
 exactly as it was made: the prompt as a prefill, then each produced token replayed as the
 decode step it was, so the state and every later token are bitwise the fault-free ones.
+A probe (readiness) is the exception: its fault is its answer, "not ready", at once; it
+starts the repair and does not wait for it, since a repair can take as long as Ray takes
+to declare a node dead and a stage to load elsewhere.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..wire import sampling_to_proto, token_logprobs
 log = logging.getLogger(__name__)
 
 REBUILD_ATTEMPTS = 5  # stage faults one request survives
+_repairs: set[asyncio.Task] = set()  # repairs a probe started and left running
 
 
 class StageFault(Exception):
@@ -70,6 +74,12 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
             return
         except StageFault as e:
             failures += 1
+            if request.probe:
+                repair = asyncio.ensure_future(pipe.repair(generation))
+                _repairs.add(repair)
+                repair.add_done_callback(_repairs.discard)
+                raise EngineBusy(f"a stage failed; the pipeline is being repaired: {e}",
+                                 retry_after=5.0) from e
             if failures > REBUILD_ATTEMPTS:
                 if not pipe.healthy:  # down, not broken: come back later
                     raise EngineBusy(f"no stage chain can serve now: {e}",

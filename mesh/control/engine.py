@@ -38,7 +38,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop_ids: frozenset[int] = frozenset()   # end-of-generation ids: end it, not yielded
     namespace: str = ""              # per-tenant cache separation (`cache_salt`)
-    probe: bool = False              # warm-up / health: bypasses every cache
+    probe: bool = False              # warm-up / health: bypasses every cache, fails on a fault
     logits: bool = False             # return each step's raw logits row (tests, evals)
     admitted: bool = False           # its lane is already reserved (Engine.reserve)
     pipeline: int | None = None      # run on this pipeline, wherever its prefix is (evals)

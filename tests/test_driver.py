@@ -1,0 +1,45 @@
+"""The driver (mesh/control/driver.py) over a pipeline whose stages are down. Requests
+waiting out a repair are tests/test_node_loss.py's and tests/test_host_loss.py's; here, a
+readiness probe answers "not now" at once and leaves the repair running."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from skippy.mesh.control.driver import StageFault, drive
+from skippy.mesh.control.engine import EngineBusy, GenerationRequest
+
+
+class DownPipeline:
+    """Every session fails; a repair takes `repair_s` and leaves it down."""
+
+    def __init__(self, repair_s: float):
+        self.generation, self.healthy, self.addresses = 0, True, []
+        self.repair_s, self.repairs, self.repaired = repair_s, 0, asyncio.Event()
+
+    async def open(self):
+        raise StageFault("stage 0 is unreachable: UNAVAILABLE")
+
+    async def repair(self, generation: int) -> None:
+        self.repairs += 1
+        self.healthy = False
+        await asyncio.sleep(self.repair_s)
+        self.generation += 1
+        self.repaired.set()
+
+
+def test_a_probe_facing_a_stage_fault_is_busy_at_once_and_starts_the_repair():
+    async def run():
+        pipe = DownPipeline(repair_s=0.5)
+        t = asyncio.get_running_loop().time()
+        with pytest.raises(EngineBusy, match="being repaired"):
+            async for _ in drive(pipe, GenerationRequest((1, 2), 1, probe=True)):
+                pass
+        answered = asyncio.get_running_loop().time() - t
+        await asyncio.wait_for(pipe.repaired.wait(), 5)
+        return answered, pipe.repairs
+    answered, repairs = asyncio.run(run())
+    assert answered < 0.25 and repairs == 1
+
