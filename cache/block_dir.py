@@ -23,7 +23,9 @@ import secrets
 import time
 from pathlib import Path
 
-from .blocks import BlockStore, StoreFull
+from blake3 import blake3
+
+from .blocks import BlockStore, MissingBlock, StoreFull
 
 STALE_TMP_S = 600.0  # a half-written block file older than this belonged to a dead writer
 
@@ -41,6 +43,20 @@ class DirBlockStore(BlockStore):
         self._mine.mkdir(parents=True, exist_ok=True)
         self.linked_puts = 0  # new blocks for this owner that another owner had stored
         sweep(self.root, keep=self.owner)
+
+    # -- blocks other owners of the node hold count as held here ---------------------------
+    def has(self, digest: bytes) -> bool:
+        return super().has(digest) or (self._dir / digest.hex()).exists()
+
+    def get(self, digest: bytes) -> bytes:
+        """The block's bytes, verified: this owner's, or the node's copy of another's."""
+        try:
+            return super().get(digest)
+        except MissingBlock:
+            data = self._read(self._dir / digest.hex())
+            if data and blake3(data).digest() == digest:
+                return data
+            raise
 
     # -- where the bytes live ----------------------------------------------------------------
     def _keep(self, digest: bytes, data: bytes, held: object | None) -> object:

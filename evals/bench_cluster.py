@@ -4,8 +4,8 @@ recompute, at several prompt lengths, on one cluster.
     python -m skippy.evals.bench_cluster [--model smollm2] [--tokens 512,2048,4096]
                                          [--address HOST:PORT] [--json PATH]
 
-Two pipelines of one stage each (the second on another node when the cluster has one,
-otherwise beside the first). For each length n, a prompt of n tokens from the corpus:
+Three pipelines of one stage each (A, B, C: each on a node of its own where the cluster
+has them, otherwise side by side). For each length n, a prompt of n tokens from the corpus:
 
 - recompute: turn 2 of a conversation on pipeline B with no state anywhere for it (another
   tenant namespace, so no cache of either pipeline can serve it);
@@ -15,7 +15,14 @@ otherwise beside the first). For each length n, a prompt of n tokens from the co
   over the stage network (only the blocks it lacks), then computes the new message.
 
 Every remote-hit answer is checked against the recompute of the same prompt: the tokens
-and the logits of every step must be bitwise equal, or the bench fails. `--json P` writes
+and the logits of every step must be bitwise equal, or the bench fails.
+
+Dedupe (`--sessions 8 --shared 1536`): that many sessions whose prompts share a prefix of
+that many tokens, each with a message of its own, sent round-robin to three pipelines
+(one per node on a 3-node cluster). The first computes the prefix; the first session on
+each other pipeline pulls it from a pipeline that holds it; later ones hit locally. It
+prints each node's logical and physical state bytes and what it fetched (each node
+should fetch the shared blocks once), and the cluster's. `--json P` writes
 P and a plot P.png (TTFT by prompt length). Target (issue 17): remote hit at most 0.3x
 recompute at 2,048 tokens for SmolLM2. With no --address the bench starts an embedded
 Ray on this machine, where the "remote" link is loopback: run it on a cluster (or the
@@ -97,6 +104,32 @@ def measure(engine, tok: Tokenizer, data: Path, n: int, skip: int) -> dict:
     return asyncio.run(run())
 
 
+def measure_dedupe(engine, tok: Tokenizer, data: Path, shared: int, sessions: int) -> dict:
+    """Sessions sharing a `shared`-token prefix, round-robin over the pipelines."""
+    ids = corpus_ids(tok, data, shared + sessions * NEW_MESSAGE, skip=3)
+    prefix = ids[:shared]
+    n_pipes = len(engine.pipelines)
+
+    async def run():
+        rows = []
+        for i in range(sessions):
+            own = ids[shared + i * NEW_MESSAGE:shared + (i + 1) * NEW_MESSAGE]
+            p = i % n_pipes
+            before = _pulls(engine, p)
+            ttft, steps = await _turn(engine, prefix + own, p, namespace="dedupe")
+            after = _pulls(engine, p)
+            rows.append(dict(session=i, pipeline=p, ttft_s=ttft,
+                             cached_tokens=steps[0].cached_tokens,
+                             fetched_bytes=after.get("fetched_bytes", 0)
+                             - before.get("fetched_bytes", 0)))
+        return rows
+    rows = asyncio.run(run())
+    nodes = engine.stats()["nodes"]
+    total = {k: sum(n[k] for n in nodes.values())
+             for k in ("logical_bytes", "physical_bytes", "fetched_bytes")}
+    return {"shared_tokens": shared, "sessions": rows, "nodes": nodes, "cluster": total}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -119,13 +152,26 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    lines = [f"nodes: pipeline A {result['nodes'][0]}, pipeline B {result['nodes'][1]}",
+    lines = ["nodes: " + ", ".join(f"pipeline {'ABC'[p]} {ids}"
+                                   for p, ids in enumerate(result["nodes"])),
              f"{'tokens':>7} {'recompute':>10} {'local hit':>10} {'remote hit':>11} "
              f"{'remote/rec':>11} {'pulled MiB':>11} exact"]
     for r in result["rows"]:
         lines.append(f"{r['tokens']:>7} {r['recompute_s']:>9.3f}s {r['local_hit_s']:>9.3f}s "
                      f"{r['remote_hit_s']:>10.3f}s {r['remote_over_recompute']:>10.2f}x "
                      f"{r['fetched_bytes'] / 2**20:>11.1f} {r['exact']}")
+    dedupe = result.get("dedupe")
+    if dedupe:
+        lines.append(f"dedupe: {len(dedupe['sessions'])} sessions sharing "
+                     f"{dedupe['shared_tokens']} tokens")
+        for r in dedupe["sessions"]:
+            lines.append(f"  session {r['session']} on pipeline {r['pipeline']}: TTFT "
+                         f"{r['ttft_s']:.3f}s, {r['cached_tokens']} cached, fetched "
+                         f"{r['fetched_bytes'] / 2**20:.1f} MiB")
+        for node, n in {**dedupe["nodes"], "cluster": dedupe["cluster"]}.items():
+            lines.append(f"  {node:>12}: logical {n['logical_bytes'] / 2**20:8.1f} MiB, "
+                         f"physical {n['physical_bytes'] / 2**20:8.1f} MiB, fetched "
+                         f"{n['fetched_bytes'] / 2**20:8.1f} MiB")
     return "\n".join(lines)
 
 
@@ -136,6 +182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", default="512,2048,4096",
                    help="conversation lengths before turn 2, comma-separated")
     p.add_argument("--address", default=None, help="a Ray cluster (default: embedded)")
+    p.add_argument("--sessions", type=int, default=8,
+                   help="dedupe: sessions sharing a prefix (0: skip)")
+    p.add_argument("--shared", type=int, default=1536, help="dedupe: tokens they share")
     p.add_argument("--weight-format", default="fp32")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="corpus JSONL")
     p.add_argument("--json", type=Path, default=None, help="write results here (and .png)")
@@ -150,13 +199,15 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--tokens takes numbers separated by commas, not {args.tokens!r}")
     path = Path(args.model) if Path(args.model).is_file() else pull(args.model)
     tok = Tokenizer(path)
-    n_ctx = max(lengths) + 2 * NEW_MESSAGE + 4 * ANSWER + 64
-    engine = RayEngine(path, 1, pipelines=2, address=args.address, n_ctx=n_ctx,
+    n_ctx = max(lengths + [args.shared]) + 2 * NEW_MESSAGE + 4 * ANSWER + 64
+    engine = RayEngine(path, 1, pipelines=3, address=args.address, n_ctx=n_ctx,
                        weight_format=args.weight_format, cache=CacheConfig(), lanes=2)
     try:
         rows = [measure(engine, tok, args.data, n, skip=7 * i) for i, n in enumerate(lengths)]
-        result = {"model": path.name, "weight_format": args.weight_format,
-                  "nodes": [engine.node_ids(0), engine.node_ids(1)],
+        dedupe = measure_dedupe(engine, tok, args.data, args.shared, args.sessions) \
+            if args.sessions else None
+        result = {"model": path.name, "weight_format": args.weight_format, "dedupe": dedupe,
+                  "nodes": [engine.node_ids(p) for p in range(3)],
                   "stage_tls": engine.stage_tls, "rows": rows,
                   "state_by_node": engine.stats()["nodes"]}
     finally:

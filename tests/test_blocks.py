@@ -286,6 +286,8 @@ def test_owners_of_a_node_share_one_copy_and_the_last_one_frees_it(tmp_path):
     h = a.put(data)
     assert b.put(data) == h and b.linked_puts == 1            # linked, not written again
     assert a.node_stats() == {"node_blocks": 1, "node_physical_bytes": len(data)}
+    c = DirBlockStore(tmp_path)
+    assert c.has(h) and c.get(h) == data and not c.refs(h)  # the node's, not c's own
     a.release(h)
     assert b.get(h) == data and b.node_stats()["node_blocks"] == 1
     b.release(h)

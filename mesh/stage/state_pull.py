@@ -123,16 +123,15 @@ class StatePuller:
 
 def _take(store, blocks: Sequence[bytes], fetched: dict[bytes, bytes]) -> bool:
     """One reference on each of a payload's blocks (a block used twice, twice): fetched
-    ones are put, held ones retained. False, with nothing kept, if a held block went
-    away meanwhile."""
+    ones are put, ones held here retained (or linked, where another stage of the node
+    holds them). False, with nothing kept, if a held block went away meanwhile."""
     taken = []
     try:
         for h in blocks:
-            data = fetched.get(h)
-            if data is not None and not store.has(h):
-                store.put(data)
-            else:
+            if store.refs(h) and h not in fetched:
                 store.retain(h)
+            else:
+                store.put(fetched[h] if h in fetched else store.get(h))
             taken.append(h)
         return True
     except (BlockError, StoreFull):
