@@ -23,6 +23,7 @@ import secrets
 import time
 from pathlib import Path
 
+import zstandard
 from blake3 import blake3
 
 from .blocks import BlockStore, MissingBlock, StoreFull
@@ -31,10 +32,13 @@ STALE_TMP_S = 600.0  # a half-written block file older than this belonged to a d
 
 
 class DirBlockStore(BlockStore):
-    def __init__(self, root: str | Path, max_bytes: int = 0, *, owner: str | None = None):
+    def __init__(self, root: str | Path, max_bytes: int = 0, *, owner: str | None = None,
+                 compress: bool = False):
         """max_bytes caps what this owner holds (its view of physical bytes); the node's
-        copy is shared underneath it."""
+        copy is shared underneath it. compress: files hold zstd frames (a disk tier; every
+        owner of a directory must agree)."""
         super().__init__(max_bytes)
+        self._compress = compress
         self.root = Path(root)
         self._dir = self.root / "blocks"
         self.owner = owner or f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -74,7 +78,7 @@ class DirBlockStore(BlockStore):
         tmp = self._dir / f".tmp-{self.owner}-{name}"
         try:
             with open(tmp, "wb") as fh:
-                fh.write(data)
+                fh.write(zstandard.compress(data, 1) if self._compress else data)
         except OSError as e:  # the node's tmpfs or disk is full: as a cap would refuse it
             _unlink(tmp)
             raise StoreFull(len(data), self._physical, self._max_bytes) from e
@@ -89,9 +93,11 @@ class DirBlockStore(BlockStore):
     def _read(self, where: object) -> bytes:
         try:
             with open(where, "rb") as fh:
-                return fh.read()
-        except OSError:
-            return b""  # gone from under us: read as a corrupt block, dropped, recomputed
+                raw = fh.read()
+            # the module's functions: a (de)compressor object is not safe across threads
+            return zstandard.decompress(raw) if self._compress else raw
+        except (OSError, zstandard.ZstdError):
+            return b""  # gone or garbled: read as a corrupt block, dropped, recomputed
 
     def _forget(self, digest: bytes, where: object) -> None:
         _unlink(where)

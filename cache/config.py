@@ -88,6 +88,7 @@ class CacheConfig:
     activation_max_entries: int = 256
     activation_max_bytes: int = 512 * MiB
     block_store_max_bytes: int = 4 * GiB
+    cold_max_bytes: int = 4 * GiB
     admit_after: int = 2
     record_limit: int = 4
 
@@ -241,6 +242,9 @@ SETTINGS = (
             parse_bytes, "activation frame bytes per stage; 0 disables the activation cache"),
     Setting("block_store_max_bytes", "SKIPPY_BLOCK_STORE_BYTES", "--cache-block-store-bytes",
             parse_bytes, "payload block store bytes per node; 0 disables the block store"),
+    Setting("cold_max_bytes", "SKIPPY_CACHE_COLD_BYTES", "--cache-cold-bytes", parse_bytes,
+            "disk tier per stage: resident entries evicted from RAM are kept on the node's "
+            "disk (zstd) and restored on a hit instead of recomputed; 0 = off"),
     Setting("admit_after", "SKIPPY_CACHE_ADMIT_AFTER", "--cache-admit-after", parse_int,
             "sightings of a prefix before it is captured; 1 = first sight"),
     Setting("record_limit", "SKIPPY_CACHE_RECORD_LIMIT", "--cache-record-limit", parse_int,

@@ -17,6 +17,9 @@ name and the runtime.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -27,6 +30,8 @@ from skippy.cache.payload import (Manifest, PayloadKind, decode_payload, encode_
 from skippy.cache.prefix_cache import Hit, PrefixCache
 
 from .runtime import LaneState, StageError, StageOutput, StageRuntime
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("ResidentKv", "KvRecurrent", "disabled")
 
@@ -86,7 +91,11 @@ class ResidentLanes(CachePolicy):
     def __init__(self, *args):
         super().__init__(*args)
         self.holders: dict[int, int] = {}   # entry id -> runtime lane holding its rows
+        self.keys: dict[int, tuple[bytes, tuple]] = {}  # entry id -> (scope, its tokens)
         self._bytes_per_token: int | None = None
+        # Where an entry evicted from RAM goes (scope, tokens, state), if anywhere: a
+        # colder tier keeps it instead of dropping it (StageCache's disk tier).
+        self.demote: Callable[[bytes, tuple, LaneState], None] | None = None
 
     def record(self, lane, tokens, boundaries, out, scope) -> None:
         if not boundaries:
@@ -111,7 +120,7 @@ class ResidentLanes(CachePolicy):
         r = self.prefixes.reserve(scope, tokens, nbytes)
         if r is None:
             return
-        self.drop(r.evicted)
+        self._evicted(r.evicted)
         try:
             holder = self.runtime.alloc_lane()
         except StageError:  # no lane free to hold the entry: skip recording, never fail
@@ -125,11 +134,26 @@ class ResidentLanes(CachePolicy):
             raise
         if self.prefixes.commit(r):
             self.holders[r.entry_id] = holder
+            self.keys[r.entry_id] = (scope, tuple(tokens))
         else:
             self.runtime.free_lane(holder)
 
+    def _evicted(self, entry_ids) -> None:
+        """Entries the LRU pushed out: demoted to the colder tier where there is one."""
+        for eid in entry_ids:
+            holder, key = self.holders.get(eid), self.keys.get(eid)
+            if self.demote is not None and holder is not None and key is not None:
+                try:
+                    self.demote(key[0], key[1],
+                                self.runtime.export_state(holder, len(key[1])))
+                except Exception as e:  # a tier that cannot take it: dropped as before
+                    log.warning("stage %d: an evicted entry was not demoted: %s",
+                                self.stage_index, e)
+        self.drop(entry_ids)
+
     def drop(self, entry_ids) -> None:
         for eid in entry_ids:
+            self.keys.pop(eid, None)
             holder = self.holders.pop(eid, None)
             if holder is not None:
                 self.runtime.free_lane(holder)

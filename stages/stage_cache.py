@@ -39,7 +39,8 @@ from skippy.cache.prefix_cache import Hit, PrefixCache
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
 
-from .cache_policy import CachePolicy, decode_state, encode_state, policy_class
+from .cache_policy import (CachePolicy, ResidentLanes, StoredPayloads, decode_state,
+                           encode_state, policy_class)
 from .frame import Frame
 from .lanes import Lanes
 from .leases import Lease, Leases
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 WARM_LANES = 4
 # A plan's lease on its hit ends this long after the plan if no restore consumed it.
 LEASE_SECONDS = 30.0
+# The disk tier's hits count under this kind; it holds at most this many entries.
+COLD = "cold"
+COLD_ENTRIES = 4096
 # Payloads exported to peer stages or pulled from them, kept (newest last) so that a
 # second asker, or this node's next pull of the same prefix, finds the blocks here.
 SHARED_PAYLOADS = 8
@@ -82,11 +86,13 @@ def stage_key_for(runtime: StageRuntime, topology_digest: str = "",
 class StageCache:
     def __init__(self, runtime: StageRuntime, config: CacheConfig, *, policy: str,
                  stage_key: StageKey | None = None, store: BlockStore | None = None,
+                 cold_store: BlockStore | None = None,
                  lease_seconds: float = LEASE_SECONDS,
                  clock: Callable[[], float] = time.monotonic):
         """policy: the family's cache policy name (cache_policy.POLICIES); a disabled
-        config turns it off. lease_seconds: how long a plan's hit stays pinned without
-        a restore."""
+        config turns it off. cold_store: the node's disk store, for the disk tier
+        (config.cold_max_bytes). lease_seconds: how long a plan's hit stays pinned
+        without a restore."""
         cls = policy_class(policy, runtime, config.enabled)
         if config.chunk != runtime.spec.chunk:
             raise ValueError(f"cache chunk {config.chunk} differs from the runtime's "
@@ -105,6 +111,16 @@ class StageCache:
         self.store = store if store is not None else BlockStore(config.block_store_max_bytes)
         self.entries: CachePolicy = cls(runtime, self.prefixes, self.store,
                                         self.key.stage_index)
+        # The disk tier: resident entries the RAM caps push out are demoted to payloads
+        # there, and a hit restores (and promotes) one instead of recomputing it.
+        self.cold: StoredPayloads | None = None
+        if cold_store is not None and config.cold_max_bytes and cls is ResidentLanes:
+            self.cold = StoredPayloads(runtime, PrefixCache(
+                block=config.stride, max_entries=COLD_ENTRIES, max_bytes=config.cold_max_bytes,
+                max_tokens=config.max_tokens_per_entry, kind=COLD), cold_store,
+                self.key.stage_index)
+            self.entries.demote = lambda scope, tokens, state: \
+                self.cold.adopt(tokens, state, scope)
         self.lanes = Lanes(runtime, WARM_LANES if runtime.lane_entries else None)
         self.leases = Leases(lease_seconds, clock)
         self.restore_failures = 0   # restores that failed after a plan: recomputed
@@ -185,6 +201,15 @@ class StageCache:
         if not self.entries.enabled or probe or max_len < self.config.min_prefix:
             return own, None
         hit = self.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
+        top = max_len // self.config.stride * self.config.stride
+        if self.cold is not None and (hit is None or hit.length < top):
+            # a longer prefix on disk beats a shorter one in RAM
+            cold = self.cold.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
+            if cold is not None and cold.length > (hit.length if hit else 0):
+                self._release(hit)
+                hit = cold
+            else:
+                self._release(cold)
         if hit is None or hit.length <= own:
             self._release(hit)
             return own, None
@@ -229,18 +254,25 @@ class StageCache:
         if hit is None or hit.length != start:
             self._release(hit)
             return False
+        tier = self._tier(hit)
         try:
-            self.entries.restore(lane, hit, start)
+            tier.restore(lane, hit, start)
             self.lanes.hold(lane, tokens[:start], namespace)
+            if tier is self.cold:  # promoted: RAM holds it again
+                self.entries.record(lane, tokens, [start], None, self.scope(namespace))
             return True
         except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
             # RuntimeError: the runtime refused the state (llama.cpp's LlamaCppError)
             log.warning("stage %s: dropping cache entry %s after a failed restore: %s",
                         self.key.stage_index, hit.entry_id, e)
-            self.prefixes.remove(hit.entry_id)
+            tier.prefixes.remove(hit.entry_id)
             return False
         finally:
             self._release(hit)
+
+    def _tier(self, hit: Hit) -> CachePolicy:
+        """Whose entry a hit is: RAM's, or the disk tier's."""
+        return self.cold if hit.kind == COLD and self.cold is not None else self.entries
 
     # -- leases ----------------------------------------------------------------------------
     def _end_lease(self, lane: int) -> None:
@@ -257,7 +289,8 @@ class StageCache:
     def _release(self, hit: Hit | None) -> None:
         """Unpin a hit; an entry removed while pinned is freed now."""
         if hit is not None:
-            self.entries.drop(self.prefixes.release(hit))
+            tier = self._tier(hit)
+            tier.drop(tier.prefixes.release(hit))
 
     # -- prefill ---------------------------------------------------------------------------
     def prefill(self, lane: int, tokens: Sequence[int], inputs, start: int,
@@ -447,8 +480,9 @@ class StageCache:
         `restore_failures` (restores that failed after a plan: each one a recompute),
         `leases_held` and `leases_expired` (plans whose restore never came in time)."""
         prefix = self.prefixes.stats()
-        extra = {name: c.stats() for name, c in (("results", self.results),
-                                                  ("frames", self.frames)) if c is not None}
+        extra = {name: c.stats() for name, c in (
+            ("results", self.results), ("frames", self.frames),
+            (COLD, self.cold.prefixes if self.cold is not None else None)) if c is not None}
         snap = merge([prefix, *extra.values()])
         snap["policy"] = self.policy
         snap["prefix"] = prefix.as_dict()
@@ -457,6 +491,9 @@ class StageCache:
         if self.store is not None:
             snap["blocks"] = {**dataclasses.asdict(self.store.stats()),
                               **self.store.node_stats()}
+        if self.cold is not None:
+            snap["cold_blocks"] = {**dataclasses.asdict(self.cold.store.stats()),
+                                   **self.cold.store.node_stats()}
         snap["restore_failures"] = self.restore_failures
         snap["exports"], snap["adopted"] = self.exports, self.adopted
         snap["leases_held"] = len(self.leases)
@@ -466,6 +503,8 @@ class StageCache:
     def clear(self) -> None:
         """Forget every entry; one leased to a lane is freed when its lease ends."""
         self.entries.drop(self.prefixes.clear())
+        if self.cold is not None:
+            self.cold.drop(self.cold.prefixes.clear())
         for manifest in self._shared.values():
             release_payload(manifest, self.store)
         self._shared.clear()

@@ -15,7 +15,7 @@ from skippy.cache.blocks import (BLOCK_SIZE, BlockError, BlockStore, CorruptBloc
                                  StoreFull)
 
 
-@pytest.fixture(params=["memory", "directory"])
+@pytest.fixture(params=["memory", "directory", "compressed"])
 def make_store(request, tmp_path):
     """Makes stores of one kind; directory stores made by one test share one directory."""
     if request.param == "memory":
@@ -24,7 +24,8 @@ def make_store(request, tmp_path):
     made = []
 
     def make(max_bytes=0):
-        made.append(DirBlockStore(tmp_path / "node", max_bytes))
+        made.append(DirBlockStore(tmp_path / "node", max_bytes,
+                                  compress=request.param == "compressed"))
         return made[-1]
     yield make
     for store in made:

@@ -13,8 +13,8 @@ from skippy.mesh.stage.grpc_service import message_limit, start_server
 from skippy.mesh.stage.security import ClusterCredentials, new_secret
 from skippy.mesh.stage.server import StageServer
 from skippy.mesh.stage.state_pull import StatePuller
-from skippy.proto import stage_pb2 as pb
 from skippy.stages.runtime import StageSpec
+from stage_calls import run
 
 TURN1 = [(i * 37 + 11) % 5000 + 10 for i in range(200)]
 TURN2 = TURN1 + [(i * 53 + 5) % 5000 + 10 for i in range(60)]
@@ -37,25 +37,6 @@ def stages(request, qwen3_f32):
         rpc.stop(None)
         server.puller.close()
         server.loop.stop()
-
-
-def run(server: StageServer, tokens: list[int], peers=(), namespace="", n=3):
-    """A greedy request at one stage: (cached prompt tokens, tokens, logits rows)."""
-    session = server.open_session()
-    try:
-        plan = session.handle(pb.StageCall(plan=pb.Plan(
-            tokens=tokens, limit=len(tokens) - 1, peers=peers, namespace=namespace)))
-        sampling = pb.Sampling(temperature=0, logits=True)
-        reply = session.handle(pb.StageCall(prefill=pb.Prefill(
-            tokens=tokens, start=plan.plan.start, sampling=sampling, namespace=namespace)))
-        cached, ids, rows = reply.token.cached_tokens, [], []
-        for _ in range(n):
-            ids.append(reply.token.id)
-            rows.append(torch.frombuffer(bytearray(reply.token.logits), dtype=torch.float32))
-            reply = session.handle(pb.StageCall(decode=pb.Decode(token=reply.token.id)))
-        return cached, ids, rows
-    finally:
-        session.close()
 
 
 def test_a_pulled_prefix_answers_bitwise_as_a_cold_run(stages):

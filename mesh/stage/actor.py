@@ -14,7 +14,7 @@ from skippy.stages.runtime import StageSpec
 
 from .grpc_service import grpc_opener, message_limit, start_server
 from .security import StageCredentials
-from .node_store import node_store
+from .node_store import cold_store, node_store
 from .server import StageServer
 from .stage_parts import PartSource, local_package
 from .state_pull import StatePuller
@@ -31,8 +31,10 @@ class StageActor:
         if parts is not None:  # a package: its parts from this node, fetched here if need be
             spec = dataclasses.replace(spec, model_path=local_package(parts, credentials))
         host = host or ray.util.get_node_ip_address()
-        self.server = StageServer(spec, cache, policy, runtime, burst_threads=burst_threads,
-                                  store=node_store(host, cache.block_store_max_bytes))
+        self.server = StageServer(
+            spec, cache, policy, runtime, burst_threads=burst_threads,
+            store=node_store(host, cache.block_store_max_bytes),
+            cold_store=cold_store(host, cache.cold_max_bytes) if cache.cold_max_bytes else None)
         self._credentials = credentials
         self._limit = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
         self.server.puller = StatePuller(credentials, self._limit)
@@ -65,8 +67,11 @@ class StageActor:
         """Stop serving and let go of this stage's blocks in the node's shared store
         (what a killed stage leaves there is swept by the next stage to open it)."""
         self._rpc.stop(grace=None)
-        self.server.loop.call(self.server.cache.clear)
-        self.server.cache.store.close()
+        cache = self.server.cache
+        self.server.loop.call(cache.clear)
+        cache.store.close()
+        if cache.cold is not None:
+            cache.cold.store.close()
 
     def memory(self) -> dict[str, int]:
         """This process's resident bytes now and at its peak (VmRSS, VmHWM)."""

@@ -1,6 +1,7 @@
-"""The block store a stage actor shares with every other stage process of its node: a
+"""The block stores a stage actor shares with every other stage process of its node: a
 directory on the node's tmpfs (cache/block_dir.py), so state a stage exports, imports or
-records is held once per node however many stages use it."""
+records is held once per node however many stages use it; and the disk tier's, under
+the node's SKIPPY_HOME, compressed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import tempfile
 from pathlib import Path
 
 from skippy.cache.block_dir import DirBlockStore
+
+from ..models import model_home
 
 SHM = Path("/dev/shm")
 
@@ -24,3 +27,10 @@ def node_store(address: str, max_bytes: int) -> DirBlockStore:
     root = node_store_root(address)
     root.mkdir(mode=0o700, exist_ok=True)
     return DirBlockStore(root, max_bytes)
+
+
+def cold_store(address: str, max_bytes: int) -> DirBlockStore:
+    """The node's disk tier: entries evicted from RAM, zstd-compressed."""
+    root = model_home() / "blocks" / address.replace(":", "_")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return DirBlockStore(root, max_bytes, compress=True)

@@ -21,9 +21,10 @@ from .state_pull import StatePuller
 class StageServer:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str,
                  runtime: str = "torch", *, burst_threads: int | None = None,
-                 store: BlockStore | None = None):
+                 store: BlockStore | None = None, cold_store: BlockStore | None = None):
         """`store`: where this stage's state blocks live (default: its own, in memory;
-        a stage actor shares its node's, mesh/stage/node_store.py)."""
+        a stage actor shares its node's, mesh/stage/node_store.py); `cold_store`: the
+        disk tier's (none: no disk tier)."""
         self.spec = spec
         self.loop = StageLoop(self._step, check=self._check_row, threads=spec.threads)
         self.runtime = self.loop.call(make_runtime, spec, runtime)
@@ -32,7 +33,7 @@ class StageServer:
             # session alone keeps the stages computing in turn (same bits on any count).
             self.loop.allow_burst(burst_threads)
         self.cache = self.loop.call(StageCache, self.runtime, cache, policy=policy,
-                                    store=store)
+                                    store=store, cold_store=cold_store)
         self._next: Callable[[], object] | None = None  # opens a link to the next stage
         self._lock = threading.Lock()
         self.lane_freed = threading.Condition()  # a session waiting for a lane hears it

@@ -1,0 +1,62 @@
+"""The disk tier: a resident entry the RAM cap pushes out is demoted to a compressed
+payload on disk instead of dropped; a later hit restores it (bitwise as a recompute)
+and promotes it back to RAM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skippy.cache.block_dir import DirBlockStore
+from skippy.cache.config import CacheConfig
+from skippy.mesh.stage.server import StageServer
+from skippy.stages.runtime import StageSpec
+from stage_calls import run
+
+A = [(i * 37 + 11) % 5000 + 10 for i in range(200)]
+B = [(i * 53 + 5) % 5000 + 10 for i in range(200)]
+A2 = A + [(i * 29 + 3) % 5000 + 10 for i in range(40)]
+
+
+def server(path, cfg: CacheConfig, cold: DirBlockStore | None = None) -> StageServer:
+    return StageServer(StageSpec(str(path), 0, 6, 0, 1, topology_digest="t"), cfg,
+                       policy="ResidentKv", cold_store=cold)
+
+
+@pytest.fixture(scope="module")
+def entry_bytes(qwen3_f32):
+    """What one 192-token entry of A holds in RAM."""
+    s = server(qwen3_f32, CacheConfig(admit_after=1))
+    run(s, A)
+    nbytes = s.cache.stats()["prefix"]["resident_bytes"]
+    s.loop.stop()
+    return nbytes
+
+
+@pytest.mark.parametrize("with_disk", [True, False])
+def test_an_evicted_entry_comes_back_from_disk_bitwise(qwen3_f32, entry_bytes, tmp_path,
+                                                       with_disk):
+    cfg = CacheConfig(admit_after=1, max_bytes=int(entry_bytes * 1.5))  # room for one
+    cold = DirBlockStore(tmp_path, compress=True) if with_disk else None
+    on, off = server(qwen3_f32, cfg, cold), server(qwen3_f32, CacheConfig(enabled=False))
+    try:
+        run(on, A)
+        run(on, B)                        # B's entry pushes A's out of RAM
+        on.cache.drop_warm_lanes()        # no warm lane may serve A: only the tiers
+        cached, ids, rows = run(on, A2)
+        _, want_ids, want_rows = run(off, A2)
+        assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(rows, want_rows))
+        stats = on.cache.stats()
+        if not with_disk:
+            assert cached == 0 and on.cache.cold is None
+            return
+        assert cached == 192
+        assert stats["cold"]["counters"]["hits"] == 1
+        assert stats["cold_blocks"]["node_physical_bytes"] < stats["cold_blocks"]["physical_bytes"]
+        again, _, _ = run(on, A2)         # promoted: RAM serves it now
+        assert again >= 192 and on.cache.stats()["cold"]["counters"]["hits"] == 1
+    finally:
+        on.loop.stop()
+        off.loop.stop()
+        if cold is not None:
+            cold.close()
