@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,3 +261,31 @@ def greedy_chat(url: str, model: Path, ranges: Sequence[tuple[int, int]], questi
     want = [s.token for s in local.complete(tok.encode(render_chat(model, messages)),
                                             max_tokens, stop_ids=frozenset(tok.eog_ids))]
     return got.choices[0].message.content, want, tok
+
+
+STAGE_LINE = re.compile(r"stage (\d+): layers (\d+)-(\d+) on node (\w+)")
+
+
+@contextlib.contextmanager
+def serving(head: Host, port: int, *args: str, log: str = "serve.log") -> Iterator[Path]:
+    """`skippy serve ARGS` inside `head`: the model named "smollm2", Ray at the head, the
+    gateway on the head's address. Yields its log's path once the gateway answers, and
+    ends it after (the driver's end takes its stage actors with it)."""
+    proc = head.start(str(BIN / "skippy"), "serve", *args, "--model-name", "smollm2",
+                      "--address", f"{head.ip}:{RAY_PORT}", "--host", head.ip,
+                      "--port", str(port), "--insecure", log=log)
+    path = head.root / log
+    try:
+        wait_http(f"http://{head.ip}:{port}/v1/models", proc, path)
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def planned(serve_log: str) -> list[tuple[int, int, str]]:
+    """(start, end, node id prefix) of each stage, from the serve log's plan lines."""
+    rows = sorted({(int(i), int(a), int(b) + 1, node) for i, a, b, node
+                   in STAGE_LINE.findall(serve_log)})
+    assert [r[0] for r in rows] == list(range(len(rows))), serve_log
+    return [r[1:] for r in rows]

@@ -41,12 +41,13 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     head = hosts[0]
     out = head.root / "bench_cluster.json"
     done = head.run(sys.executable, "-m", "skippy.evals.bench_cluster", "--model", str(smollm2),
-                    "--tokens", str(TOKENS), "--address", f"{head.ip}:{RAY_PORT}",
+                    "--tokens", str(TOKENS), "--sessions", "6", "--shared", "512",
+                    "--address", f"{head.ip}:{RAY_PORT}",
                     "--data", str(DATA), "--json", str(out), timeout=480)
     print(done.stdout)
     result = json.loads(out.read_text())
     nodes = ray_nodes(f"{head.ip}:{RAY_PORT}")
-    assert result["nodes"] == [[nodes[hosts[0].ip]], [nodes[hosts[1].ip]]]
+    assert result["nodes"] == [[nodes[h.ip]] for h in hosts]  # a pipeline per host
     assert result["stage_tls"]
     row, = result["rows"]
     assert row["exact"]                                   # tokens and logits, every step
@@ -54,8 +55,17 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     assert row["remote_cached_tokens"] >= TOKENS and row["local_cached_tokens"] >= TOKENS
     assert 0 < row["fetched_bytes"]
     assert out.with_suffix(".png").stat().st_size > 0
-    a, b = (result["state_by_node"][nodes[h.ip][:12]] for h in hosts[:2])
+    # Dedupe: 6 sessions sharing 512 tokens round-robin over the hosts; the first one on
+    # each host computes or pulls the prefix, every later one finds it on its host
+    sessions = result["dedupe"]["sessions"]
+    a, b, _ = (result["state_by_node"][nodes[h.ip][:12]] for h in hosts)
     assert a["exports"] >= 1 and a["fetched_bytes"] == 0        # host 1 gave
-    assert b["pulls"] == 1 and b["fetched_bytes"] == row["fetched_bytes"]  # host 2 took
+    assert b["pulls"] >= 1 and b["fetched_bytes"] == row["fetched_bytes"] + sum(
+        s["fetched_bytes"] for s in sessions if s["pipeline"] == 1)  # host 2 took
+    assert all(s["cached_tokens"] >= 512 for s in sessions[1:])
+    assert all(s["fetched_bytes"] == 0 for s in sessions[3:])
+    assert sessions[2]["fetched_bytes"] > 0                   # host 3 had nothing
+    for n in result["dedupe"]["nodes"].values():
+        assert n["physical_bytes"] <= n["logical_bytes"]
     for h in hosts[:2]:  # the stages closed: nothing of theirs is left in the nodes' RAM
         assert not list((node_store_root(h.ip) / "blocks").iterdir())

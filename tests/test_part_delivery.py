@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from hosts import (BIN, RAY_PORT, greedy_chat, ray_nodes, separate_hosts,  # noqa: E402
-                   wait_http)
+from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes, separate_hosts,  # noqa: E402
+                   serving)
 from skippy.topology.model_package import Manifest  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -25,7 +25,6 @@ MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]  # stage i on host i
 PORT = 8010
 CTX = 1024
 QUESTION = "What is the capital of France?"
-STAGE_LINE = re.compile(r"stage (\d+): layers (\d+)-(\d+) on node (\w+)")
 FETCHED = re.compile(r"fetched (\d+) part\(s\): (\d+) bytes received \((\d+) kept from an "
                      r"earlier fetch\) in ([\d.]+) s, ([\d.]+) MiB/s, (\d+) damaged")
 
@@ -48,25 +47,9 @@ def package(hosts, smollm2):
 @pytest.fixture(scope="module")
 def serve_log(hosts, package):
     head = hosts[0]
-    proc = head.start(str(BIN / "skippy"), "serve", "--package", str(package),
-                      "--model-name", "smollm2", "--stages", "3",
-                      "--address", f"{head.ip}:{RAY_PORT}", "--host", head.ip,
-                      "--port", str(PORT), "--insecure", "--ctx", str(CTX), "--lanes", "1",
-                      "--weight-format", "int4", log="serve.log")
-    log = head.root / "serve.log"
-    try:
-        wait_http(f"http://{head.ip}:{PORT}/v1/models", proc, log)
+    with serving(head, PORT, "--package", str(package), "--stages", "3", "--ctx", str(CTX),
+                 "--lanes", "1", "--weight-format", "int4") as log:
         yield log.read_text()
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def planned(serve_log: str) -> list[tuple[int, int, str]]:
-    rows = sorted({(int(i), int(a), int(b) + 1, node) for i, a, b, node
-                   in STAGE_LINE.findall(serve_log)})
-    assert [r[0] for r in rows] == [0, 1, 2], serve_log
-    return [r[1:] for r in rows]
 
 
 def own_parts(manifest: Manifest, start: int, end: int, first: bool, last: bool) -> set[str]:

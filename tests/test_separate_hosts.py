@@ -9,7 +9,6 @@ Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 import pytest
@@ -18,8 +17,8 @@ pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import (BIN, RAY_PORT, greedy_chat, ray_nodes, separate_hosts,  # noqa: E402
-                   wait_http)
+from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes, separate_hosts,  # noqa: E402
+                   serving)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,7 +29,6 @@ MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
 PORT = 8000
 CTX = 1024
 QUESTION = "What is the capital of France?"
-STAGE_LINE = re.compile(r"stage (\d+): layers (\d+)-(\d+) on node (\w+)")
 
 
 @pytest.fixture(scope="module")
@@ -46,27 +44,10 @@ def serve_log(hosts, smollm2):
     head = hosts[0]
     secret = head.root / "cluster-secret"
     secret.write_text("a secret the test knows, so that it can show it is not enough\n")
-    proc = head.start(str(BIN / "skippy"), "serve", "--model", str(smollm2),
-                      "--model-name", "smollm2", "--stages", "3",
-                      "--address", f"{head.ip}:{RAY_PORT}", "--host", head.ip,
-                      "--port", str(PORT), "--insecure", "--cluster-secret-file", str(secret),
-                      "--ctx", str(CTX), "--lanes", "1", "--weight-format", "int4",
-                      log="serve.log")
-    log = head.root / "serve.log"
-    try:
-        wait_http(f"http://{head.ip}:{PORT}/v1/models", proc, log)
+    with serving(head, PORT, "--model", str(smollm2), "--stages", "3",
+                 "--cluster-secret-file", str(secret), "--ctx", str(CTX), "--lanes", "1",
+                 "--weight-format", "int4") as log:
         yield log.read_text()
-    finally:
-        proc.terminate()   # the driver's end takes its stage actors with it
-        proc.wait(30)
-
-
-def planned(serve_log: str) -> list[tuple[int, int, str]]:
-    """(start, end, node id prefix) of each stage, from the serve log's plan lines."""
-    rows = sorted((int(i), int(a), int(b) + 1, node) for i, a, b, node
-                  in STAGE_LINE.findall(serve_log))
-    assert [r[0] for r in rows] == list(range(len(rows))), serve_log
-    return [r[1:] for r in rows]
 
 
 def stage_address(host) -> str:
@@ -145,14 +126,8 @@ def test_a_model_file_only_one_host_has_is_served_there_alone(hosts, serve_log, 
     head = hosts[0]
     own = head.root / "own.gguf"
     shutil.copyfile(smollm2, own)
-    proc = head.start(str(BIN / "skippy"), "serve", "--model", str(own),
-                      "--model-name", "smollm2", "--stages", "2",
-                      "--address", f"{head.ip}:{RAY_PORT}", "--host", head.ip,
-                      "--port", str(PORT + 1), "--insecure", "--ctx", str(CTX),
-                      "--lanes", "1", "--weight-format", "int4", log="serve-own.log")
-    log = head.root / "serve-own.log"
-    try:
-        wait_http(f"http://{head.ip}:{PORT + 1}/v1/models", proc, log)
+    with serving(head, PORT + 1, "--model", str(own), "--stages", "2", "--ctx", str(CTX),
+                 "--lanes", "1", "--weight-format", "int4", log="serve-own.log") as log:
         client = openai.OpenAI(base_url=f"http://{head.ip}:{PORT + 1}/v1", api_key="x",
                                max_retries=0, timeout=300)
         got = client.chat.completions.create(
@@ -160,9 +135,6 @@ def test_a_model_file_only_one_host_has_is_served_there_alone(hosts, serve_log, 
             max_tokens=4, temperature=0)
         assert got.choices[0].message.content
         text = log.read_text()
-    finally:
-        proc.terminate()
-        proc.wait(30)
     head_node = ray_nodes(f"{head.ip}:{RAY_PORT}")[head.ip]
     assert {node for _, _, node in planned(text)} == {head_node[:12]}, text
     assert text.count(f"has no {own}: no stage is placed there") == 2, text
