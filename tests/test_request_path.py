@@ -124,6 +124,28 @@ def test_stage_kills_mid_stream_cost_no_token(ray_engine):
     assert asyncio.run(_all(ray_engine, requests[:2])) == want[:2]  # still serving
 
 
+def test_a_restarted_stage_takes_the_prompt_state_from_the_other_pipeline(ray_engine):
+    """A stage killed mid-stream comes back empty; the rebuilt request's stages pull the
+    prompt's state from the other pipeline, which served it too, instead of recomputing
+    it (the request's own pipeline held the longest prefix, so only the rebuild looks
+    elsewhere), and the answer is the fault-free one."""
+    prompt = tuple([1] + [(i * 53 + 7) % 30000 + 50 for i in range(300)])
+    want = asyncio.run(_collect(ray_engine, GenerationRequest(prompt, 24, pipeline=1)))
+    assert asyncio.run(_collect(ray_engine, GenerationRequest(prompt, 24, pipeline=0))) == want
+    pid = ray.get(ray_engine.pipelines[0].actors[1].pid.remote(), timeout=900)
+
+    async def killed():
+        out = []
+        async for s in ray_engine.generate(GenerationRequest(prompt, 24, pipeline=0)):
+            out.append((s.token, s.logprobs))
+            if len(out) == 4:
+                os.kill(pid, signal.SIGKILL)
+        return out
+    assert asyncio.run(killed()) == want
+    stage = ray_engine.pipeline_stats(0)[1]          # the new process
+    assert stage["pulls"]["pulls"] >= 1 and stage["pulls"]["pulled_tokens"] >= 256
+
+
 async def _gather(fn, requests):
     return await asyncio.gather(*[fn(r) for r in requests])
 

@@ -56,6 +56,8 @@ def test_a_request_moved_away_learns_where_its_prefix_is():
     assert moved.pipeline != a and moved.holder == a  # its stages pull from a's
     r.finished(moved.pipeline)
     r.load[a] -= MAX_IMBALANCE + 1
+    assert r.holder(STEM, exclude=moved.pipeline) == a  # a rebuild on the moved one
+    assert r.holder([1, 2, 3] * 40) is None
     third = 3 - a - moved.pipeline                    # the only one without the prefix
     down = r.route(STEM + [7], usable=[third])        # the others cannot serve now
     assert down.pipeline == third and down.holder in (a, moved.pipeline)

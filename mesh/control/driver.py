@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import torch
@@ -57,10 +57,13 @@ class Pipeline(Protocol):
 
 
 async def drive(pipe: Pipeline, request: GenerationRequest,
-                on_rebuild=lambda reason: None, peers: list[str] = ()) -> AsyncIterator[Step]:
+                on_rebuild=lambda reason: None,
+                peers: Callable[[bool], list[str]] = lambda rebuilding: []
+                ) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
     iteration (client gone) closes the session, which frees the lanes down the chain.
-    `peers`: another pipeline's stage addresses, to pull the prompt's state from."""
+    `peers(rebuilding)`: another pipeline's stage addresses, for this try's stages to pull
+    the prompt's state from (a stage re-placed after a fault starts empty)."""
     produced: list[int] = []
     failures = 0
     while True:
@@ -68,7 +71,7 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
         link = None
         try:
             link = await pipe.open()
-            async for step in _attempt(link, request, produced, peers):
+            async for step in _attempt(link, request, produced, peers(failures > 0)):
                 produced.append(step.token)
                 yield step
             return

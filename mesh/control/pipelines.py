@@ -46,9 +46,14 @@ class PipelinesEngine:
                                       pinned=request.pipeline)
             p = route.pipeline
             try:
+                def peers(rebuilding: bool) -> list[str]:
+                    # a rebuild looks again: the pipeline's own state may be what was lost
+                    return self._peers(self.router.holder(
+                        request.tokens, request.namespace, exclude=p)
+                        if rebuilding else route.holder)
+
                 async for step in drive(self.pipes[p], request,
-                                        lambda reason: self._rebuilt(p, reason),
-                                        peers=self._peers(route.holder)):
+                                        lambda reason: self._rebuilt(p, reason), peers):
                     yield step
             finally:
                 self.router.finished(p)

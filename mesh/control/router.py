@@ -51,15 +51,13 @@ class Router:
         when none is), counted as in flight until `finished`, and the one holding a
         longer prefix."""
         digests = self._digests(tokens, namespace)
-        longest_first = sorted(digests, reverse=True)
         with self._lock:
             if pinned is not None and not 0 <= pinned < len(self.load):
                 raise ValueError(f"no pipeline {pinned}: there are {len(self.load)}")
             candidates = [pinned] if pinned is not None else \
                 [p for p in (usable or ()) if 0 <= p < len(self.load)] or \
                 list(range(len(self.load)))
-            held = {p: next((n for n in longest_first if digests[n] in seen), 0)
-                    for p, seen in enumerate(self._seen)}
+            held = self._held(digests)
             idlest = min(candidates, key=lambda p: (self.load[p], p))
             best, best_len = idlest, 0
             for p in candidates:
@@ -78,6 +76,21 @@ class Router:
             while len(seen) > REMEMBERED:
                 seen.popitem(last=False)
             return Route(best, holder if held[holder] > best_len else None)
+
+    def holder(self, tokens: Sequence[int], namespace: str = "",
+               exclude: int | None = None) -> int | None:
+        """The pipeline (other than `exclude`) that served the longest prefix of these
+        tokens; None where none did."""
+        digests = self._digests(tokens, namespace)
+        with self._lock:
+            held = {p: n for p, n in self._held(digests).items() if p != exclude and n}
+        return max(held, key=held.get) if held else None
+
+    def _held(self, digests: dict[int, bytes]) -> dict[int, int]:
+        """Per pipeline, the longest of these prefixes it served (0: none); under the lock."""
+        longest_first = sorted(digests, reverse=True)
+        return {p: next((n for n in longest_first if digests[n] in seen), 0)
+                for p, seen in enumerate(self._seen)}
 
     def finished(self, pipeline: int) -> None:
         with self._lock:
