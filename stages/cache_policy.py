@@ -48,6 +48,10 @@ class CachePolicy:
                  store: BlockStore | None, stage_index: int):
         self.runtime, self.prefixes, self.store = runtime, prefixes, store
         self.stage_index = stage_index
+        self.keys: dict[int, tuple[bytes, tuple]] = {}  # entry id -> (scope, its tokens)
+        # Where an entry the caps push out goes (scope, tokens, state), if anywhere: a
+        # colder tier keeps it instead of dropping it (StageCache's disk tier).
+        self.demote: Callable[[bytes, tuple, LaneState], None] | None = None
 
     def own_reuse(self, lane: int, reuse: int) -> int:
         """How much of the `reuse` rows a lane shares with a request it may keep."""
@@ -80,6 +84,22 @@ class CachePolicy:
     def adopt(self, tokens, state: LaneState, scope: bytes) -> None:
         """Record state a peer stage computed for tokens [0, state.n_tokens) as an entry."""
 
+    def _state_of(self, entry_id: int, n_tokens: int) -> LaneState:
+        """An entry's state, for its demotion."""
+        raise KeyError(f"no state for entry {entry_id}")
+
+    def _evicted(self, entry_ids) -> None:
+        """Entries the caps pushed out: demoted to the colder tier where there is one."""
+        for eid in entry_ids:
+            key = self.keys.get(eid)
+            if self.demote is not None and key is not None:
+                try:
+                    self.demote(key[0], key[1], self._state_of(eid, len(key[1])))
+                except Exception as e:  # a tier that cannot take it: dropped as before
+                    log.warning("stage %d: an evicted entry was not demoted: %s",
+                                self.stage_index, e)
+        self.drop(entry_ids)
+
 
 class Disabled(CachePolicy):
     enabled = False
@@ -91,11 +111,7 @@ class ResidentLanes(CachePolicy):
     def __init__(self, *args):
         super().__init__(*args)
         self.holders: dict[int, int] = {}   # entry id -> runtime lane holding its rows
-        self.keys: dict[int, tuple[bytes, tuple]] = {}  # entry id -> (scope, its tokens)
         self._bytes_per_token: int | None = None
-        # Where an entry evicted from RAM goes (scope, tokens, state), if anywhere: a
-        # colder tier keeps it instead of dropping it (StageCache's disk tier).
-        self.demote: Callable[[bytes, tuple, LaneState], None] | None = None
 
     def record(self, lane, tokens, boundaries, out, scope) -> None:
         if not boundaries:
@@ -138,18 +154,8 @@ class ResidentLanes(CachePolicy):
         else:
             self.runtime.free_lane(holder)
 
-    def _evicted(self, entry_ids) -> None:
-        """Entries the LRU pushed out: demoted to the colder tier where there is one."""
-        for eid in entry_ids:
-            holder, key = self.holders.get(eid), self.keys.get(eid)
-            if self.demote is not None and holder is not None and key is not None:
-                try:
-                    self.demote(key[0], key[1],
-                                self.runtime.export_state(holder, len(key[1])))
-                except Exception as e:  # a tier that cannot take it: dropped as before
-                    log.warning("stage %d: an evicted entry was not demoted: %s",
-                                self.stage_index, e)
-        self.drop(entry_ids)
+    def _state_of(self, entry_id, n_tokens) -> LaneState:
+        return self.runtime.export_state(self.holders[entry_id], n_tokens)
 
     def drop(self, entry_ids) -> None:
         for eid in entry_ids:
@@ -181,6 +187,7 @@ class _Payloads(CachePolicy):
 
     def drop(self, entry_ids) -> None:
         for eid in entry_ids:
+            self.keys.pop(eid, None)
             manifest = self.manifests.pop(eid, None)
             if manifest is not None:
                 release_payload(manifest, self.store)
@@ -189,7 +196,7 @@ class _Payloads(CachePolicy):
         r = self.prefixes.reserve(scope, tokens[:b], state.nbytes)
         if r is None:
             return
-        self.drop(r.evicted)
+        self._evicted(r.evicted)
         try:
             manifest = encode_state(state, self.kind_of(state), prefix_digest(scope, tokens[:b]),
                                     self.stage_index, self.store)
@@ -198,8 +205,12 @@ class _Payloads(CachePolicy):
             return
         if self.prefixes.commit(r):
             self.manifests[r.entry_id] = manifest
+            self.keys[r.entry_id] = (scope, tuple(tokens[:b]))
         else:
             release_payload(manifest, self.store)
+
+    def _state_of(self, entry_id, n_tokens) -> LaneState:
+        return decode_state(self.manifests[entry_id], self.store)
 
     def export(self, hit, length, identity) -> Manifest:
         manifest = self.manifests[hit.entry_id]

@@ -113,12 +113,14 @@ class StageCache:
                                         self.key.stage_index)
         # The disk tier: resident entries the RAM caps push out are demoted to payloads
         # there, and a hit restores (and promotes) one instead of recomputing it.
-        self.cold: StoredPayloads | None = None
-        if cold_store is not None and config.cold_max_bytes and cls is ResidentLanes:
-            self.cold = StoredPayloads(runtime, PrefixCache(
+        self.cold: CachePolicy | None = None
+        if cold_store is not None and config.cold_max_bytes and self.entries.enabled:
+            # entries there are payloads, whole ones where the family's state is recurrent
+            tier = StoredPayloads if cls is ResidentLanes else cls
+            self.cold = tier(runtime, PrefixCache(
                 block=config.stride, max_entries=COLD_ENTRIES, max_bytes=config.cold_max_bytes,
-                max_tokens=config.max_tokens_per_entry, kind=COLD), cold_store,
-                self.key.stage_index)
+                max_tokens=config.max_tokens_per_entry, kind=COLD,
+                whole_entry=cls.whole_entry), cold_store, self.key.stage_index)
             self.entries.demote = lambda scope, tokens, state: \
                 self.cold.adopt(tokens, state, scope)
         self.lanes = Lanes(runtime, WARM_LANES if runtime.lane_entries else None)
@@ -259,7 +261,8 @@ class StageCache:
             tier.restore(lane, hit, start)
             self.lanes.hold(lane, tokens[:start], namespace)
             if tier is self.cold:  # promoted: RAM holds it again
-                self.entries.record(lane, tokens, [start], None, self.scope(namespace))
+                self.entries.adopt(tokens[:start], self.runtime.export_state(lane, start),
+                                   self.scope(namespace))
             return True
         except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
             # RuntimeError: the runtime refused the state (llama.cpp's LlamaCppError)

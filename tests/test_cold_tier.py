@@ -1,6 +1,6 @@
-"""The disk tier: a resident entry the RAM cap pushes out is demoted to a compressed
-payload on disk instead of dropped; a later hit restores it (bitwise as a recompute)
-and promotes it back to RAM."""
+"""The disk tier: an entry the RAM cap pushes out (a resident lane, or a payload) is
+demoted to a compressed payload on disk instead of dropped; a later hit restores it
+(bitwise as a recompute) and promotes it back to RAM."""
 
 from __future__ import annotations
 
@@ -18,15 +18,21 @@ B = [(i * 53 + 5) % 5000 + 10 for i in range(200)]
 A2 = A + [(i * 29 + 3) % 5000 + 10 for i in range(40)]
 
 
-def server(path, cfg: CacheConfig, cold: DirBlockStore | None = None) -> StageServer:
+def server(path, cfg: CacheConfig, cold: DirBlockStore | None = None,
+           policy: str = "ResidentKv") -> StageServer:
     return StageServer(StageSpec(str(path), 0, 6, 0, 1, topology_digest="t"), cfg,
-                       policy="ResidentKv", cold_store=cold)
+                       policy=policy, cold_store=cold)
+
+
+@pytest.fixture(scope="module", params=["ResidentKv", "KvRecurrent"])
+def policy(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def entry_bytes(qwen3_f32):
-    """What one 192-token entry of A holds in RAM."""
-    s = server(qwen3_f32, CacheConfig(admit_after=1))
+def entry_bytes(qwen3_f32, policy):
+    """What A's entries hold in RAM."""
+    s = server(qwen3_f32, CacheConfig(admit_after=1), policy=policy)
     run(s, A)
     nbytes = s.cache.stats()["prefix"]["resident_bytes"]
     s.loop.stop()
@@ -34,11 +40,12 @@ def entry_bytes(qwen3_f32):
 
 
 @pytest.mark.parametrize("with_disk", [True, False])
-def test_an_evicted_entry_comes_back_from_disk_bitwise(qwen3_f32, entry_bytes, tmp_path,
-                                                       with_disk):
-    cfg = CacheConfig(admit_after=1, max_bytes=int(entry_bytes * 1.5))  # room for one
+def test_an_evicted_entry_comes_back_from_disk_bitwise(qwen3_f32, policy, entry_bytes,
+                                                       tmp_path, with_disk):
+    cfg = CacheConfig(admit_after=1, max_bytes=int(entry_bytes * 1.5))  # room for A's
     cold = DirBlockStore(tmp_path, compress=True) if with_disk else None
-    on, off = server(qwen3_f32, cfg, cold), server(qwen3_f32, CacheConfig(enabled=False))
+    on = server(qwen3_f32, cfg, cold, policy)
+    off = server(qwen3_f32, CacheConfig(enabled=False), policy=policy)
     try:
         run(on, A)
         run(on, B)                        # B's entry pushes A's out of RAM
@@ -47,8 +54,8 @@ def test_an_evicted_entry_comes_back_from_disk_bitwise(qwen3_f32, entry_bytes, t
         _, want_ids, want_rows = run(off, A2)
         assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(rows, want_rows))
         stats = on.cache.stats()
-        if not with_disk:
-            assert cached == 0 and on.cache.cold is None
+        if not with_disk:  # RAM kept at most a shorter one of A's entries
+            assert cached < 192 and on.cache.cold is None
             return
         assert cached == 192
         assert stats["cold"]["counters"]["hits"] == 1
