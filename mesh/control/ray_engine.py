@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from skippy.cache.config import CacheConfig
+from skippy.cache.config import CacheConfig, format_bytes
 from skippy.stages.linear import held_bytes
 from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
@@ -262,6 +262,12 @@ class RayEngine(PipelinesEngine):
         self.stage_tls = tls_wanted(stage_tls, len(nodes))
         cluster = ClusterCredentials(secret or new_secret(), self.stage_tls)
         host = LOOPBACK if len(nodes) == 1 else None
+        c = self.cache
+        disk = f"disk tier {format_bytes(c.cold_max_bytes)}" if c.cold_max_bytes \
+            else "no disk tier"
+        progress("caches: off" if not c.enabled else
+                 f"caches per stage: RAM {format_bytes(c.max_bytes)}, {disk}; state blocks "
+                 f"kept once per node")
         progress(f"stage network: {'mutual TLS' if self.stage_tls else 'plain TCP'} on "
                  f"{host or 'each node address'}, calls carry the cluster secret")
         self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines, restarts,
