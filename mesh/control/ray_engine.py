@@ -174,6 +174,11 @@ class _Launch:
         self.placed[(r, i)] = node
         return node
 
+    def placement(self, r: int) -> str:
+        return f"pipeline {r}: " + ", ".join(
+            f"stage {i} on node {self.placed[(r, i)][:12]}"
+            for i in range(len(self.plan.stages)))
+
     def _roomiest(self, r: int, i: int) -> str | None:
         """The alive node with the most memory left that can hold pipeline r's stage i
         (serving a package: holding its parts); None if none can."""
@@ -236,11 +241,7 @@ class RayEngine(PipelinesEngine):
                  progress: Callable[[str], None] = log.info):
         """`secret`: what every stage call must carry (default: a new random one);
         `stage_tls`: auto (on when the cluster has more than one node), on, off."""
-        if pipelines < 1:
-            raise ValueError(f"pipelines must be at least 1, not {pipelines}")
-        if stage_tls not in TLS_MODES:
-            raise ValueError(f"stage_tls must be one of {', '.join(TLS_MODES)}, not "
-                             f"{stage_tls!r}")
+        _check_options(pipelines, stage_tls)
         path = Path(model_path)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
@@ -262,12 +263,7 @@ class RayEngine(PipelinesEngine):
         self.stage_tls = tls_wanted(stage_tls, len(nodes))
         cluster = ClusterCredentials(secret or new_secret(), self.stage_tls)
         host = LOOPBACK if len(nodes) == 1 else None
-        c = self.cache
-        disk = f"disk tier {format_bytes(c.cold_max_bytes)}" if c.cold_max_bytes \
-            else "no disk tier"
-        progress("caches: off" if not c.enabled else
-                 f"caches per stage: RAM {format_bytes(c.max_bytes)}, {disk}; state blocks "
-                 f"kept once per node")
+        progress(_caches_line(self.cache))
         progress(f"stage network: {'mutual TLS' if self.stage_tls else 'plain TCP'} on "
                  f"{host or 'each node address'}, calls carry the cluster secret")
         self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines, restarts,
@@ -282,8 +278,7 @@ class RayEngine(PipelinesEngine):
                                       credentials=driver, max_message=limit)
                           for r in range(pipelines)]
         for r in range(1, pipelines):
-            progress(f"pipeline {r}: " + ", ".join(
-                f"stage {i} on node {self._launch.placed[(r, i)][:12]}" for i in range(n)))
+            progress(self._launch.placement(r))
         t = time.monotonic()
         for pipe in self.pipelines:
             pipe.wire()
@@ -331,6 +326,23 @@ class RayEngine(PipelinesEngine):
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def _check_options(pipelines: int, stage_tls: str) -> None:
+    if pipelines < 1:
+        raise ValueError(f"pipelines must be at least 1, not {pipelines}")
+    if stage_tls not in TLS_MODES:
+        raise ValueError(f"stage_tls must be one of {', '.join(TLS_MODES)}, not "
+                         f"{stage_tls!r}")
+
+
+def _caches_line(c: CacheConfig) -> str:
+    if not c.enabled:
+        return "caches: off"
+    disk = f"disk tier {format_bytes(c.cold_max_bytes)}" if c.cold_max_bytes \
+        else "no disk tier"
+    return (f"caches per stage: RAM {format_bytes(c.max_bytes)}, {disk}; state blocks kept "
+            f"once per node")
 
 
 def _placement(st: StagePlan, path: Path) -> str:
