@@ -77,3 +77,12 @@ def falcon_h1_f32(smollm2, tmp_path_factory):
     from skippy.stages.synth import write_synthetic
     out = tmp_path_factory.mktemp("synth") / "falcon-h1-L4.gguf"
     return write_synthetic("falcon-h1", layers=4, seed=7, out=out, tokenizer_from=smollm2)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """Three hosts that really are separate (tests/hosts.py) for one test module; skips
+    where they cannot be made (not root, not in a loopback-only namespace)."""
+    from hosts import MEMORY, separate_hosts
+    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
+        yield hs

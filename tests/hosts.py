@@ -263,6 +263,12 @@ def greedy_chat(url: str, model: Path, ranges: Sequence[tuple[int, int]], questi
     return got.choices[0].message.content, want, tok
 
 
+GiB = 2**30
+# Ray memory of the three hosts the `hosts` fixture makes (tests/conftest.py). The planner
+# ranks nodes by memory, stage 0 on the largest: decreasing memories put stage i on host
+# i. Ray's memory resource is a number it schedules by, not a limit.
+MEMORY = (int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB))
+
 STAGE_LINE = re.compile(r"stage (\d+): layers (\d+)-(\d+) on node (\w+)")
 
 

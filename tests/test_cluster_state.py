@@ -16,23 +16,15 @@ import pytest
 
 pytest.importorskip("ray")
 
-from hosts import RAY_PORT, ray_nodes, separate_hosts  # noqa: E402
+from hosts import RAY_PORT, ray_nodes  # noqa: E402
 from skippy.mesh.stage.node_store import node_store_root  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-GiB = 2**30
-# Pipeline A goes where the plan puts stage 0 (the largest host), B to the host with
-# the most memory left after it.
-MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
+# The `hosts` fixture (tests/conftest.py): pipeline A goes where the plan puts stage 0
+# (the largest host), B and C to the hosts with the most memory left after it.
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
 TOKENS = 1024
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
-        yield hs
 
 
 def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smollm2):

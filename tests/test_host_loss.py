@@ -24,15 +24,13 @@ pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import RAY_PORT, planned, ray_nodes, separate_hosts, serving  # noqa: E402
+from hosts import RAY_PORT, planned, ray_nodes, serving  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-GiB = 2**30
-# The planner ranks nodes by memory: stage 0 on host 1, stage 1 on host 2. Once host 2
-# is gone, host 3 (2.8 GiB free) has more memory left than host 1 (3.0 GiB less stage
-# 0's ~0.75 GiB), so the engine moves stage 1 there.
-MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
+# The `hosts` fixture (tests/conftest.py) ranks them by memory: stage 0 on host 1, stage
+# 1 on host 2. Once host 2 is gone, host 3 (2.8 GiB free) has more memory left than host 1
+# (3.0 GiB less stage 0's ~0.75 GiB), so the engine moves stage 1 there.
 PORT = 8000
 CTX = 1024
 MAX_TOKENS = 24
@@ -42,12 +40,6 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
 PLAN_LINE = re.compile(r"plan: .* topology (\w+)")
 MOVE_LINE = re.compile(r"pipeline 0 stage (\d+): node (\w+) is lost; layers (\d+)-(\d+) "
                        r"move to node (\w+) \(same split, topology (\w+)\)")
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
-        yield hs
 
 
 @pytest.fixture(scope="module")

@@ -14,25 +14,17 @@ import pytest
 
 pytest.importorskip("ray")
 
-from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes, separate_hosts,  # noqa: E402
+from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes,  # noqa: E402
                    serving)
 from skippy.topology.model_package import Manifest  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-GiB = 2**30
-MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]  # stage i on host i
 PORT = 8010
 CTX = 1024
 QUESTION = "What is the capital of France?"
 FETCHED = re.compile(r"fetched (\d+) part\(s\): (\d+) bytes received \((\d+) kept from an "
                      r"earlier fetch\) in ([\d.]+) s, ([\d.]+) MiB/s, (\d+) damaged")
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
-        yield hs
 
 
 @pytest.fixture(scope="module")

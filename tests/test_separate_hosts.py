@@ -17,24 +17,14 @@ pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes, separate_hosts,  # noqa: E402
+from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes,  # noqa: E402
                    serving)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-GiB = 2**30
-# The planner ranks nodes by memory, stage 0 on the largest: decreasing memories put
-# stage i on host i. Ray's memory resource is a number it schedules by, not a limit.
-MEMORY = [int(3.0 * GiB), int(2.9 * GiB), int(2.8 * GiB)]
 PORT = 8000
 CTX = 1024
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
-        yield hs
 
 
 @pytest.fixture(scope="module")

@@ -101,16 +101,14 @@ class StageSession:
                 self._new_sampler(p.sampling)
                 return pb.StageResult(token=self._sample(logits, len(tokens)))
         pulling = self._pull(p, tokens)  # while the stages below plan theirs
+        reply = None if self.last else self._downstream().ask(pb.StageCall(plan=p))
+        if pulling is not None:
+            pulling.join()
         d = None
-        if not self.last:
-            reply = self._downstream().ask(pb.StageCall(plan=p))
-            if pulling is not None:
-                pulling.join()
+        if reply is not None:
             if reply.WhichOneof("result") != "plan":
                 return reply
             d = reply.plan.start
-        elif pulling is not None:
-            pulling.join()
         start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, probe=p.probe,
                                namespace=p.namespace)
         self.downstream_start = d
