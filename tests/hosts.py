@@ -157,8 +157,10 @@ def _unwire(hosts: Sequence[Host]) -> None:
         deadline = time.monotonic() + wait
         while any(h.pids() for h in hosts) and time.monotonic() < deadline:
             time.sleep(0.1)
-    for h in hosts:
-        _ip("netns", "del", h.netns)   # takes the host's veth end, and so the pair, along
+    for i, h in enumerate(hosts, 1):
+        # our end of the pair first: a namespace something still holds would keep it
+        _ip("link", "del", f"skv{i}")
+        _ip("netns", "del", h.netns)
     _ip("link", "del", BRIDGE)
     # The kernel removes a deleted namespace's veth pairs a moment later: wait, so that the
     # next module's hosts find a loopback-only namespace again (check_allowed).
