@@ -6,29 +6,29 @@ arithmetic):
 - ``fp32``: the reference; float32 weights, float32 GEMM.
 - ``bf16``: bfloat16 weights; rows are rounded to bfloat16 on the way in, accumulated
   by the bf16 GEMM, returned as float32.
-- ``int8``: weight-only int8, one scale per output row (symmetric, from the float32
-  values); ``torch._weight_int8pack_mm``.
-- ``int4``: weight-only int4 in groups of 32 inputs with a scale and an offset per group;
-  ``torch._weight_int4pack_mm_for_cpu``. A matrix stored in the GGUF as 4-bit blocks
-  (Q4_0, Q4_1) keeps the file's own codes, scales and offsets; a Q8_0 matrix keeps
-  its 8-bit blocks as a pair of int4 blocks; any other
-  matrix (F16, F32, K-quants) is never stored in fewer bits than the file gives it, so it
-  goes to int8 instead.
+- ``int4``: 4-bit weights in blocks of 32 inputs, a scale (and for Q4_1 an offset) per
+  block. A matrix stored in the GGUF as 4-bit blocks (Q4_0, Q4_1) keeps the file's own
+  codes, scales and offsets, and a Q8_0 matrix its 8-bit blocks; any other matrix (F16,
+  F32, K-quants) is never stored in fewer bits than the file gives it, so it goes to
+  8-bit blocks instead.
+- ``int8``: 8-bit weights in blocks of 32 inputs (the file's Q8_0 blocks, else quantized
+  from the float32 values: scale = max |w| / 127 per block).
 
-The integer kernels are fast only with bfloat16 activations (with float32 rows torch
-takes a far slower path), so int8/int4 also round rows to bfloat16 on the way in.
-They are made for a few rows (decode): they dequantize the weights again for every few
-rows, so above SMALL_ROWS rows (prefill chunks) int8/int4 multiply by a bfloat16 copy of
-the same weights instead (a faster GEMM than fp32's; it costs 2 bytes per weight of
-memory, never read by decode; the kernels' figures: evals/README.md, torch runtime).
-Which kernel runs is a function of the row count only: equal shapes give equal bits,
-which is all the exactness contract (DESIGN.md §5.3) needs; prefill rows and decode rows
-were never bitwise comparable anyway.
+The integer formats run on our kernel (stages/qmatmul.c, BlockLinear): rows are
+quantized per block of 32 to int8 and multiplied by the blocks as integers, as llama.cpp
+does; fast on AVX2 and AVX-512 alike, and a row's bits never depend on how many rows
+come with it. Where the CPU multiplies bfloat16 natively (AMX or AVX-512 BF16), prefill
+chunks (above SMALL_ROWS rows) go through a bfloat16 copy of the weights instead: faster
+there, at 2 bytes per weight of memory, never read by decode (evals/README.md, torch
+runtime). Which kernel runs is a function of the row count only: equal shapes give equal
+bits, which is all the exactness contract (DESIGN.md §5.3) needs; prefill rows and
+decode rows were never bitwise comparable anyway.
 
-``int8-lean`` and ``int4-lean`` hold no bfloat16 copy: prefill rows go through the integer
-kernel as well, which makes prefill slower, while a stage holds about 0.6 (int4) or 1
-(int8) byte per weight instead of 2.6 or 3: the formats for a model that only fits in its
-nodes' memory that way.
+``int8-lean`` and ``int4-lean`` never hold the bfloat16 copy: about 0.6 (int4) or 1.1
+(int8) byte per weight; the formats for a model that only fits in its nodes' memory that
+way. Where our kernel cannot be built (no C compiler), torch's weight-only int4 / int8
+kernels serve these formats instead (Int4Linear, Int8Linear: bf16 rows, one int8 scale
+per row), and the stage's identity says so.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from . import qkernel
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int8-lean", "int4-lean")
 LEAN = "-lean"
@@ -78,6 +80,16 @@ class Int8Blocks:
 
     codes: torch.Tensor
     scale: torch.Tensor
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "Int8Blocks":
+        """Symmetric round-to-nearest per group: scale = max |w| / 127, as Q8_0."""
+        n, k = w.shape
+        g = w.to(torch.float32).reshape(n, k // GROUP, GROUP)
+        amax = g.abs().amax(-1)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        codes = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(codes.reshape(n, k), scale)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The float32 values (code * scale) of the rows `idx` picks (any index shape)."""
@@ -222,9 +234,68 @@ class Int8AsInt4Linear(Int4Linear):
                                                  self.scale_zero).float()
 
 
+def fast_bf16() -> bool:
+    """Does this CPU multiply bfloat16 natively (AMX or AVX-512 BF16, and torch uses
+    AVX-512)? Only then do the integer formats hold a bf16 copy for prefill rows."""
+    flags = qkernel._cpu_flags()
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and bool({"amx_bf16", "avx512_bf16"} & flags))
+
+
+def kernels(fmt: str) -> str:
+    """What format `fmt` multiplies with on this node, for identities and reports:
+    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>", and "+bf16>16" where
+    prefill chunks take the bf16 copy."""
+    if fmt.removesuffix(LEAN) not in ("int4", "int8") or qkernel.library() is None:
+        return "torch"
+    copy = "+bf16>16" if not fmt.endswith(LEAN) and fast_bf16() else ""
+    return qkernel.kernel_name() + copy
+
+
+class BlockLinear(Linear):
+    """Weights in blocks of 32 inputs (kind 4: 4-bit codes, scale, zero; kind 8: 8-bit
+    codes, scale) through our kernel (stages/qmatmul.c) at every row count, except that
+    prefill chunks take the bf16 copy when one is held (`dense`)."""
+
+    def __init__(self, kind: int, codes: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None, dense: torch.Tensor | None):
+        self.lib = qkernel.library()
+        self.kind, self.fmt = kind, f"int{kind}"
+        self.out_features, self.in_features = codes.shape
+        if self.in_features % GROUP:
+            raise ValueError(f"{self.fmt} blocks need inputs in multiples of {GROUP}")
+        self.w = qkernel.pack4(codes) if kind == 4 else qkernel.pack8(codes)
+        self.s = qkernel.pack_scales(scale)
+        self.z = qkernel.pack_scales(zero) if zero is not None and bool(zero.any()) else None
+        self.dense = dense.to(torch.bfloat16) if dense is not None else None
+
+    @classmethod
+    def of(cls, m: "Matrix", base: str, dense: bool) -> "BlockLinear":
+        """int4: the file's 4-bit blocks, else its Q8_0 blocks, else 8-bit blocks from the
+        values; int8: the Q8_0 blocks or 8-bit blocks from the values."""
+        copy = m.values if dense and fast_bf16() else None
+        if base == "int4" and m.int4 is not None:
+            b4 = m.int4  # value = code * scale + offset = (code - 8) * scale + zero
+            return cls(4, b4.codes, b4.scale, b4.offset + 8.0 * b4.scale, copy)
+        b8 = m.int8 if m.int8 is not None else Int8Blocks.from_float(m.values)
+        return cls(8, b8.codes, b8.scale, None, copy)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > SMALL_ROWS:
+            return F.linear(x.to(torch.bfloat16), self.dense).float()
+        return qkernel.matmul(self.lib, self.kind, self.w, self.s, self.z,
+                              self.out_features, x)
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode call reads (the bf16 copy serves prefill only)."""
+        return sum(t.numel() * t.element_size() for t in (self.w, self.s, self.z)
+                   if t is not None)
+
+
 class RescoredHead:
-    """A Q8_0 head for the compact formats: every logit from the int4-pair kernel (bf16
-    rows, so a little off), then the TOP highest recomputed in float32 from the file's
+    """A Q8_0 head for the compact formats: every logit from the 8-bit blocks (our kernel,
+    or torch's int4 kernel as an int4 pair; quantized rows, so a little off), then the TOP highest recomputed in float32 from the file's
     own values: code * scale, exactly the fp32 head's weights. The token a greedy request
     takes, and every logit that sampling can plausibly pick, are then float32 logits;
     the rest keep a bf16-row error. Deterministic for given shapes (the exactness
@@ -234,7 +305,8 @@ class RescoredHead:
     TOP = 64
 
     def __init__(self, blocks: Int8Blocks):
-        self.approx = Int8AsInt4Linear(blocks)
+        self.approx = BlockLinear(8, blocks.codes, blocks.scale, None, None) \
+            if qkernel.library() is not None else Int8AsInt4Linear(blocks)
         self.blocks = blocks
         self.out_features, self.in_features = blocks.codes.shape
         self.top = min(self.TOP, self.out_features)
@@ -290,16 +362,16 @@ def make_linear(weight: torch.Tensor | Matrix, fmt: str = "fp32") -> Linear:
         return Linear(m.values)
     if fmt == "bf16":
         return Bf16Linear(m.values)
-    if base == "int8":
-        return Int8Linear(m.values, dense)
-    if base == "int4":
-        if m.int4 is not None:
-            return Int4Linear(m.int4, dense)
-        if m.int8 is not None:
-            return Int8AsInt4Linear(m.int8)
-        return Int8Linear(m.values, dense)
-    raise ValueError(f"weight format '{fmt}' is not supported "
-                     f"(supported: {', '.join(WEIGHT_FORMATS)})")
+    if base not in ("int4", "int8"):
+        raise ValueError(f"weight format '{fmt}' is not supported "
+                         f"(supported: {', '.join(WEIGHT_FORMATS)})")
+    if qkernel.library() is not None and m.values.shape[1] % GROUP == 0:
+        return BlockLinear.of(m, base, dense)
+    if base == "int4" and m.int4 is not None:
+        return Int4Linear(m.int4, dense)
+    if base == "int4" and m.int8 is not None:
+        return Int8AsInt4Linear(m.int8)
+    return Int8Linear(m.values, dense)
 
 
 def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float:
@@ -317,27 +389,30 @@ def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float
         return (1.0 + 4 / GROUP + 1.0 + 8 / GROUP) * n
     if not name.startswith("blk.") or len(shape) != 2 or shape[0] % GROUP:
         return 4.0 * n
-    base, dense = fmt.removesuffix(LEAN), 0.0 if fmt.endswith(LEAN) else 2.0
+    base = fmt.removesuffix(LEAN)
+    dense = 0.0 if fmt.endswith(LEAN) or not fast_bf16() else 2.0
     if base == "fp32":
         return 4.0 * n
     if base == "bf16":
         return 2.0 * n
-    if base == "int4" and qtype in ("Q4_0", "Q4_1"):  # packed codes + bf16 scale, zero
-        return (0.5 + 4 / GROUP + dense) * n
-    if base == "int4" and qtype == "Q8_0":  # an int4 pair, no bf16 copy
-        return (1.0 + 8 / GROUP) * n
-    return (1.0 + dense) * n  # int8 (one scale per row)
+    if base == "int4" and qtype in ("Q4_0", "Q4_1"):  # codes, a scale (Q4_1: a zero) per block
+        return (0.5 + (8 if qtype == "Q4_1" else 4) / GROUP + dense) * n
+    return (1.0 + 4 / GROUP + dense) * n  # 8-bit blocks
 
 
 def fuse_linear(weights: list[torch.Tensor | Matrix],
                 fmt: str = "fp32") -> tuple[Linear, list[int]]:
     """One Linear for several projections of the same input (QKV, gate/up): fewer calls
-    per token; returns the split sizes of its output. int4 fuses the files' blocks only
-    when every part has them (else the fused matrix goes to int8)."""
+    per token; returns the split sizes of its output. The files' blocks fuse only when
+    every part has them of one kind (else the fused matrix goes to 8-bit blocks from its
+    values)."""
     ms = [_as_matrix(w) for w in weights]
     values = torch.cat([m.values for m in ms], dim=0)
-    int4 = None
+    int4 = int8 = None
     if all(m.int4 is not None for m in ms):
         int4 = Int4Blocks(*(torch.cat([getattr(m.int4, f) for m in ms], dim=0)
                             for f in ("codes", "scale", "offset")))
-    return make_linear(Matrix(values, int4), fmt), [m.values.shape[0] for m in ms]
+    elif all(m.int8 is not None for m in ms):
+        int8 = Int8Blocks(*(torch.cat([getattr(m.int8, f) for m in ms], dim=0)
+                            for f in ("codes", "scale")))
+    return make_linear(Matrix(values, int4, int8), fmt), [m.values.shape[0] for m in ms]

@@ -21,7 +21,7 @@ from skippy.topology.model_package import open_model
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
 from .layers import Rope, rms_norm
-from .linear import SMALL_ROWS, Embeddings, RescoredHead, make_head
+from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
@@ -29,7 +29,7 @@ from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import StageTensors, load_stage_tensors
 
-RUNTIME_ABI = f"skippy-torch/3 torch-{torch.__version__}"
+RUNTIME_ABI = f"skippy-torch/4 torch-{torch.__version__}"
 
 
 def _return_freed_memory() -> None:
@@ -371,6 +371,7 @@ class TorchStageRuntime(StageRuntime):
                 # nodes of one cluster need not share one, nor their cached state
                 "cpu": torch.backends.cpu.get_cpu_capability(),
                 "weights": spec.weight_format,
+                "kernels": kernels(spec.weight_format),
                 "threads": "any" if self.thread_invariant else torch.get_num_threads(),
                 "chunk": spec.chunk,
                 "lane_batch": "any" if self.free_groups else spec.lane_batch,

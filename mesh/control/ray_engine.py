@@ -283,6 +283,8 @@ class RayEngine(PipelinesEngine):
         for pipe in self.pipelines:
             pipe.wire()
         progress(f"loaded in {time.monotonic() - t:.1f} s")
+        for i, how in enumerate(ray.get([a.compute.remote() for a in self.actors], timeout=60)):
+            progress(f"stage {i} computes with {how}")
         self._serve(self.pipelines, lanes, self.cache.stride)
         self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
                                n_stages=n, topology_digest=self.plan.digest, lanes=lanes,

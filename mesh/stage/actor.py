@@ -63,6 +63,12 @@ class StageActor:
     def stats(self) -> dict:
         return self.server.stats()
 
+    def compute(self) -> str:
+        """How this stage computes on its node: the CPU kind torch uses and the kernels
+        its weight format runs on (both part of its identity)."""
+        policy = self.server.loop.call(self.server.runtime.identity).get("numeric_policy", {})
+        return " ".join(f"{k}={policy[k]}" for k in ("cpu", "weights", "kernels") if k in policy)
+
     def close(self) -> None:
         """Stop serving and let go of this stage's blocks in the node's shared store
         (what a killed stage leaves there is swept by the next stage to open it)."""

@@ -1,0 +1,159 @@
+"""Our quantized matmul kernel (stages/qmatmul.c): built on the node at first use, for
+the instruction set the node's torch runs with, and loaded with ctypes.
+
+Each node compiles its own copy (a C compiler is needed; a second or two), kept under
+`$SKIPPY_HOME/kernels` by source digest and instruction set. The instruction set follows
+`torch.backends.cpu.get_cpu_capability()`, so `ATEN_CPU_CAPABILITY=avx2` restricts this
+kernel as it restricts torch's. Every build computes the same bits (the C file says why),
+so the choice changes speed only; it is still reported (`kernel_name`) and recorded in a
+stage's identity. `SKIPPY_QKERNEL=off` turns the kernel off (torch's kernels then serve
+the integer formats), `=c` forces the plain C path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
+FLAGS = {
+    "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
+                    "-mavx512vl", "-mavx512vnni"],
+    "avx2": ["-DSKQ_AVX2", "-mavx2", "-mfma"],
+    "c": [],
+}
+COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa() -> str:
+    """The instruction set to build for: what torch runs with on this CPU."""
+    forced = os.environ.get("SKIPPY_QKERNEL", "")
+    if forced in FLAGS:
+        return forced
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = _cpu_flags()
+    if cap == "AVX512" and "avx512_vnni" in flags:
+        return "avx512-vnni"
+    if cap in ("AVX2", "AVX512") and {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "c"
+
+
+def _home() -> Path:
+    env = os.environ.get("SKIPPY_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "skippy"
+
+
+def _build(which: str) -> Path:
+    """The shared library for `which`, compiled once per node (a lock keeps concurrent
+    stages from building it twice)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS[which] + COMMON).encode())
+    out = _home() / "kernels" / f"qmatmul-{digest.hexdigest()[:12]}-{which}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc or gcc) to build the quantized matmul kernel")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            run = subprocess.run([cc, *COMMON, *FLAGS[which], str(SOURCE), "-o", str(tmp)],
+                                 capture_output=True, text=True)
+            if run.returncode:
+                raise OSError(f"building {SOURCE.name} failed: {run.stderr.strip()[-500:]}")
+            os.replace(tmp, out)
+    return out
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None when it is off or could not be built (said once on
+    stderr: the integer formats then run on torch's kernels)."""
+    which = isa()
+    if os.environ.get("SKIPPY_QKERNEL") == "off":
+        return None
+    try:
+        # torch is imported first: its libgomp is the one OpenMP runtime the kernel joins
+        lib = ctypes.CDLL(str(_build(which)))
+    except OSError as e:
+        print(f"skippy: quantized kernel unavailable ({e}); using torch's", file=sys.stderr)
+        return None
+    lib.skq_matmul.restype = ctypes.c_int
+    lib.skq_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_int]
+    lib.skq_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def kernel_name() -> str:
+    """What the integer formats run on here: "skq-<isa>" or "torch"."""
+    lib = library()
+    return f"skq-{lib.skq_isa().decode()}" if lib is not None else "torch"
+
+
+def _tiles(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """[N, ...] padded with `fill` to whole tiles of TN rows, as [tiles, TN, ...]."""
+    n = t.shape[0]
+    pad = -n % TN
+    if pad:
+        t = torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+    return t.reshape(-1, TN, *t.shape[1:])
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """[N, blocks] float32 -> [tiles, blocks, TN] (qmatmul.c's layout)."""
+    return _tiles(scale.to(torch.float32), 0.0).permute(0, 2, 1).contiguous()
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (uint8 0..15) -> bytes [tiles, blocks, 4, TN, 4]: the low
+    nibble input 4j + u of a block, the high nibble input 16 + 4j + u."""
+    n, k = codes.shape
+    c = _tiles(codes.to(torch.uint8), 8).reshape(-1, TN, k // QK, 2, 4, 4)
+    lo = c[:, :, :, 0].permute(0, 2, 3, 1, 4)
+    hi = c[:, :, :, 1].permute(0, 2, 3, 1, 4)
+    return (lo | (hi << 4)).contiguous()
+
+
+def pack8(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes [N, K] (int8) -> bytes [tiles, blocks, 8, TN, 4]."""
+    n, k = codes.shape
+    c = _tiles(codes.to(torch.int8), 0).reshape(-1, TN, k // QK, 8, 4)
+    return c.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
+
+
+def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
+           z: torch.Tensor | None, n: int, x: torch.Tensor, use_c: bool = False) -> torch.Tensor:
+    """y = x @ W.T through the kernel; x float32 [M, K]."""
+    x = x.to(torch.float32).contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.skq_matmul(kind, w.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else None,
+                        n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads(), int(use_c))
+    if rc:
+        raise MemoryError("quantized matmul: no scratch memory")
+    return y

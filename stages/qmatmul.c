@@ -1,0 +1,348 @@
+/* y = x @ W.T for weights held in blocks of 32 inputs, as GGUF stores them:
+ *   kind 4: 4-bit codes c in 0..15, value = (c - 8) * s + z per block (z = 0 for Q4_0);
+ *   kind 8: 8-bit codes c in -127..127, value = c * s per block (Q8_0).
+ * Rows of x are quantized per block of 32 to int8 (d = amax / 127, q = rint(x / d)), as
+ * llama.cpp quantizes activations for its Q4_0 / Q8_0 dot products.
+ *
+ * Why a kernel of our own: torch's int4 / int8 kernels want bfloat16 rows and are slow
+ * without AVX-512 BF16 (evals/README.md, torch runtime); decode reads each 4-bit weight
+ * once here and prefill multiplies integer blocks without a bfloat16 copy of the weights.
+ *
+ * Exactness: every output y[m][n] is one fixed sequence of float operations, whatever the
+ * row count, thread count or instruction set. A block's dot product is an exact integer;
+ * then, in block order, y = fma((float)dot, s * d, y) and, where z is held,
+ * y = fma(z, d * sum(q), y). The AVX2, AVX-512 VNNI and plain C paths compute those same
+ * integers and floats, so they give the same bits (tests/test_qkernel.py).
+ *
+ * Packed layout: columns in tiles of TN = 16; per tile and block,
+ *   kind 4: 256 bytes, byte [j][i][u] (j < 4 groups, i < 16 columns, u < 4) holds the
+ *           code of input 4j + u of column i in its low nibble and of input 16 + 4j + u
+ *           in its high nibble;
+ *   kind 8: 512 bytes, byte [j][i][u] (j < 8) the code of input 4j + u of column i;
+ * scales (and zeros) per tile and block as 16 floats. A 32-bit lane of a vector then
+ * holds one column's four codes, and one column's dot product ends in one lane. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(SKQ_AVX2) || defined(SKQ_AVX512)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define TN 16
+
+/* Per row and block of 32: q (int8), d, the sum of q, and d * sum(q). */
+static void quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
+                     int32_t *sum, float *dsum)
+{
+    const int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * QK;
+            int8_t *qb = q + m * K + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++)
+                amax = fmaxf(amax, fabsf(xb[i]));
+            const float dd = amax / 127.0f;
+            const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) {
+                const int32_t v = (int32_t)lrintf(xb[i] * id);
+                qb[i] = (int8_t)v;
+                s += v;
+            }
+            d[m * nb + b] = dd;
+            sum[m * nb + b] = s;
+            dsum[m * nb + b] = dd * (float)s;
+        }
+    }
+}
+
+typedef struct {
+    int kind;
+    const uint8_t *w;
+    const float *s, *z;
+    int64_t N, K, nb;
+    const int8_t *q;
+    const float *d, *dsum;
+    const int32_t *sum;
+    float *y;
+} job;
+
+/* Copy an accumulator's first n lanes to y (the last tile of a matrix may be short). */
+static inline void store(float *y, const float *lanes, int n)
+{
+    memcpy(y, lanes, (size_t)n * sizeof(float));
+}
+
+/* ---- plain C: the definition every vector path reproduces -------------------------- */
+static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
+{
+    const int64_t nb = J->nb;
+    const int ncols = (int)(J->N - t * TN < TN ? J->N - t * TN : TN);
+    for (int r = 0; r < mr; r++) {
+        const int64_t m = m0 + r;
+        float acc[TN] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xb = J->q + m * J->K + b * QK;
+            const float *sb = J->s + (t * nb + b) * TN;
+            const float dx = J->d[m * nb + b];
+            for (int i = 0; i < TN; i++) {
+                int32_t dot = 0;
+                if (J->kind == 4) {
+                    const uint8_t *wb = J->w + (t * nb + b) * 256;
+                    for (int j = 0; j < 4; j++)
+                        for (int u = 0; u < 4; u++) {
+                            const uint8_t c = wb[j * 64 + i * 4 + u];
+                            dot += (c & 15) * xb[4 * j + u] + (c >> 4) * xb[16 + 4 * j + u];
+                        }
+                    dot -= 8 * J->sum[m * nb + b];
+                } else {
+                    const int8_t *wb = (const int8_t *)J->w + (t * nb + b) * 512;
+                    for (int j = 0; j < 8; j++)
+                        for (int u = 0; u < 4; u++)
+                            dot += wb[j * 64 + i * 4 + u] * xb[4 * j + u];
+                }
+                acc[i] = fmaf((float)dot, sb[i] * dx, acc[i]);
+                if (J->z)
+                    acc[i] = fmaf(J->z[(t * nb + b) * TN + i], J->dsum[m * nb + b], acc[i]);
+            }
+        }
+        store(J->y + m * J->N + t * TN, acc, ncols);
+    }
+}
+
+#if defined(SKQ_AVX2) && !defined(SKQ_AVX512)
+/* AVX2: a tile as two halves of 8 columns; MR rows share each unpacked weight vector.
+ * 4-bit: eight maddubs products (|each| <= 2 * 15 * 127) add up in int16 without
+ * overflow (8 * 3810 = 30480), then one madd to int32. 8-bit: codes signed, so
+ * maddubs(|w|, sign(q, w)) per group (|each| <= 2 * 127 * 127), madd to int32 at once. */
+#define ACC_T __m256
+static inline __attribute__((always_inline)) void
+half_avx2(const job *J, int64_t t, int h, int64_t m0, const int MR, const int HASZ)
+{
+    const int64_t nb = J->nb, K = J->K;
+    const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 acc[8];
+    for (int r = 0; r < MR; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[8];
+        const int8_t *xb = J->q + m0 * K + b * QK;
+        if (J->kind == 4) {
+            const uint8_t *wb = J->w + (t * nb + b) * 256 + h * 32;
+            for (int r = 0; r < MR; r++)
+                dot[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+                const __m256i lo = _mm256_and_si256(raw, m0f);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m0f);
+                for (int r = 0; r < MR; r++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, xb + r * K + 4 * j, 4);
+                    memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+                }
+            }
+            for (int r = 0; r < MR; r++)
+                dot[r] = _mm256_add_epi32(_mm256_madd_epi16(dot[r], ones),
+                                          _mm256_set1_epi32(-8 * J->sum[(m0 + r) * nb + b]));
+        } else {
+            const uint8_t *wb = J->w + (t * nb + b) * 512 + h * 32;
+            for (int r = 0; r < MR; r++)
+                dot[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+                const __m256i wa = _mm256_abs_epi8(w);
+                for (int r = 0; r < MR; r++) {
+                    int32_t xv;
+                    memcpy(&xv, xb + r * K + 4 * j, 4);
+                    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xv), w);
+                    dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+                }
+            }
+        }
+        const __m256 sv = _mm256_loadu_ps(J->s + (t * nb + b) * TN + h * 8);
+        for (int r = 0; r < MR; r++) {
+            const __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(J->d[(m0 + r) * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sd, acc[r]);
+        }
+        if (HASZ) {
+            const __m256 zv = _mm256_loadu_ps(J->z + (t * nb + b) * TN + h * 8);
+            for (int r = 0; r < MR; r++)
+                acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(J->dsum[(m0 + r) * nb + b]), acc[r]);
+        }
+    }
+    const int64_t c0 = t * TN + h * 8;
+    const int ncols = (int)(J->N - c0 < 8 ? J->N - c0 : 8);
+    for (int r = 0; r < MR; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        if (ncols > 0)
+            store(J->y + (m0 + r) * J->N + c0, lanes, ncols);
+    }
+}
+
+#define MR_MAX 4
+static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
+{
+    for (int h = 0; h < 2; h++) {
+        if (J->z) {
+            switch (mr) {
+            case 4: half_avx2(J, t, h, m0, 4, 1); break;
+            case 3: half_avx2(J, t, h, m0, 3, 1); break;
+            case 2: half_avx2(J, t, h, m0, 2, 1); break;
+            default: half_avx2(J, t, h, m0, 1, 1);
+            }
+        } else {
+            switch (mr) {
+            case 4: half_avx2(J, t, h, m0, 4, 0); break;
+            case 3: half_avx2(J, t, h, m0, 3, 0); break;
+            case 2: half_avx2(J, t, h, m0, 2, 0); break;
+            default: half_avx2(J, t, h, m0, 1, 0);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(SKQ_AVX512)
+/* AVX-512 VNNI: a whole tile of 16 columns per vector; dpbusd takes unsigned x signed
+ * bytes, so 8-bit codes go in as c + 128 (xor 0x80) and 128 * sum(q) comes off. */
+static inline __attribute__((always_inline)) void
+tile_avx512(const job *J, int64_t t, int64_t m0, const int MR, const int HASZ)
+{
+    const int64_t nb = J->nb, K = J->K;
+    const __m512i m0f = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[8];
+    for (int r = 0; r < MR; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot[8];
+        const int8_t *xb = J->q + m0 * K + b * QK;
+        if (J->kind == 4) {
+            const uint8_t *wb = J->w + (t * nb + b) * 256;
+            for (int r = 0; r < MR; r++)
+                dot[r] = _mm512_set1_epi32(-8 * J->sum[(m0 + r) * nb + b]);
+            for (int j = 0; j < 4; j++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(wb + j * 64));
+                const __m512i lo = _mm512_and_si512(raw, m0f);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m0f);
+                for (int r = 0; r < MR; r++) {
+                    int32_t xl, xh;
+                    memcpy(&xl, xb + r * K + 4 * j, 4);
+                    memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(xl));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(xh));
+                }
+            }
+        } else {
+            const uint8_t *wb = J->w + (t * nb + b) * 512;
+            for (int r = 0; r < MR; r++)
+                dot[r] = _mm512_set1_epi32(-128 * J->sum[(m0 + r) * nb + b]);
+            for (int j = 0; j < 8; j++) {
+                const __m512i w = _mm512_xor_si512(
+                    _mm512_loadu_si512((const void *)(wb + j * 64)), flip);
+                for (int r = 0; r < MR; r++) {
+                    int32_t xv;
+                    memcpy(&xv, xb + r * K + 4 * j, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(xv));
+                }
+            }
+        }
+        const __m512 sv = _mm512_loadu_ps(J->s + (t * nb + b) * TN);
+        for (int r = 0; r < MR; r++) {
+            const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(J->d[(m0 + r) * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), sd, acc[r]);
+        }
+        if (HASZ) {
+            const __m512 zv = _mm512_loadu_ps(J->z + (t * nb + b) * TN);
+            for (int r = 0; r < MR; r++)
+                acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(J->dsum[(m0 + r) * nb + b]), acc[r]);
+        }
+    }
+    const int ncols = (int)(J->N - t * TN < TN ? J->N - t * TN : TN);
+    for (int r = 0; r < MR; r++) {
+        float lanes[TN];
+        _mm512_storeu_ps(lanes, acc[r]);
+        store(J->y + (m0 + r) * J->N + t * TN, lanes, ncols);
+    }
+}
+
+#define MR_MAX 8
+static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
+{
+#define CASES(Z)                                                          \
+    switch (mr) {                                                         \
+    case 8: tile_avx512(J, t, m0, 8, Z); break;                          \
+    case 7: tile_avx512(J, t, m0, 7, Z); break;                          \
+    case 6: tile_avx512(J, t, m0, 6, Z); break;                          \
+    case 5: tile_avx512(J, t, m0, 5, Z); break;                          \
+    case 4: tile_avx512(J, t, m0, 4, Z); break;                          \
+    case 3: tile_avx512(J, t, m0, 3, Z); break;                          \
+    case 2: tile_avx512(J, t, m0, 2, Z); break;                          \
+    default: tile_avx512(J, t, m0, 1, Z);                                \
+    }
+    if (J->z) {
+        CASES(1)
+    } else {
+        CASES(0)
+    }
+#undef CASES
+}
+#endif
+
+#if !defined(MR_MAX)
+#define MR_MAX 4
+#define tile_vec tile_c
+#endif
+
+/* The build's instruction set, as loaded: "avx512-vnni", "avx2" or "c". */
+const char *skq_isa(void)
+{
+#if defined(SKQ_AVX512)
+    return "avx512-vnni";
+#elif defined(SKQ_AVX2)
+    return "avx2";
+#else
+    return "c";
+#endif
+}
+
+/* y[M][N] = x[M][K] @ W.T. kind 4 or 8; w, s, z (z may be NULL) packed as above, with
+ * ceil(N / 16) tiles. Threads split the column tiles, so each output is one thread's.
+ * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
+ * scratch memory could not be had. */
+int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
+               int64_t K, const float *x, int64_t M, float *y, int threads, int use_c)
+{
+    const int64_t nb = K / QK;
+    int8_t *q = malloc((size_t)(M * K));
+    float *d = malloc((size_t)(M * nb) * sizeof(float));
+    float *dsum = malloc((size_t)(M * nb) * sizeof(float));
+    int32_t *sum = malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (!q || !d || !dsum || !sum) {
+        free(q); free(d); free(dsum); free(sum);
+        return -1;
+    }
+    quantize(x, M, K, q, d, sum, dsum);
+    const job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, y};
+    const int64_t tiles = (N + TN - 1) / TN;
+    /* Rows in groups of MR_MAX share each weight vector; a weight tile (K / 2 bytes for
+     * 4-bit) stays in cache over the groups. */
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+            const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
+            if (use_c)
+                tile_c(&J, t, m0, mr);
+            else
+                tile_vec(&J, t, m0, mr);
+        }
+    }
+    free(q); free(d); free(dsum); free(sum);
+    return 0;
+}

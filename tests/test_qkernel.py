@@ -1,0 +1,92 @@
+"""Our quantized matmul kernel (stages/qmatmul.c): the vector paths give the plain C
+definition's bits, a row's bits never depend on the rows beside it or the thread count,
+and the result is the blocks' values times the quantized rows."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from skippy.stages import qkernel
+from skippy.stages.linear import Int4Blocks, Int8Blocks
+
+lib = qkernel.library()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: torch's kernels serve")
+
+
+def _weights(kind: int, n: int, k: int, zero: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if kind == 4:
+        b = Int4Blocks.from_float(w)
+        z = b.offset + 8 * b.scale if zero else torch.zeros_like(b.scale)
+        values = ((b.codes.float() - 8).view(n, -1, 32) * b.scale[..., None]
+                  + z[..., None]).view(n, k)
+        return (qkernel.pack4(b.codes), qkernel.pack_scales(b.scale),
+                qkernel.pack_scales(z) if zero else None, values)
+    b = Int8Blocks.from_float(w)
+    values = (b.codes.float().view(n, -1, 32) * b.scale[..., None]).view(n, k)
+    return qkernel.pack8(b.codes), qkernel.pack_scales(b.scale), None, values
+
+
+def _quantized(x: torch.Tensor) -> torch.Tensor:
+    """Rows as the kernel sees them: int8 per block of 32, d = amax / 127."""
+    m, k = x.shape
+    g = x.view(m, -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(g * torch.where(d > 0, 1 / d, 0)), 0)
+    return (q * d).view(m, k)
+
+
+@pytest.mark.parametrize("kind, zero", [(4, False), (4, True), (8, False)])
+@pytest.mark.parametrize("n, k", [(50, 64), (576, 576), (37, 1536)])
+def test_vector_path_equals_the_c_definition(kind, zero, n, k):
+    w, s, z, values = _weights(kind, n, k, zero)
+    x = torch.randn(11, k)  # 11 rows: whole row groups and a tail
+    got = qkernel.matmul(lib, kind, w, s, z, n, x)
+    assert torch.equal(got, qkernel.matmul(lib, kind, w, s, z, n, x, use_c=True))
+    want = _quantized(x) @ values.T
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", [4, 8])
+def test_a_rows_bits_ignore_its_neighbours_and_the_threads(kind):
+    w, s, z, _ = _weights(kind, 200, 256, zero=kind == 4)
+    x = torch.randn(19, 256)
+    whole = qkernel.matmul(lib, kind, w, s, z, 200, x)
+    alone = torch.cat([qkernel.matmul(lib, kind, w, s, z, 200, x[i:i + 1]) for i in range(19)])
+    assert torch.equal(whole, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = qkernel.matmul(lib, kind, w, s, z, 200, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, one)
+
+
+def test_every_build_this_cpu_runs_gives_the_same_bits():
+    """The AVX2 and AVX-512 builds against the plain C one, where the CPU has them."""
+    flags = qkernel._cpu_flags()
+    runnable = ["c"] + (["avx2"] if {"avx2", "fma"} <= flags else []) \
+        + (["avx512-vnni"] if {"avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    x = torch.randn(9, 320)
+    for kind, zero in ((4, True), (4, False), (8, False)):
+        w, s, z, _ = _weights(kind, 70, 320, zero)
+        outs = []
+        for which in runnable:
+            other = ctypes.CDLL(str(qkernel._build(which)))
+            for f, t in (("skq_matmul", ctypes.c_int), ("skq_isa", ctypes.c_char_p)):
+                getattr(other, f).restype = t
+            other.skq_matmul.argtypes = lib.skq_matmul.argtypes
+            assert other.skq_isa().decode() == which
+            outs.append(qkernel.matmul(other, kind, w, s, z, 70, x))
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), runnable
+
+
+def test_kernel_name_says_what_runs(monkeypatch):
+    assert qkernel.kernel_name() == f"skq-{qkernel.isa()}"
+    monkeypatch.setenv("SKIPPY_QKERNEL", "avx2")
+    assert qkernel.isa() == "avx2"
