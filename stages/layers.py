@@ -7,8 +7,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import qkernel
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """One call of our kernel (rowops.c: the mean summed in double, as llama.cpp sums it)
+    where it is built, else torch's ops."""
+    lib = qkernel.library()
+    if lib is not None:
+        return qkernel.rms_norm(lib, x, weight, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -64,14 +71,17 @@ class Rope:
         angles = torch.stack(cols, dim=1)
         self.cos, self.sin = torch.cos(angles), torch.sin(angles)
 
+    def ensure(self, n: int) -> None:
+        """Tables for positions [0, n)."""
+        if n > self.cos.shape[0]:
+            self._grow(n)
+
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rotation rows for `positions` in the form `apply` uses ([T, 1, ...]).
         Every layer of a forward asks for the same positions tensor: the rows are looked
         up once per forward."""
         if positions is not self._positions:
-            need = int(positions.max()) + 1
-            if need > self.cos.shape[0]:
-                self._grow(need)
+            self.ensure(int(positions.max()) + 1)
             cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
             if self.style == "norm":  # pairs (2i, 2i+1) turn as complex numbers
                 self._rows = (torch.complex(cos, sin), None)

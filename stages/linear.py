@@ -315,7 +315,11 @@ class RescoredHead:
         y = self.approx(x)
         idx = y.topk(self.top, dim=1, sorted=False).indices  # [rows, top]
         # a per-row sum along the inputs: each candidate's sum in the same order
-        exact = (self.blocks.rows(idx) * x[:, None, :]).sum(-1)
+        lib = qkernel.library()
+        if lib is not None:
+            exact = qkernel.rows_dot(lib, self.blocks.codes, self.blocks.scale, idx, x)
+        else:
+            exact = (self.blocks.rows(idx) * x[:, None, :]).sum(-1)
         return y.scatter_(1, idx, exact)
 
     @property

@@ -1,5 +1,6 @@
-"""Our quantized matmul kernel (stages/qmatmul.c): built on the node at first use, for
-the instruction set the node's torch runs with, and loaded with ctypes.
+"""Our kernels: the quantized matmul (stages/qmatmul.c) and the per-row operations of a
+decode step (stages/rowops.c), built on the node at first use, for the instruction set
+the node's torch runs with, and loaded with ctypes.
 
 Each node compiles its own copy (a C compiler is needed; a second or two), kept under
 `$SKIPPY_HOME/kernels` by source digest and instruction set. The instruction set follows
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("qmatmul.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "rowops.c")]
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
@@ -67,8 +68,9 @@ def _home() -> Path:
 def _build(which: str) -> Path:
     """The shared library for `which`, compiled once per node (a lock keeps concurrent
     stages from building it twice)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS[which] + COMMON).encode())
-    out = _home() / "kernels" / f"qmatmul-{digest.hexdigest()[:12]}-{which}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+                            + " ".join(FLAGS[which] + COMMON).encode())
+    out = _home() / "kernels" / f"skippy-{digest.hexdigest()[:12]}-{which}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -79,10 +81,10 @@ def _build(which: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.exists():
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            run = subprocess.run([cc, *COMMON, *FLAGS[which], str(SOURCE), "-o", str(tmp)],
-                                 capture_output=True, text=True)
+            run = subprocess.run([cc, *COMMON, *FLAGS[which], *map(str, SOURCES), "-lm",
+                                  "-o", str(tmp)], capture_output=True, text=True)
             if run.returncode:
-                raise OSError(f"building {SOURCE.name} failed: {run.stderr.strip()[-500:]}")
+                raise OSError(f"building our kernels failed: {run.stderr.strip()[-500:]}")
             os.replace(tmp, out)
     return out
 
@@ -106,6 +108,7 @@ def library() -> ctypes.CDLL | None:
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_int, ctypes.c_int]
     lib.skq_isa.restype = ctypes.c_char_p
+    _declare_rowops(lib)
     return lib
 
 
@@ -157,3 +160,65 @@ def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
     if rc:
         raise MemoryError("quantized matmul: no scratch memory")
     return y
+
+
+# -- per-row operations (rowops.c) ----------------------------------------------------------
+
+class AttnShape(ctypes.Structure):
+    """rowops.c's attn_shape: one attention layer's shape and its per-layer tensors."""
+
+    _fields_ = [(n, ctypes.c_int) for n in ("heads", "kv_heads", "head_dim", "v_head_dim",
+                                            "rope_dim", "rope_style", "window")] \
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] \
+        + [(n, ctypes.c_void_p) for n in ("qk_norm", "cos", "sin")]
+
+
+def _declare_rowops(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.skr_rms_norm.restype = None
+    lib.skr_rms_norm.argtypes = [p, p, i64, i64, i64, ctypes.c_float, p]
+    lib.skr_attend_decode.restype = ctypes.c_int
+    lib.skr_attend_decode.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p,
+                                      ctypes.c_int]
+    lib.skr_rows_dot.restype = ctypes.c_int
+    lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+             eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension; `weight` spans the
+    last one or more dimensions of x (per-head norms)."""
+    x = x.to(torch.float32).contiguous()
+    w = weight.to(torch.float32).contiguous()
+    k = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.skr_rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // k, k, w.numel() // k, eps,
+                     out.data_ptr())
+    return out
+
+
+def attend_decode(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int,
+                  pos: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+                  out: torch.Tensor) -> None:
+    """rowops.c skr_attend_decode over the first `rows` rows of qkv (changed in place:
+    normed and rotated), into out."""
+    arr = ctypes.c_void_p * rows
+    at = (ctypes.c_int64 * rows)(*pos)
+    ks, vs = arr(*(k.data_ptr() for k in keys)), arr(*(v.data_ptr() for v in values))
+    rc = lib.skr_attend_decode(ctypes.byref(shape), qkv.data_ptr(), rows, at, ks, vs,
+                               out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("decode attention: no scratch memory")
+
+
+def rows_dot(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor,
+             x: torch.Tensor) -> torch.Tensor:
+    """For each row of x, its dot product with the Q8_0 rows idx picks ([rows, top])."""
+    idx = idx.to(torch.int64).contiguous()
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(idx.shape, dtype=torch.float32)
+    rc = lib.skr_rows_dot(codes.data_ptr(), scale.data_ptr(), codes.shape[1], idx.data_ptr(),
+                          idx.shape[0], idx.shape[1], x.data_ptr(), out.data_ptr())
+    if rc:
+        raise MemoryError("rows_dot: no scratch memory")
+    return out

@@ -16,6 +16,7 @@ import torch
 
 from skippy.topology.model_config import ModelConfig
 
+from . import qkernel
 from .kv import LaneKv
 from .layers import Rope, attend, causal_mask, gated_activation, rms_norm
 from .linear import fuse_linear, make_linear
@@ -81,12 +82,19 @@ class Attention:
             self.qk_norm = torch.cat([self.q_norm.expand(cfg.n_heads, -1),
                                       self.k_norm.expand(cfg.n_kv_heads, -1)]).contiguous()
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.lib = qkernel.library()
+        self.shape = qkernel.AttnShape(
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim, rope.dim,
+            int(rope.style == "neox"), self.window, cfg.rms_eps, self.scale,
+            self.qk_norm.data_ptr() if self.qk_norm is not None else None)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_eps
         n = h.shape[0]
         y = self.qkv(h)
+        if self.lib is not None and all(s.n == 1 and s.row0 == i for i, s in enumerate(segments)):
+            return self.out(self._decode(y, segments))
         qk = y[:, :self.qk_cols].view(n, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
         v = y[:, self.qk_cols:].view(n, cfg.n_kv_heads, cfg.v_head_dim)
         if self.qk_norm is not None:
@@ -107,6 +115,19 @@ class Attention:
         """Weight bytes one decode step reads through this mixer."""
         norms = [t for t in (self.q_norm, self.k_norm) if t is not None]
         return self.qkv.nbytes + self.out.nbytes + sum(t.nbytes for t in norms)
+
+    def _decode(self, y: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Decode rows, one per lane: norms, rope, KV write and attention in one call of
+        our kernel (rowops.c); padding rows (past the segments) stay zero."""
+        cfg = self.cfg
+        self.rope.ensure(max(s.pos for s in segments) + 1)
+        self.shape.cos, self.shape.sin = self.rope.cos.data_ptr(), self.rope.sin.data_ptr()
+        out = y.new_zeros(y.shape[0], cfg.n_heads * cfg.v_head_dim)
+        qkernel.attend_decode(self.lib, self.shape, y.contiguous(), len(segments),
+                              [s.pos for s in segments],
+                              [s.kv.k[self.slot] for s in segments],
+                              [s.kv.v[self.slot] for s in segments], out)
+        return out
 
     def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
         seg.kv.write(self.slot, seg.pos, k, v)
