@@ -1,12 +1,15 @@
 """Our torch stage runtime vs llama.cpp on the same GGUF file, side by side.
 
 For each model and format, both runtimes load the same llama.cpp fast-path file (Q4_0 or
-Q8_0, requantized from the shipped model; Q4_1 would be a slow path in llama.cpp and
-flatter us) and time, on the same 128 token ids and the same thread count:
+Q8_0, requantized from the source model; Q4_1 would be a slow path in llama.cpp and
+flatter us) and time, on the same token ids and the same thread count:
 
-- prefill: a cold 128-token prompt, logits for the last row (ours: one whole-model stage,
+- prefill: a cold prompt of each `--tokens` length (128 by default; the prompt text is
+  repeated to reach it), logits for the last row (ours: one whole-model stage,
   `prefill(start=0)`; llama.cpp: `reset()` + `eval(ids)`);
-- decode: one more token right after that prefill.
+- decode: `--decode-steps` tokens (16 by default), one step at a time, right after the
+  first length's prefill, the same fixed ids on both sides; the median step is reported
+  and every step's time is kept in the JSON;
 - batched decode (ours, `--lanes N`, 8 by default, 0: off): N lanes holding the same
   prompt decode together in a runtime with a lane batch of N; aggregate tokens/s against
   the single lane's decode above (lane batch 1, the serving default), and whether a lane's
@@ -17,18 +20,28 @@ one warm-up repeat is discarded; medians are reported with the ratio ours/llama.
 
 Decode of one token is bound by memory bandwidth, so the table also gives the floor:
 weight bytes read per decode step / the measured ~27 GB/s (MEASURED.md), for our working
-weights (fp32 today) and for the llama.cpp file.
+weights and for the llama.cpp file.
 
     python -m skippy.evals.bench_runtime                      # smollm2, Q4_0, 5 repeats
     python -m skippy.evals.bench_runtime --model smollm2 --model gemma3-270m \\
         --format q4_0 --format q8_0 --json bench.json        # --json - : JSON on stdout
-    python -m skippy.evals.bench_runtime --weight-format fp32 --weight-format int4
+    python -m skippy.evals.bench_runtime --tokens 128,2048,4096 --decode-steps 16
+    python -m skippy.evals.bench_runtime --model llama-1.5b --restrict avx2
+    python -m skippy.evals.bench_runtime --plot bench.json    # bench.png from stored JSON
 
+--model is a shipped model, a path to a .gguf, or `llama-1.5b` (a random-weight llama of
+about 1.5 B parameters, synthesized once into $SKIPPY_HOME and requantized; the F16
+stepping stone is deleted once every requested format is derived from it).
 --format picks llama.cpp's file (both sides load it); --weight-format picks the format our
 runtime keeps those weights in (stages/linear.py), one row per (model, file, format).
+--restrict avx2 re-executes the bench with ATEN_CPU_CAPABILITY=avx2 and
+ONEDNN_MAX_CPU_ISA=AVX2: torch and our kernel then run AVX2 code; llama.cpp, in the same
+process, is not restricted (its build is for this machine), which the output says.
 
-With `--json PATH` the figures are also written to PATH; with `--json -` the JSON goes to
-stdout and the table to stderr.
+The JSON records the CPU, torch's CPU capability, the restrictions in force, what our
+runtime multiplies with per weight format and llama.cpp's system info. With `--json PATH`
+the figures are also written to PATH and a plot to PATH with a .png suffix; with
+`--json -` the JSON goes to stdout and the table to stderr.
 """
 
 from __future__ import annotations
@@ -40,21 +53,26 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from skippy.evals.reference import _quiet_stderr
-from skippy.stages.linear import WEIGHT_FORMATS
-from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
+from skippy.stages.linear import WEIGHT_FORMATS, kernels
+from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
 MODELS = ("smollm2", "gemma3-270m")
 FORMATS = ("q4_0", "q8_0")
 PROMPT_TOKENS = 128
+DECODE_STEPS = 16
 BANDWIDTH_GB_S = 27.0  # one-thread copy bandwidth measured on these machines (MEASURED.md)
+# --restrict: the environment each choice sets before the bench is executed again.
+RESTRICTIONS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+RESTRICT_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 # Used only where the corpus is absent; repeated until it gives enough tokens.
 FALLBACK_TEXT = (
     "The harbour town woke slowly. Fishing boats came back with the tide, gulls argued "
@@ -64,6 +82,30 @@ FALLBACK_TEXT = (
     "children ran between the stalls. In the afternoon the wind turned, clouds rolled in "
     "from the sea, and everyone hurried home before the first heavy drops of rain. "
 )
+
+
+@dataclass(frozen=True)
+class SynthModel:
+    """A random-weight model the bench synthesizes (stages/synth.py) when first asked."""
+
+    arch: str
+    layers: int
+    hidden: int
+    ff: int
+    heads: int
+    kv_heads: int
+    seed: int = 1
+
+    def stem(self, name: str) -> str:
+        from skippy.stages.synth import SYNTH_VERSION
+        return f"{name}-s{self.seed}-v{SYNTH_VERSION}"
+
+
+# llama-1.5b: 24 x 60.8 M in the blocks + 2 x 100.7 M for the embedding and the untied
+# head = 1.66 B parameters (1.56 B without the embedding table, which decode reads a row of).
+SYNTH_MODELS = {
+    "llama-1.5b": SynthModel("llama", layers=24, hidden=2048, ff=8192, heads=32, kv_heads=8),
+}
 
 
 class CpuMeter:
@@ -113,13 +155,66 @@ def prompt_text(data: Path) -> tuple[str, str]:
     return FALLBACK_TEXT, f"built-in paragraph (corpus {data} not found)"
 
 
-def prompt_ids(llm, text: str, n: int) -> tuple[list[int], int]:
-    """The first n token ids of `text` (repeated if short) and the id that follows them,
-    which both sides decode as their next token."""
+def prompt_ids(llm, text: str, n: int) -> list[int]:
+    """The first n token ids of `text`, repeated as often as it takes."""
     ids = llm.tokenize(text.encode(), add_bos=True, special=True)
-    while len(ids) < n + 1:
+    while len(ids) < n:
         ids += llm.tokenize(text.encode(), add_bos=False, special=True)
-    return ids[:n], ids[n]
+    return ids[:n]
+
+
+def context_for(tokens: int) -> int:
+    """Rows a runtime must hold for `tokens` rows, rounded up to whole prefill chunks
+    (a short last chunk is padded to a full one)."""
+    return -(-tokens // StageSpec.chunk) * StageSpec.chunk
+
+
+# -- the models -------------------------------------------------------------------------------
+
+def model_files(model: str, formats: list[str], say=print) -> dict[str, Path]:
+    """The GGUF file each format runs: `model` (a shipped name, a .gguf path or a
+    SYNTH_MODELS name) requantized to it, cached in $SKIPPY_HOME/derived."""
+    from skippy.mesh.models import requantize, resolve_model
+
+    if model in SYNTH_MODELS:
+        return synth_files(model, formats, say)
+    src = resolve_model(model)
+    with _quiet_stderr():
+        return {fmt: requantize(src, fmt) for fmt in formats}
+
+
+def synth_files(name: str, formats: list[str], say=print) -> dict[str, Path]:
+    """A SYNTH_MODELS entry requantized to each format. The F16 file written first (3 GB
+    for llama-1.5b; streamed, so memory stays about one tensor) is only a stepping stone:
+    it is deleted once every asked-for format is derived from it. The derived files stay:
+    the synthesis is deterministic in its arguments, so a file with the stem is the same."""
+    from skippy.mesh.models import derived_dir, model_home, requantize, resolve_model
+    from skippy.stages.synth import write_synthetic
+
+    m = SYNTH_MODELS[name]
+    stem = m.stem(name)
+    out = {fmt: derived_dir() / f"{stem}.{fmt.upper()}.gguf" for fmt in formats}
+    missing = [fmt for fmt, path in out.items() if not path.is_file()]
+    if not missing:
+        return out
+    src = model_home() / "synth" / f"{stem}.gguf"
+    if not src.is_file():
+        src.parent.mkdir(parents=True, exist_ok=True)
+        say(f"[{name}] synthesizing {m.arch} ({m.layers} layers, hidden {m.hidden}, ff "
+            f"{m.ff}, {m.heads} heads, {m.kv_heads} kv heads) as F16 into {src} ...")
+        write_synthetic(m.arch, layers=m.layers, seed=m.seed, out=src,
+                        tokenizer_from=resolve_model("smollm2"), hidden=m.hidden, ff=m.ff,
+                        heads=m.heads, kv_heads=m.kv_heads, dtype="f16")
+    for fmt in missing:
+        say(f"[{name}] requantizing to {fmt.upper()} ...")
+        with _quiet_stderr():
+            out[fmt] = requantize(src, fmt)
+    src.unlink()
+    return out
+
+
+def model_label(model: str) -> str:
+    return Path(model).stem if model.endswith(".gguf") else model
 
 
 # -- the two sides ------------------------------------------------------------------------------
@@ -128,8 +223,7 @@ class Ours:
     name = "ours"
 
     def __init__(self, path: Path, threads: int, weight_format: str | None = None,
-                 lane_batch: int = 1):
-        from skippy.stages.runtime import StageSpec
+                 lane_batch: int = 1, n_ctx: int | None = None):
         from skippy.stages.torch_runtime import TorchStageRuntime
         from skippy.topology.gguf_file import GGUFFile
         from skippy.topology.model_config import ModelConfig
@@ -139,21 +233,33 @@ class Ours:
         f.close()
         torch.set_num_threads(threads)
         extra = {"weight_format": weight_format} if weight_format else {}
+        if n_ctx:
+            extra["n_ctx"] = n_ctx
         self.rt = TorchStageRuntime(StageSpec(str(path), 0, n_layers, threads=threads,
                                               lane_batch=lane_batch, **extra))
         self.lane = self.rt.alloc_lane()
         self.weight_format = self.rt.spec.weight_format
+        self.n_ctx = self.rt.n_ctx
 
-    def run(self, ids: list[int], tok: int) -> tuple[float, float, int]:
-        """(prefill s, decode s, prefill top-1 id)."""
-        ids_t, tok_t = torch.tensor(ids), torch.tensor(tok)
+    def prefill(self, ids: list[int]) -> tuple[float, int]:
+        """(seconds, top-1 id) of a cold prefill."""
+        ids_t = torch.tensor(ids)
         with torch.no_grad():
             t0 = time.perf_counter()
             logits = self.rt.prefill(self.lane, ids_t, start=0, logits="last").logits
             t1 = time.perf_counter()
-            self.rt.decode([(self.lane, tok_t)])
-            t2 = time.perf_counter()
-        return t1 - t0, t2 - t1, int(torch.argmax(logits))
+        return t1 - t0, int(torch.argmax(logits))
+
+    def decode(self, toks: list[int]) -> list[float]:
+        """Seconds of each step, one token at a time, after the last prefill."""
+        times = []
+        with torch.no_grad():
+            for tok in toks:
+                tok_t = torch.tensor(tok)
+                t0 = time.perf_counter()
+                self.rt.decode([(self.lane, tok_t)])
+                times.append(time.perf_counter() - t0)
+        return times
 
     def decode_bytes(self) -> int:
         """Working-weight bytes one decode step reads: every layer's matrices and norms, the
@@ -173,28 +279,35 @@ class Ours:
 class LlamaCpp:
     name = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int):
+    def __init__(self, path: Path, threads: int, n_ctx: int = 512):
         import llama_cpp
 
         self._llama_cpp = llama_cpp
+        self.n_ctx = n_ctx
+        # n_batch = n_ctx: llama-cpp-python hands each prompt to llama.cpp as one batch
+        # (llama.cpp splits it into its default 512-row micro-batches itself).
         with _quiet_stderr():
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_threads=threads,
-                                       n_threads_batch=threads, n_batch=512, verbose=False)
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
+                                       n_threads_batch=threads, n_batch=n_ctx, verbose=False)
 
-    def run(self, ids: list[int], tok: int) -> tuple[float, float, int]:
+    def prefill(self, ids: list[int]) -> tuple[float, int]:
         llm = self.llm
         t0 = time.perf_counter()
         llm.reset()
         llm.eval(ids)
         t1 = time.perf_counter()
-        # Read outside the timed spans: llama.cpp leaves the last row's logits in place.
+        # Read outside the timed span: llama.cpp leaves the last row's logits in place.
         logits = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits(llm.ctx),
                                        shape=(llm.n_vocab(),))
-        top1 = int(np.argmax(logits))
-        t2 = time.perf_counter()
-        llm.eval([tok])
-        t3 = time.perf_counter()
-        return t1 - t0, t3 - t2, top1
+        return t1 - t0, int(np.argmax(logits))
+
+    def decode(self, toks: list[int]) -> list[float]:
+        times = []
+        for tok in toks:
+            t0 = time.perf_counter()
+            self.llm.eval([tok])
+            times.append(time.perf_counter() - t0)
+        return times
 
     def close(self) -> None:
         self.llm.close()
@@ -216,6 +329,47 @@ def file_decode_bytes(path: Path) -> int:
         f.close()
 
 
+# -- where it ran ----------------------------------------------------------------------------
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def environment(weight_formats: list[str], restrict: str | None) -> dict:
+    """The CPU, what torch and our kernel run (and the restrictions in force), and what
+    llama.cpp was built for."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    return {
+        "cpu": cpu_name(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "restrict": restrict,
+        "restrictions": {k: os.environ.get(k) for k in RESTRICT_VARS},
+        "ours_kernels": {wf: kernels(wf) for wf in weight_formats},
+        "llama_cpp_system_info": info.strip(),
+        # llama.cpp runs in this process on its own build; the variables above are torch's
+        "llama_cpp_restricted": False,
+    }
+
+
+def _llama_features(info: str) -> str:
+    """'AVX2 AVX512 ...' from llama.cpp's 'CPU : SSE3 = 1 | AVX2 = 1 | ...' line."""
+    feats = []
+    for part in info.replace("\n", "|").split("|"):
+        key, _, value = part.rpartition("=")
+        if value.strip() == "1":
+            feats.append(key.split(":")[-1].strip())
+    return " ".join(feats) or info
+
+
 # -- batched decode ---------------------------------------------------------------------------
 
 BATCH_TARGET = 4.0  # aggregate tokens/s of 8 lanes over one lane's (issue 6)
@@ -226,7 +380,8 @@ def batched_decode(path: Path, threads: int, weight_format: str | None, ids: lis
     """`lanes` lanes with the same prompt decoding together (lane batch = lanes): the
     median step, aggregate tokens/s against one lane's `single_ms`, and whether a lane's
     logits at a step are bitwise the same alone as with every lane active."""
-    ours = Ours(path, threads, weight_format, lane_batch=lanes)
+    ours = Ours(path, threads, weight_format, lane_batch=lanes,
+                n_ctx=context_for(len(ids) + steps + 2))
     rt = ours.rt
     try:
         with torch.no_grad():
@@ -256,55 +411,51 @@ def batched_decode(path: Path, threads: int, weight_format: str | None, ids: lis
 
 # -- the benchmark --------------------------------------------------------------------------------
 
-def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
-              data: Path, say=print, weight_format: str | None = None,
-              lanes: int = 0) -> dict:
-    from skippy.mesh.models import requantize, resolve_model
-
-    src = resolve_model(model)
-    with _quiet_stderr():
-        path = requantize(src, fmt)
-    say(f"[{model} {fmt.upper()} {weight_format or 'default'}] loading {path.name} into both "
-        "runtimes ...")
-    ref = LlamaCpp(path, threads)
-    text, source = prompt_text(data)
-    ids, tok = prompt_ids(ref.llm, text, PROMPT_TOKENS)
-    t = time.perf_counter()
-    ours = Ours(path, threads, weight_format)
-    load_s = time.perf_counter() - t
-    lane_batch = ours.rt.spec.lane_batch
-    samples = {"ours": {"prefill": [], "decode": []},
-               "reference": {"prefill": [], "decode": []}}
-    top1 = {}
-    meter = CpuMeter()
-    try:
-        for r in range(warmup + repeats):
-            order = (("ours", ours), ("reference", ref))
-            if r % 2:
-                order = order[::-1]
-            for key, side in order:
-                gc.collect()
-                p, d, first = side.run(ids, tok)
+def _time_sides(sides: dict, prompts: dict[int, list[int]], steps: list[int], *,
+                repeats: int, warmup: int) -> tuple[dict, dict]:
+    """Each repeat, each side (alternating which first): a cold prefill of every length,
+    the decode steps right after the first length's. Returns (samples, top-1 ids) by side;
+    samples["prefill"][n] is a list of ms, samples["decode"] a list of per-step ms lists."""
+    first = next(iter(prompts))
+    samples = {k: {"prefill": {n: [] for n in prompts}, "decode": []} for k in sides}
+    top1 = {k: {} for k in sides}
+    for r in range(warmup + repeats):
+        order = list(sides.items())
+        for key, side in (order[::-1] if r % 2 else order):
+            gc.collect()
+            for n, ids in prompts.items():
+                s, top = side.prefill(ids)
                 if r == 0:
-                    top1[key] = first
+                    top1[key][n] = top
                 if r >= warmup:
-                    samples[key]["prefill"].append(p * 1e3)
-                    samples[key]["decode"].append(d * 1e3)
-        other_cpu = meter.other_share()
-        ours_bytes, ref_bytes = ours.decode_bytes(), file_decode_bytes(path)
-        weight_format = ours.weight_format
-    finally:
-        ours.close()
-        ref.close()
+                    samples[key]["prefill"][n].append(s * 1e3)
+                if n == first:
+                    d = side.decode(steps)
+                    if r >= warmup:
+                        samples[key]["decode"].append([t * 1e3 for t in d])
+    return samples, top1
 
-    def step(name: str) -> dict:
-        o = statistics.median(samples["ours"][name])
-        ref_ms = statistics.median(samples["reference"][name])
-        return {"ours_ms": o, "reference_ms": ref_ms, "ratio": o / ref_ms,
-                "ours_samples_ms": samples["ours"][name],
-                "reference_samples_ms": samples["reference"][name]}
 
-    decode = step("decode")
+def _compare(ours: list[float], ref: list[float], **extra) -> dict:
+    o, r = statistics.median(ours), statistics.median(ref)
+    return {**extra, "ours_ms": o, "reference_ms": r, "ratio": o / r}
+
+
+def _figures(samples: dict, top1: dict, tokens: list[int], steps: int) -> tuple[list, dict]:
+    """Per-length prefill rows and the decode row, medians and ratios."""
+    prefill = [{**_compare(samples["ours"]["prefill"][n], samples["reference"]["prefill"][n],
+                           tokens=n),
+                "ours_samples_ms": samples["ours"]["prefill"][n],
+                "reference_samples_ms": samples["reference"]["prefill"][n],
+                "top1_match": top1["ours"][n] == top1["reference"][n]} for n in tokens]
+    od, rd = samples["ours"]["decode"], samples["reference"]["decode"]
+    decode = {**_compare([t for rep in od for t in rep], [t for rep in rd for t in rep],
+                         after_tokens=tokens[0], steps=steps),
+              "ours_samples_ms": od, "reference_samples_ms": rd}
+    return prefill, decode
+
+
+def _floor(ours_bytes: int, ref_bytes: int, weight_format: str, decode: dict) -> dict:
     floor = {
         "ours_weight_format": weight_format,
         "ours_bytes": ours_bytes,
@@ -314,87 +465,163 @@ def bench_one(model: str, fmt: str, *, repeats: int, warmup: int, threads: int,
     }
     floor["ours_of_floor"] = decode["ours_ms"] / floor["ours_floor_ms"]
     floor["reference_of_floor"] = decode["reference_ms"] / floor["reference_floor_ms"]
+    return floor
+
+
+def bench_one(model: str, fmt: str, path: Path, *, repeats: int, warmup: int, threads: int,
+              data: Path, say=print, weight_format: str | None = None, lanes: int = 0,
+              tokens: tuple[int, ...] = (PROMPT_TOKENS,),
+              decode_steps: int = DECODE_STEPS) -> dict:
+    tokens = list(tokens)
+    need = max(max(tokens), tokens[0] + decode_steps)
+    say(f"[{model_label(model)} {fmt.upper()} {weight_format or 'default'}] loading "
+        f"{path.name} into both runtimes ...")
+    ref = LlamaCpp(path, threads, n_ctx=need)
+    text, source = prompt_text(data)
+    ids = prompt_ids(ref.llm, text, need)
+    prompts = {n: ids[:n] for n in tokens}
+    steps = ids[tokens[0]:tokens[0] + decode_steps]
+    t = time.perf_counter()
+    ours = Ours(path, threads, weight_format, n_ctx=context_for(need))
+    load_s = time.perf_counter() - t
+    lane_batch, n_ctx = ours.rt.spec.lane_batch, ours.n_ctx
+    meter = CpuMeter()
+    try:
+        if n_ctx < need:
+            raise SystemExit(f"{model}: its context ({n_ctx} tokens) is shorter than the "
+                             f"{need} tokens asked for (--tokens, --decode-steps)")
+        samples, top1 = _time_sides({"ours": ours, "reference": ref}, prompts, steps,
+                                    repeats=repeats, warmup=warmup)
+        other_cpu = meter.other_share()
+        ours_bytes, ref_bytes = ours.decode_bytes(), file_decode_bytes(path)
+        weight_format = ours.weight_format
+    finally:
+        ours.close()
+        ref.close()
+    prefill, decode = _figures(samples, top1, tokens, decode_steps)
     batched = None
     if lanes:
-        say(f"[{model} {fmt.upper()} {weight_format}] {lanes} lanes decoding together ...")
-        batched = batched_decode(path, threads, weight_format, ids, tok, lanes,
-                                 steps=max(10, 4 * repeats), single_ms=decode["ours_ms"])
+        say(f"[{model_label(model)} {fmt.upper()} {weight_format}] {lanes} lanes decoding "
+            "together ...")
+        batched = batched_decode(path, threads, weight_format, prompts[tokens[0]], steps[0],
+                                 lanes, steps=max(10, 4 * repeats),
+                                 single_ms=decode["ours_ms"])
     return {
         "model": model,
         "format": fmt,
         "file": str(path),
         "file_bytes": path.stat().st_size,
         "prompt_source": source,
-        "prompt_tokens": len(ids),
-        "decode_token": tok,
+        "tokens": tokens,
+        "decode_tokens": steps,
         "ours_load_s": load_s,
         "ours_lane_batch": lane_batch,
+        "ours_kernels": kernels(weight_format),
+        "ours_n_ctx": n_ctx,
+        "reference_n_ctx": need,
+        "reference_n_batch": need,
         "other_cpu_share": other_cpu,
-        "prefill_top1_match": top1["ours"] == top1["reference"],
-        "prefill": step("prefill"),
+        "prefill_top1_match": all(p["top1_match"] for p in prefill),
+        "prefill": prefill,
         "decode": decode,
-        "decode_bandwidth_floor": floor,
+        "decode_bandwidth_floor": _floor(ours_bytes, ref_bytes, weight_format, decode),
         "batched_decode": batched,
     }
 
 
-def _table(result: dict) -> str:
+# -- output ---------------------------------------------------------------------------------------
+
+def _header(result: dict) -> list[str]:
+    env = result.get("environment") or {}
     runs = result["runs"]
+    held = {k: v for k, v in (env.get("restrictions") or {}).items() if v}
+    restricted = (", restricted by " + ", ".join(f"{k}={v}" for k, v in held.items())
+                  if held else ", unrestricted")
     lines = [
         f"torch runtime (ours) vs llama.cpp {result['llama_cpp_version']}, same GGUF, "
-        f"{result['threads']} threads each, {PROMPT_TOKENS}-token prompt",
-        f"median of {result['repeats']} repeats after {result['warmup']} warm-up, "
-        f"sides alternating; prompt: {runs[0]['prompt_source'] if runs else '-'}",
-        "",
-        f"{'model':<12} {'file':<5} {'ours':<5} {'step':<16} {'ours ms':>9} "
-        f"{'llama.cpp ms':>13} {'ours/llama.cpp':>15}",
+        f"{result['threads']} threads each",
+        f"CPU: {env.get('cpu', '?')}; torch CPU capability "
+        f"{env.get('torch_cpu_capability', '?')}{restricted}",
+        "ours multiplies with: " + ", ".join(
+            f"{wf} {k}" for wf, k in (env.get("ours_kernels") or {}).items()),
+        "llama.cpp CPU features: " + _llama_features(env.get("llama_cpp_system_info", "?")),
     ]
+    if held:
+        lines.append("the llama.cpp side is NOT restricted: it shares the process and its "
+                     "build is for this machine")
+    lines.append(f"median of {result['repeats']} repeats after {result['warmup']} warm-up, "
+                 f"sides alternating; prompt: {runs[0]['prompt_source'] if runs else '-'}")
+    if runs:
+        d = runs[0]["decode"]
+        lines.append(f"decode: {d['steps']} steps one token at a time after the "
+                     f"{d['after_tokens']}-token prefill, the same ids on both sides; "
+                     "median step")
+    return lines
+
+
+def _step_rows(runs: list[dict], w: int) -> list[str]:
+    lines = [f"{'model':<{w}} {'file':<5} {'ours':<9} {'step':<18} {'ours ms':>9} "
+             f"{'llama.cpp ms':>13} {'ours/llama.cpp':>15}"]
     for r in runs:
         wf = r["decode_bandwidth_floor"]["ours_weight_format"]
-        for key, label in (("prefill", f"prefill {r['prompt_tokens']} tok"),
-                           ("decode", "decode 1 tok")):
-            s = r[key]
-            lines.append(f"{r['model']:<12} {r['format'].upper():<5} {wf:<5} {label:<16} "
-                         f"{s['ours_ms']:>9.1f} {s['reference_ms']:>13.1f} "
+        rows = [(f"prefill {p['tokens']} tok", p) for p in r["prefill"]]
+        rows.append(("decode / step", r["decode"]))
+        for label, s in rows:
+            lines.append(f"{model_label(r['model']):<{w}} {r['format'].upper():<5} {wf:<9} "
+                         f"{label:<18} {s['ours_ms']:>9.1f} {s['reference_ms']:>13.1f} "
                          f"{s['ratio']:>14.2f}x")
-    lines += [
-        "",
+    return lines
+
+
+def _floor_rows(runs: list[dict], w: int) -> list[str]:
+    lines = [
         f"decode bandwidth floor: weight bytes read per step / {BANDWIDTH_GB_S:g} GB/s "
         "(KV and activations left out)",
-        f"{'model':<12} {'file':<5} {'side':<16} {'weights MB':>10} {'floor ms':>9} "
+        f"{'model':<{w}} {'file':<5} {'side':<16} {'weights MB':>10} {'floor ms':>9} "
         f"{'measured ms':>12} {'x floor':>8}",
     ]
     for r in runs:
         f, d = r["decode_bandwidth_floor"], r["decode"]
         for side, label in (("ours", f"ours ({f['ours_weight_format']})"),
                             ("reference", f"llama.cpp ({r['format'].upper()})")):
-            lines.append(f"{r['model']:<12} {r['format'].upper():<5} {label:<16} "
+            lines.append(f"{model_label(r['model']):<{w}} {r['format'].upper():<5} {label:<16} "
                          f"{f[side + '_bytes'] / 1e6:>10.1f} {f[side + '_floor_ms']:>9.2f} "
                          f"{d[side + '_ms']:>12.1f} {f[side + '_of_floor']:>7.1f}x")
+    return lines
+
+
+def _batched_rows(runs: list[dict], w: int) -> list[str]:
     batched = [r for r in runs if r.get("batched_decode")]
-    if batched:
-        lines += ["", "batched decode (ours): lanes decoding together vs one lane alone "
-                      "(lane batch 1)",
-                  f"{'model':<12} {'file':<5} {'ours':<9} {'lanes':>5} {'step ms':>8} "
-                  f"{'tok/s':>7} {'1 lane tok/s':>12} {'ratio':>7} {'target':>7} "
-                  f"{'bitwise 1 vs N':>14}"]
-        for r in batched:
-            b, wf = r["batched_decode"], r["decode_bandwidth_floor"]["ours_weight_format"]
-            lines.append(f"{r['model']:<12} {r['format'].upper():<5} {wf:<9} {b['lanes']:>5} "
-                         f"{b['step_ms']:>8.1f} {b['aggregate_tok_s']:>7.1f} "
-                         f"{b['single_lane_tok_s']:>12.1f} {b['ratio']:>6.2f}x "
-                         f"{b['target']:>6.1f}x {str(b['bitwise_alone_vs_together']):>14}")
-    mismatched = [f"{r['model']} {r['format'].upper()}" for r in runs
-                  if not r["prefill_top1_match"]]
-    lines += ["", "prefill top-1 next token: " + (
+    if not batched:
+        return []
+    lines = ["", "batched decode (ours): lanes decoding together vs one lane alone "
+                 "(lane batch 1)",
+             f"{'model':<{w}} {'file':<5} {'ours':<9} {'lanes':>5} {'step ms':>8} "
+             f"{'tok/s':>7} {'1 lane tok/s':>12} {'ratio':>7} {'target':>7} "
+             f"{'bitwise 1 vs N':>14}"]
+    for r in batched:
+        b, wf = r["batched_decode"], r["decode_bandwidth_floor"]["ours_weight_format"]
+        lines.append(f"{model_label(r['model']):<{w}} {r['format'].upper():<5} {wf:<9} "
+                     f"{b['lanes']:>5} {b['step_ms']:>8.1f} {b['aggregate_tok_s']:>7.1f} "
+                     f"{b['single_lane_tok_s']:>12.1f} {b['ratio']:>6.2f}x "
+                     f"{b['target']:>6.1f}x {str(b['bitwise_alone_vs_together']):>14}")
+    return lines
+
+
+def _notes(runs: list[dict]) -> list[str]:
+    mismatched = [f"{model_label(r['model'])} {r['format'].upper()} "
+                  f"{'/'.join(str(p['tokens']) for p in r['prefill'] if not p['top1_match'])}"
+                  for r in runs if not r["prefill_top1_match"]]
+    lines = ["", "prefill top-1 next token: " + (
         "same on both sides" if not mismatched
-        else "differs for " + ", ".join(mismatched) + " (quantized llama.cpp dot products "
-        "round activations; check numerics with the certification evals)")]
+        else "differs for " + ", ".join(mismatched) + " tokens (quantized llama.cpp dot "
+        "products round activations; check numerics with the certification evals)")]
     batches = sorted({r["ours_lane_batch"] for r in runs if "ours_lane_batch" in r})
     if batches:
         lines.append(f"ours decodes a fixed lane batch of {'/'.join(map(str, batches))} "
                      "row(s), one real; weights are read once per step.")
-    shares = [(f"{r['model']} {r['format'].upper()}", r.get("other_cpu_share")) for r in runs]
+    shares = [(f"{model_label(r['model'])} {r['format'].upper()}", r.get("other_cpu_share"))
+              for r in runs]
     known = [(name, s) for name, s in shares if s is not None]
     if known:
         lines.append("CPU taken by other processes during the repeats: " + ", ".join(
@@ -403,66 +630,181 @@ def _table(result: dict) -> str:
             lines.append("WARNING: the machine was busy with other work; with every core "
                          "oversubscribed both runtimes slow down a lot, and not equally. "
                          "Rerun on a quiet machine before trusting these figures.")
-    return "\n".join(lines)
+    return lines
+
+
+def _table(result: dict) -> str:
+    runs = result["runs"]
+    w = max([12] + [len(model_label(r["model"])) for r in runs])
+    return "\n".join(_header(result) + [""] + _step_rows(runs, w) + [""]
+                     + _floor_rows(runs, w) + _batched_rows(runs, w) + _notes(runs))
+
+
+def plot(result: dict, png: Path) -> Path:
+    """ms per step, ours vs llama.cpp: prefill by prompt length (left) and each decode step
+    (right, medians over repeats, dotted: the median step), one row per run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    runs = result["runs"]
+    fig = Figure(figsize=(11, 3.4 * max(1, len(runs))))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(1, len(runs)), 2, squeeze=False)
+    sides = (("ours", "ours", "tab:blue", "o-"), ("reference", "llama.cpp", "tab:orange", "s--"))
+    for (pre, dec), r in zip(axes, runs):
+        name = (f"{model_label(r['model'])} {r['format'].upper()} "
+                f"(ours {r['decode_bandwidth_floor']['ours_weight_format']})")
+        toks = [p["tokens"] for p in r["prefill"]]
+        d = r["decode"]
+        for side, label, color, style in sides:
+            pre.plot(toks, [p[f"{side}_ms"] for p in r["prefill"]], style, color=color,
+                     label=label)
+            per_step = [statistics.median(col) for col in zip(*d[f"{side}_samples_ms"])]
+            dec.plot(range(1, len(per_step) + 1), per_step, style, color=color, label=label)
+            dec.axhline(d[f"{side}_ms"], color=color, linestyle=":", linewidth=1)
+        if len(toks) > 1:
+            pre.set_xscale("log", base=2)
+            pre.set_yscale("log")
+        pre.set_xticks(toks, [str(n) for n in toks])
+        pre.set(title=f"{name}: prefill", xlabel="prompt tokens", ylabel="ms per prefill")
+        dec.set(title=f"{name}: decode", ylabel="ms per step", ylim=(0, None),
+                xlabel=f"step after the {d['after_tokens']}-token prefill")
+        dec.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for ax in (pre, dec):
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    env = result.get("environment") or {}
+    fig.suptitle(f"ours vs llama.cpp {result.get('llama_cpp_version', '?')}, "
+                 f"{result.get('threads', '?')} threads, {env.get('cpu', '?')}, torch "
+                 f"{env.get('torch_cpu_capability', '?')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    return Path(png)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def _tokens(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of token counts: {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1: {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def _model(spec: str) -> str:
+    if spec in MODELS or spec in SYNTH_MODELS:
+        return spec
+    if spec.endswith(".gguf"):
+        if not Path(spec).expanduser().is_file():
+            raise argparse.ArgumentTypeError(f"no such file: {spec}")
+        return str(Path(spec).expanduser().resolve())
+    raise argparse.ArgumentTypeError(
+        f"{spec!r}: not one of {', '.join(MODELS + tuple(SYNTH_MODELS))} or a .gguf path")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m skippy.evals.bench_runtime",
         description="Time our torch runtime against llama.cpp on the same GGUF file.")
-    p.add_argument("--model", action="append", choices=MODELS,
-                   help="model to bench; repeat for several (default: smollm2)")
+    p.add_argument("--model", action="append", type=_model,
+                   help="model to bench: " + ", ".join(MODELS + tuple(SYNTH_MODELS))
+                        + " or a .gguf path; repeat for several (default: smollm2)")
     p.add_argument("--format", action="append", choices=FORMATS, dest="formats",
                    help="llama.cpp fast-path file type; repeat for several (default: q4_0)")
     p.add_argument("--weight-format", action="append", choices=WEIGHT_FORMATS,
                    dest="weight_formats",
                    help="our runtime's weight format; repeat for several (default: the "
                         f"runtime's default, {DEFAULT_WEIGHT_FORMAT})")
+    p.add_argument("--tokens", type=_tokens, default=[PROMPT_TOKENS],
+                   help=f"prefill length(s), a comma list (default {PROMPT_TOKENS}); decode "
+                        "follows the first")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
+                   help=f"decode steps timed after the prefill (default {DECODE_STEPS})")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="discarded warm-up repeats (default 1)")
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
     p.add_argument("--lanes", type=int, default=8,
                    help="lanes for the batched decode figure (default 8; 0: skip it)")
+    p.add_argument("--restrict", choices=sorted(RESTRICTIONS),
+                   help="run our side with torch and our kernel limited to this ISA "
+                        "(re-executes the bench; llama.cpp is not restricted)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="corpus JSONL; the first record's messages give the prompt "
                         "(default: ../shared/data/usecases.jsonl from the repo root)")
     p.add_argument("--json", metavar="PATH",
-                   help="also write the figures as JSON to PATH; '-' writes JSON to stdout "
-                        "and the table to stderr")
+                   help="also write the figures as JSON to PATH and a plot to PATH with a "
+                        ".png suffix; '-' writes JSON to stdout and the table to stderr")
+    p.add_argument("--plot", metavar="JSON", type=Path,
+                   help="only render the plot of a stored JSON (next to it, .png) and exit")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.threads < 1 or args.lanes < 0:
-        p.error("--repeats and --threads must be >= 1, --warmup and --lanes >= 0")
+    if (args.repeats < 1 or args.warmup < 0 or args.threads < 1 or args.lanes < 0
+            or args.decode_steps < 1):
+        p.error("--repeats, --threads and --decode-steps must be >= 1, --warmup and --lanes "
+                ">= 0")
     args.model = list(dict.fromkeys(args.model or ["smollm2"]))
     args.formats = list(dict.fromkeys(args.formats or ["q4_0"]))
     args.weight_formats = list(dict.fromkeys(args.weight_formats or [DEFAULT_WEIGHT_FORMAT]))
     return args
 
 
+def _reexec_restricted(restrict: str, argv: list[str]) -> None:
+    """Start this bench again with the restriction's variables set (torch reads them once,
+    at start-up); returns only when they are already in force."""
+    env = RESTRICTIONS[restrict]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    print(f"re-executing with {' '.join(f'{k}={v}' for k, v in env.items())} (ours only: "
+          "llama.cpp shares the process and is not restricted)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "skippy.evals.bench_runtime", *argv],
+              {**os.environ, **env})
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark, print the table, write JSON if asked; returns the JSON figures."""
+    """Run the benchmark, print the table, write JSON (and its plot) if asked; returns the
+    JSON figures."""
     import llama_cpp
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.plot:
+        result = json.loads(args.plot.read_text())
+        print(plot(result, args.plot.with_suffix(".png")))
+        return result
+    if args.restrict:
+        _reexec_restricted(args.restrict, argv)
     out = sys.stderr if args.json == "-" else sys.stdout
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
     result = {
         "llama_cpp_version": getattr(llama_cpp, "__version__", "?"),
         "torch_version": torch.__version__,
+        "environment": environment(args.weight_formats, args.restrict),
         "threads": args.threads,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "tokens": args.tokens,
+        "decode_steps": args.decode_steps,
         "bandwidth_gb_s": BANDWIDTH_GB_S,
-        "runs": [bench_one(m, f, repeats=args.repeats, warmup=args.warmup,
-                           threads=args.threads, data=args.data, say=say, weight_format=w,
-                           lanes=args.lanes)
-                 for m in args.model for f in args.formats for w in args.weight_formats],
+        "runs": [],
     }
+    for m in args.model:
+        files = model_files(m, args.formats, say)
+        result["runs"] += [
+            bench_one(m, f, files[f], repeats=args.repeats, warmup=args.warmup,
+                      threads=args.threads, data=args.data, say=say, weight_format=w,
+                      lanes=args.lanes, tokens=args.tokens, decode_steps=args.decode_steps)
+            for f in args.formats for w in args.weight_formats]
     print(_table(result), file=out, flush=True)
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2)
         print()
     elif args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        say(f"plot: {plot(result, Path(args.json).with_suffix('.png'))}")
     return result
 
 

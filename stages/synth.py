@@ -97,6 +97,11 @@ def _qwen3_hparams(d: Dims) -> dict[str, int | float | list[int]]:
 
 
 def _qwen3_tensors(d: Dims) -> list[TensorSpec]:
+    return _dense_tensors(d, qk_norm=True)
+
+
+def _dense_tensors(d: Dims, *, qk_norm: bool) -> list[TensorSpec]:
+    """Attention + SwiGLU blocks (qwen3 adds per-head q/k norms; llama has none)."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
     for i in range(d.layers):
@@ -107,8 +112,13 @@ def _qwen3_tensors(d: Dims) -> list[TensorSpec]:
             TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
             TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
             TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
-            TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
-            TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+        ]
+        if qk_norm:
+            out += [
+                TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
+                TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+            ]
+        out += [
             TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
             TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
             TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
@@ -120,6 +130,17 @@ def _qwen3_tensors(d: Dims) -> list[TensorSpec]:
         TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
     ]
     return out
+
+
+# -- llama --------------------------------------------------------------------------------------
+# The qwen3 layout without q/k norms. Random Q/K weights need none of the row permutation
+# the llama converter applies to real checkpoints: both runtimes read the rows as stored.
+def _llama_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), "rope.dimension_count": d.head_dim}
+
+
+def _llama_tensors(d: Dims) -> list[TensorSpec]:
+    return _dense_tensors(d, qk_norm=False)
 
 
 # -- lfm2 (short convolution + attention hybrid) ----------------------------------------------
@@ -271,6 +292,10 @@ _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
 
 _ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(defaults=_SMALL, hparams=_qwen3_hparams, tensors=_qwen3_tensors),
+    # SmolLM2's rope base and eps; a context long enough for 4096-token bench prompts.
+    "llama": ArchSpec(defaults={**_SMALL, "context_length": 8192, "rope_base": 1e5,
+                                "rms_eps": 1e-5},
+                      hparams=_llama_hparams, tensors=_llama_tensors),
     "lfm2": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_lfm2_hparams,
                      tensors=_lfm2_tensors),
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},

@@ -96,6 +96,20 @@ def test_llama_cpp_loads_and_runs_f16(tmp_path: Path):
     _assert_well_spread(_llama_logits(path))
 
 
+def test_llama_has_no_qk_norms_and_llama_cpp_runs_it(tmp_path: Path):
+    path = write_synthetic("llama", layers=2, seed=7, out=tmp_path / "llama.gguf",
+                           tokenizer_from=TOKENIZER, dtype="f16")
+    f = GGUFFile(path)
+    d = synth_defaults("llama")
+    assert f.architecture == "llama" and f.arch_key("block_count") == 2
+    assert f.arch_key("rope.dimension_count") == d["hidden"] // d["heads"]
+    assert f.arch_key("context_length") == 8192
+    assert "blk.0.attn_q_norm.weight" not in f.tensors and "output.weight" in f.tensors
+    assert f.tensors["blk.1.ffn_down.weight"].shape == (d["ff"], d["hidden"])  # ggml order
+    f.close()
+    _assert_well_spread(_llama_logits(path))
+
+
 def test_sizes_can_be_overridden(tmp_path: Path):
     # A qwen3-like shape where heads * head_dim != hidden, as in the real Qwen3 checkpoints.
     lines: list[str] = []
@@ -112,7 +126,7 @@ def test_sizes_can_be_overridden(tmp_path: Path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"arch": "gpt17"}, "unknown synthetic arch 'gpt17'; known: falcon-h1, lfm2, qwen3"),
+        ({"arch": "gpt17"}, "unknown synthetic arch 'gpt17'; known: falcon-h1, lfm2, llama, qwen3"),
         ({"layers": 0}, "layers must be a positive integer"),
         ({"heads": 4, "kv_heads": 3}, "must be a multiple of kv_heads"),
         ({"hidden": 250, "heads": 4}, "not divisible by heads"),
