@@ -43,9 +43,12 @@ llama-wheel:
 	  llama-cpp-python==$(LLAMA_CPP) -w $(LLAMA_WHEELS)
 
 # The main job: serve the default model split into 2 stages on an embedded Ray, with the
-# OpenAI API on http://127.0.0.1:8000/v1 (Ctrl-C stops).
+# OpenAI API on http://127.0.0.1:8000/v1 (Ctrl-C stops). Two stages on purpose, to show
+# the mesh at work; `skippy serve` without --stages runs a model that fits one node as
+# one stage, the fastest exact configuration.
 run: venv
 	$(BIN)/skippy models pull smollm2
+	@echo "make run: SmolLM2 split into 2 stages to show the mesh (one stage is faster: skippy serve without --stages)"
 	$(BIN)/skippy serve --model smollm2 --stages 2 --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # Everything CI runs. Downloads happen first, with the tests that need the package

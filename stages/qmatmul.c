@@ -132,24 +132,28 @@ half_avx2(const job *J, int64_t t, int h, int64_t m0, const int MR, const int HA
         __m256i dot[8];
         const int8_t *xb = J->q + m0 * K + b * QK;
         if (J->kind == 4) {
+            /* the block's 8 weight vectors stay in registers while each row passes */
             const uint8_t *wb = J->w + (t * nb + b) * 256 + h * 32;
-            for (int r = 0; r < MR; r++)
-                dot[r] = _mm256_setzero_si256();
+            __m256i w[8];
             for (int j = 0; j < 4; j++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
-                const __m256i lo = _mm256_and_si256(raw, m0f);
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m0f);
-                for (int r = 0; r < MR; r++) {
-                    int32_t xl, xh;
-                    memcpy(&xl, xb + r * K + 4 * j, 4);
-                    memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
-                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
-                    dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-                }
+                w[j] = _mm256_and_si256(raw, m0f);
+                w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m0f);
             }
-            for (int r = 0; r < MR; r++)
-                dot[r] = _mm256_add_epi32(_mm256_madd_epi16(dot[r], ones),
+            for (int r = 0; r < MR; r++) {
+                const int8_t *xr = xb + r * K;
+                __m256i p[8];
+                for (int j = 0; j < 8; j++) {
+                    int32_t xv; /* inputs 4j..4j+3, then 16+4j.. for the high nibbles */
+                    memcpy(&xv, xr + (j < 4 ? 4 * j : 16 + 4 * (j - 4)), 4);
+                    p[j] = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xv));
+                }
+                const __m256i s16 = _mm256_add_epi16(
+                    _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                    _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
+                dot[r] = _mm256_add_epi32(_mm256_madd_epi16(s16, ones),
                                           _mm256_set1_epi32(-8 * J->sum[(m0 + r) * nb + b]));
+            }
         } else {
             const uint8_t *wb = J->w + (t * nb + b) * 512 + h * 32;
             for (int r = 0; r < MR; r++)
