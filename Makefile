@@ -20,7 +20,7 @@ PORT        ?= 8000
 PYTEST_ARGS ?=
 SERVE_ARGS  ?=
 
-.PHONY: run test test-fast venv llama-wheel clean proto
+.PHONY: run test test-fast venv llama-wheel llama-avx2 clean proto
 
 venv: $(VENV)/.installed
 
@@ -41,6 +41,19 @@ llama-wheel:
 	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	CMAKE_ARGS='$(LLAMA_CMAKE)' $(BIN)/pip wheel --no-cache-dir --no-deps \
 	  llama-cpp-python==$(LLAMA_CPP) -w $(LLAMA_WHEELS)
+
+# llama.cpp built for AVX2 only (no AVX-512, VNNI or AMX), installed into its own folder
+# for `bench_runtime --llama-cpp $(LLAMA_AVX2)`: the reference as it runs on an AVX2-only
+# CPU, beside our side restricted the same way (--restrict avx2). Not needed by serve.
+LLAMA_AVX2  := $(HOME)/.cache/skippy/llama-cpp-avx2
+AVX2_CMAKE  := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+               -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
+               -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+llama-avx2: venv
+	test -d $(LLAMA_AVX2)/llama_cpp || { \
+	  CMAKE_ARGS='$(AVX2_CMAKE)' $(BIN)/pip wheel --no-cache-dir --no-deps \
+	    llama-cpp-python==$(LLAMA_CPP) -w $(LLAMA_AVX2)-wheel && \
+	  $(BIN)/pip install -q --no-deps --target $(LLAMA_AVX2) $(LLAMA_AVX2)-wheel/*.whl; }
 
 # The main job: serve the default model split into 2 stages on an embedded Ray, with the
 # OpenAI API on http://127.0.0.1:8000/v1 (Ctrl-C stops). Two stages on purpose, to show

@@ -61,6 +61,7 @@ import torch
 
 from skippy.evals.reference import _quiet_stderr
 from skippy.stages.linear import WEIGHT_FORMATS, kernels
+from skippy.stages.qkernel import cpu_flags
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,8 +359,11 @@ def environment(weight_formats: list[str], restrict: str | None) -> dict:
         "restrictions": {k: os.environ.get(k) for k in RESTRICT_VARS},
         "ours_kernels": {wf: kernels(wf) for wf in weight_formats},
         "llama_cpp_system_info": info.strip(),
-        # llama.cpp runs in this process on its own build; the variables above are torch's
-        "llama_cpp_restricted": False,
+        # llama.cpp runs in this process on its own build (the variables above are torch's):
+        # restricted only when that build leaves out AVX-512 on a CPU that has it
+        "llama_cpp_restricted": "AVX512" not in _llama_features(info).split()
+        and "avx512f" in cpu_flags(),
+        "llama_cpp_path": str(Path(llama_cpp.__file__).parent),
     }
 
 
@@ -549,7 +553,10 @@ def _header(result: dict) -> list[str]:
             f"{wf} {k}" for wf, k in (env.get("ours_kernels") or {}).items()),
         "llama.cpp CPU features: " + _llama_features(env.get("llama_cpp_system_info", "?")),
     ]
-    if held:
+    if env.get("llama_cpp_restricted"):
+        lines.append("the llama.cpp side is a build without AVX-512 (--llama-cpp "
+                     f"{env.get('llama_cpp_path', '?')}): AVX2 against AVX2")
+    elif held:
         lines.append("the llama.cpp side is NOT restricted: it shares the process and its "
                      "build is for this machine")
     lines.append(f"median of {result['repeats']} repeats after {result['warmup']} warm-up, "
@@ -735,6 +742,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--restrict", choices=sorted(RESTRICTIONS),
                    help="run our side with torch and our kernel limited to this ISA "
                         "(re-executes the bench; llama.cpp is not restricted)")
+    p.add_argument("--llama-cpp", metavar="DIR", type=Path,
+                   help="import llama_cpp from DIR (another build of it, e.g. the AVX2-only "
+                        "one `make llama-avx2` installs), for the reference side")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help="corpus JSONL; the first record's messages give the prompt "
                         "(default: ../shared/data/usecases.jsonl from the repo root)")
@@ -770,10 +780,12 @@ def _reexec_restricted(restrict: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the table, write JSON (and its plot) if asked; returns the
     JSON figures."""
-    import llama_cpp
-
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.llama_cpp:
+        sys.path.insert(0, str(args.llama_cpp.resolve()))
+    import llama_cpp
+
     if args.plot:
         result = json.loads(args.plot.read_text())
         print(plot(result, args.plot.with_suffix(".png")))

@@ -237,7 +237,7 @@ class Int8AsInt4Linear(Int4Linear):
 def fast_bf16() -> bool:
     """Does this CPU multiply bfloat16 natively (AMX or AVX-512 BF16, and torch uses
     AVX-512)? Only then do the integer formats hold a bf16 copy for prefill rows."""
-    flags = qkernel._cpu_flags()
+    flags = qkernel.cpu_flags()
     return (torch.backends.cpu.get_cpu_capability() == "AVX512"
             and bool({"amx_bf16", "avx512_bf16"} & flags))
 

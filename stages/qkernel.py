@@ -36,7 +36,7 @@ FLAGS = {
 COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -52,7 +52,7 @@ def isa() -> str:
     if forced in FLAGS:
         return forced
     cap = torch.backends.cpu.get_cpu_capability()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if cap == "AVX512" and "avx512_vnni" in flags:
         return "avx512-vnni"
     if cap in ("AVX2", "AVX512") and {"avx2", "fma"} <= flags:

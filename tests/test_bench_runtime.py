@@ -21,7 +21,7 @@ DECODE_KEYS = STEP_KEYS | {"after_tokens", "steps"}
 FLOOR_KEYS = {"ours_weight_format", "ours_bytes", "reference_bytes", "ours_floor_ms",
               "reference_floor_ms", "ours_of_floor", "reference_of_floor"}
 ENV_KEYS = {"cpu", "torch_cpu_capability", "restrict", "restrictions", "ours_kernels",
-            "llama_cpp_system_info", "llama_cpp_restricted"}
+            "llama_cpp_system_info", "llama_cpp_restricted", "llama_cpp_path"}
 # A llama-shaped model small enough to synthesize, requantize and bench in seconds.
 TINY = bench.SynthModel("llama", layers=2, hidden=256, ff=512, heads=4, kv_heads=2, seed=3)
 
