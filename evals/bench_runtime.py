@@ -443,9 +443,15 @@ def _time_sides(sides: dict, prompts: dict[int, list[int]], steps: list[int], *,
     return samples, top1
 
 
-def _compare(ours: list[float], ref: list[float], **extra) -> dict:
+def _compare(ours: list[float], ref: list[float], paired: tuple[list, list] | None = None,
+             **extra) -> dict:
+    """Medians and their ratio, and the spread: the lowest and highest ratio of one
+    repeat's two sides (`paired`: per-repeat figures, default the samples themselves)."""
     o, r = statistics.median(ours), statistics.median(ref)
-    return {**extra, "ours_ms": o, "reference_ms": r, "ratio": o / r}
+    po, pr = paired or (ours, ref)
+    ratios = [a / b for a, b in zip(po, pr)]
+    return {**extra, "ours_ms": o, "reference_ms": r, "ratio": o / r,
+            "ratio_range": [min(ratios), max(ratios)]}
 
 
 def _figures(samples: dict, top1: dict, tokens: list[int], steps: int) -> tuple[list, dict]:
@@ -456,8 +462,9 @@ def _figures(samples: dict, top1: dict, tokens: list[int], steps: int) -> tuple[
                 "reference_samples_ms": samples["reference"]["prefill"][n],
                 "top1_match": top1["ours"][n] == top1["reference"][n]} for n in tokens]
     od, rd = samples["ours"]["decode"], samples["reference"]["decode"]
+    per_repeat = ([statistics.median(rep) for rep in od], [statistics.median(rep) for rep in rd])
     decode = {**_compare([t for rep in od for t in rep], [t for rep in rd for t in rep],
-                         after_tokens=tokens[0], steps=steps),
+                         per_repeat, after_tokens=tokens[0], steps=steps),
               "ours_samples_ms": od, "reference_samples_ms": rd}
     return prefill, decode
 
@@ -571,7 +578,7 @@ def _header(result: dict) -> list[str]:
 
 def _step_rows(runs: list[dict], w: int) -> list[str]:
     lines = [f"{'model':<{w}} {'file':<5} {'ours':<9} {'step':<18} {'ours ms':>9} "
-             f"{'llama.cpp ms':>13} {'ours/llama.cpp':>15}"]
+             f"{'llama.cpp ms':>13} {'ours/llama.cpp':>15} {'spread':>12}"]
     for r in runs:
         wf = r["decode_bandwidth_floor"]["ours_weight_format"]
         rows = [(f"prefill {p['tokens']} tok", p) for p in r["prefill"]]
@@ -579,8 +586,13 @@ def _step_rows(runs: list[dict], w: int) -> list[str]:
         for label, s in rows:
             lines.append(f"{model_label(r['model']):<{w}} {r['format'].upper():<5} {wf:<9} "
                          f"{label:<18} {s['ours_ms']:>9.1f} {s['reference_ms']:>13.1f} "
-                         f"{s['ratio']:>14.2f}x")
+                         f"{s['ratio']:>14.2f}x {_spread(s)}")
     return lines
+
+
+def _spread(s: dict) -> str:
+    lo_hi = s.get("ratio_range")
+    return f"{lo_hi[0]:>6.2f}-{lo_hi[1]:.2f}x" if lo_hi else ""
 
 
 def _floor_rows(runs: list[dict], w: int) -> list[str]:

@@ -90,3 +90,64 @@ def test_kernel_name_says_what_runs(monkeypatch):
     assert qkernel.kernel_name() == f"skq-{qkernel.isa()}"
     monkeypatch.setenv("SKIPPY_QKERNEL", "avx2")
     assert qkernel.isa() == "avx2"
+
+
+# -- per-row operations (rowops.c) ----------------------------------------------------------
+
+def test_rms_norm_is_the_formula_row_by_row():
+    x, w = torch.randn(7, 3, 64), torch.randn(3, 64)  # per-head weights, as q/k norms use
+    got = qkernel.rms_norm(lib, x, w, 1e-6)
+    want = x * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6).float() * w
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(qkernel.rms_norm(lib, x[2:3], w, 1e-6), got[2:3])  # a row alone
+
+
+def _rope_tables(n: int, dim: int):
+    ang = torch.arange(n)[:, None] * (10000.0 ** (-torch.arange(dim // 2) * 2 / dim))[None]
+    return torch.cos(ang).contiguous(), torch.sin(ang).contiguous()
+
+
+@pytest.mark.parametrize("style, window", [(0, 0), (1, 5)])
+def test_decode_attention_matches_torch(style, window):
+    H, G, D, L = 4, 2, 32, 9
+    cos, sin = _rope_tables(64, D)
+    shape = qkernel.AttnShape(H, G, D, D, D, style, window, 1e-6, D ** -0.5, None)
+    shape.cos, shape.sin = cos.data_ptr(), sin.data_ptr()
+    keys = [torch.randn(16, G, D) for _ in range(2)]
+    values = [torch.randn(16, G, D) for _ in range(2)]
+    qkv = torch.randn(2, (H + 2 * G) * D)
+    pos = [L, 3]
+    out = torch.zeros(2, H * D)
+    rotated = qkv.clone()
+    qkernel.attend_decode(lib, shape, rotated, 2, pos, keys, values, out)
+    for r in range(2):
+        p = pos[r]
+        qk = qkv[r, :(H + G) * D].view(H + G, D)
+        if style == 0:  # pairs (2i, 2i + 1)
+            z = torch.view_as_complex(qk.reshape(H + G, D // 2, 2).contiguous())
+            qk = torch.view_as_real(z * torch.complex(cos[p], sin[p])).reshape(H + G, D)
+        else:  # halves
+            a, b = qk[:, :D // 2], qk[:, D // 2:]
+            qk = torch.cat([a * cos[p] - b * sin[p], a * sin[p] + b * cos[p]], -1)
+        assert torch.allclose(keys[r][p], qk[H:], atol=1e-6)  # the KV write
+        assert torch.allclose(values[r][p], qkv[r, (H + G) * D:].view(G, D))
+        lo = max(0, p + 1 - window) if window else 0
+        k, v = keys[r][lo:p + 1], values[r][lo:p + 1]
+        q = qk[:H]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[None, :, None], k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None],
+            scale=D ** -0.5, enable_gqa=True)[0, :, 0].reshape(-1)
+        assert torch.allclose(out[r], want, atol=1e-5)
+    one = torch.zeros(1, H * D)  # row 1 alone gives the same bits
+    keys2 = [k.clone() for k in keys]
+    qkernel.attend_decode(lib, shape, qkv[1:].clone(), 1, pos[1:], keys2[1:], values[1:], one)
+    assert torch.equal(one[0], out[1])
+
+
+def test_rows_dot_is_the_rows_float32_values_times_x():
+    b = Int8Blocks.from_float(torch.randn(300, 128))
+    x = torch.randn(3, 128)
+    idx = torch.randint(0, 300, (3, 20))
+    got = qkernel.rows_dot(lib, b.codes, b.scale, idx, x)
+    want = (b.rows(idx) * x[:, None, :]).sum(-1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
