@@ -616,7 +616,7 @@ def bench(args) -> dict:
         if cfg.ours:
             command += args.ours_args
         server = ServerProcess(command, f"http://{HOST}:{port}", cfg.ready_path,
-                               {**env, **(dict(args.ours_env) if cfg.ours else {})})
+                               {**env, **dict(args.ours_env if cfg.ours else args.reference_env)})
         entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command}
         say(f"[{cfg.label}] starting on port {port} ...")
         try:
@@ -654,6 +654,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ours-arg", action="append", dest="ours_args", default=[],
                    metavar="ARG", help="one more `skippy serve` argument for our servers "
                    "(repeatable), e.g. --ours-arg=--lane-batch=4")
+    p.add_argument("--reference-env", action="append", dest="reference_env", default=[],
+                   type=lambda kv: tuple(kv.split("=", 1)), metavar="KEY=VALUE",
+                   help="one more environment variable for llama.cpp's server, e.g. "
+                        "PYTHONPATH=DIR for the AVX2-only build `make llama-avx2` installs")
     p.add_argument("--ours-env", action="append", dest="ours_env", default=[],
                    type=lambda kv: tuple(kv.split("=", 1)), metavar="KEY=VALUE",
                    help="one more environment variable for our servers (repeatable), e.g. "

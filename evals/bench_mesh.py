@@ -6,7 +6,7 @@
       frame encoded with `frame_to_proto` and decoded at the far end;
     - Ray: an actor method call carrying the f16 tensor (pickled; object store above
       Ray's inline limit).
-(ii) the requirement: a 2-stage split decodes within 1.3x the per-token time of one
+(ii) the requirement: a 2-stage split decodes within 1.15x the per-token time of one
     stage on the same runtime. RayEngine(smollm2, 1) and then RayEngine(smollm2, 2)
     (torch runtime, embedded Ray, one at a time) generate 64 greedy tokens from the same
     prompt a few times (probe requests: no cache serves any of it); per-token decode
@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 
+from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
+
 HOP_SHAPES = ((1, 576), (128, 576))
 DECODE_TOKENS = 64
 HOP_MESSAGE_LIMIT = 8 << 20  # the largest hop frame, [128, 576] f16, with room to spare
-SPLIT_TARGET = 1.3   # 2-stage per-token decode time / 1-stage, at most
+SPLIT_TARGET = 1.15  # 2-stage per-token decode time / 1-stage, at most (issue 18)
 PROMPT = ("The harbour town woke slowly. Fishing boats came back with the tide, gulls "
           "argued over the nets, and the baker opened his shutters to a queue of people. "
           "Tell me what happened next in the town.")
@@ -155,7 +157,7 @@ def _stage_decode_ms(before: dict, after: dict) -> list[float]:
 
 
 def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: int,
-                n_ctx: int = 2048, say=print) -> list[dict]:
+                n_ctx: int = 2048, say=print, weight_format: str = "int4") -> list[dict]:
     """One engine at a time: per-token decode time for each stage count."""
     from skippy.mesh.front.chat import render_chat
     from skippy.mesh.control.ray_engine import RayEngine
@@ -168,7 +170,8 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
     for n in stage_counts:
         say(f"  RayEngine({path.name}, {n}) ...")
         t = time.perf_counter()
-        engine = RayEngine(path, n, runtime="torch", n_ctx=n_ctx, progress=lambda m: None)
+        engine = RayEngine(path, n, runtime="torch", n_ctx=n_ctx, weight_format=weight_format,
+                           progress=lambda m: None)
         load_s = time.perf_counter() - t
         try:
             asyncio.run(_decode_runs(engine, tokens, 1, n_tokens))   # warm-up
@@ -225,6 +228,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description="Per-hop cost (gRPC vs Ray) and 2-stage decode "
                                             "cost against one stage.")
     p.add_argument("--model", default="smollm2", help="model name or .gguf (default smollm2)")
+    p.add_argument("--weight-format", default=DEFAULT_WEIGHT_FORMAT,
+                   help=f"the stages' weight format (default {DEFAULT_WEIGHT_FORMAT}, as serve)")
     p.add_argument("--repeats", type=int, default=200, help="hop round trips timed (200)")
     p.add_argument("--runs", type=int, default=3, help="timed decode runs per engine (3)")
     p.add_argument("--tokens", type=int, default=DECODE_TOKENS, help="tokens per run (64)")
@@ -248,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
     path = resolve_model(args.model)
-    result = {"model": args.model, "file": str(path), "repeats": args.repeats,
+    result = {"model": args.model, "file": str(path), "weight_format": args.weight_format,
+              "repeats": args.repeats,
               "runs": args.runs, "decode_tokens": args.tokens, "loadavg_before": loadavg(),
               "hops": [], "split": []}
     owns_ray = start_ray()
@@ -258,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["hops"] = bench_hops(args.repeats, say=say)
         if not args.skip_split:
             say("(ii) 1 vs 2 stages")
-            result["split"] = bench_split(path, (1, 2), args.runs, args.tokens, say=say)
+            result["split"] = bench_split(path, (1, 2), args.runs, args.tokens, say=say,
+                                          weight_format=args.weight_format)
             result["verdict"] = split_verdict(result["split"])
     finally:
         if owns_ray:

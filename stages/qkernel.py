@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "rowops.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "rowops.c", "pool.c")]
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
@@ -33,7 +33,7 @@ FLAGS = {
     "avx2": ["-DSKQ_AVX2", "-mavx2", "-mfma"],
     "c": [],
 }
-COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 
 
 def cpu_flags() -> set[str]:
@@ -97,7 +97,6 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("SKIPPY_QKERNEL") == "off":
         return None
     try:
-        # torch is imported first: its libgomp is the one OpenMP runtime the kernel joins
         lib = ctypes.CDLL(str(_build(which)))
     except OSError as e:
         print(f"skippy: quantized kernel unavailable ({e}); using torch's", file=sys.stderr)

@@ -69,6 +69,8 @@ typedef struct {
     const float *d, *dsum;
     const int32_t *sum;
     float *y;
+    int64_t M;
+    int use_c;
 } job;
 
 /* Copy an accumulator's first n lanes to y (the last tile of a matrix may be short). */
@@ -304,6 +306,23 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 #define tile_vec tile_c
 #endif
 
+void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
+
+/* Column tiles [t0, t1) for every row. Rows in groups of MR_MAX share each weight
+ * vector; a weight tile (K / 2 bytes for 4-bit) stays in cache over the groups. */
+static void tiles(void *arg, int64_t t0, int64_t t1)
+{
+    const job *J = arg;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t m0 = 0; m0 < J->M; m0 += MR_MAX) {
+            const int mr = (int)(J->M - m0 < MR_MAX ? J->M - m0 : MR_MAX);
+            if (J->use_c)
+                tile_c(J, t, m0, mr);
+            else
+                tile_vec(J, t, m0, mr);
+        }
+}
+
 /* The build's instruction set, as loaded: "avx512-vnni", "avx2" or "c". */
 const char *skq_isa(void)
 {
@@ -317,7 +336,8 @@ const char *skq_isa(void)
 }
 
 /* y[M][N] = x[M][K] @ W.T. kind 4 or 8; w, s, z (z may be NULL) packed as above, with
- * ceil(N / 16) tiles. Threads split the column tiles, so each output is one thread's.
+ * ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
+ * thread's.
  * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
  * scratch memory could not be had. */
 int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
@@ -333,20 +353,8 @@ int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64
         return -1;
     }
     quantize(x, M, K, q, d, sum, dsum);
-    const job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, y};
-    const int64_t tiles = (N + TN - 1) / TN;
-    /* Rows in groups of MR_MAX share each weight vector; a weight tile (K / 2 bytes for
-     * 4-bit) stays in cache over the groups. */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-            const int mr = (int)(M - m0 < MR_MAX ? M - m0 : MR_MAX);
-            if (use_c)
-                tile_c(&J, t, m0, mr);
-            else
-                tile_vec(&J, t, m0, mr);
-        }
-    }
+    job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, y, M, use_c};
+    skp_run(threads, (N + TN - 1) / TN, tiles, &J);
     free(q); free(d); free(dsum); free(sum);
     return 0;
 }

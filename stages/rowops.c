@@ -124,6 +124,34 @@ static void attend_head(const attn_shape *A, const float *q, const float *kc, co
         out[d] *= inv;
 }
 
+void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
+
+typedef struct {
+    const attn_shape *A;
+    float *qkv;
+    int64_t width;
+    const int64_t *pos;
+    float *const *kcache, *const *vcache;
+    float *out, *scratch;
+    int64_t longest;
+} heads_job;
+
+/* (row, head) pairs [b, e): each one thread's. */
+static void heads(void *arg, int64_t b, int64_t e)
+{
+    const heads_job *J = arg;
+    const attn_shape *A = J->A;
+    const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
+    for (int64_t rh = b; rh < e; rh++) {
+        const int64_t r = rh / H;
+        const int h = (int)(rh % H);
+        const int64_t hi = J->pos[r] + 1;
+        const int64_t lo = A->window && hi > A->window ? hi - A->window : 0;
+        attend_head(A, J->qkv + r * J->width + (int64_t)h * D, J->kcache[r], J->vcache[r],
+                    h / (H / G), lo, hi, J->scratch + rh * J->longest, J->out + (r * H + h) * Dv);
+    }
+}
+
 /* Decode attention for `rows` rows, each one lane's next token: row r's qkv output
  * (q heads, k heads, v heads) takes its q/k norms and rope at pos[r], writes its k and v
  * at pos[r] of that lane's cache (kcache[r], vcache[r]: token-major [cap, kv_heads, D]),
@@ -148,16 +176,9 @@ int skr_attend_decode(const attn_shape *A, float *qkv, int64_t rows, const int64
     float *scratch = malloc(sizeof(float) * (size_t)(longest * rows * H));
     if (!scratch)
         return -1;
-    const int go = rows * H * longest * D > 65536; /* threads pay off on long contexts */
-#pragma omp parallel for schedule(static) num_threads(threads) if (go)
-    for (int64_t rh = 0; rh < rows * H; rh++) {
-        const int64_t r = rh / H;
-        const int h = (int)(rh % H);
-        const int64_t hi = pos[r] + 1;
-        const int64_t lo = A->window && hi > A->window ? hi - A->window : 0;
-        attend_head(A, qkv + r * width + (int64_t)h * D, kcache[r], vcache[r],
-                    h / (H / G), lo, hi, scratch + rh * longest, out + (r * H + h) * Dv);
-    }
+    heads_job J = {A, qkv, width, pos, kcache, vcache, out, scratch, longest};
+    /* threads pay off on long contexts only */
+    skp_run(rows * H * longest * D > 65536 ? threads : 1, rows * H, heads, &J);
     free(scratch);
     return 0;
 }
