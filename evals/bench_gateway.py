@@ -608,6 +608,8 @@ def bench(args) -> dict:
                            "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
                            "clients": args.clients, "requests_per_client": args.requests,
                            **facts},
+              "environment": where_it_runs(), "ours_env": dict(args.ours_env),
+              "reference_env": dict(args.reference_env),
               "loadavg_before": loadavg(), "servers": {}}
     env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     for cfg in configs:
@@ -633,6 +635,15 @@ def bench(args) -> dict:
     result["comparisons"] = comparisons(result["servers"])
     result["targets"] = {c.key: c.targets for c in OURS if c.targets}
     return result
+
+
+def where_it_runs() -> dict:
+    """The CPU and what our torch stages and llama.cpp compute with here (bench_runtime's
+    record; the servers' own variables, ours_env / reference_env, may restrict them)."""
+    from skippy.evals.bench_runtime import environment
+    from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
+
+    return environment([DEFAULT_WEIGHT_FORMAT], None)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

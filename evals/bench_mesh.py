@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from skippy.evals.bench_runtime import environment
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
 
 HOP_SHAPES = ((1, 576), (128, 576))
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "file": str(path), "weight_format": args.weight_format,
               "repeats": args.repeats,
               "runs": args.runs, "decode_tokens": args.tokens, "loadavg_before": loadavg(),
+              "environment": environment([args.weight_format], None),
               "hops": [], "split": []}
     owns_ray = start_ray()
     try:

@@ -281,10 +281,13 @@ class BlockLinear(Linear):
         return cls(8, b8.codes, b8.scale, None, copy)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] > SMALL_ROWS:
+        rows = x.shape[0]
+        if self.dense is not None and rows > SMALL_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense).float()
+        # decode rows in two levels (reading the weights once): one level left top-1
+        # agreement with fp32 under 99 %; prefill rows, compute-bound, in one, as llama.cpp
         return qkernel.matmul(self.lib, self.kind, self.w, self.s, self.z,
-                              self.out_features, x)
+                              self.out_features, x, levels=2 if rows <= SMALL_ROWS else 1)
 
     @property
     def nbytes(self) -> int:

@@ -2,7 +2,9 @@
  *   kind 4: 4-bit codes c in 0..15, value = (c - 8) * s + z per block (z = 0 for Q4_0);
  *   kind 8: 8-bit codes c in -127..127, value = c * s per block (Q8_0).
  * Rows of x are quantized per block of 32 to int8 (d = amax / 127, q = rint(x / d)), as
- * llama.cpp quantizes activations for its Q4_0 / Q8_0 dot products.
+ * llama.cpp quantizes activations for its Q4_0 / Q8_0 dot products; with levels = 2 the
+ * remainder is quantized as a second row (quantize()), for decode rows, whose top-1
+ * agreement with fp32 one level left under 99 % (evals/README.md, torch runtime).
  *
  * Why a kernel of our own: torch's int4 / int8 kernels want bfloat16 rows and are slow
  * without AVX-512 BF16 (evals/README.md, torch runtime); decode reads each 4-bit weight
@@ -33,29 +35,42 @@
 #define QK 32
 #define TN 16
 
-/* Per row and block of 32: q (int8), d, the sum of q, and d * sum(q). */
-static void quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
+/* One block of 32 values: q (int8) with d = amax / 127, the sum of q, and d * sum(q). */
+static void quantize_block(const float *xb, int8_t *qb, float *d, int32_t *sum, float *dsum)
+{
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++)
+        amax = fmaxf(amax, fabsf(xb[i]));
+    const float dd = amax / 127.0f;
+    const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    int32_t s = 0;
+    for (int i = 0; i < QK; i++) {
+        const int32_t v = (int32_t)lrintf(xb[i] * id);
+        qb[i] = (int8_t)v;
+        s += v;
+    }
+    *d = dd, *sum = s, *dsum = dd * (float)s;
+}
+
+/* Each row of x as `levels` quantized rows: level 1 the row, level 2 what level 1 left
+ * over (x - d * q, quantized the same way), so that the two rows' products add up to
+ * x's within amax / 65,000 instead of amax / 254 per block. */
+static void quantize(const float *x, int64_t M, int64_t K, int levels, int8_t *q, float *d,
                      int32_t *sum, float *dsum)
 {
     const int64_t nb = K / QK;
+    float rest[QK];
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + m * K + b * QK;
-            int8_t *qb = q + m * K + b * QK;
-            float amax = 0.0f;
+            const int64_t r = m * levels, at = r * nb + b;
+            quantize_block(xb, q + r * K + b * QK, d + at, sum + at, dsum + at);
+            if (levels == 1)
+                continue;
             for (int i = 0; i < QK; i++)
-                amax = fmaxf(amax, fabsf(xb[i]));
-            const float dd = amax / 127.0f;
-            const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
-            int32_t s = 0;
-            for (int i = 0; i < QK; i++) {
-                const int32_t v = (int32_t)lrintf(xb[i] * id);
-                qb[i] = (int8_t)v;
-                s += v;
-            }
-            d[m * nb + b] = dd;
-            sum[m * nb + b] = s;
-            dsum[m * nb + b] = dd * (float)s;
+                rest[i] = xb[i] - d[at] * (float)q[r * K + b * QK + i];
+            quantize_block(rest, q + (r + 1) * K + b * QK, d + at + nb, sum + at + nb,
+                           dsum + at + nb);
         }
     }
 }
@@ -338,23 +353,34 @@ const char *skq_isa(void)
 /* y[M][N] = x[M][K] @ W.T. kind 4 or 8; w, s, z (z may be NULL) packed as above, with
  * ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
  * thread's.
- * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
- * scratch memory could not be had. */
+ * levels: 1, or 2 to quantize each row in two levels (decode rows: twice the integer
+ * work at the same weight reads). use_c: run the plain C definition (tests compare the
+ * paths). Returns 0, or -1 when scratch memory could not be had. */
 int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
-               int64_t K, const float *x, int64_t M, float *y, int threads, int use_c)
+               int64_t K, const float *x, int64_t M, float *y, int levels, int threads,
+               int use_c)
 {
-    const int64_t nb = K / QK;
-    int8_t *q = malloc((size_t)(M * K));
-    float *d = malloc((size_t)(M * nb) * sizeof(float));
-    float *dsum = malloc((size_t)(M * nb) * sizeof(float));
-    int32_t *sum = malloc((size_t)(M * nb) * sizeof(int32_t));
-    if (!q || !d || !dsum || !sum) {
+    const int64_t nb = K / QK, rows = M * levels;
+    int8_t *q = malloc((size_t)(rows * K));
+    float *d = malloc((size_t)(rows * nb) * sizeof(float));
+    float *dsum = malloc((size_t)(rows * nb) * sizeof(float));
+    int32_t *sum = malloc((size_t)(rows * nb) * sizeof(int32_t));
+    float *out = levels > 1 ? malloc((size_t)(rows * N) * sizeof(float)) : y;
+    if (!q || !d || !dsum || !sum || !out) {
         free(q); free(d); free(dsum); free(sum);
+        if (out != y)
+            free(out);
         return -1;
     }
-    quantize(x, M, K, q, d, sum, dsum);
-    job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, y, M, use_c};
+    quantize(x, M, K, levels, q, d, sum, dsum);
+    job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, out, rows, use_c};
     skp_run(threads, (N + TN - 1) / TN, tiles, &J);
+    if (levels > 1) { /* a row's levels share each weight load; their sums add here */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++)
+                y[m * N + n] = out[2 * m * N + n] + out[(2 * m + 1) * N + n];
+        free(out);
+    }
     free(q); free(d); free(dsum); free(sum);
     return 0;
 }
