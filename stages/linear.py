@@ -242,14 +242,23 @@ def fast_bf16() -> bool:
             and bool({"amx_bf16", "avx512_bf16"} & flags))
 
 
+def decode_levels() -> int:
+    """Decode rows go through our kernel in two levels where it has VNNI: one level left
+    top-1 agreement with fp32 under 99 % (98.5 %), two reach 99.2-99.5 % for ~0.5 ms of a
+    SmolLM2 step. Without VNNI (AVX2) the second level costs 1.4x the step, so rows take
+    one, as llama.cpp's own Q8_0 rows (97.1 % against fp32 there; evals/README.md, torch
+    runtime). Prefill rows take one level everywhere (compute-bound)."""
+    return 2 if qkernel.isa() == "avx512-vnni" else 1
+
+
 def kernels(fmt: str) -> str:
     """What format `fmt` multiplies with on this node, for identities and reports:
-    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>", and "+bf16>16" where
-    prefill chunks take the bf16 copy."""
+    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>/rows-q8x<decode levels>",
+    and "+bf16>16" where prefill chunks take the bf16 copy."""
     if fmt.removesuffix(LEAN) not in ("int4", "int8") or qkernel.library() is None:
         return "torch"
     copy = "+bf16>16" if not fmt.endswith(LEAN) and fast_bf16() else ""
-    return qkernel.kernel_name() + copy
+    return f"{qkernel.kernel_name()}/rows-q8x{decode_levels()}{copy}"
 
 
 class BlockLinear(Linear):
@@ -268,6 +277,7 @@ class BlockLinear(Linear):
         self.s = qkernel.pack_scales(scale)
         self.z = qkernel.pack_scales(zero) if zero is not None and bool(zero.any()) else None
         self.dense = dense.to(torch.bfloat16) if dense is not None else None
+        self.levels = decode_levels()
 
     @classmethod
     def of(cls, m: "Matrix", base: str, dense: bool) -> "BlockLinear":
@@ -284,10 +294,9 @@ class BlockLinear(Linear):
         rows = x.shape[0]
         if self.dense is not None and rows > SMALL_ROWS:
             return F.linear(x.to(torch.bfloat16), self.dense).float()
-        # decode rows in two levels (reading the weights once): one level left top-1
-        # agreement with fp32 under 99 %; prefill rows, compute-bound, in one, as llama.cpp
         return qkernel.matmul(self.lib, self.kind, self.w, self.s, self.z,
-                              self.out_features, x, levels=2 if rows <= SMALL_ROWS else 1)
+                              self.out_features, x, levels=self.levels if rows <= SMALL_ROWS
+                              else 1)
 
     @property
     def nbytes(self) -> int:

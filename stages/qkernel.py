@@ -33,17 +33,18 @@ FLAGS = {
     "avx2": ["-DSKQ_AVX2", "-mavx2", "-mfma"],
     "c": [],
 }
-COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fopenmp", "-ffp-contract=off"]
 
 
-def cpu_flags() -> set[str]:
+@lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def isa() -> str:
@@ -97,6 +98,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("SKIPPY_QKERNEL") == "off":
         return None
     try:
+        # torch is imported first: its libgomp is the OpenMP runtime our prefill calls join
         lib = ctypes.CDLL(str(_build(which)))
     except OSError as e:
         print(f"skippy: quantized kernel unavailable ({e}); using torch's", file=sys.stderr)

@@ -323,6 +323,13 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 
+/* Above this many rows (prefill chunks) the threads are torch's OpenMP team: torch's own
+ * ops between our calls run on it, and two teams on the same cores would spin through
+ * each other's work (AVX2 prefill ran 3-4x slower). Decode rows, between which torch
+ * runs little in parallel, take pool.c's workers, which leave the cores to a stage
+ * sharing them. Either way each tile is one thread's: the same bits. */
+#define OMP_ROWS 16
+
 /* Column tiles [t0, t1) for every row. Rows in groups of MR_MAX share each weight
  * vector; a weight tile (K / 2 bytes for 4-bit) stays in cache over the groups. */
 static void tiles(void *arg, int64_t t0, int64_t t1)
@@ -374,7 +381,14 @@ int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64
     }
     quantize(x, M, K, levels, q, d, sum, dsum);
     job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, out, rows, use_c};
-    skp_run(threads, (N + TN - 1) / TN, tiles, &J);
+    const int64_t n_tiles = (N + TN - 1) / TN;
+    if (M > OMP_ROWS) { /* prefill: on torch's OpenMP team, which runs the ops around it */
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < n_tiles; t++)
+            tiles(&J, t, t + 1);
+    } else {
+        skp_run(threads, n_tiles, tiles, &J);
+    }
     if (levels > 1) { /* a row's levels share each weight load; their sums add here */
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++)
