@@ -15,7 +15,8 @@ import pytest
 
 from skippy.evals import bench_runtime as bench
 
-STEP_KEYS = {"ours_ms", "reference_ms", "ratio", "ours_samples_ms", "reference_samples_ms"}
+STEP_KEYS = {"ours_ms", "reference_ms", "ratio", "ratio_range", "ours_samples_ms",
+             "reference_samples_ms"}
 PREFILL_KEYS = STEP_KEYS | {"tokens", "top1_match"}
 DECODE_KEYS = STEP_KEYS | {"after_tokens", "steps"}
 FLOOR_KEYS = {"ours_weight_format", "ours_bytes", "reference_bytes", "ours_floor_ms",
@@ -50,6 +51,8 @@ def _check_decode(d: dict, steps: int, repeats: int, after: int) -> None:
         flat = sorted(t for rep in samples for t in rep)
         assert flat[0] > 0 and flat[0] <= d[f"{side}_ms"] <= flat[-1]
     assert d["ratio"] == pytest.approx(d["ours_ms"] / d["reference_ms"], rel=1e-12)
+    lo, hi = d["ratio_range"]
+    assert 0 < lo <= hi  # the spread of the per-repeat ratios
 
 
 def test_real_run_json_on_stdout(smollm2, capfd: pytest.CaptureFixture[str]) -> None:
