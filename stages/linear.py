@@ -307,10 +307,11 @@ class BlockLinear(Linear):
 
 class RescoredHead:
     """A Q8_0 head for the compact formats: every logit from the 8-bit blocks (our kernel,
-    or torch's int4 kernel as an int4 pair; quantized rows, so a little off), then the TOP highest recomputed in float32 from the file's
-    own values: code * scale, exactly the fp32 head's weights. The token a greedy request
-    takes, and every logit that sampling can plausibly pick, are then float32 logits;
-    the rest keep a bf16-row error. Deterministic for given shapes (the exactness
+    or torch's int4 kernel as an int4 pair; quantized rows, so a little off), then the
+    TOP highest recomputed in float32 from the file's own values: code * scale, exactly
+    the fp32 head's weights. The token a greedy request takes, and every logit that
+    sampling can plausibly pick, are then float32 logits; the rest keep the quantized
+    rows' error. Deterministic for given shapes (the exactness
     contract): the same rows give the same candidates and the same sums."""
 
     fmt = "fp32-rescored"
