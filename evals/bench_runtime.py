@@ -61,7 +61,7 @@ import torch
 
 from skippy.evals.reference import _quiet_stderr
 from skippy.stages.linear import WEIGHT_FORMATS, kernels
-from skippy.stages.qkernel import cpu_flags
+from skippy.stages.qkernel import cpu_flags, cpu_name
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,16 +334,6 @@ def file_decode_bytes(path: Path) -> int:
 
 
 # -- where it ran ----------------------------------------------------------------------------
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
-
 
 def environment(weight_formats: list[str], restrict: str | None) -> dict:
     """The CPU, what torch and our kernel run (and the restrictions in force), and what

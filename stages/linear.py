@@ -318,8 +318,9 @@ class RescoredHead:
     TOP = 64
 
     def __init__(self, blocks: Int8Blocks):
+        self.lib = qkernel.library()
         self.approx = BlockLinear(8, blocks.codes, blocks.scale, None, None) \
-            if qkernel.library() is not None else Int8AsInt4Linear(blocks)
+            if self.lib is not None else Int8AsInt4Linear(blocks)
         self.blocks = blocks
         self.out_features, self.in_features = blocks.codes.shape
         self.top = min(self.TOP, self.out_features)
@@ -328,9 +329,8 @@ class RescoredHead:
         y = self.approx(x)
         idx = y.topk(self.top, dim=1, sorted=False).indices  # [rows, top]
         # a per-row sum along the inputs: each candidate's sum in the same order
-        lib = qkernel.library()
-        if lib is not None:
-            exact = qkernel.rows_dot(lib, self.blocks.codes, self.blocks.scale, idx, x)
+        if self.lib is not None:
+            exact = qkernel.rows_dot(self.lib, self.blocks.codes, self.blocks.scale, idx, x)
         else:
             exact = (self.blocks.rows(idx) * x[:, None, :]).sum(-1)
         return y.scatter_(1, idx, exact)

@@ -37,14 +37,27 @@ COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fopenmp", "-ffp
 
 
 @lru_cache(maxsize=None)
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            key, sep, value = line.partition(":")
+            if not sep:
+                break  # the blank line after the first processor
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+@lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def cpu_name() -> str:
+    return _cpuinfo().get("model name", "?")
 
 
 def isa() -> str:
