@@ -18,6 +18,7 @@ import torch
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
+from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
 from .layers import Rope, rms_norm
@@ -125,7 +126,8 @@ class TorchStageRuntime(StageRuntime):
                     mixer = ParallelMixer(mixer, ssm)
                     self.state_names += [f"conv.{i}", f"ssm.{i}"]
                     self.state_shapes += list(mamba2_state_shapes(cfg))
-            self.layers.append(DecoderLayer(i, cfg, t, spec.weight_format, mixer))
+            self.layers.append(DecoderLayer(i, cfg, t, mixer,
+                                            make_ffn(i, cfg, t, spec.weight_format)))
         self.recurrent = bool(self.state_names)
 
     # -- lanes -----------------------------------------------------------------------------

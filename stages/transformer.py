@@ -1,6 +1,6 @@
 """The decoder layer shared by every family; family quirks come from topology.
 
-A layer is a pre-norm residual block: a token mixer, then a gated FFN. The mixer is
+A layer is a pre-norm residual block: a token mixer, then a feed-forward block (stages/ffn.py). The mixer is
 attention for dense families; hybrid families plug in a recurrent mixer for some layers
 (LFM2's short convolution, stages/shortconv.py) or beside attention in every layer
 (Falcon-H1's Mamba2, stages/mamba2.py) behind the same call.
@@ -18,7 +18,7 @@ from skippy.topology.model_config import ModelConfig
 
 from . import qkernel
 from .kv import LaneKv
-from .layers import Rope, attend, causal_mask, gated_activation, rms_norm
+from .layers import Rope, attend, causal_mask, rms_norm
 from .linear import fuse_linear, make_linear
 from .weights import StageTensors
 
@@ -51,6 +51,11 @@ class Segment:
                 mask = causal_mask(self.pos, self.n, lo, hi - lo, sliding)
             self._windows[sliding] = (lo, hi, mask)
         return self._windows[sliding]
+
+
+class Ffn(Protocol):
+    def __call__(self, h: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The feed-forward block of normed rows h (dense, or a mixture of experts)."""
 
 
 class Mixer(Protocol):
@@ -137,30 +142,25 @@ class Attention:
 
 
 class DecoderLayer:
-    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, fmt: str, mixer: Mixer):
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, mixer: Mixer, ffn: Ffn):
         p = f"blk.{index}."
         fam = cfg.family
-        self.index, self.cfg, self.mixer = index, cfg, mixer
+        self.index, self.cfg, self.mixer, self.ffn = index, cfg, mixer, ffn
         self.attn_norm = t[p + "attn_norm.weight"]  # the mixer's input norm (LFM2: operator_norm)
         self.post_attn_norm = t[p + "post_attention_norm.weight"] if fam.post_norms else None
         # Falcon-H1 files as llama.cpp loads them name it "blk.N.ffn_norm" (no ".weight")
         norm = t.get(p + fam.ffn_norm)
         self.ffn_norm = norm if norm is not None else t[p + "ffn_norm.weight"]
-        self.gate_up, self.gate_up_split = fuse_linear(
-            [t.matrix(p + "ffn_gate.weight"), t.matrix(p + "ffn_up.weight")], fmt)
-        self.down = make_linear(t.matrix(p + "ffn_down.weight"), fmt)
         self.post_ffn_norm = t[p + "post_ffw_norm.weight"] if fam.post_norms else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 segments: list[Segment]) -> torch.Tensor:
-        cfg, eps = self.cfg, self.cfg.rms_eps
+        eps = self.cfg.rms_eps
         h = self.mixer(rms_norm(x, self.attn_norm, eps), positions, segments)
         if self.post_attn_norm is not None:
             h = rms_norm(h, self.post_attn_norm, eps)
         x = x + h
-        h = rms_norm(x, self.ffn_norm, eps)
-        gate, up = self.gate_up(h).split(self.gate_up_split, dim=-1)
-        h = self.down(gated_activation(gate, up, cfg.family.activation))
+        h = self.ffn(rms_norm(x, self.ffn_norm, eps), segments)
         if self.post_ffn_norm is not None:
             h = rms_norm(h, self.post_ffn_norm, eps)
         return x + h

@@ -1,0 +1,36 @@
+"""Feed-forward blocks of a decoder layer; `make_ffn` picks the one a layer's family uses."""
+
+from __future__ import annotations
+
+import torch
+
+from skippy.topology.model_config import ModelConfig
+
+from .layers import gated_activation
+from .linear import fuse_linear, make_linear
+from .weights import StageTensors
+
+
+class GatedFfn:
+    """down(act(gate(h)) * up(h)): the dense FFN of every family so far."""
+
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, fmt: str):
+        p = f"blk.{index}."
+        self.activation = cfg.family.activation
+        self.gate_up, self.gate_up_split = fuse_linear(
+            [t.matrix(p + "ffn_gate.weight"), t.matrix(p + "ffn_up.weight")], fmt)
+        self.down = make_linear(t.matrix(p + "ffn_down.weight"), fmt)
+
+    def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:
+        gate, up = self.gate_up(h).split(self.gate_up_split, dim=-1)
+        return self.down(gated_activation(gate, up, self.activation))
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode step reads through this block."""
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+def make_ffn(index: int, cfg: ModelConfig, t: StageTensors, fmt: str):
+    """Layer `index`'s feed-forward block."""
+    return GatedFfn(index, cfg, t, fmt)
