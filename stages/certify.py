@@ -87,8 +87,8 @@ class Report:
 # -- building stages ------------------------------------------------------------------------
 def build(path, n_stages: int, runtime: str, wire: str,
           weight_format: str = REFERENCE_FORMAT) -> list[StageRuntime]:
-    n_layers = ModelConfig.from_gguf(GGUFFile(path)).n_layers
-    ranges = even_ranges(n_layers, n_stages)
+    cfg = ModelConfig.from_gguf(GGUFFile(path))
+    ranges = even_ranges(cfg.n_layers, n_stages, cfg.cut_groups())
     specs = [StageSpec(str(path), a, b, i, n_stages, wire, n_ctx=1024, chunk=CHUNK,
                        weight_format=weight_format)
              for i, (a, b) in enumerate(ranges)]

@@ -23,7 +23,7 @@ class StageChain:
         f = open_model(model_path)
         self.config = ModelConfig.from_gguf(f)
         f.close()
-        ranges = even_ranges(self.config.n_layers, n_stages)
+        ranges = even_ranges(self.config.n_layers, n_stages, self.config.cut_groups())
         self.stages = [
             make_runtime(StageSpec(str(model_path), a, b, i, n_stages, wire_dtype,
                                    **spec_options), runtime)

@@ -28,6 +28,10 @@ class Frame:
     rows: torch.Tensor                  # [n, hidden]
     # [n] float32 per row: powers of two (f16), max-abs / 127 (q8); None for f32
     scale: torch.Tensor | None = None
+    # [n] int64: the rows' token ids, for families whose later layers look rows up by token
+    # (Gemma 4's per-layer embeddings). Not part of the wire bytes: the data plane already
+    # sends every stage the tokens (Prefill.tokens, Decode.token) and attaches them.
+    tokens: torch.Tensor | None = None
 
     @property
     def n_rows(self) -> int:
@@ -45,21 +49,22 @@ class Frame:
         raise ValueError(f"frame rows of dtype {self.rows.dtype} are no wire dtype")
 
 
-def to_wire(start: int, rows: torch.Tensor, wire_dtype: str) -> Frame:
+def to_wire(start: int, rows: torch.Tensor, wire_dtype: str,
+            tokens: torch.Tensor | None = None) -> Frame:
     if wire_dtype == "f32":
-        return Frame(start, rows.to(torch.float32))
+        return Frame(start, rows.to(torch.float32), tokens=tokens)
     if wire_dtype == "f16":
         peak = rows.abs().amax(dim=-1).nan_to_num(0.0, 0.0, 0.0).clamp_min(1.0)
         exponent = (torch.floor(torch.log2(peak)) - _F16_SAFE_EXPONENT).clamp_min(0)
         scale = torch.exp2(exponent)
-        return Frame(start, (rows / scale.unsqueeze(1)).to(torch.float16), scale)
+        return Frame(start, (rows / scale.unsqueeze(1)).to(torch.float16), scale, tokens)
     if wire_dtype == "q8":
         rows = rows.to(torch.float32)
         scale = rows.abs().amax(dim=-1) / _Q8_MAX
         # An all-zero row would divide 0 by 0; scale 1 sends it as zeros all the same.
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(rows / scale.unsqueeze(1)).clamp_(-_Q8_MAX, _Q8_MAX)
-        return Frame(start, q.to(torch.int8), scale)
+        return Frame(start, q.to(torch.int8), scale, tokens)
     raise ValueError(f"wire dtype '{wire_dtype}' is not supported "
                      f"(supported: {', '.join(WIRE_DTYPES)})")
 

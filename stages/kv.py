@@ -3,6 +3,8 @@ fixed-size recurrent state of hybrid families' short-conv layers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -19,14 +21,19 @@ class LaneKv:
     chunk boundary stays that boundary's state.
     """
 
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, v_head_dim: int,
-                 step: int, max_tokens: int,
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int | Sequence[int],
+                 v_head_dim: int | Sequence[int], step: int, max_tokens: int,
                  conv_shapes: tuple[tuple[int, int], ...] = ()):
-        self.shape_k = (kv_heads, head_dim)
-        self.shape_v = (kv_heads, v_head_dim)
+        # head sizes: one for every layer, or one per layer (Gemma 4's sliding-window and
+        # global layers differ)
+        def per_layer(d):
+            return list(d) if isinstance(d, Sequence) else [d] * n_layers
+
+        self.shapes_k = [(kv_heads, d) for d in per_layer(head_dim)]
+        self.shapes_v = [(kv_heads, d) for d in per_layer(v_head_dim)]
         self.step, self.max_tokens = step, max_tokens
-        self.k = [torch.zeros(0, *self.shape_k) for _ in range(n_layers)]
-        self.v = [torch.zeros(0, *self.shape_v) for _ in range(n_layers)]
+        self.k = [torch.zeros(0, *shape) for shape in self.shapes_k]
+        self.v = [torch.zeros(0, *shape) for shape in self.shapes_v]
         self.conv_shapes = tuple(conv_shapes)
         self.conv = self.empty_conv()
         self._capacity = 0
@@ -42,8 +49,8 @@ class LaneKv:
         new_cap = -(-new_cap // self.step) * self.step
         old = self.capacity
         for i in range(len(self.k)):
-            k = torch.zeros(new_cap, *self.shape_k)
-            v = torch.zeros(new_cap, *self.shape_v)
+            k = torch.zeros(new_cap, *self.shapes_k[i])
+            v = torch.zeros(new_cap, *self.shapes_v[i])
             k[:old] = self.k[i]
             v[:old] = self.v[i]
             self.k[i], self.v[i] = k, v

@@ -51,10 +51,14 @@ class Rope:
     pos * s * s * ... with s = base^(-2/n_dims), so both sides rotate by the same floats.
     """
 
-    def __init__(self, dim: int, base: float, scale: float, style: str):
+    def __init__(self, dim: int, base: float, scale: float, style: str,
+                 factors: torch.Tensor | None = None):
         if style not in ("norm", "neox"):
             raise ValueError(f"unknown rope style '{style}'")
         self.dim, self.base, self.scale, self.style = dim, base, scale, style
+        # per-pair frequency divisors (a GGUF's rope_freqs: Gemma 4's global layers),
+        # applied as ggml does: the angle theta / factor, then scaled
+        self.factors = factors
         self.cos = torch.empty(0, dim // 2)
         self.sin = torch.empty(0, dim // 2)
         self._positions: torch.Tensor | None = None  # the last positions looked up
@@ -65,8 +69,9 @@ class Rope:
         step = torch.tensor(math.pow(self.base, -2.0 / self.dim), dtype=torch.float32)
         theta = torch.arange(n, dtype=torch.float32)
         cols = []
-        for _ in range(self.dim // 2):
-            cols.append(theta * self.scale)
+        for i in range(self.dim // 2):
+            angle = theta if self.factors is None else theta / self.factors[i]
+            cols.append(angle * self.scale)
             theta = theta * step
         angles = torch.stack(cols, dim=1)
         self.cos, self.sin = torch.cos(angles), torch.sin(angles)

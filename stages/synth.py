@@ -62,8 +62,11 @@ class TensorSpec:
     `init` is "embed" (N(0, 1): token rows are looked up, not summed, so they need no
     fan-in scaling), "proj" (N(0, 1/sqrt(fan_in)): keeps each projection's output at the
     scale of its input), "norm" (1 + N(0, 0.1): near identity, but not exactly, so a port
-    that forgets a norm weight is caught), "bias" (N(0, 0.1)) or "ssm_a" (-exp(N(0, 0.5)):
-    Mamba2's negative per-head decay rate A).
+    that forgets a norm weight is caught), "bias" (N(0, 0.1)), "ssm_a" (-exp(N(0, 0.5)):
+    Mamba2's negative per-head decay rate A), "qk_norm" ("norm" times head_dim^-1/4: for
+    Q and K norms of a family that does not scale its scores, so that the scores are of
+    unit scale), "head_norm" (0.3 + N(0, 0.03): a final norm that scales logits down) or
+    "rope_freqs" (fixed rope frequency divisors, _rope_factors).
     """
 
     name: str
@@ -287,6 +290,100 @@ def _falcon_h1_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- gemma4 (E4B-like: per-layer embeddings, shared-KV layers, two head sizes) -----------------
+# Fixed for the synthetic family: per-layer embedding width, window, logit soft cap (low
+# enough that the cap bends the logits), rope bases. Global layers have twice the
+# sliding-window layers' head size (E4B: 512 and 256).
+GEMMA4 = {"per_layer": 64, "window": 128, "softcap": 10.0, "rope_base_swa": 10000.0}
+
+
+def gemma4_layout(layers: int) -> tuple[list[bool], int]:
+    """(sliding-window flag per layer, shared-KV layer count). Global layers: every fourth
+    and the last. From 6 layers on, the layers after the first global one are shared, so
+    the last two KV layers are a sliding-window and a global one, as llama.cpp's KV reuse
+    expects (6 layers: s s s G | s G, the last two reading layers 2 and 3)."""
+    swa = [not (i % 4 == 3 or i == layers - 1) for i in range(layers)]
+    return swa, (layers - 4 if layers >= 6 else 0)
+
+
+def _gemma4_head_dims(d: Dims) -> tuple[int, int]:
+    return d.head_dim, 2 * d.head_dim  # sliding-window, global
+
+
+def _gemma4_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    g = GEMMA4
+    swa, shared = gemma4_layout(d.layers)
+    hd_swa, hd = _gemma4_head_dims(d)
+    return {
+        "context_length": d.context_length,
+        "embedding_length": d.hidden,
+        "block_count": d.layers,
+        "feed_forward_length": d.ff,
+        "attention.head_count": d.heads,
+        "attention.head_count_kv": d.kv_heads,
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+        "attention.key_length_swa": hd_swa,
+        "attention.value_length_swa": hd_swa,
+        "rope.dimension_count": hd,
+        "rope.dimension_count_swa": hd_swa,
+        "attention.layer_norm_rms_epsilon": d.rms_eps,
+        "rope.freq_base": d.rope_base,
+        "rope.freq_base_swa": g["rope_base_swa"],
+        "attention.sliding_window": g["window"],
+        "attention.sliding_window_pattern": swa,
+        "attention.shared_kv_layers": shared,
+        "embedding_length_per_layer_input": g["per_layer"],
+        "final_logit_softcapping": g["softcap"],
+    }
+
+
+def _gemma4_tensors(d: Dims) -> list[TensorSpec]:
+    P, L = GEMMA4["per_layer"], d.layers
+    swa, shared = gemma4_layout(L)
+    hd_swa, hd = _gemma4_head_dims(d)
+    # Embedding rows at 1/sqrt(width), as Gemma's are: the graph scales them up by
+    # sqrt(width), and the tied head then gives logits of unit scale (N(0, 1) rows
+    # would give std 16 and pin every large logit to the soft cap).
+    out = [
+        TensorSpec("token_embd.weight", (d.vocab, d.hidden), "proj"),
+        TensorSpec("per_layer_token_embd.weight", (d.vocab, L * P), "proj"),
+        TensorSpec("per_layer_model_proj.weight", (L * P, d.hidden), "proj"),
+        TensorSpec("per_layer_proj_norm.weight", (P,), "norm"),
+        # the global layers' rope frequency divisors (Gemma 4's proportional rope)
+        TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"),
+    ]
+    for i in range(L):
+        b, h = f"blk.{i}", hd_swa if swa[i] else hd
+        q, kv = d.heads * h, d.kv_heads * h
+        out += [TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+                TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
+                TensorSpec(f"{b}.attn_q_norm.weight", (h,), "qk_norm")]
+        if i < L - shared:  # shared-KV layers have no K/V of their own
+            out += [TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+                    TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+                    TensorSpec(f"{b}.attn_k_norm.weight", (h,), "qk_norm")]
+        out += [
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+            TensorSpec(f"{b}.post_ffw_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.inp_gate.weight", (P, d.hidden), "proj"),
+            TensorSpec(f"{b}.proj.weight", (d.hidden, P), "proj"),
+            TensorSpec(f"{b}.post_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.layer_output_scale.weight", (1,), "norm"),
+        ]
+    # Tied head (Gemma's): llama.cpp reads token_embd when output.weight is absent. The
+    # final norm at 0.3 keeps logits at std ~0.3: llama.cpp's GELU rounds its input to f16
+    # (a table), so an upstream difference in the last bit now and then flips a rounding,
+    # and logits differ from any port by ~1e-3 of their scale (tests/test_family_gemma4.py).
+    out.append(TensorSpec("output_norm.weight", (d.hidden,), "head_norm"))
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -300,6 +397,8 @@ _ARCHS: dict[str, ArchSpec] = {
                      tensors=_lfm2_tensors),
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
+    "gemma4": ArchSpec(defaults={**_SMALL, "ff": 512}, hparams=_gemma4_hparams,
+                       tensors=_gemma4_tensors),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))
@@ -424,6 +523,8 @@ def _add_typed(writer: GGUFWriter, key: str, value: int | float | list[int]) -> 
     # would otherwise be guessed as 64-bit by gguf-py.
     if isinstance(value, float):
         writer.add_float32(key, value)
+    elif isinstance(value, list) and value and all(isinstance(v, bool) for v in value):
+        writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.BOOL)
     elif isinstance(value, int):
         writer.add_uint32(key, value)
     else:
@@ -442,10 +543,17 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
     out = np.empty(t.shape, dtype=dtype)
     if t.init == "norm":
         mean, std = 1.0, 0.1
+    elif t.init == "head_norm":
+        mean, std = 0.3, 0.03
+    elif t.init == "qk_norm":  # norm weights that also carry the 1/sqrt(head_dim) scale
+        mean = float(t.shape[0]) ** -0.25
+        std = 0.1 * mean
     elif t.init in ("bias", "ssm_a"):  # ssm_a: -exp(N(0, 0.5)), negative decay rates
         mean, std = 0.0, (0.1 if t.init == "bias" else 0.5)
     elif t.init == "embed":
         mean, std = 0.0, 1.0
+    elif t.init == "rope_freqs":
+        return _rope_factors(t.shape[0]).astype(dtype)
     else:
         mean, std = 0.0, 1.0 / np.sqrt(t.shape[-1])
     flat = out.reshape(t.shape[0], -1)
@@ -457,6 +565,17 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
         if t.init == "ssm_a":
             block = -np.exp(block)
         flat[r:r + rows] = block
+    return out
+
+
+def _rope_factors(n: int) -> np.ndarray:
+    """Rope frequency divisors: 1 for the first quarter of the pairs, growing ones for the
+    next, and 1e30 (no rotation at all) for the last half, as proportional rope leaves the
+    pairs past its partial rotary factor unrotated."""
+    out = np.ones(n, dtype=np.float32)
+    q = n // 4
+    out[q:2 * q] = np.linspace(1.5, 8.0, 2 * q - q, dtype=np.float32)
+    out[2 * q:] = np.float32(1e30)
     return out
 
 

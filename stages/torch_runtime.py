@@ -20,6 +20,7 @@ from skippy.topology.model_package import open_model
 
 from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
+from .gemma4 import build_layers as build_gemma4_layers
 from .kv import LaneKv
 from .layers import Rope, rms_norm
 from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
@@ -108,6 +109,15 @@ class TorchStageRuntime(StageRuntime):
         # Mamba2 conv state of layer N, "ssm.N": Mamba2 SSM state) and shapes.
         self.state_names: list[str] = []
         self.state_shapes: list[tuple[int, ...]] = []
+        # Gemma 4's per-layer embeddings: frames carry the scaled token embedding x0 beside
+        # the hidden row ([hidden | x0]) and their token ids (stages/gemma4.py)
+        self.per_layer = None
+        self.side_width = cfg.frame_width - cfg.hidden
+        if cfg.family.layer == "gemma4":
+            self.layers, self.attn_layers, self.per_layer = build_gemma4_layers(
+                cfg, t, spec.layer_start, spec.layer_end, spec.weight_format)
+            self.recurrent = False
+            return
         for i in range(spec.layer_start, spec.layer_end):
             if cfg.is_conv_layer(i):
                 mixer = ShortConv(i, len(self.state_names), cfg, t, spec.weight_format)
@@ -136,9 +146,10 @@ class TorchStageRuntime(StageRuntime):
         self._next_lane += 1
         cfg = self.cfg
         conv_shapes = tuple(self.state_shapes)
-        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), cfg.n_kv_heads, cfg.head_dim,
-                                         cfg.v_head_dim, self.spec.chunk, self.n_ctx,
-                                         conv_shapes))
+        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), cfg.n_kv_heads,
+                                         [cfg.head_dim_for(i) for i in self.attn_layers],
+                                         [cfg.v_head_dim_for(i) for i in self.attn_layers],
+                                         self.spec.chunk, self.n_ctx, conv_shapes))
         return lane
 
     def free_lane(self, lane: int) -> None:
@@ -191,27 +202,45 @@ class TorchStageRuntime(StageRuntime):
             raise StageError("a non-first stage takes a Frame of activation rows")
         if inputs.start != start:
             raise StageError(f"frame starts at {inputs.start}, expected {start}")
-        if inputs.rows.ndim != 2 or inputs.rows.shape[1] != self.cfg.hidden:
-            raise StageError(f"frame rows must be [n, {self.cfg.hidden}]")
+        width = self.cfg.hidden + self.side_width
+        if inputs.rows.ndim != 2 or inputs.rows.shape[1] != width:
+            raise StageError(f"frame rows must be [n, {width}]")
+        if self.side_width and (inputs.tokens is None or
+                                tuple(inputs.tokens.shape) != (inputs.n_rows,)):
+            raise StageError("this model's frames need their rows' token ids")
         return from_wire(inputs)
+
+    def _tokens(self, inputs: torch.Tensor | Frame) -> torch.Tensor | None:
+        """The input rows' token ids where the layers need them (per-layer embeddings)."""
+        if not self.side_width:
+            return None
+        if isinstance(inputs, Frame):
+            return inputs.tokens.to(torch.long).reshape(-1)
+        return torch.as_tensor(inputs, dtype=torch.long).reshape(-1)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if not self.spec.is_first:
             return x
         rows = self.embed(x)
-        return rows * self.embed_scale if self.embed_scale is not None else rows
+        rows = rows * self.embed_scale if self.embed_scale is not None else rows
+        # the frame's side columns: the scaled token embedding itself
+        return torch.cat([rows, rows], dim=1) if self.side_width else rows
 
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor,
-                    segments: list[Segment]) -> torch.Tensor:
+                    segments: list[Segment], tokens: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        if self.side_width:  # rows [hidden | x0]: the layers see hidden, x0 passes on
+            x, x0 = x[:, :self.cfg.hidden], x[:, self.cfg.hidden:]
+            self.per_layer.set(x0, tokens)
         for layer in self.layers:
             x = layer.forward(x, positions, segments)
-        return x
+        return torch.cat([x, x0], dim=1) if self.side_width else x
 
     def _logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
         """Head over rows in padded groups of exactly `group` rows: a row's logits then do
         not depend on how many rows came with it. Serving ("last" and decode) uses groups
         of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows."""
-        x = rms_norm(hidden, self.norm, self.cfg.rms_eps)
+        x = rms_norm(hidden[:, :self.cfg.hidden], self.norm, self.cfg.rms_eps)
         out = []
         for i in range(0, x.shape[0], group):
             part = x[i:i + group]
@@ -219,14 +248,17 @@ class TorchStageRuntime(StageRuntime):
             if n < group:
                 part = torch.cat([part, part.new_zeros(group - n, part.shape[1])])
             out.append(self.head(part)[:n])
-        return torch.cat(out) if len(out) > 1 else out[0]
+        logits = torch.cat(out) if len(out) > 1 else out[0]
+        cap = self.cfg.logit_softcap
+        # llama.cpp: scale by 1 / cap, tanh, scale by cap (Gemma's final soft cap)
+        return torch.tanh(logits * (1.0 / cap)) * cap if cap else logits
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
                 between_chunks: Callable[[], None] | None = None) -> StageOutput:
         st = self._lane(lane)
         C = self.spec.chunk
-        x_in = self._inputs(inputs, start)
+        x_in, tok_in = self._inputs(inputs, start), self._tokens(inputs)
         end = check_prefill(start, x_in.shape[0], chunk=C, boundary=self.prefill_boundary(lane),
                             n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
         if self.recurrent and start not in self._resumable(st):
@@ -242,12 +274,12 @@ class TorchStageRuntime(StageRuntime):
         for s in range(start, end, C):
             m = min(C, end - s)
             chunk = x_in[s - start: s - start + m]
+            toks = None if tok_in is None else _padded(tok_in[s - start: s - start + m], C)
             if m < C:  # pad to exactly C rows; padding sits after every real row: masked
-                pad = chunk.new_zeros((C - m,) + tuple(chunk.shape[1:]))
-                chunk = torch.cat([chunk, pad])
+                chunk = _padded(chunk, C)
             x = self._embed(chunk)
             positions = torch.arange(s, s + C)
-            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s, n_real=m)])
+            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s, n_real=m)], toks)
             outs.append(x[:m])
             if self.recurrent and s + C in snapshots:
                 # recurrent state moves on with the next chunk: capture it while passing
@@ -259,7 +291,7 @@ class TorchStageRuntime(StageRuntime):
         out = StageOutput(snapshots={b: self.export_state(lane, b) for b in snapshots})
         hidden = torch.cat(outs) if len(outs) > 1 else outs[0]
         if not self.spec.is_last:
-            out.frame = to_wire(start, hidden, self.spec.wire_dtype)
+            out.frame = to_wire(start, hidden, self.spec.wire_dtype, tokens=tok_in)
         elif logits == "last":
             out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
         elif logits == "all":
@@ -274,7 +306,7 @@ class TorchStageRuntime(StageRuntime):
         results: list[StageOutput] = []
         for g in range(0, len(steps), B):
             group = steps[g:g + B]
-            rows, positions, segments = [], torch.zeros(B, dtype=torch.long), []
+            rows, positions, segments, tokens = [], torch.zeros(B, dtype=torch.long), [], []
             for r, (lane, inp) in enumerate(group):
                 st = self._lane(lane)
                 if st.length + 1 > self.n_ctx:
@@ -284,15 +316,18 @@ class TorchStageRuntime(StageRuntime):
                 if x.shape[0] != 1:
                     raise StageError("decode takes exactly one row per lane")
                 rows.append(x)
+                tokens.append(self._tokens(inp))
                 positions[r] = st.length
                 segments.append(Segment(st.kv, r, 1, st.length))
             x = self._embed(torch.cat(rows))
             n = len(group)
+            toks = None if not self.side_width else torch.cat(tokens)
             if self.free_groups:
                 positions = positions[:n]
             elif n < B:  # fixed batch: a lane's arithmetic ignores its neighbours
-                x = torch.cat([x, x.new_zeros(B - n, x.shape[1])])
-            x = self._run_layers(x, positions, segments)
+                x = _padded(x, B)
+                toks = None if toks is None else _padded(toks, B)
+            x = self._run_layers(x, positions, segments, toks)
             logits = self._logits(x[:n], n if self.free_groups else B) \
                 if self.spec.is_last else None
             for r, (lane, _) in enumerate(group):
@@ -300,7 +335,8 @@ class TorchStageRuntime(StageRuntime):
                 if self.spec.is_last:
                     results.append(StageOutput(logits=logits[r]))
                 else:
-                    frame = to_wire(st.length, x[r:r + 1], self.spec.wire_dtype)
+                    frame = to_wire(st.length, x[r:r + 1], self.spec.wire_dtype,
+                                    tokens=None if toks is None else toks[r:r + 1])
                     results.append(StageOutput(frame=frame))
                 st.length += 1
         return results
@@ -379,3 +415,10 @@ class TorchStageRuntime(StageRuntime):
                 "lane_batch": "any" if self.free_groups else spec.lane_batch,
             },
         }
+
+
+def _padded(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """rows followed by zero rows up to n."""
+    if rows.shape[0] >= n:
+        return rows
+    return torch.cat([rows, rows.new_zeros((n - rows.shape[0],) + tuple(rows.shape[1:]))])

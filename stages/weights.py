@@ -67,6 +67,7 @@ def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
     """Names of the tensors a stage [start, end) loads, in file order."""
     prefixes = tuple(f"blk.{i}." for i in range(start, end))
     names = [n for n in f.tensors if n.startswith(prefixes)]
+    names += [n for n in cfg.family.stage_tensors if n in f.tensors]
     if first:
         names.append("token_embd.weight")
     if last:

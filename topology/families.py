@@ -39,11 +39,27 @@ class Family:
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
     # stage boundary inside a group. None: any cut between layers is allowed.
     keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
+    # "decoder": stages/transformer.py's DecoderLayer; "gemma4": stages/gemma4.py builds the
+    # layers (value norm, shared KV, per-layer embeddings, its own MoE block).
+    layer: str = "decoder"
+    # Tensors outside the layers that every stage loads when the file has them (rope
+    # factors, per-layer embedding tables a stage reads its layers' columns of).
+    stage_tensors: tuple[str, ...] = ()
+    # Of those, the tables whose columns belong to the layers in equal slices (layer i:
+    # columns [i * w, (i + 1) * w)): the planner counts each slice with its layer.
+    layer_sliced: tuple[str, ...] = ()
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
             return False
         return layer % self.swa_pattern < self.swa_pattern - 1
+
+
+def gemma4_shared_kv_groups(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """Gemma 4's cut rule: a layer that reuses another layer's KV stays with it, so the
+    layers from the first one read that way to the last layer are one group."""
+    sources = [cfg.kv_source(i) for i in range(cfg.n_layers) if not cfg.has_kv(i)]
+    return [(min(sources), cfg.n_layers)] if sources else []
 
 
 FAMILIES: dict[str, Family] = {
@@ -64,6 +80,17 @@ FAMILIES: dict[str, Family] = {
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),
+    # llama.cpp (models/gemma4.cpp): the window pattern, SWA head size and rope base are
+    # GGUF keys (ModelConfig reads them); attention scale 1 (q and k are normed); V gets
+    # an unweighted RMS norm; the last shared_kv_layers layers read an earlier layer's KV.
+    "gemma4": Family("gemma4", rope_style="neox", activation="gelu_tanh", qk_norm=True,
+                     post_norms=True, embed_scale=True, rope_base_swa=10000.0,
+                     keep_together=gemma4_shared_kv_groups, layer="gemma4",
+                     stage_tensors=("rope_freqs.weight", "per_layer_token_embd.weight",
+                                    "per_layer_model_proj.weight",
+                                    "per_layer_proj_norm.weight"),
+                     layer_sliced=("per_layer_token_embd.weight",
+                                   "per_layer_model_proj.weight")),
 }
 
 

@@ -40,6 +40,18 @@ class ModelConfig:
     ssm_d_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 0
+    # Gemma 4 (read from its GGUF keys): the sliding-window layers as listed per layer
+    # (None: the family's fixed pattern); sliding-window layers' head and rope sizes and
+    # rope base (0 / None: the global layers'); the last shared_kv_layers layers compute
+    # no K/V and read an earlier layer's (kv_source); the per-layer embedding width; the
+    # final logits' soft cap (0: none).
+    swa_layers: frozenset[int] | None = None
+    head_dim_swa: int = 0
+    rope_dim_swa: int = 0
+    rope_base_swa: float | None = None
+    shared_kv_layers: int = 0
+    per_layer_dim: int = 0
+    logit_softcap: float = 0.0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -85,6 +97,7 @@ class ModelConfig:
             }
             if ssm["ssm_d_conv"] < 2:
                 raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+        gemma4 = _gemma4_keys(f, n_layers) if family.layer == "gemma4" else {}
         sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
@@ -114,7 +127,20 @@ class ModelConfig:
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
             **ssm,
+            **gemma4,
         )
+
+    @property
+    def frame_width(self) -> int:
+        """Values per row of a frame between stages: the hidden row, and with per-layer
+        embeddings (Gemma 4) the scaled token embedding beside it, which later stages'
+        layers read their per-layer inputs from."""
+        return self.hidden * (2 if self.per_layer_dim else 1)
+
+    def cut_groups(self) -> tuple[tuple[int, int], ...]:
+        """Layer groups [a, b) no stage boundary may split (the family's cut rule)."""
+        rule = self.family.keep_together
+        return tuple((int(a), int(b)) for a, b in rule(self)) if rule else ()
 
     def is_conv_layer(self, layer: int) -> bool:
         return layer in self.conv_layers
@@ -128,13 +154,73 @@ class ModelConfig:
         return layer in self.ssm_layers
 
     def is_swa_layer(self, layer: int) -> bool:
+        if self.swa_layers is not None:
+            return self.sliding_window > 0 and layer in self.swa_layers
         return self.family.is_swa_layer(layer, self.sliding_window)
 
     def rope_base_for(self, layer: int) -> float:
-        if self.is_swa_layer(layer) and self.family.rope_base_swa is not None:
-            return self.family.rope_base_swa
+        if self.is_swa_layer(layer):
+            if self.rope_base_swa is not None:
+                return self.rope_base_swa
+            if self.family.rope_base_swa is not None:
+                return self.family.rope_base_swa
         return self.rope_base
+
+    def head_dim_for(self, layer: int) -> int:
+        """K (= V) head size of `layer`: Gemma 4's sliding-window layers have their own."""
+        return self.head_dim_swa if self.head_dim_swa and self.is_swa_layer(layer) \
+            else self.head_dim
+
+    def v_head_dim_for(self, layer: int) -> int:
+        # Gemma 4 keeps V's head size equal to K's in both kinds of layer (llama.cpp checks)
+        return self.head_dim_swa if self.head_dim_swa and self.is_swa_layer(layer) \
+            else self.v_head_dim
+
+    def rope_dim_for(self, layer: int) -> int:
+        return self.rope_dim_swa if self.rope_dim_swa and self.is_swa_layer(layer) \
+            else self.rope_dim
+
+    def has_kv(self, layer: int) -> bool:
+        """Whether `layer` computes and stores K and V (else it reads kv_source's)."""
+        return layer < self.n_layers - self.shared_kv_layers
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV `layer` attends over. llama.cpp (Gemma 3n / 4): a shared
+        layer reads the last KV layer if it is global, the one before if it slides (the
+        converter puts a sliding-window layer then a global one last among the KV layers)."""
+        if self.has_kv(layer):
+            return layer
+        first_shared = self.n_layers - self.shared_kv_layers
+        return first_shared - (2 if self.is_swa_layer(layer) else 1)
+
+    def kv_values_per_token(self, layer: int) -> int:
+        """K and V values one token adds to `layer`'s own cache (0: it stores none)."""
+        if self.is_conv_layer(layer) or not self.has_kv(layer):
+            return 0
+        return self.n_kv_heads * (self.head_dim_for(layer) + self.v_head_dim_for(layer))
 
     def rope_scale_for(self, layer: int) -> float:
         # llama.cpp scales only the global layers; local layers keep scale 1.
         return 1.0 if self.is_swa_layer(layer) else self.rope_scale
+
+
+def _gemma4_keys(f: GGUFFile, n_layers: int) -> dict[str, object]:
+    """Gemma 4's per-layer pattern and sizes, from the keys llama.cpp reads for it."""
+    arch = f.architecture
+    pattern = f.arch_key("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n_layers:
+        raise ValueError(f"{arch}: attention.sliding_window_pattern must list all "
+                         f"{n_layers} layers")
+    shared = int(f.arch_key("attention.shared_kv_layers", 0) or 0)
+    if shared and not 2 <= n_layers - shared:
+        raise ValueError(f"{arch}: {shared} shared-KV layers leave fewer than 2 KV layers")
+    base_swa = f.arch_key("rope.freq_base_swa")
+    return {
+        "swa_layers": frozenset(i for i, s in enumerate(pattern) if s),
+        "head_dim_swa": int(f.arch_key("attention.key_length_swa", 0) or 0),
+        "rope_dim_swa": int(f.arch_key("rope.dimension_count_swa", 0) or 0),
+        "rope_base_swa": None if base_swa is None else float(base_swa),
+        "shared_kv_layers": shared,
+        "per_layer_dim": int(f.arch_key("embedding_length_per_layer_input", 0) or 0),
+        "logit_softcap": float(f.arch_key("final_logit_softcapping", 0.0) or 0.0),
+    }

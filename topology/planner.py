@@ -47,14 +47,25 @@ class PlanError(ValueError):
     """The model cannot be cut or placed as asked; the message says why."""
 
 
-def even_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+def even_ranges(n_layers: int, n_stages: int,
+                keep_together: Iterable[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """n_stages contiguous [start, end) ranges covering all layers, sizes within one of
-    each other (earlier stages take the extra layers: stage 0 also embeds)."""
+    each other (earlier stages take the extra layers: stage 0 also embeds). With
+    keep-together groups (ModelConfig.cut_groups), no cut falls inside one: the ranges
+    are then as even as those cuts allow."""
     if n_stages < 1:
         raise PlanError(f"stages must be at least 1, not {n_stages}")
     if n_stages > n_layers:
         raise PlanError(f"cannot cut {n_layers} layers into {n_stages} stages "
                         "(each stage needs at least one layer)")
+    groups = list(keep_together)
+    if groups:
+        allowed = [not any(a < c < b for a, b in groups) for c in range(n_layers + 1)]
+        ranges = _split([1] * n_layers, [n_layers] * n_stages, allowed)
+        if ranges is None:
+            raise PlanError(f"cannot cut {n_layers} layers into {n_stages} stages without "
+                            f"splitting a group the family keeps in one stage {groups}")
+        return ranges
     base, extra = divmod(n_layers, n_stages)
     ranges, start = [], 0
     for i in range(n_stages):
@@ -150,6 +161,9 @@ class ModelFacts:
                         last += held("output.weight", info)
                 elif name in ("output.weight", cfg.family.output_norm):
                     last += size
+                elif name in cfg.family.layer_sliced:  # each layer holds its columns
+                    for i in range(cfg.n_layers):
+                        elements[i] += size // cfg.n_layers
                 else:  # rope tables and the like: every stage loads them
                     shared += size
         finally:
@@ -165,15 +179,14 @@ class ModelFacts:
 
 def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per layer: KV bytes per token, and fixed recurrent-state bytes, of one lane."""
-    kv_token = cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) * kv_bytes
     kv, state = [], []
     for i in range(cfg.n_layers):
         fixed = 0
         if cfg.is_conv_layer(i):  # short conv: the last l_cache - 1 inputs
             kv.append(0)
             fixed += (cfg.conv_l_cache - 1) * cfg.hidden
-        else:
-            kv.append(kv_token)
+        else:  # 0 for a layer that reads another layer's KV (Gemma 4)
+            kv.append(cfg.kv_values_per_token(i) * kv_bytes)
         if cfg.is_ssm_layer(i):  # Mamba2: conv window over x, B, C; SSM state per head
             conv_width = cfg.ssm_d_inner + 2 * cfg.ssm_groups * cfg.ssm_d_state
             fixed += (cfg.ssm_d_conv - 1) * conv_width + cfg.ssm_d_inner * cfg.ssm_d_state

@@ -94,7 +94,7 @@ class InProcessEngine(PipelinesEngine):
         f.close()
         self.cache = cache or CacheConfig()
         spec_options.setdefault("chunk", self.cache.chunk)
-        ranges = ranges or even_ranges(config.n_layers, n_stages)
+        ranges = ranges or even_ranges(config.n_layers, n_stages, config.cut_groups())
         n, split = len(ranges), topology_digest(model_digest, ranges, wire_dtype)
         servers = [StageServer(StageSpec(str(path), a, b, i, n, wire_dtype,
                                          topology_digest=split, **spec_options),

@@ -43,7 +43,7 @@ def message_limit(model_path: str, n_ctx: int, wire_dtype: str) -> int:
     finally:
         f.close()
     n = min(n_ctx, cfg.context_length or n_ctx)
-    row = cfg.hidden * _VALUE_BYTES.get(wire_dtype, 4) + 4
+    row = cfg.frame_width * _VALUE_BYTES.get(wire_dtype, 4) + 4
     prefill = n * row + 2 * n * 5  # a token id is a varint of at most 5 bytes
     # gRPC's limits are int32: a longer prompt of a wider model does not fit one message
     return min(max(prefill, cfg.vocab * 4, BLOCK_SIZE) + HEADROOM, 2**31 - 1)

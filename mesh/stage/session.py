@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -120,7 +121,9 @@ class StageSession:
         if self.server.spec.is_first:
             inputs = torch.tensor(tokens[start:], dtype=torch.long)
         else:
-            inputs = frame_from_proto(p.frame)
+            # the rows' token ids travel in the message, not in the frame's bytes
+            inputs = replace(frame_from_proto(p.frame),
+                             tokens=torch.tensor(tokens[start:], dtype=torch.long))
             if inputs.start != start:
                 raise StageError(f"frame starts at {inputs.start}, not {start}")
         if self.last:
@@ -148,7 +151,8 @@ class StageSession:
     def _decode(self, d: pb.Decode) -> pb.StageResult:
         if self.lane is None or not self.decoding:
             raise StageError("decode before prefill")
-        x = torch.tensor(d.token) if self.server.spec.is_first else frame_from_proto(d.frame)
+        x = torch.tensor(d.token) if self.server.spec.is_first else \
+            replace(frame_from_proto(d.frame), tokens=torch.tensor([d.token]))
         token, replay = d.token, d.replay
 
         def finish(out):  # on the loop thread, this row alone

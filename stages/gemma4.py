@@ -1,0 +1,256 @@
+"""Gemma 4's decoder layers, ported from llama.cpp's graph (models/gemma4.cpp).
+
+Where a Gemma 4 layer differs from the shared DecoderLayer:
+- attention: Q and K get per-head RMS norms with weights, V one without; the scores are
+  not scaled (the norms keep them in range); global layers rotate with rope frequency
+  divisors (rope_freqs.weight) and may use another head size than sliding-window layers;
+  when a layer has no V projection, V comes from the K projection (before K's norm).
+- shared KV: the last `shared_kv_layers` layers compute only Q and attend over the KV an
+  earlier layer stored (ModelConfig.kv_source); the planner keeps them in one stage with
+  it (families.gemma4_shared_kv_groups).
+- per-layer embeddings (E2B / E4B): after the FFN's residual, a gated projection of the
+  row times the layer's own per-layer input is added (PerLayerInputs says where those
+  come from), then the whole row is scaled by layer_output_scale when the file has one.
+- mixture-of-experts layers (26B-A4B) add a routed expert block to the dense FFN, each
+  with its own norms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from skippy.topology.model_config import ModelConfig
+
+from .layers import Rope, attend, rms_norm
+from .linear import Embeddings, Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
+from .runtime import StageError
+from .transformer import Segment
+from .weights import StageTensors
+
+
+class PerLayerInputs:
+    """The per-layer embedding inputs of one stage's layers.
+
+    For a row with token id t and scaled token embedding x0 (stage 0's input row), layer
+    i's input is (rms_norm(W_i x0 / sqrt(hidden), norm) + T_i[t] * sqrt(P)) / sqrt(2):
+    W_i = layer i's P rows of per_layer_model_proj, T_i = its P columns of
+    per_layer_token_embd. llama.cpp computes all layers in one product; here each layer's
+    piece is its own product, so a row's values are the same wherever the model is cut.
+    A later stage gets x0 beside the hidden rows of its frame and t with the frame's
+    tokens (TorchStageRuntime: frame rows [hidden | x0]).
+    """
+
+    def __init__(self, cfg: ModelConfig, t: StageTensors, start: int, end: int, fmt: str):
+        P, self.hidden = cfg.per_layer_dim, cfg.hidden
+        self.eps = cfg.rms_eps
+        self.norm = t["per_layer_proj_norm.weight"]
+        proj = t.matrix("per_layer_model_proj.weight")
+        self.proj = {i: make_linear(_rows(proj, i * P, (i + 1) * P), fmt)
+                     for i in range(start, end)}
+        del proj
+        self.table = {i: Embeddings(_columns(t, "per_layer_token_embd.weight",
+                                             i * P, (i + 1) * P))
+                      for i in range(start, end)}
+        self.proj_scale = 1.0 / math.sqrt(cfg.hidden)
+        self.table_scale = math.sqrt(P)
+        self.mix_scale = 1.0 / math.sqrt(2.0)
+        self._x0: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
+
+    def set(self, x0: torch.Tensor, ids: torch.Tensor) -> None:
+        """The rows of the forward about to run: their x0 and token ids."""
+        self._x0, self._ids = x0, ids
+
+    def __call__(self, layer: int) -> torch.Tensor:
+        p = self.proj[layer](self._x0) * self.proj_scale
+        p = rms_norm(p, self.norm, self.eps)
+        return (p + self.table[layer](self._ids) * self.table_scale) * self.mix_scale
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.proj.values())
+
+
+def _rows(m: Matrix, a: int, b: int) -> Matrix:
+    """Output rows [a, b) of a matrix, its file blocks included."""
+    int4 = int8 = None
+    if m.int4 is not None:
+        int4 = Int4Blocks(m.int4.codes[a:b], m.int4.scale[a:b], m.int4.offset[a:b])
+    if m.int8 is not None:
+        int8 = Int8Blocks(m.int8.codes[a:b], m.int8.scale[a:b])
+    return Matrix(m.values[a:b].contiguous(), int4, int8)
+
+
+def _columns(t: StageTensors, name: str, a: int, b: int) -> torch.Tensor:
+    """Columns [a, b) of a [rows, width] table as float32, dequantizing only those bytes
+    of each row (a real E4B's per-layer table has 2.8 billion entries)."""
+    if name not in t.names:
+        raise KeyError(name)
+    info = t.f.tensors[name]
+    block, block_bytes = GGML_QUANT_SIZES[info.qtype]
+    width, rows = info.shape[0], int(np.prod(info.shape[1:]))
+    if a % block or b % block:
+        raise ValueError(f"{name}: columns [{a}, {b}) do not fall on its {block}-wide blocks")
+    raw = np.asarray(t.f.raw(name)).reshape(rows, width // block * block_bytes)
+    part = raw[:, a // block * block_bytes: b // block * block_bytes]
+    values = dequantize(np.ascontiguousarray(part), info.qtype).astype(np.float32, copy=False)
+    return torch.from_numpy(values.reshape(rows, b - a).copy())
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) as llama.cpp's CPU kernels compute it, gated or not: the input
+    rounded to f16 and looked up in a table of f16 results (GGML_GELU_FP16), 0 at or
+    below -10 and x itself at or above 10. Exact GELU differs from it by up to an f16
+    rounding, ~5e-4 of each value."""
+    looked_up = F.gelu(x.to(torch.float16).to(torch.float32), approximate="tanh")
+    y = torch.where(x >= 10.0, x, looked_up.to(torch.float16).to(torch.float32))
+    return torch.where(x <= -10.0, torch.zeros_like(x), y)
+
+
+class Gemma4Attention:
+    """Self-attention of one Gemma 4 layer over its own KV slot or, for a shared-KV
+    layer, over the slot of the layer it reads (both in this stage: the cut rule)."""
+
+    def __init__(self, index: int, slot: int, cfg: ModelConfig, t: StageTensors, fmt: str,
+                 rope: Rope):
+        p = f"blk.{index}."
+        self.cfg, self.rope, self.slot = cfg, rope, slot
+        self.own_kv = cfg.has_kv(index)
+        self.heads, self.kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.hd = cfg.head_dim_for(index)
+        self.window = cfg.sliding_window if cfg.is_swa_layer(index) else 0
+        parts = [t.matrix(p + "attn_q.weight")]
+        self.k_is_v = False
+        if self.own_kv:
+            parts.append(t.matrix(p + "attn_k.weight"))
+            if p + "attn_v.weight" in t.names:
+                parts.append(t.matrix(p + "attn_v.weight"))
+            else:  # llama.cpp: no V projection, V is the K projection's output
+                self.k_is_v = True
+        self.qkv, self.split = fuse_linear(parts, fmt)
+        self.out = make_linear(t.matrix(p + "attn_output.weight"), fmt)
+        self.q_norm = t[p + "attn_q_norm.weight"]
+        self.k_norm = t[p + "attn_k_norm.weight"] if self.own_kv else None
+        self.v_norm = torch.ones(self.hd)  # an unweighted RMS norm: weight 1 is exact
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor,
+                 segments: list[Segment]) -> torch.Tensor:
+        n, eps = h.shape[0], self.cfg.rms_eps
+        y = self.qkv(h).split(self.split, dim=-1)
+        q = rms_norm(y[0].reshape(n, self.heads, self.hd), self.q_norm, eps)
+        q = self.rope.apply(q, positions)
+        k = v = None
+        if self.own_kv:
+            k_raw = y[1].reshape(n, self.kv_heads, self.hd)
+            v_raw = k_raw if self.k_is_v else y[2].reshape(n, self.kv_heads, self.hd)
+            k = self.rope.apply(rms_norm(k_raw, self.k_norm, eps), positions)
+            v = rms_norm(v_raw, self.v_norm, eps)
+        if len(segments) == 1 and segments[0].n == n:
+            attn = self._attend(segments[0], q, k, v)
+        else:  # decode batch: padding rows belong to no lane and stay zero
+            attn = h.new_zeros(n, self.heads * self.hd)
+            for seg in segments:
+                rows = slice(seg.row0, seg.row0 + seg.n)
+                attn[rows] = self._attend(seg, q[rows], None if k is None else k[rows],
+                                          None if v is None else v[rows])
+        return self.out(attn)
+
+    def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
+        if k is not None:
+            seg.kv.write(self.slot, seg.pos, k, v)
+        lo, hi, mask = seg.window(self.window)
+        # scores unscaled (llama.cpp: f_attention_scale = 1)
+        return attend(q, seg.kv.keys(self.slot, lo, hi), seg.kv.values(self.slot, lo, hi),
+                      mask, 1.0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.out.nbytes
+
+
+class Gemma4Ffn:
+    """The dense feed-forward block: down(gelu(gate(h)) * up(h)) of the normed row."""
+
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, fmt: str):
+        p = f"blk.{index}."
+        self.eps = cfg.rms_eps
+        self.norm = t[p + "ffn_norm.weight"]
+        self.gate_up, self.split = fuse_linear(
+            [t.matrix(p + "ffn_gate.weight"), t.matrix(p + "ffn_up.weight")], fmt)
+        self.down = make_linear(t.matrix(p + "ffn_down.weight"), fmt)
+
+    def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        gate, up = self.gate_up(rms_norm(x, self.norm, self.eps)).split(self.split, dim=-1)
+        return self.down(gelu(gate) * up)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+class Gemma4Layer:
+    """One layer: attention, the FFN block (dense, or dense plus experts), and the
+    per-layer embedding block, each with Gemma's norms after it."""
+
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, mixer, ffn,
+                 per_layer: PerLayerInputs | None, fmt: str):
+        p = f"blk.{index}."
+        self.index, self.eps, self.mixer, self.ffn = index, cfg.rms_eps, mixer, ffn
+        self.attn_norm = t[p + "attn_norm.weight"]
+        self.post_attn_norm = t[p + "post_attention_norm.weight"]
+        self.post_ffn_norm = t[p + "post_ffw_norm.weight"]
+        self.per_layer = per_layer
+        if per_layer is not None:
+            self.inp_gate = make_linear(t.matrix(p + "inp_gate.weight"), fmt)
+            self.inp_proj = make_linear(t.matrix(p + "proj.weight"), fmt)
+            self.inp_norm = t[p + "post_norm.weight"]
+        scale = t.get(p + "layer_output_scale.weight")
+        self.out_scale = None if scale is None else scale.reshape(())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                segments: list[Segment]) -> torch.Tensor:
+        eps = self.eps
+        h = self.mixer(rms_norm(x, self.attn_norm, eps), positions, segments)
+        x = x + rms_norm(h, self.post_attn_norm, eps)
+        x = x + rms_norm(self.ffn(x, segments), self.post_ffn_norm, eps)
+        if self.per_layer is not None:
+            g = gelu(self.inp_gate(x)) * self.per_layer(self.index)
+            x = x + rms_norm(self.inp_proj(g), self.inp_norm, eps)
+        if self.out_scale is not None:
+            x = x * self.out_scale
+        return x
+
+
+def build_layers(cfg: ModelConfig, t: StageTensors, start: int, end: int, fmt: str
+                 ) -> tuple[list[Gemma4Layer], list[int], PerLayerInputs | None]:
+    """Layers [start, end) of a Gemma 4 stage, the model layer of each KV slot, and the
+    stage's per-layer inputs (None without per-layer embeddings)."""
+    ropes: dict[tuple, Rope] = {}
+    factors = t.get("rope_freqs.weight")
+    per_layer = PerLayerInputs(cfg, t, start, end, fmt) if cfg.per_layer_dim else None
+    layers, kv_layers = [], []
+    for i in range(start, end):
+        swa = cfg.is_swa_layer(i)
+        key = (cfg.rope_dim_for(i), cfg.rope_base_for(i), cfg.rope_scale_for(i), swa)
+        if key not in ropes:
+            ropes[key] = Rope(*key[:3], cfg.family.rope_style,
+                              factors=None if swa else factors)
+        if cfg.has_kv(i):
+            slot = len(kv_layers)
+            kv_layers.append(i)
+        elif cfg.kv_source(i) in kv_layers:  # the cut rule keeps the source here
+            slot = kv_layers.index(cfg.kv_source(i))
+        else:
+            raise StageError(f"layer {i} reads layer {cfg.kv_source(i)}'s KV, which is not "
+                             f"in this stage's layers [{start}, {end}): the cut splits "
+                             f"layers {cfg.cut_groups()} that Gemma 4 keeps in one stage")
+        mixer = Gemma4Attention(i, slot, cfg, t, fmt, ropes[key])
+        layers.append(Gemma4Layer(i, cfg, t, mixer, Gemma4Ffn(i, cfg, t, fmt), per_layer,
+                                  fmt))
+    return layers, kv_layers, per_layer
