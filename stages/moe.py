@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from skippy.topology.model_config import ModelConfig
 
 from .layers import gated_activation
-from .linear import SMALL_ROWS, BlockLinear, Linear, Matrix, fuse_linear, make_linear
+from .linear import LEAN, SMALL_ROWS, BlockLinear, Linear, Matrix, fuse_linear, make_linear
 from .weights import StageTensors
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
@@ -143,10 +143,20 @@ def _expert_scales(t: StageTensors, p: str, e: int, merged: bool):
     return gate, up, one("ffn_down_exps.scale")
 
 
+def expert_format(fmt: str) -> str:
+    """The format routed experts are held in: the stage's, but never with the bfloat16
+    prefill copy of the integer formats (linear.py): it would hold 2 bytes per weight
+    beside 0.6-1.1, for experts that see few rows of a chunk each (a chunk of C rows
+    gives an expert about C * n_used / n_expert), mostly under SMALL_ROWS, where the
+    integer kernel runs anyway."""
+    return fmt if fmt in ("fp32", "bf16") or fmt.endswith(LEAN) else fmt + LEAN
+
+
 def load_experts(index: int, t: StageTensors, fmt: str, activation: str) -> list[Expert]:
-    """Layer `index`'s routed experts, each in format `fmt` (gate and up as separate 3-D
-    tensors, or one merged gate_up tensor)."""
+    """Layer `index`'s routed experts, each in format `fmt` (held as expert_format says;
+    gate and up as separate 3-D tensors, or one merged gate_up tensor)."""
     p = f"blk.{index}."
+    fmt = expert_format(fmt)
     down = t.experts(p + "ffn_down_exps.weight")
     merged = p + "ffn_gate_up_exps.weight" in t.names
     if merged:
@@ -191,7 +201,8 @@ class MoeFfn:
         if self.shared is not None:
             y = self.shared(h)
             if self.shared_gate is not None:
-                y = y * per_row(lambda x: torch.sigmoid(self.shared_gate(x)), h, decode)
+                gate = per_row(lambda x: torch.sigmoid(self.shared_gate(x)), h, True)
+                y = y * gate
             out = out + y
         return out
 
@@ -207,7 +218,9 @@ class MoeFfn:
         if rows.numel() == 0:
             return out
         x = h[rows]
-        logits = per_row(self.router, x, decode) if logits is None else logits[rows]
+        # one row at a time in prefill too: a batched float32 product splits its sums by
+        # thread count (the integer formats promise bits that do not depend on threads)
+        logits = per_row(self.router, x, True) if logits is None else logits[rows]
         if decode:
             picks = [self.routing(logits[r:r + 1], self.bias) for r in range(len(rows))]
             experts = torch.cat([e for e, _ in picks])

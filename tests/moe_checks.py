@@ -52,3 +52,17 @@ def check_padding_rows_not_routed(path, fmt: str = "fp32") -> None:
         h2[20:] = torch.randn(12, rt.cfg.hidden, generator=gen)
         assert torch.equal(ffn(h, [seg])[:20], ffn(h2, [seg])[:20])
         assert not ffn.routed(h2, [seg], decode=False)[20:].any()
+
+
+def check_threads_do_not_change_bits(path, fmt: str = "int4") -> None:
+    """The integer formats promise bits that do not depend on the thread count (the
+    runtime's thread_invariant): prefill rows and a decode row, 1 thread vs 2."""
+    got = []
+    for n in (1, 2):
+        rt = whole(path, weight_format=fmt, threads=n)
+        assert rt.thread_invariant
+        lane = rt.alloc_lane()
+        rows = rt.prefill(lane, torch.tensor(PROMPT[:70]), logits="all").logits
+        got.append(torch.cat([rows, rt.decode([(lane, rows[-1].argmax())])[0].logits[None]]))
+    torch.set_num_threads(2)
+    assert torch.equal(got[0], got[1])

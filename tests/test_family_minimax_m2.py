@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from family_checks import check_agreement, check_certify
-from moe_checks import check_lanes_alone_equal_together, check_padding_rows_not_routed, whole
+from moe_checks import (check_lanes_alone_equal_together, check_padding_rows_not_routed,
+                        check_threads_do_not_change_bits, whole)
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +57,13 @@ def test_lane_logits_alone_equal_beside_other_lanes(minimax_m2_f32, fmt):
 
 def test_padding_rows_are_not_routed(minimax_m2_f32):
     check_padding_rows_not_routed(minimax_m2_f32)
+
+
+def test_certify_matrix_synthesizes_this_model(minimax_m2_f32, tmp_path):
+    from skippy.evals import certify_matrix as matrix
+    made = matrix.model_path("minimax-m2", synth_dir=tmp_path)
+    assert made.read_bytes() == minimax_m2_f32.read_bytes()
+
+
+def test_integer_formats_do_not_depend_on_threads(minimax_m2_f32):
+    check_threads_do_not_change_bits(minimax_m2_f32, "int4")
