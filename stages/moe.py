@@ -180,6 +180,9 @@ class MoeFfn:
                  activation: str | None = None):
         p = f"blk.{index}."
         activation = activation or cfg.family.activation
+        if cfg.n_expert_used <= 0:
+            raise ValueError(f"layer {index} has a router, but {cfg.family.name} reads no "
+                             f"mixture-of-experts settings (topology/families.py: moe)")
         self.router = Linear(t[p + "ffn_gate_inp.weight"])
         self.bias = t.get(p + "exp_probs_b.bias")
         self.routing = Routing.of(cfg)
