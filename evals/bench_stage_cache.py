@@ -82,10 +82,12 @@ class Shape:
     ff: int = 4096
     dtype: str = "f16"
     seed: int = 1
+    variant: str | None = None  # one of the arch's synth variants (None: its default)
 
     def file_name(self) -> str:
         from skippy.stages.synth import SYNTH_VERSION
-        return (f"bench-{self.arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
+        arch = f"{self.arch}-{self.variant}" if self.variant else self.arch
+        return (f"bench-{arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
                 f"-kv{self.kv_heads}-ff{self.ff}-{self.dtype}-s{self.seed}-v{SYNTH_VERSION}.gguf")
 
     def describe(self) -> str:
@@ -121,7 +123,8 @@ class Family:
             s = self.shape
             write_synthetic(s.arch, layers=s.layers, seed=s.seed, out=out,
                             tokenizer_from=resolve_model("smollm2"), hidden=s.hidden,
-                            ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype)
+                            ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype,
+                            variant=s.variant)
         return out
 
     def describe(self) -> str:

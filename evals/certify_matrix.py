@@ -44,9 +44,12 @@ MODELS = {
     "falcon-h1": Family("falcon-h1", "hybrid",
                         shape=Shape("falcon-h1", layers=4, hidden=256, heads=4, kv_heads=2,
                                     ff=512, dtype="f32", seed=7)),
-    # the E4B-like shape of tests/test_family_gemma4.py
+    # the E4B-like and A4B-like shapes of tests/test_family_gemma4.py
     "gemma4": Family("gemma4", "dense", shape=Shape("gemma4", layers=6, hidden=256, heads=4,
                                                     kv_heads=2, ff=512, dtype="f32", seed=5)),
+    "gemma4-a4b": Family("gemma4-a4b", "dense",
+                         shape=Shape("gemma4", layers=6, hidden=256, heads=4, kv_heads=2,
+                                     ff=512, dtype="f32", seed=9, variant="a4b")),
     # tests/test_family_qwen3moe.py and test_family_minimax_m2.py: 8 experts of width ff
     "qwen3moe": Family("qwen3moe", "dense",
                        shape=Shape("qwen3moe", layers=4, hidden=256, heads=4, kv_heads=2,

@@ -12,7 +12,8 @@ Where a Gemma 4 layer differs from the shared DecoderLayer:
   row times the layer's own per-layer input is added (PerLayerInputs says where those
   come from), then the whole row is scaled by layer_output_scale when the file has one.
 - mixture-of-experts layers (26B-A4B) add a routed expert block to the dense FFN, each
-  with its own norms.
+  with its own norms (Gemma4MoeFfn).
+- GELU goes through llama.cpp's f16 table (layers.gelu_f16), here and in the experts.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from skippy.topology.model_config import ModelConfig
 
-from .layers import Rope, attend, rms_norm
+from .layers import Rope, attend, gelu_f16, rms_norm
 from .linear import Embeddings, Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
+from .moe import MoeFfn, per_row
 from .runtime import StageError
 from .transformer import Segment
 from .weights import StageTensors
@@ -101,16 +102,6 @@ def _columns(t: StageTensors, name: str, a: int, b: int) -> torch.Tensor:
     part = raw[:, a // block * block_bytes: b // block * block_bytes]
     values = dequantize(np.ascontiguousarray(part), info.qtype).astype(np.float32, copy=False)
     return torch.from_numpy(values.reshape(rows, b - a).copy())
-
-
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU (tanh form) as llama.cpp's CPU kernels compute it, gated or not: the input
-    rounded to f16 and looked up in a table of f16 results (GGML_GELU_FP16), 0 at or
-    below -10 and x itself at or above 10. Exact GELU differs from it by up to an f16
-    rounding, ~5e-4 of each value."""
-    looked_up = F.gelu(x.to(torch.float16).to(torch.float32), approximate="tanh")
-    y = torch.where(x >= 10.0, x, looked_up.to(torch.float16).to(torch.float32))
-    return torch.where(x <= -10.0, torch.zeros_like(x), y)
 
 
 class Gemma4Attention:
@@ -187,11 +178,48 @@ class Gemma4Ffn:
 
     def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         gate, up = self.gate_up(rms_norm(x, self.norm, self.eps)).split(self.split, dim=-1)
-        return self.down(gelu(gate) * up)
+        return self.down(gelu_f16(gate) * up)
 
     @property
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
+
+
+class Gemma4MoeFfn:
+    """26B-A4B's FFN block: the dense FFN and a routed expert block side by side on the
+    same row, each normed before and after on its own, summed. The router reads the row
+    RMS-normed without weight, scaled by 1/sqrt(hidden) and by ffn_gate_inp.scale; the
+    experts read it normed by pre_ffw_norm_2 (stages/moe.py runs them)."""
+
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, fmt: str):
+        p = f"blk.{index}."
+        self.eps = cfg.rms_eps
+        self.dense = Gemma4Ffn(index, cfg, t, fmt)
+        self.post_dense = t[p + "post_ffw_norm_1.weight"]
+        self.pre_experts = t[p + "pre_ffw_norm_2.weight"]
+        self.post_experts = t[p + "post_ffw_norm_2.weight"]
+        self.router_scale = t[p + "ffn_gate_inp.scale"]
+        self.inv_sqrt_hidden = 1.0 / math.sqrt(cfg.hidden)
+        self.unit = torch.ones(cfg.hidden)  # an unweighted RMS norm
+        self.experts = MoeFfn(index, cfg, t, fmt)  # the family's activation: gelu_f16
+
+    def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        eps = self.eps
+        dense = rms_norm(self.dense(x, segments), self.post_dense, eps)
+        decode = all(s.n == 1 for s in segments)
+
+        def router(rows):
+            r = rms_norm(rows, self.unit, eps) * self.inv_sqrt_hidden * self.router_scale
+            return self.experts.router(r)
+        # row by row, as MoeFfn routes: a row's logits never depend on its neighbours
+        logits = per_row(router, x, True)
+        routed = self.experts.routed(rms_norm(x, self.pre_experts, eps), segments, decode,
+                                     logits=logits)
+        return dense + rms_norm(routed, self.post_experts, eps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.nbytes + self.experts.nbytes
 
 
 class Gemma4Layer:
@@ -220,7 +248,7 @@ class Gemma4Layer:
         x = x + rms_norm(h, self.post_attn_norm, eps)
         x = x + rms_norm(self.ffn(x, segments), self.post_ffn_norm, eps)
         if self.per_layer is not None:
-            g = gelu(self.inp_gate(x)) * self.per_layer(self.index)
+            g = gelu_f16(self.inp_gate(x)) * self.per_layer(self.index)
             x = x + rms_norm(self.inp_proj(g), self.inp_norm, eps)
         if self.out_scale is not None:
             x = x * self.out_scale
@@ -251,6 +279,7 @@ def build_layers(cfg: ModelConfig, t: StageTensors, start: int, end: int, fmt: s
                              f"in this stage's layers [{start}, {end}): the cut splits "
                              f"layers {cfg.cut_groups()} that Gemma 4 keeps in one stage")
         mixer = Gemma4Attention(i, slot, cfg, t, fmt, ropes[key])
-        layers.append(Gemma4Layer(i, cfg, t, mixer, Gemma4Ffn(i, cfg, t, fmt), per_layer,
-                                  fmt))
+        moe = f"blk.{i}.ffn_gate_inp.weight" in t.names
+        ffn = Gemma4MoeFfn(i, cfg, t, fmt) if moe else Gemma4Ffn(i, cfg, t, fmt)
+        layers.append(Gemma4Layer(i, cfg, t, mixer, ffn, per_layer, fmt))
     return layers, kv_layers, per_layer

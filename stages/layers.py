@@ -41,7 +41,19 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.T
         return F.silu(gate) * up
     if kind == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if kind == "gelu_f16":
+        return gelu_f16(gate) * up
     raise ValueError(f"unknown activation '{kind}'")
+
+
+def gelu_f16(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh form) as llama.cpp's CPU kernels compute it, gated or not: the input
+    rounded to f16 and looked up in a table of f16 results (GGML_GELU_FP16), 0 at or
+    below -10 and x itself at or above 10. Exact GELU differs from it by up to an f16
+    rounding, ~5e-4 of each value (tests/test_family_gemma4.py)."""
+    looked_up = F.gelu(x.to(torch.float16).to(torch.float32), approximate="tanh")
+    y = torch.where(x >= 10.0, x, looked_up.to(torch.float16).to(torch.float32))
+    return torch.where(x <= -10.0, torch.zeros_like(x), y)
 
 
 class Rope:

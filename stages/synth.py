@@ -14,6 +14,7 @@ the same arguments always give a byte-identical file.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -53,6 +54,7 @@ class Dims:
     context_length: int
     rope_base: float
     rms_eps: float
+    variant: str = ""  # one of the arch's ArchSpec.variants ("" where it has none)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class ArchSpec:
     defaults: dict[str, int | float]
     hparams: Callable[[Dims], dict[str, int | float | list[int]]]  # keys without "{arch}."
     tensors: Callable[[Dims], list[TensorSpec]]
+    # Shapes of one family the `variant` option picks between (the first is the default),
+    # e.g. gemma4's "e4b" (per-layer embeddings, shared KV) and "a4b" (experts).
+    variants: tuple[str, ...] = ()
 
 
 # -- qwen3 ------------------------------------------------------------------------------------
@@ -290,20 +295,25 @@ def _falcon_h1_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
-# -- gemma4 (E4B-like: per-layer embeddings, shared-KV layers, two head sizes) -----------------
-# Fixed for the synthetic family: per-layer embedding width, window, logit soft cap (low
-# enough that the cap bends the logits), rope bases. Global layers have twice the
-# sliding-window layers' head size (E4B: 512 and 256).
-GEMMA4 = {"per_layer": 64, "window": 128, "softcap": 10.0, "rope_base_swa": 10000.0}
+# -- gemma4 ---------------------------------------------------------------------------------
+# Two shapes (variants): "e4b" (E2B / E4B: per-layer embeddings, the last layers reading
+# earlier layers' KV) and "a4b" (26B-A4B: a routed expert block beside the dense FFN in
+# every layer, global layers without a V projection). Fixed for the synthetic family:
+# per-layer embedding width, window, logit soft cap (low enough that the cap bends the
+# logits), rope bases, experts (8, 2 used, a quarter of --ff wide). Global layers have
+# twice the sliding-window layers' head size (E4B: 512 and 256).
+GEMMA4 = {"per_layer": 64, "window": 128, "softcap": 10.0, "rope_base_swa": 10000.0,
+          "experts": 8, "used": 2}
+GEMMA4_VARIANTS = ("e4b", "a4b")
 
 
-def gemma4_layout(layers: int) -> tuple[list[bool], int]:
+def gemma4_layout(layers: int, variant: str = "e4b") -> tuple[list[bool], int]:
     """(sliding-window flag per layer, shared-KV layer count). Global layers: every fourth
-    and the last. From 6 layers on, the layers after the first global one are shared, so
-    the last two KV layers are a sliding-window and a global one, as llama.cpp's KV reuse
-    expects (6 layers: s s s G | s G, the last two reading layers 2 and 3)."""
+    and the last. E4B from 6 layers on: the layers after the first global one are shared,
+    so the last two KV layers are a sliding-window and a global one, as llama.cpp's KV
+    reuse expects (6 layers: s s s G | s G, the last two reading layers 2 and 3)."""
     swa = [not (i % 4 == 3 or i == layers - 1) for i in range(layers)]
-    return swa, (layers - 4 if layers >= 6 else 0)
+    return swa, (layers - 4 if layers >= 6 and variant == "e4b" else 0)
 
 
 def _gemma4_head_dims(d: Dims) -> tuple[int, int]:
@@ -311,10 +321,10 @@ def _gemma4_head_dims(d: Dims) -> tuple[int, int]:
 
 
 def _gemma4_hparams(d: Dims) -> dict[str, int | float | list[int]]:
-    g = GEMMA4
-    swa, shared = gemma4_layout(d.layers)
+    g, e4b = GEMMA4, d.variant == "e4b"
+    swa, shared = gemma4_layout(d.layers, d.variant)
     hd_swa, hd = _gemma4_head_dims(d)
-    return {
+    out = {
         "context_length": d.context_length,
         "embedding_length": d.hidden,
         "block_count": d.layers,
@@ -333,54 +343,86 @@ def _gemma4_hparams(d: Dims) -> dict[str, int | float | list[int]]:
         "attention.sliding_window": g["window"],
         "attention.sliding_window_pattern": swa,
         "attention.shared_kv_layers": shared,
-        "embedding_length_per_layer_input": g["per_layer"],
+        "embedding_length_per_layer_input": g["per_layer"] if e4b else 0,
         "final_logit_softcapping": g["softcap"],
     }
+    if not e4b:
+        out.update({"expert_count": g["experts"], "expert_used_count": g["used"],
+                    "expert_feed_forward_length": d.ff // 4})
+    return out
 
 
 def _gemma4_tensors(d: Dims) -> list[TensorSpec]:
-    P, L = GEMMA4["per_layer"], d.layers
-    swa, shared = gemma4_layout(L)
+    P, L, e4b = GEMMA4["per_layer"], d.layers, d.variant == "e4b"
+    swa, shared = gemma4_layout(L, d.variant)
     hd_swa, hd = _gemma4_head_dims(d)
     # Embedding rows at 1/sqrt(width), as Gemma's are: the graph scales them up by
     # sqrt(width), and the tied head then gives logits of unit scale (N(0, 1) rows
     # would give std 16 and pin every large logit to the soft cap).
-    out = [
-        TensorSpec("token_embd.weight", (d.vocab, d.hidden), "proj"),
-        TensorSpec("per_layer_token_embd.weight", (d.vocab, L * P), "proj"),
-        TensorSpec("per_layer_model_proj.weight", (L * P, d.hidden), "proj"),
-        TensorSpec("per_layer_proj_norm.weight", (P,), "norm"),
-        # the global layers' rope frequency divisors (Gemma 4's proportional rope)
-        TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"),
-    ]
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "proj")]
+    if e4b:
+        out += [TensorSpec("per_layer_token_embd.weight", (d.vocab, L * P), "proj"),
+                TensorSpec("per_layer_model_proj.weight", (L * P, d.hidden), "proj"),
+                TensorSpec("per_layer_proj_norm.weight", (P,), "norm")]
+    # the global layers' rope frequency divisors (Gemma 4's proportional rope)
+    out.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"))
     for i in range(L):
-        b, h = f"blk.{i}", hd_swa if swa[i] else hd
-        q, kv = d.heads * h, d.kv_heads * h
-        out += [TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
-                TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
-                TensorSpec(f"{b}.attn_q_norm.weight", (h,), "qk_norm")]
-        if i < L - shared:  # shared-KV layers have no K/V of their own
-            out += [TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
-                    TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
-                    TensorSpec(f"{b}.attn_k_norm.weight", (h,), "qk_norm")]
-        out += [
-            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
-            TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm"),
-            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
-            TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
-            TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
-            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
-            TensorSpec(f"{b}.post_ffw_norm.weight", (d.hidden,), "norm"),
-            TensorSpec(f"{b}.inp_gate.weight", (P, d.hidden), "proj"),
-            TensorSpec(f"{b}.proj.weight", (d.hidden, P), "proj"),
-            TensorSpec(f"{b}.post_norm.weight", (d.hidden,), "norm"),
-            TensorSpec(f"{b}.layer_output_scale.weight", (1,), "norm"),
-        ]
+        b = f"blk.{i}"
+        out += _gemma4_attention(d, b, hd_swa if swa[i] else hd, i < L - shared,
+                                 e4b or swa[i])
+        out += _gemma4_ffn(d, b, e4b)
+        out.append(TensorSpec(f"{b}.layer_output_scale.weight", (1,), "norm"))
     # Tied head (Gemma's): llama.cpp reads token_embd when output.weight is absent. The
     # final norm at 0.3 keeps logits at std ~0.3: llama.cpp's GELU rounds its input to f16
     # (a table), so an upstream difference in the last bit now and then flips a rounding,
     # and logits differ from any port by ~1e-3 of their scale (tests/test_family_gemma4.py).
     out.append(TensorSpec("output_norm.weight", (d.hidden,), "head_norm"))
+    return out
+
+
+def _gemma4_attention(d: Dims, b: str, h: int, has_kv: bool, has_v: bool) -> list[TensorSpec]:
+    """A layer's attention; shared-KV layers have no K/V of their own, and without a V
+    projection V is the K projection's output."""
+    q, kv = d.heads * h, d.kv_heads * h
+    out = [TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+           TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
+           TensorSpec(f"{b}.attn_q_norm.weight", (h,), "qk_norm")]
+    if has_kv:
+        out += [TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+                TensorSpec(f"{b}.attn_k_norm.weight", (h,), "qk_norm")]
+        if has_v:
+            out.append(TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"))
+    return out + [TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+                  TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm")]
+
+
+def _gemma4_ffn(d: Dims, b: str, e4b: bool) -> list[TensorSpec]:
+    """The dense FFN, then (e4b) the per-layer embedding block or (a4b) the experts."""
+    out = [TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+           TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+           TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+           TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+           TensorSpec(f"{b}.post_ffw_norm.weight", (d.hidden,), "norm")]
+    if e4b:
+        P = GEMMA4["per_layer"]
+        return out + [TensorSpec(f"{b}.inp_gate.weight", (P, d.hidden), "proj"),
+                      TensorSpec(f"{b}.proj.weight", (d.hidden, P), "proj"),
+                      TensorSpec(f"{b}.post_norm.weight", (d.hidden,), "norm")]
+    n, ff = GEMMA4["experts"], d.ff // 4
+    return out + [
+        TensorSpec(f"{b}.post_ffw_norm_1.weight", (d.hidden,), "norm"),
+        TensorSpec(f"{b}.pre_ffw_norm_2.weight", (d.hidden,), "norm"),
+        TensorSpec(f"{b}.post_ffw_norm_2.weight", (d.hidden,), "norm"),
+        # router rows N(0, 1): its input is a unit vector (rms-normed, / sqrt(hidden)),
+        # so its logits are of unit scale and the top 2 of 8 are seldom near a tie
+        TensorSpec(f"{b}.ffn_gate_inp.weight", (n, d.hidden), "embed", always_f32=True),
+        TensorSpec(f"{b}.ffn_gate_inp.scale", (d.hidden,), "norm"),
+        TensorSpec(f"{b}.ffn_gate_up_exps.weight", (n, 2 * ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_down_exps.weight", (n, d.hidden, ff), "proj"),
+        TensorSpec(f"{b}.ffn_down_exps.scale", (n,), "norm"),
+    ]
+
+
 # -- qwen3moe (qwen3 attention, a mixture of experts in every layer) -------------------------
 # The expert count and top-k are fixed for the synthetic family; --ff sets each expert's
 # width (llama.cpp reads it as expert_feed_forward_length).
@@ -466,7 +508,7 @@ _ARCHS: dict[str, ArchSpec] = {
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
     "gemma4": ArchSpec(defaults={**_SMALL, "ff": 512}, hparams=_gemma4_hparams,
-                       tensors=_gemma4_tensors),
+                       tensors=_gemma4_tensors, variants=GEMMA4_VARIANTS),
     "qwen3moe": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3moe_hparams,
                          tensors=_qwen3moe_tensors),
     "minimax-m2": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_minimax_m2_hparams,
@@ -502,12 +544,14 @@ def write_synthetic(
     head_dim: int | None = None,
     dtype: str = "f32",
     progress: Callable[[str], None] | None = None,
+    variant: str | None = None,
 ) -> Path:
     """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
 
     2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights (and tensors
     marked always_f32, such as LFM2's conv kernels) are always f32.
-    `head_dim` defaults to hidden // heads. The file appears atomically (written under a
+    `head_dim` defaults to hidden // heads; `variant` picks one of the arch's shapes
+    (ArchSpec.variants; default its first). The file appears atomically (written under a
     temporary name, then renamed), so an interrupted write never leaves a loadable stub.
     """
     spec = _spec(arch)
@@ -519,6 +563,7 @@ def write_synthetic(
     dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim,
                          vocab=len(tok["tokenizer.ggml.tokens"][0]))
+    dims = dataclasses.replace(dims, variant=_variant(arch, spec, variant))
     np_dtype, file_type = _DTYPES[dtype]
     out = Path(out)
     tensors = spec.tensors(dims)
@@ -527,6 +572,8 @@ def write_synthetic(
     writer = GGUFWriter(tmp, arch)
     try:
         _add_metadata(writer, arch, layers, seed, file_type, spec.hparams(dims), tok)
+        if dims.variant:
+            writer.add_string("skippy.synth.variant", dims.variant)
         _add_tensors(writer, tensors, seed, np_dtype, progress)
         writer.close()
         os.replace(tmp, out)
@@ -534,6 +581,15 @@ def write_synthetic(
         writer.close()
         tmp.unlink(missing_ok=True)
     return out
+
+
+def _variant(arch: str, spec: ArchSpec, variant: str | None) -> str:
+    if variant is None:
+        return spec.variants[0] if spec.variants else ""
+    if variant not in spec.variants:
+        known = ", ".join(spec.variants) or "none"
+        raise SynthError(f"{arch} has no variant {variant!r} (variants: {known})")
+    return variant
 
 
 def _add_metadata(writer: GGUFWriter, arch: str, layers: int, seed: int, file_type: int,

@@ -1,9 +1,12 @@
-"""Gemma 4 (llama.cpp arch `gemma4`) through the family bar, and what is its own: the
-shared-KV cut rule, per-layer embeddings reaching later stages, per-layer head sizes.
+"""Gemma 4 (llama.cpp arch `gemma4`) in both shapes through the family bar, and what is
+its own: the shared-KV cut rule, per-layer embeddings reaching later stages, per-layer
+head sizes, the expert block beside the dense FFN.
 
-The E4B-like file (stages/synth.py, gemma4_layout): 6 layers s s s G | s G, the last two
-reading the KV of layers 2 (sliding window) and 3 (global); per-layer embeddings of 64;
-head size 64 on sliding-window layers and 128 on global ones.
+Both files (stages/synth.py, gemma4_layout) have 6 layers s s s G s G, head size 64 on
+sliding-window layers and 128 on global ones. E4B-like ("e4b"): the last two layers read
+the KV of layers 2 (sliding window) and 3 (global); per-layer embeddings of 64.
+A4B-like ("a4b"): every layer adds 8 experts (2 used) to its dense FFN; global layers
+have no V projection (V is K's projection).
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import pytest
 import torch
 
 from family_checks import check_agreement, check_certify
-from skippy.stages.gemma4 import gelu
+from moe_checks import check_lanes_alone_equal_together, check_threads_do_not_change_bits
+from skippy.stages.layers import gelu_f16 as gelu
+from skippy.stages.gemma4 import Gemma4MoeFfn
 from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.synth import SynthError, write_synthetic
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -26,9 +32,20 @@ GROUP = (2, 6)  # layers 4 and 5 read 2 and 3: one stage from layer 2 on
 
 @pytest.fixture(scope="module")
 def gemma4_e4b(smollm2, tmp_path_factory):
-    from skippy.stages.synth import write_synthetic
     out = tmp_path_factory.mktemp("synth") / "gemma4-e4b-L6.gguf"
     return write_synthetic("gemma4", layers=LAYERS, seed=5, out=out, tokenizer_from=smollm2)
+
+
+@pytest.fixture(scope="module")
+def gemma4_a4b(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth") / "gemma4-a4b-L6.gguf"
+    return write_synthetic("gemma4", layers=LAYERS, seed=9, out=out, tokenizer_from=smollm2,
+                           variant="a4b")
+
+
+@pytest.fixture(params=["gemma4_e4b", "gemma4_a4b"])
+def either(request):
+    return request.getfixturevalue(request.param)
 
 
 def test_e4b_follows_llama_cpp(gemma4_e4b):
@@ -100,19 +117,6 @@ def test_later_stages_take_x0_and_token_ids_with_the_frame(gemma4_e4b):
     assert [tuple(k.shape) for k in state.keys] == [(40, 2, 64), (40, 2, 128)]
 
 
-def test_lanes_decoding_together_equal_each_alone(gemma4_e4b):
-    rt = TorchStageRuntime(StageSpec(str(gemma4_e4b), 0, LAYERS, n_ctx=512, chunk=32,
-                                     lane_batch=4))
-    prompt = [(i * 7919) % 40000 + 100 for i in range(150)]
-    lanes = [rt.alloc_lane() for _ in range(3)]
-    for i, lane in enumerate(lanes):
-        rt.prefill(lane, torch.tensor(prompt[:40 + 10 * i]), logits="none")
-    alone = rt.alloc_lane()
-    rt.prefill(alone, torch.tensor(prompt[:40]), logits="none")
-    together = rt.decode([(lane, torch.tensor(42)) for lane in lanes])
-    assert torch.equal(together[0].logits, rt.decode([(alone, torch.tensor(42))])[0].logits)
-
-
 def test_mesh_stages_attach_token_ids_to_frames(gemma4_e4b):
     from skippy.cache.config import CacheConfig
     from skippy.mesh.control.local import InProcessEngine
@@ -133,3 +137,55 @@ def test_gelu_goes_through_f16_as_llama_cpp_does():
     assert torch.equal(mid, mid.to(torch.float16).to(torch.float32))  # f16 table values
     assert torch.allclose(mid, torch.nn.functional.gelu(x[2:5], approximate="tanh"),
                           rtol=2e-3)
+
+
+# -- A4B: experts beside the dense FFN ----------------------------------------------------------
+def test_a4b_follows_llama_cpp(gemma4_a4b):
+    check_agreement(gemma4_a4b, "gemma4-a4b")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_a4b_certifies_at_two_stages(gemma4_a4b, fmt):
+    check_certify(gemma4_a4b, 2, fmt)
+
+
+def test_a4b_config_has_experts_and_no_per_layer_embeddings(gemma4_a4b):
+    cfg = ModelConfig.from_gguf(GGUFFile(gemma4_a4b))
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.expert_ff) == (8, 2, 128)
+    assert cfg.expert_weights_norm and cfg.expert_gating == "softmax"
+    assert cfg.per_layer_dim == 0 and cfg.shared_kv_layers == 0 and cfg.cut_groups() == ()
+    assert cfg.frame_width == cfg.hidden
+    rt = TorchStageRuntime(StageSpec(str(gemma4_a4b), 0, LAYERS))
+    assert all(isinstance(layer.ffn, Gemma4MoeFfn) for layer in rt.layers)
+    assert [layer.mixer.k_is_v for layer in rt.layers] == [0, 0, 0, 1, 0, 1]
+
+
+def test_a4b_padding_rows_are_not_routed(gemma4_a4b):
+    from skippy.stages.transformer import Segment
+    rt = TorchStageRuntime(StageSpec(str(gemma4_a4b), 0, LAYERS))
+    gen = torch.Generator().manual_seed(1)
+    seg = Segment(None, 0, 32, 0, n_real=20)
+    for layer in rt.layers:
+        h = torch.randn(32, rt.cfg.hidden, generator=gen)
+        h2 = h.clone()
+        h2[20:] = torch.randn(12, rt.cfg.hidden, generator=gen)
+        assert torch.equal(layer.ffn(h, [seg])[:20], layer.ffn(h2, [seg])[:20])
+        assert not layer.ffn.experts.routed(h2, [seg], decode=False)[20:].any()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_decode_lanes_alone_equal_together(either, fmt):
+    check_lanes_alone_equal_together(either, fmt)
+
+
+def test_integer_formats_do_not_depend_on_threads(either):
+    check_threads_do_not_change_bits(either, "int4")
+
+
+def test_synth_variants_are_checked(smollm2, tmp_path):
+    with pytest.raises(SynthError, match="no variant 'b2b'"):
+        write_synthetic("gemma4", layers=2, seed=0, out=tmp_path / "x.gguf",
+                        tokenizer_from=smollm2, variant="b2b")
+    with pytest.raises(SynthError, match="variants: none"):
+        write_synthetic("qwen3", layers=1, seed=0, out=tmp_path / "x.gguf",
+                        tokenizer_from=smollm2, variant="a4b")

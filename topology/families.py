@@ -26,6 +26,8 @@ class MoeRules:
     gating: str | None = "softmax"     # None: `expert_gating_func` (stages/moe.py GATINGS)
     gating_default: str | None = None  # what a missing gating key means (None: an error)
     reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
+    # a family whose files may have no experts at all (Gemma 4: E2B / E4B are dense)
+    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,11 @@ FAMILIES: dict[str, Family] = {
     # llama.cpp (models/gemma4.cpp): the window pattern, SWA head size and rope base are
     # GGUF keys (ModelConfig reads them); attention scale 1 (q and k are normed); V gets
     # an unweighted RMS norm; the last shared_kv_layers layers read an earlier layer's KV.
-    "gemma4": Family("gemma4", rope_style="neox", activation="gelu_tanh", qk_norm=True,
+    # GELU through llama.cpp's f16 table (layers.gelu_f16). MoE (26B-A4B): softmax over
+    # the family's own router logits, chosen weights normalised, no scale (gemma4.cpp).
+    "gemma4": Family("gemma4", rope_style="neox", activation="gelu_f16", qk_norm=True,
                      post_norms=True, embed_scale=True, rope_base_swa=10000.0,
+                     moe=MoeRules(norm_weights=True, gating="softmax", optional=True),
                      keep_together=gemma4_shared_kv_groups, layer="gemma4",
                      stage_tensors=("rope_freqs.weight", "per_layer_token_embd.weight",
                                     "per_layer_model_proj.weight",

@@ -269,6 +269,8 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
     if rules is None:
         return {}
     n_expert = int(f.arch_key("expert_count", 0) or 0)
+    if n_expert <= 0 and rules.optional:
+        return {}
     used = _one_count(f, "expert_used_count")
     if n_expert <= 0 or not 0 < used <= n_expert:
         raise ValueError(f"{arch}: expert_count {n_expert}, expert_used_count {used}")
