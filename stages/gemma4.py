@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 from skippy.topology.model_config import ModelConfig
 
 from .layers import Rope, attend, gelu_f16, rms_norm
-from .linear import Embeddings, Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
+from .linear import Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
 from .moe import MoeFfn, per_row
 from .runtime import StageError
 from .transformer import Segment
@@ -55,8 +55,7 @@ class PerLayerInputs:
         self.proj = {i: make_linear(_rows(proj, i * P, (i + 1) * P), fmt)
                      for i in range(start, end)}
         del proj
-        self.table = {i: Embeddings(_columns(t, "per_layer_token_embd.weight",
-                                             i * P, (i + 1) * P))
+        self.table = {i: TableColumns(t, "per_layer_token_embd.weight", i * P, (i + 1) * P)
                       for i in range(start, end)}
         self.proj_scale = 1.0 / math.sqrt(cfg.hidden)
         self.table_scale = math.sqrt(P)
@@ -75,7 +74,8 @@ class PerLayerInputs:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.proj.values())
+        return sum(p.nbytes for p in self.proj.values()) + \
+            sum(c.nbytes for c in self.table.values())
 
 
 def _rows(m: Matrix, a: int, b: int) -> Matrix:
@@ -88,20 +88,31 @@ def _rows(m: Matrix, a: int, b: int) -> Matrix:
     return Matrix(m.values[a:b].contiguous(), int4, int8)
 
 
-def _columns(t: StageTensors, name: str, a: int, b: int) -> torch.Tensor:
-    """Columns [a, b) of a [rows, width] table as float32, dequantizing only those bytes
-    of each row (a real E4B's per-layer table has 2.8 billion entries)."""
-    if name not in t.names:
-        raise KeyError(name)
-    info = t.f.tensors[name]
-    block, block_bytes = GGML_QUANT_SIZES[info.qtype]
-    width, rows = info.shape[0], int(np.prod(info.shape[1:]))
-    if a % block or b % block:
-        raise ValueError(f"{name}: columns [{a}, {b}) do not fall on its {block}-wide blocks")
-    raw = np.asarray(t.f.raw(name)).reshape(rows, width // block * block_bytes)
-    part = raw[:, a // block * block_bytes: b // block * block_bytes]
-    values = dequantize(np.ascontiguousarray(part), info.qtype).astype(np.float32, copy=False)
-    return torch.from_numpy(values.reshape(rows, b - a).copy())
+class TableColumns:
+    """Columns [a, b) of a [rows, width] table, looked up by row: held as the file's bytes
+    of the blocks that cover them (quantized as stored; a real E4B's per-layer table has
+    2.8 billion entries) and dequantized a looked-up row at a time, which gives the values
+    a whole dequantized table would."""
+
+    def __init__(self, t: StageTensors, name: str, a: int, b: int):
+        if name not in t.names:
+            raise KeyError(name)
+        info = t.f.tensors[name]
+        block, block_bytes = GGML_QUANT_SIZES[info.qtype]
+        width, rows = info.shape[0], int(np.prod(info.shape[1:]))
+        first, last = a // block, -(-b // block)  # the blocks covering [a, b)
+        raw = np.asarray(t.f.raw(name)).reshape(rows, width // block * block_bytes)
+        self.raw = np.ascontiguousarray(raw[:, first * block_bytes:last * block_bytes])
+        self.qtype, self.cols = info.qtype, slice(a - first * block, b - first * block)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw[ids.numpy()]
+        values = dequantize(rows, self.qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(values.reshape(len(rows), -1)[:, self.cols].copy())
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
 
 
 class Gemma4Attention:

@@ -189,3 +189,15 @@ def test_synth_variants_are_checked(smollm2, tmp_path):
     with pytest.raises(SynthError, match="variants: none"):
         write_synthetic("qwen3", layers=1, seed=0, out=tmp_path / "x.gguf",
                         tokenizer_from=smollm2, variant="a4b")
+
+
+def test_per_layer_table_columns_are_the_dequantized_tables(gemma4_e4b):
+    from skippy.stages.gemma4 import TableColumns
+    from skippy.stages.weights import StageTensors, dequantize_tensor
+    f = GGUFFile(gemma4_e4b)
+    name = "per_layer_token_embd.weight"
+    full = dequantize_tensor(f, name)
+    ids = torch.tensor([0, 7, 49151, 7])
+    for a, b in ((0, 64), (320, 384), (16, 48)):
+        got = TableColumns(StageTensors(f, [name]), name, a, b)(ids)
+        assert torch.equal(got, full[ids][:, a:b])
