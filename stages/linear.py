@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import qkernel
 
@@ -406,6 +407,9 @@ def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float
         n *= d
     if name == "token_embd.weight" and qtype == "Q8_0":  # Embeddings: the file's blocks
         return (1.0 + 4 / GROUP) * n
+    if name == "per_layer_token_embd.weight":  # gemma4.TableColumns: the file's bytes
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        return n * block_bytes / block
     if name == "output.weight" and qtype == "Q8_0" and fmt != "fp32":  # RescoredHead
         return (1.0 + 4 / GROUP + 1.0 + 8 / GROUP) * n
     if name.endswith(_ROUTERS):  # stages/moe.py holds routers as float32

@@ -201,3 +201,13 @@ def test_per_layer_table_columns_are_the_dequantized_tables(gemma4_e4b):
     for a, b in ((0, 64), (320, 384), (16, 48)):
         got = TableColumns(StageTensors(f, [name]), name, a, b)(ids)
         assert torch.equal(got, full[ids][:, a:b])
+
+
+def test_planner_holds_the_per_layer_table_as_stored(gemma4_e4b):
+    import functools
+    from skippy.stages.linear import held_bytes
+    f = GGUFFile(gemma4_e4b)
+    table = f.tensors["per_layer_token_embd.weight"]
+    assert held_bytes("int4", table.name, table.qtype.name, table.shape) == table.nbytes
+    model = ModelFacts.from_gguf(gemma4_e4b, tensor_bytes=functools.partial(held_bytes, "int4"))
+    assert min(model.layer_bytes) >= table.nbytes // LAYERS
