@@ -134,11 +134,12 @@ class Expert:
 
 
 def _expert_scales(t: StageTensors, p: str, e: int, merged: bool):
-    """Expert e's (gate, up, down) output scales where the file has them."""
+    """Expert e's (gate, up, down) output scales where the file has them (a merged
+    gate_up stack takes the up scale on both halves, as llama.cpp applies it)."""
     def one(name: str) -> float | None:
         s = t.get(p + name)
         return None if s is None else float(s.reshape(-1)[e])
-    up = one("ffn_gate_up_exps.scale" if merged else "ffn_up_exps.scale")
+    up = one("ffn_up_exps.scale")
     gate = up if merged else one("ffn_gate_exps.scale")
     return gate, up, one("ffn_down_exps.scale")
 
