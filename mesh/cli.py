@@ -110,8 +110,15 @@ def cmd_certify(args) -> int:
     if args.runtime == "llama.cpp" and args.stages != 1:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
     # certify() refuses a format the runtime lacks (StageError: one line, exit 2)
-    report = certify(resolve_model(args.model), args.stages, args.runtime,
-                     weight_format=args.weight_format)
+    if args.stage is not None:
+        from skippy.stages.certify_range import certify_range, parse_range
+        if args.runtime != "torch":
+            raise UsageError("--stage certifies a torch stage: drop --runtime llama.cpp")
+        report = certify_range(resolve_model(args.model), *parse_range(args.stage),
+                               weight_format=args.weight_format)
+    else:
+        report = certify(resolve_model(args.model), args.stages, args.runtime,
+                         weight_format=args.weight_format)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
 
@@ -287,6 +294,10 @@ def _certify_parser(sub) -> None:
     cert.add_argument("--weight-format", default="fp32",
                       help="how the torch runtime holds weights: fp32 (default, the "
                            "reference), bf16, int8, int4, ... (stages/linear.py)")
+    cert.add_argument("--stage", metavar="A..B",
+                      help="certify layers A..B (B excluded) alone, fed synthetic upstream "
+                           "activations: a late stage of a giant package without the "
+                           "layers before it")
     cert.add_argument("--json", action="store_true", help="print the report as JSON")
     cert.set_defaults(run=cmd_certify)
 
