@@ -87,14 +87,19 @@ def _run(stages, lanes, up: _Upstream, n: int, start: int = 0, other_from: int |
         out = s.prefill(lane, x, start, "last", snapshots=snapshots)
         snaps.append(out.snapshots)
         x = out.frame
-    seq = [_output(out)]
+    return [_output(out)] + _decode(stages, lanes, up, n), snaps
+
+
+def _decode(stages, lanes, up: _Upstream, n: int) -> list[torch.Tensor]:
+    """STEPS decode steps after position n: the last stage's output of each."""
+    seq = []
     for p in range(n, n + STEPS):
         x = up.inputs(p, p + 1)
         for s, lane in zip(stages, lanes):
             out = s.decode([(lane, x)])[0]
             x = out.frame
         seq.append(_output(out))
-    return seq, snaps
+    return seq
 
 
 def _output(out) -> torch.Tensor:
@@ -162,14 +167,7 @@ def _full_state(stages, up: _Upstream, n: int, store: BlockStore, cold) -> list[
     c = [s.alloc_lane() for s in stages]
     for s, lane, st in zip(stages, c, exported):
         s.import_state(lane, through_store(st, store, PayloadKind.FullState))
-    got = [cold[0]]
-    for p in range(n, n + STEPS):
-        x = up.inputs(p, p + 1)
-        for s, lane in zip(stages, c):
-            out = s.decode([(lane, x)])[0]
-            x = out.frame
-        got.append(_output(out))
-    same, d = _same(cold, got)
+    same, d = _same(cold, [cold[0]] + _decode(stages, c, up, n))
     probe = [s.alloc_lane() for s in stages]
     for s, lane, st in zip(stages, probe, exported):
         s.import_state(lane, st)
