@@ -287,6 +287,77 @@ def _falcon_h1_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- qwen3moe (qwen3 attention, a mixture of experts in every layer) -------------------------
+# The expert count and top-k are fixed for the synthetic family; --ff sets each expert's
+# width (llama.cpp reads it as expert_feed_forward_length).
+QWEN3MOE_EXPERTS = {"experts": 8, "used": 2}
+
+
+def _moe_hparams(d: Dims, experts: dict[str, int]) -> dict[str, int | float | list[int]]:
+    return {"expert_count": experts["experts"], "expert_used_count": experts["used"],
+            "expert_feed_forward_length": d.ff}
+
+
+def _expert_tensors(d: Dims, b: str, n_expert: int) -> list[TensorSpec]:
+    """A router and the routed experts as 3-D stacks (numpy [n_expert, out, in])."""
+    return [
+        TensorSpec(f"{b}.ffn_gate_inp.weight", (n_expert, d.hidden), "proj", always_f32=True),
+        TensorSpec(f"{b}.ffn_gate_exps.weight", (n_expert, d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_up_exps.weight", (n_expert, d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_down_exps.weight", (n_expert, d.hidden, d.ff), "proj"),
+    ]
+
+
+def _qwen3moe_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), **_moe_hparams(d, QWEN3MOE_EXPERTS)}
+
+
+def _qwen3moe_tensors(d: Dims) -> list[TensorSpec]:
+    dense = _dense_tensors(d, qk_norm=True)
+    out = [t for t in dense if ".ffn_" not in t.name or t.name.endswith("ffn_norm.weight")]
+    for i in range(d.layers):  # after each layer's ffn_norm, in layer order
+        at = next(j for j, t in enumerate(out) if t.name == f"blk.{i}.ffn_norm.weight")
+        out[at + 1:at + 1] = _expert_tensors(d, f"blk.{i}", QWEN3MOE_EXPERTS["experts"])
+    return out
+
+
+# -- minimax-m2 (whole-projection q/k norms, partial rope, sigmoid routing with a bias) --------
+MINIMAX_M2_EXPERTS = {"experts": 8, "used": 2}
+
+
+def _minimax_m2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), **_moe_hparams(d, MINIMAX_M2_EXPERTS),
+            "rope.dimension_count": d.head_dim // 2,  # rope turns half of each head
+            "expert_gating_func": 2}  # llama.cpp: sigmoid
+
+
+def _minimax_m2_tensors(d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    n_expert = MINIMAX_M2_EXPERTS["experts"]
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out += [
+            TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            # one norm over all heads of Q, one over all heads of K
+            TensorSpec(f"{b}.attn_q_norm.weight", (q,), "norm"),
+            TensorSpec(f"{b}.attn_k_norm.weight", (kv,), "norm"),
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            *_expert_tensors(d, b, n_expert),
+            # the selection bias: shifts which experts a token picks, not their weights
+            TensorSpec(f"{b}.exp_probs_b.bias", (n_expert,), "bias"),
+        ]
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -300,6 +371,10 @@ _ARCHS: dict[str, ArchSpec] = {
                      tensors=_lfm2_tensors),
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
+    "qwen3moe": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3moe_hparams,
+                         tensors=_qwen3moe_tensors),
+    "minimax-m2": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_minimax_m2_hparams,
+                           tensors=_minimax_m2_tensors),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))

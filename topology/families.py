@@ -17,12 +17,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class MoeRules:
+    """How llama.cpp parameterises a family's mixture-of-experts call (build_moe_ffn):
+    a constant where the family's graph hard-codes one, None where it reads the GGUF key
+    (model_config.moe_fields resolves them)."""
+
+    norm_weights: bool | None = True   # None: `expert_weights_norm`
+    gating: str | None = "softmax"     # None: `expert_gating_func` (stages/moe.py GATINGS)
+    gating_default: str | None = None  # what a missing gating key means (None: an error)
+    reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     rope_style: str            # "norm": rotate adjacent pairs (llama GGUFs, Q/K permuted by
                                # the converter); "neox": rotate the two halves
     activation: str            # gated FFN activation: "silu" or "gelu_tanh"
     qk_norm: bool = False      # per-head RMSNorm of Q and K before rope
+    qk_norm_whole: bool = False  # one RMSNorm over all Q heads, one over all K heads
     post_norms: bool = False   # RMSNorm after attention and after the FFN (Gemma)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
     swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
@@ -39,6 +52,8 @@ class Family:
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
     # stage boundary inside a group. None: any cut between layers is allowed.
     keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
+    # Mixture-of-experts layers (those with a `ffn_gate_inp` router; stages/moe.py).
+    moe: MoeRules | None = None
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -64,6 +79,16 @@ FAMILIES: dict[str, Family] = {
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),
+    # llama.cpp (models/qwen3moe.cpp): softmax routing, chosen weights normalised, no scale
+    # key read; NEOX rope.
+    "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
+                       moe=MoeRules(norm_weights=True, gating="softmax")),
+    # llama.cpp (models/minimax-m2.cpp): Q and K normed over the whole projection before
+    # rope, partial rope (rope.dimension_count of the head), sigmoid routing from
+    # expert_gating_func with exp_probs_b choosing, chosen weights normalised; NEOX rope.
+    "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
+                         qk_norm_whole=True,
+                         moe=MoeRules(norm_weights=True, gating=None)),
 }
 
 
