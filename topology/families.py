@@ -33,6 +33,9 @@ class Family:
     # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
     # None: every layer is attention.
     recurrent_mixer: str | None = None
+    # "mla": DeepSeek2's multi-head latent attention (stages/mla.py): a lane keeps one
+    # compressed latent row per token and layer instead of per-head K and V.
+    attention: str = "gqa"
     output_norm: str = "output_norm.weight"  # GGUF name of the final norm
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
@@ -64,6 +67,9 @@ FAMILIES: dict[str, Family] = {
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),
+    # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
+    # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
+    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla"),
 }
 
 
