@@ -57,9 +57,25 @@ def cmd_models_synth(args) -> int:
     path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
                            tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                           dtype=args.dtype, progress=_say)
+                           dtype=args.dtype, progress=_say,
+                           options=_synth_options(args.set or []))
     print(path)
     return 0
+
+
+def _synth_options(pairs: list[str]) -> dict[str, int | float]:
+    """--set KEY=VALUE pairs: an int where VALUE reads as one, else a float."""
+    from skippy.stages.synth import SynthError
+    out: dict[str, int | float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key:
+            raise SynthError(f"--set takes KEY=NUMBER, not {pair!r}")
+    return out
 
 
 # -- generate -----------------------------------------------------------------------------
@@ -263,6 +279,8 @@ def _models_parser(sub) -> None:
     syn.add_argument("--kv-heads", type=int)
     syn.add_argument("--head-dim", type=int)
     syn.add_argument("--dtype", choices=("f32", "f16"), default="f32")
+    syn.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="an option of the arch (e.g. deepseek2: kv_lora_rank=512); repeatable")
     syn.add_argument("--out", help="output path (default: $SKIPPY_HOME/synth/...)")
     syn.add_argument("--tokenizer-from", default="smollm2",
                      help="model whose tokenizer is copied (default: smollm2)")

@@ -14,9 +14,11 @@ the same arguments always give a byte-identical file.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,8 @@ class Dims:
     context_length: int
     rope_base: float
     rms_eps: float
+    # The arch's own sizes and switches (ArchSpec.options, overridden by the caller's)
+    options: Mapping[str, int | float | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,9 @@ class ArchSpec:
     defaults: dict[str, int | float]
     hparams: Callable[[Dims], dict[str, int | float | list[int]]]  # keys without "{arch}."
     tensors: Callable[[Dims], list[TensorSpec]]
+    # Arch-specific options a caller may set (write_synthetic(options=...), the CLI's
+    # --set KEY=VALUE) and their defaults; None: derived from the other sizes.
+    options: Mapping[str, int | float | None] = dataclasses.field(default_factory=dict)
 
 
 # -- qwen3 ------------------------------------------------------------------------------------
@@ -358,6 +365,110 @@ def _minimax_m2_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- deepseek2 (multi-head latent attention; DeepSeek-V2/V3, GLM-4.7-Flash) --------------------
+# The MLA sizes follow head_dim (the unrotated query/key width) unless set: at head_dim 128
+# they are DeepSeek-V3's (kv_lora 512, q_lora 1536, rope 64, v 128). Rope is YaRN as
+# DeepSeek-V3 writes it (factor, original context, 0.1 * mscale_all_dim), so the scaled
+# rope and the attention scale's mscale are both exercised.
+DEEPSEEK2_OPTIONS: dict[str, int | float | None] = {
+    "q_lora_rank": None,    # 12 * head_dim; 0: queries from attn_q (the "lite" layout)
+    "kv_lora_rank": None,   # 4 * head_dim
+    "rope_dim": None,       # head_dim // 2
+    "v_head_dim": None,     # head_dim
+    "kv_b": 0,              # 1: the unsplit attn_kv_b of older files, not attn_k_b / attn_v_b
+    "yarn_factor": 4.0,     # 0: no rope scaling keys
+    "yarn_log_multiplier": 0.0707,  # as stored: 0.1 * mscale_all_dim
+    "leading_dense": None,  # layers with a dense FFN: all of them
+}
+
+
+def deepseek2_sizes(d: Dims) -> dict[str, int]:
+    """The resolved MLA sizes of a deepseek2 synth (nope = head_dim)."""
+    o, hd = d.options, d.head_dim
+
+    def size(key: str, default: int) -> int:
+        return default if o.get(key) is None else int(o[key])
+
+    return {"nope": hd, "rope": size("rope_dim", hd // 2), "v": size("v_head_dim", hd),
+            "kv_lora": size("kv_lora_rank", 4 * hd), "q_lora": size("q_lora_rank", 12 * hd),
+            "leading_dense": min(d.layers, size("leading_dense", d.layers))}
+
+
+def _deepseek2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    z = deepseek2_sizes(d)
+    if z["rope"] < 2 or z["rope"] % 2:
+        raise SynthError(f"rope_dim must be a positive even integer, not {z['rope']}")
+    out: dict[str, int | float | list[int]] = {
+        "context_length": d.context_length,
+        "embedding_length": d.hidden,
+        "block_count": d.layers,
+        "feed_forward_length": d.ff,
+        "attention.head_count": d.heads,
+        "attention.layer_norm_rms_epsilon": d.rms_eps,
+        "rope.freq_base": d.rope_base,
+        "rope.dimension_count": z["rope"],
+        "leading_dense_block_count": z["leading_dense"],
+        "attention.q_lora_rank": z["q_lora"],
+        "attention.kv_lora_rank": z["kv_lora"],
+        # read by llama.cpp's loader even when every layer is dense
+        "expert_feed_forward_length": d.ff,
+        "expert_shared_count": 0,
+    }
+    if d.options.get("kv_b"):  # per-head K and V as llama.cpp expands them: MHA
+        out.update({"attention.head_count_kv": d.heads,
+                    "attention.key_length": z["nope"] + z["rope"],
+                    "attention.value_length": z["v"]})
+    else:  # the converter's absorbed form: one latent "head" (MQA) of kv_lora + rope
+        out.update({"attention.head_count_kv": 1,
+                    "attention.key_length": z["kv_lora"] + z["rope"],
+                    "attention.value_length": z["kv_lora"],
+                    "attention.key_length_mla": z["nope"] + z["rope"],
+                    "attention.value_length_mla": z["v"]})
+    factor = float(d.options.get("yarn_factor") or 0.0)
+    if factor:
+        out.update({"rope.scaling.type": "yarn", "rope.scaling.factor": factor,
+                    "rope.scaling.original_context_length": max(1, int(d.context_length / factor)),
+                    "rope.scaling.yarn_log_multiplier":
+                        float(d.options.get("yarn_log_multiplier") or 0.0)})
+    return out
+
+
+def _deepseek2_attention(d: Dims, b: str) -> list[TensorSpec]:
+    z = deepseek2_sizes(d)
+    k_head, h = z["nope"] + z["rope"], d.heads
+    if z["q_lora"]:
+        out = [TensorSpec(f"{b}.attn_q_a.weight", (z["q_lora"], d.hidden), "proj"),
+               TensorSpec(f"{b}.attn_q_a_norm.weight", (z["q_lora"],), "norm"),
+               TensorSpec(f"{b}.attn_q_b.weight", (h * k_head, z["q_lora"]), "proj")]
+    else:
+        out = [TensorSpec(f"{b}.attn_q.weight", (h * k_head, d.hidden), "proj")]
+    out += [TensorSpec(f"{b}.attn_kv_a_mqa.weight", (z["kv_lora"] + z["rope"], d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_kv_a_norm.weight", (z["kv_lora"],), "norm")]
+    if d.options.get("kv_b"):
+        out.append(TensorSpec(f"{b}.attn_kv_b.weight", (h * (z["nope"] + z["v"]), z["kv_lora"]),
+                              "proj"))
+    else:  # per head: ggml {nope, kv_lora, heads} and {kv_lora, v, heads}
+        out += [TensorSpec(f"{b}.attn_k_b.weight", (h, z["kv_lora"], z["nope"]), "proj"),
+                TensorSpec(f"{b}.attn_v_b.weight", (h, z["v"], z["kv_lora"]), "proj")]
+    out.append(TensorSpec(f"{b}.attn_output.weight", (d.hidden, h * z["v"]), "proj"))
+    return out
+
+
+def _deepseek2_tensors(d: Dims) -> list[TensorSpec]:
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out += [TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+                *_deepseek2_attention(d, b),
+                TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+                TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+                TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+                TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj")]
+    out += [TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+            TensorSpec("output.weight", (d.vocab, d.hidden), "proj")]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -375,6 +486,12 @@ _ARCHS: dict[str, ArchSpec] = {
                          tensors=_qwen3moe_tensors),
     "minimax-m2": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_minimax_m2_hparams,
                            tensors=_minimax_m2_tensors),
+    # head_dim 32 (hidden / 8 heads): kv_lora 128, q_lora 384, rope 16; DeepSeek's eps and
+    # rope base
+    "deepseek2": ArchSpec(defaults={**_SMALL, "ff": 512, "heads": 8, "kv_heads": 1,
+                                    "rope_base": 10000.0},
+                          hparams=_deepseek2_hparams, tensors=_deepseek2_tensors,
+                          options=DEEPSEEK2_OPTIONS),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))
@@ -406,12 +523,14 @@ def write_synthetic(
     head_dim: int | None = None,
     dtype: str = "f32",
     progress: Callable[[str], None] | None = None,
+    options: Mapping[str, int | float] | None = None,
 ) -> Path:
     """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
 
     2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights (and tensors
     marked always_f32, such as LFM2's conv kernels) are always f32.
-    `head_dim` defaults to hidden // heads. The file appears atomically (written under a
+    `head_dim` defaults to hidden // heads. `options` sets the arch's own sizes and
+    switches (its ArchSpec.options; e.g. deepseek2's kv_lora_rank). The file appears atomically (written under a
     temporary name, then renamed), so an interrupted write never leaves a loadable stub.
     """
     spec = _spec(arch)
@@ -423,6 +542,7 @@ def write_synthetic(
     dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim,
                          vocab=len(tok["tokenizer.ggml.tokens"][0]))
+    dims = _with_options(arch, spec, dims, options or {})
     np_dtype, file_type = _DTYPES[dtype]
     out = Path(out)
     tensors = spec.tensors(dims)
@@ -494,10 +614,24 @@ def _resolve_dims(spec: ArchSpec, *, layers: int, vocab: int, **given: int | Non
                 rms_eps=float(spec.defaults["rms_eps"]))
 
 
-def _add_typed(writer: GGUFWriter, key: str, value: int | float | list[int]) -> None:
+def _with_options(arch: str, spec: ArchSpec, dims: Dims,
+                  options: Mapping[str, int | float]) -> Dims:
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        known = ", ".join(sorted(spec.options)) or "none"
+        raise SynthError(f"{arch} has no option {', '.join(unknown)} (options: {known})")
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise SynthError(f"option {key} must be a number >= 0, not {value!r}")
+    return dataclasses.replace(dims, options={**spec.options, **options})
+
+
+def _add_typed(writer: GGUFWriter, key: str, value: int | float | str | list[int]) -> None:
     # llama.cpp reads hparams as u32 / f32 (arrays of i32); Python ints and floats
     # would otherwise be guessed as 64-bit by gguf-py.
-    if isinstance(value, float):
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
         writer.add_float32(key, value)
     elif isinstance(value, int):
         writer.add_uint32(key, value)

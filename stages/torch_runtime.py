@@ -26,6 +26,7 @@ from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
+from .mla import MlaAttention, YarnRope, latent_kv_shape
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import StageTensors, load_stage_tensors
@@ -87,8 +88,10 @@ class TorchStageRuntime(StageRuntime):
         # SMALL_ROWS rows) and, at the last stage, a rescored head (checked bitwise by
         # tests/test_shape_invariance.py). Elsewhere steps run exactly lane_batch rows,
         # padded.
+        # (MLA's per-head up-projections are batched torch matmuls: their rows may
+        # depend on how many come together, so MLA steps stay padded.)
         self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
-                            and not self.recurrent
+                            and not self.recurrent and cfg.mla is None
                             and (not spec.is_last or isinstance(self.head, RescoredHead)))
         f.close()
         del t
@@ -114,6 +117,12 @@ class TorchStageRuntime(StageRuntime):
                 self.conv_layers.append(i)
                 self.state_names.append(f"conv.{i}")
                 self.state_shapes.append((cfg.conv_l_cache - 1, cfg.hidden))
+            elif cfg.mla is not None:  # DeepSeek2: one latent row per token in the KV slot
+                if "mla" not in ropes:
+                    ropes["mla"] = YarnRope(cfg.rope_dim, cfg.mla.rope)
+                mixer = MlaAttention(i, len(self.attn_layers), cfg, t, spec.weight_format,
+                                     ropes["mla"])
+                self.attn_layers.append(i)
             else:
                 key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
                 if key not in ropes:
@@ -136,9 +145,10 @@ class TorchStageRuntime(StageRuntime):
         self._next_lane += 1
         cfg = self.cfg
         conv_shapes = tuple(self.state_shapes)
-        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), cfg.n_kv_heads, cfg.head_dim,
-                                         cfg.v_head_dim, self.spec.chunk, self.n_ctx,
-                                         conv_shapes))
+        kv_heads, k_dim, v_dim = (latent_kv_shape(cfg.mla) if cfg.mla is not None else
+                                  (cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim))
+        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), kv_heads, k_dim, v_dim,
+                                         self.spec.chunk, self.n_ctx, conv_shapes))
         return lane
 
     def free_lane(self, lane: int) -> None:
@@ -322,15 +332,20 @@ class TorchStageRuntime(StageRuntime):
             n_tokens=n_tokens,
             prefilled=min(n_tokens, st.prefilled),
             keys=[st.kv.keys(i, 0, n_tokens).clone() for i in range(n)],
-            values=[st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
+            # MLA: the latent rows are the whole state; values are part of them
+            values=[] if self.cfg.mla is not None else
+            [st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
             fixed={name: c.clone() for name, c in zip(self.state_names, conv)},
         )
 
     def import_state(self, lane: int, state: LaneState) -> None:
         st = self._lane(lane)
         n_attn = len(self.attn_layers)
-        if len(state.keys) != n_attn or len(state.values) != n_attn:
+        n_values = 0 if self.cfg.mla is not None else n_attn
+        if len(state.keys) != n_attn or len(state.values) != n_values:
             raise StageError("state has a different number of attention layers")
+        if any(tuple(k.shape[1:]) != st.kv.shape_k for k in state.keys):
+            raise StageError("state's KV rows have a different layout")
         names = self.state_names
         if set(state.fixed) != set(names):
             raise StageError(f"state carries recurrent state {sorted(state.fixed)}, "
@@ -341,7 +356,8 @@ class TorchStageRuntime(StageRuntime):
         n = state.n_tokens
         st.kv.ensure(max(n, 1))
         for i in range(n_attn):
-            st.kv.write(i, 0, state.keys[i], state.values[i])
+            k = state.keys[i]
+            st.kv.write(i, 0, k, state.values[i] if n_values else k[..., :0])
         st.kv.conv = [c.to(torch.float32).clone() for c in conv]
         st.saved = {}
         st.length, st.prefilled = n, state.prefilled
@@ -353,6 +369,13 @@ class TorchStageRuntime(StageRuntime):
                     f"d_state={cfg.ssm_d_state} heads={cfg.ssm_heads} groups={cfg.ssm_groups} f32")
         return f"shortconv l_cache={cfg.conv_l_cache} f32"
 
+    def _kv_layout(self) -> str:
+        m = self.cfg.mla
+        if m is None:
+            return "token-major"
+        # one row of latent + rope floats per token: never mixed with per-head K/V payloads
+        return f"token-major mla-latent kv_lora={m.kv_lora_rank} rope={m.rope_dim}"
+
     def identity(self) -> dict[str, object]:
         cfg, spec = self.cfg, self.spec
         return {
@@ -361,12 +384,13 @@ class TorchStageRuntime(StageRuntime):
             "stage_index": spec.stage_index,
             "layer_range": [spec.layer_start, spec.layer_end],
             "runtime_abi": RUNTIME_ABI,
-            "kv_layout": "token-major",
+            "kv_layout": self._kv_layout(),
             "kv_dtype": "f32",
             "wire_dtype": spec.wire_dtype,
             "n_ctx": self.n_ctx,
             "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
             **({"recurrent_state": self._recurrent_state_kind()} if self.recurrent else {}),
+            **({"mla": cfg.mla.describe()} if cfg.mla is not None else {}),
             "numeric_policy": {
                 "compute": "f32",
                 # torch's kernels differ by CPU kind (AVX2 vs AVX-512 round differently):

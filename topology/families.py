@@ -46,6 +46,9 @@ class Family:
     # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
     # None: every layer is attention.
     recurrent_mixer: str | None = None
+    # "mla": DeepSeek2's multi-head latent attention (stages/mla.py): a lane keeps one
+    # compressed latent row per token and layer instead of per-head K and V.
+    attention: str = "gqa"
     output_norm: str = "output_norm.weight"  # GGUF name of the final norm
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
@@ -89,6 +92,9 @@ FAMILIES: dict[str, Family] = {
     "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
                          qk_norm_whole=True,
                          moe=MoeRules(norm_weights=True, gating=None)),
+    # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
+    # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
+    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla"),
 }
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .families import Family, family_for
 from .gguf_file import GGUFFile
+from .mla_config import MlaConfig, read_mla
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ModelConfig:
     expert_groups: int = 0
     expert_groups_used: int = 0
     leading_dense_layers: int = 0
+    # DeepSeek2: multi-head latent attention sizes and rope (topology/mla_config.py)
+    mla: MlaConfig | None = None
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -62,7 +65,9 @@ class ModelConfig:
         family = family_for(arch)
         hidden = int(f.arch_key("embedding_length"))
         n_heads = int(f.arch_key("attention.head_count"))
-        n_layers = int(f.arch_key("block_count"))
+        # block_count includes the appended multi-token-prediction layers (GLM-4.7-Flash):
+        # llama.cpp's trunk, like ours, runs the others
+        n_layers = int(f.arch_key("block_count")) - int(f.arch_key("nextn_predict_layers", 0) or 0)
         n_kv = f.arch_key("attention.head_count_kv", n_heads)
         conv_layers: frozenset[int] = frozenset()
         conv_l_cache = 0
@@ -128,6 +133,7 @@ class ModelConfig:
             tied_head="output.weight" not in f.tensors,
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
+            mla=read_mla(f, n_layers, n_heads) if family.attention == "mla" else None,
             **ssm,
             **moe_fields(f, family),
         )

@@ -143,7 +143,9 @@ class ModelFacts:
             for name, info in f.tensors.items():
                 size = held(name, info)
                 if name.startswith("blk."):
-                    elements[int(name.split(".")[1])] += size
+                    layer = int(name.split(".")[1])
+                    if layer < cfg.n_layers:  # past it: prediction layers no stage loads
+                        elements[layer] += size
                 elif name == "token_embd.weight":
                     first += size
                     if cfg.tied_head:  # the last stage holds it as a head
@@ -166,6 +168,8 @@ class ModelFacts:
 def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per layer: KV bytes per token, and fixed recurrent-state bytes, of one lane."""
     kv_token = cfg.n_kv_heads * (cfg.head_dim + cfg.v_head_dim) * kv_bytes
+    if cfg.mla is not None:  # one latent row per token (stages/mla.py)
+        kv_token = cfg.mla.latent * kv_bytes
     kv, state = [], []
     for i in range(cfg.n_layers):
         fixed = 0
