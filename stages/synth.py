@@ -560,6 +560,19 @@ def write_synthetic(
     return out
 
 
+def synth_bytes(arch: str, *, layers: int, vocab: int, dtype: str = "f32",
+                options: Mapping[str, int | float] | None = None, **sizes: int | None) -> int:
+    """Tensor bytes of the file write_synthetic would write with these arguments (its
+    metadata aside): lets a caller pick the layer count that reaches a size."""
+    spec = _spec(arch)
+    given = {k: sizes.get(k) for k in ("hidden", "ff", "heads", "kv_heads", "head_dim")}
+    dims = _with_options(arch, spec, _resolve_dims(spec, layers=layers, vocab=vocab, **given),
+                         options or {})
+    item = np.dtype(_DTYPES[dtype][0]).itemsize
+    return sum(int(np.prod(t.shape)) * (4 if len(t.shape) == 1 or t.always_f32 else item)
+               for t in spec.tensors(dims))
+
+
 def _add_metadata(writer: GGUFWriter, arch: str, layers: int, seed: int, file_type: int,
                   hparams: dict, tok: dict) -> None:
     """The file's name, type, the architecture's hyperparameters, our synth keys and the
