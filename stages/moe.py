@@ -134,11 +134,12 @@ class Expert:
 
 
 def _expert_scales(t: StageTensors, p: str, e: int, merged: bool):
-    """Expert e's (gate, up, down) output scales where the file has them."""
+    """Expert e's (gate, up, down) output scales where the file has them (a merged
+    gate_up stack takes the up scale on both halves, as llama.cpp applies it)."""
     def one(name: str) -> float | None:
         s = t.get(p + name)
         return None if s is None else float(s.reshape(-1)[e])
-    up = one("ffn_gate_up_exps.scale" if merged else "ffn_up_exps.scale")
+    up = one("ffn_up_exps.scale")
     gate = up if merged else one("ffn_gate_exps.scale")
     return gate, up, one("ffn_down_exps.scale")
 
@@ -158,17 +159,16 @@ def load_experts(index: int, t: StageTensors, fmt: str, activation: str) -> list
     p = f"blk.{index}."
     fmt = expert_format(fmt)
     down = t.experts(p + "ffn_down_exps.weight")
-    merged = p + "ffn_gate_up_exps.weight" in t.names
-    if merged:
-        gate_up = t.experts(p + "ffn_gate_up_exps.weight")
-        half = gate_up[0].values.shape[0] // 2
-        return [Expert(make_linear(gate_up[e], fmt), [half, half], make_linear(down[e], fmt),
-                       activation, _expert_scales(t, p, e, True))
-                for e in range(len(down))]
-    gate = t.experts(p + "ffn_gate_exps.weight")
-    up = t.experts(p + "ffn_up_exps.weight")
-    return [Expert.of(gate[e], up[e], down[e], fmt, activation, _expert_scales(t, p, e, False))
-            for e in range(len(down))]
+    if p + "ffn_gate_up_exps.weight" in t.names:  # gate and up in one stack
+        out = []
+        for e, (gate_up, d) in enumerate(zip(t.experts(p + "ffn_gate_up_exps.weight"), down)):
+            half = gate_up.values.shape[0] // 2
+            out.append(Expert(make_linear(gate_up, fmt), [half, half], make_linear(d, fmt),
+                              activation, _expert_scales(t, p, e, True)))
+        return out
+    gate_up = zip(t.experts(p + "ffn_gate_exps.weight"), t.experts(p + "ffn_up_exps.weight"))
+    return [Expert.of(g, u, d, fmt, activation, _expert_scales(t, p, e, False))
+            for e, ((g, u), d) in enumerate(zip(gate_up, down))]
 
 
 class MoeFfn:
@@ -180,6 +180,9 @@ class MoeFfn:
                  activation: str | None = None):
         p = f"blk.{index}."
         activation = activation or cfg.family.activation
+        if cfg.n_expert_used <= 0:
+            raise ValueError(f"layer {index} has a router, but {cfg.family.name} reads no "
+                             f"mixture-of-experts settings (topology/families.py: moe)")
         self.router = Linear(t[p + "ffn_gate_inp.weight"])
         self.bias = t.get(p + "exp_probs_b.bias")
         self.routing = Routing.of(cfg)

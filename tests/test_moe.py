@@ -220,3 +220,19 @@ def _held(lin) -> int:
 def test_q4_0_experts_decode_lanes_bitwise_alone_or_together(qwen3moe_blocks):
     from moe_checks import check_lanes_alone_equal_together
     check_lanes_alone_equal_together(qwen3moe_blocks["q4_0"], "int4")
+
+
+def test_a_merged_gate_up_stack_is_the_same_block():
+    """ffn_gate_up_exps ([E, 2 * ff, in]: gate rows, then up rows) as llama.cpp's
+    create_tensor_gate_up_exps allows: bitwise the block of separate stacks."""
+    p = "blk.0."
+    t = moe_layer(shared=False, gated_shared=False, scales=False)
+    merged = dict(t)
+    merged[p + "ffn_gate_up_exps.weight"] = torch.cat(
+        [merged.pop(p + "ffn_gate_exps.weight"), merged.pop(p + "ffn_up_exps.weight")], dim=1)
+    routing = Routing(2, "softmax", norm=True)
+    h = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(2))
+    seg = [Segment(None, 0, 6, 0)]
+    a = MoeFfn(0, Cfg(routing), FakeTensors(t), "fp32")(h, seg)
+    b = MoeFfn(0, Cfg(routing), FakeTensors(merged), "fp32")(h, seg)
+    assert torch.equal(a, b)
