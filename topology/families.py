@@ -13,7 +13,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
     from .model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MoeRules:
+    """How llama.cpp parameterises a family's mixture-of-experts call (build_moe_ffn):
+    a constant where the family's graph hard-codes one, None where it reads the GGUF key
+    (model_config.moe_fields resolves them)."""
+
+    norm_weights: bool | None = True   # None: `expert_weights_norm`
+    gating: str | None = "softmax"     # None: `expert_gating_func` (stages/moe.py GATINGS)
+    # what a missing gating key means (None: an error), or how the file decides it
+    gating_default: str | Callable[[GGUFFile], str] | None = None
+    reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
 
 
 @dataclass(frozen=True)
@@ -23,6 +37,7 @@ class Family:
                                # the converter); "neox": rotate the two halves
     activation: str            # gated FFN activation: "silu" or "gelu_tanh"
     qk_norm: bool = False      # per-head RMSNorm of Q and K before rope
+    qk_norm_whole: bool = False  # one RMSNorm over all Q heads, one over all K heads
     post_norms: bool = False   # RMSNorm after attention and after the FFN (Gemma)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
     swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
@@ -42,11 +57,20 @@ class Family:
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
     # stage boundary inside a group. None: any cut between layers is allowed.
     keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
+    # Mixture-of-experts layers (those with a `ffn_gate_inp` router; stages/moe.py).
+    moe: MoeRules | None = None
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
             return False
         return layer % self.swa_pattern < self.swa_pattern - 1
+
+
+def _deepseek2_gating(f: GGUFFile) -> str:
+    """llama.cpp's routing for deepseek2 files that predate the gating key."""
+    trunk = int(f.arch_key("block_count")) - int(f.arch_key("nextn_predict_layers", 0) or 0)
+    vocab = int(f.tensors["token_embd.weight"].shape[1])
+    return "sigmoid" if trunk in (47, 48) and vocab == 154880 else "softmax"
 
 
 FAMILIES: dict[str, Family] = {
@@ -69,7 +93,21 @@ FAMILIES: dict[str, Family] = {
                         ffn_norm="ffn_norm"),
     # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
     # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
-    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla"),
+    # MoE: gating, weight norm and scale from their keys; a file without a gating key is
+    # softmax-routed, but sigmoid for GLM-4.7-Flash (47 trunk layers, or 48, and its vocab).
+    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla",
+                        moe=MoeRules(norm_weights=None, gating=None, reads_scale=True,
+                                     gating_default=_deepseek2_gating)),
+    # llama.cpp (models/qwen3moe.cpp): softmax routing, chosen weights normalised, no scale
+    # key read; NEOX rope.
+    "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
+                       moe=MoeRules(norm_weights=True, gating="softmax")),
+    # llama.cpp (models/minimax-m2.cpp): Q and K normed over the whole projection before
+    # rope, partial rope (rope.dimension_count of the head), sigmoid routing from
+    # expert_gating_func with exp_probs_b choosing, chosen weights normalised; NEOX rope.
+    "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
+                         qk_norm_whole=True,
+                         moe=MoeRules(norm_weights=True, gating=None)),
 }
 
 
