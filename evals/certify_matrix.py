@@ -44,6 +44,11 @@ MODELS = {
     "falcon-h1": Family("falcon-h1", "hybrid",
                         shape=Shape("falcon-h1", layers=4, hidden=256, heads=4, kv_heads=2,
                                     ff=512, dtype="f32", seed=7)),
+    # tests/test_family_deepseek2.py's file, the synth's deepseek2 defaults: MLA (kv_lora
+    # 128 + rope 16, YaRN), 1 dense layer, then 16 experts (4 used, grouped) + 1 shared
+    "deepseek2": Family("deepseek2", "dense",
+                        shape=Shape("deepseek2", layers=4, hidden=256, heads=8, kv_heads=1,
+                                    ff=512, dtype="f32", seed=5)),
     # tests/test_family_qwen3moe.py and test_family_minimax_m2.py: 8 experts of width ff
     "qwen3moe": Family("qwen3moe", "dense",
                        shape=Shape("qwen3moe", layers=4, hidden=256, heads=4, kv_heads=2,
@@ -51,11 +56,6 @@ MODELS = {
     "minimax-m2": Family("minimax-m2", "dense",
                          shape=Shape("minimax-m2", layers=4, hidden=256, heads=4, kv_heads=2,
                                      ff=128, dtype="f32", seed=7)),
-    # tests/test_family_deepseek2.py's file: MLA (kv_lora 128 + rope 16, YaRN) at the
-    # synth's deepseek2 defaults
-    "deepseek2": Family("deepseek2", "dense",
-                        shape=Shape("deepseek2", layers=4, hidden=256, heads=8, kv_heads=1,
-                                    ff=512, dtype="f32", seed=5)),
 }
 SPLITS = (1, 2, 3)
 CHECKS = ("split_handoff", "restore_equals_recompute", "repeated_hits", "full_state")

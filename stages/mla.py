@@ -25,7 +25,7 @@ import torch
 from skippy.topology.mla_config import MlaConfig, RopeScaling
 from skippy.topology.model_config import ModelConfig
 
-from .layers import Rope, attend, rms_norm
+from .layers import Rope, rms_norm
 from .linear import fuse_linear, make_linear
 from .weights import StageTensors
 
@@ -71,14 +71,31 @@ def _up_projections(p: str, m: MlaConfig, n_heads: int,
                     t: StageTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head: W_kb transposed [H, nope, kv_lora] (q_nope -> latent space) and W_vb
     transposed [H, kv_lora, v] (attended latent -> value), f32, contiguous for bmm."""
+    # read through matrix(): the stage keeps only the transposed copies made here
     if m.absorbed:
-        k_b = t[p + "attn_k_b.weight"].reshape(n_heads, m.kv_lora_rank, m.nope)
-        v_b = t[p + "attn_v_b.weight"].reshape(n_heads, m.v_head, m.kv_lora_rank)
+        k_b = t.matrix(p + "attn_k_b.weight").values.reshape(n_heads, m.kv_lora_rank, m.nope)
+        v_b = t.matrix(p + "attn_v_b.weight").values.reshape(n_heads, m.v_head, m.kv_lora_rank)
     else:  # attn_kv_b: per head, rows [k_nope (nope); v (v_head)] over the latent
-        kv_b = t[p + "attn_kv_b.weight"].reshape(n_heads, m.nope + m.v_head, m.kv_lora_rank)
+        kv_b = t.matrix(p + "attn_kv_b.weight").values.reshape(
+            n_heads, m.nope + m.v_head, m.kv_lora_rank)
         k_b = kv_b[:, :m.nope].transpose(1, 2)  # k_nope . q = c . (W_k^T q)
         v_b = kv_b[:, m.nope:]
     return k_b.transpose(1, 2).contiguous(), v_b.transpose(1, 2).contiguous()
+
+
+def latent_attend(query: torch.Tensor, keys: torch.Tensor, kv_lora: int,
+                  mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Every query head [T, H, D] over one shared key row per token [L, D], whose first
+    kv_lora floats are also the values: softmax(q k * scale + mask) v, as [T, H * kv_lora].
+    Plain matmuls of all heads at once: torch's fused attention would take its slow
+    generic path here (values narrower than keys, one key head), and the shapes, hence
+    the bits, depend only on (T, L)."""
+    T, H, D = query.shape
+    scores = torch.mm(query.reshape(T * H, D), keys.t()).view(T, H, -1) * scale
+    if mask is not None:
+        scores = scores + mask[:, None, :]
+    probs = torch.softmax(scores, dim=-1)
+    return torch.mm(probs.view(T * H, -1), keys[:, :kv_lora]).view(T, H * kv_lora)
 
 
 class MlaAttention:
@@ -125,8 +142,8 @@ class MlaAttention:
         """[T, H * kv_lora]: each head's attention over the lane's latent rows."""
         seg.kv.write(self.slot, seg.pos, latent, latent[..., :0])
         lo, hi, mask = seg.window(0)
-        keys = seg.kv.keys(self.slot, lo, hi)
-        return attend(query, keys, keys[..., :self.m.kv_lora_rank], mask, self.m.kq_scale)
+        return latent_attend(query, seg.kv.keys(self.slot, lo, hi)[:, 0],
+                             self.m.kv_lora_rank, mask, self.m.kq_scale)
 
     @property
     def nbytes(self) -> int:

@@ -1,6 +1,9 @@
 """deepseek2 (DeepSeek-V2/V3/R1, GLM-4.7-Flash): multi-head latent attention with YaRN rope,
-through the family bar (tests/family_checks.py), and the lane state it keeps: one latent
-row of kv_lora_rank + n_rot floats per token and layer, never per-head K and V."""
+a leading dense layer, then DeepSeek-V3-style MoE layers (sigmoid routing with the
+exp_probs_b selection bias, grouped, normalised and scaled weights, a shared expert);
+through the family bar (tests/family_checks.py), the MoE exactness checks
+(tests/moe_checks.py), and the lane state MLA keeps: one latent row of kv_lora_rank + n_rot
+floats per token and layer, never per-head K and V."""
 
 from __future__ import annotations
 
@@ -8,10 +11,13 @@ import pytest
 import torch
 
 from family_checks import check_agreement, check_certify
+from moe_checks import (check_lanes_alone_equal_together, check_padding_rows_not_routed,
+                        check_threads_do_not_change_bits)
 from skippy.evals.numerics import family_agreement, whole_model
-from skippy.stages.runtime import LaneState, StageError, StageSpec
+from skippy.stages.ffn import GatedFfn
+from skippy.stages.moe import MoeFfn
+from skippy.stages.runtime import LaneState, StageError
 from skippy.stages.synth import SynthError, write_synthetic
-from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 
@@ -22,7 +28,8 @@ CHUNK = 32
 
 @pytest.fixture(scope="module")
 def deepseek2_f32(smollm2, tmp_path_factory):
-    """4 layers of MLA (q low-rank path, absorbed attn_k_b / attn_v_b, YaRN), dense FFNs."""
+    """4 layers of MLA (q low-rank path, absorbed attn_k_b / attn_v_b, YaRN): 1 dense FFN,
+    then 3 MoE layers of 16 experts of width 128 (4 used, 2 of 4 groups) and a shared one."""
     out = tmp_path_factory.mktemp("synth") / "deepseek2-L4.gguf"
     return write_synthetic("deepseek2", layers=LAYERS, seed=5, out=out, tokenizer_from=smollm2)
 
@@ -30,10 +37,12 @@ def deepseek2_f32(smollm2, tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepseek2_lite_kv_b(smollm2, tmp_path_factory):
     """The other loader paths: queries from attn_q (no q low rank), the unsplit attn_kv_b,
-    rope without scaling keys."""
+    rope without scaling keys; every layer dense (no expert keys beyond those llama.cpp's
+    loader requires)."""
     out = tmp_path_factory.mktemp("synth") / "deepseek2-lite-kvb.gguf"
     return write_synthetic("deepseek2", layers=2, seed=6, out=out, tokenizer_from=smollm2,
-                           options={"q_lora_rank": 0, "kv_b": 1, "yarn_factor": 0})
+                           options={"q_lora_rank": 0, "kv_b": 1, "yarn_factor": 0,
+                                    "experts": 0})
 
 
 def test_follows_llama_cpp_teacher_forced(deepseek2_f32):
@@ -51,8 +60,26 @@ def test_certify_two_stages(deepseek2_f32, fmt):
     check_certify(deepseek2_f32, 2, fmt)
 
 
-def test_config_reads_the_mla_keys(deepseek2_f32):
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_lanes_decoded_together_equal_each_alone(deepseek2_f32, fmt):
+    check_lanes_alone_equal_together(deepseek2_f32, fmt)
+
+
+def test_padding_rows_are_not_routed(deepseek2_f32):
+    check_padding_rows_not_routed(deepseek2_f32)
+
+
+def test_threads_do_not_change_int4_bits(deepseek2_f32):
+    # MLA's up-projections and attention are float32 torch matmuls in every format
+    check_threads_do_not_change_bits(deepseek2_f32, "int4")
+
+
+def test_config_reads_the_mla_and_moe_keys(deepseek2_f32):
     cfg = ModelConfig.from_gguf(GGUFFile(deepseek2_f32))
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_expert_shared, cfg.expert_ff) == (16, 4, 1, 128)
+    assert (cfg.expert_gating, cfg.expert_weights_norm, cfg.expert_weights_scale) == \
+        ("sigmoid", True, 2.5)
+    assert (cfg.expert_groups, cfg.expert_groups_used, cfg.leading_dense_layers) == (4, 2, 1)
     m = cfg.mla
     assert (m.q_lora_rank, m.kv_lora_rank, m.k_head, m.v_head, m.rope_dim) == (384, 128, 48, 32, 16)
     assert m.absorbed and m.rope.ext_factor == 1.0 and m.rope.freq_scale == 0.25
@@ -83,19 +110,12 @@ def test_a_per_head_kv_state_is_refused(deepseek2_f32):
         rt.import_state(lane, LaneState(8, 8, [rows] * LAYERS, [rows] * LAYERS))
 
 
-def test_decode_row_does_not_depend_on_other_lanes(deepseek2_f32):
-    rt = TorchStageRuntime(StageSpec(str(deepseek2_f32), 0, LAYERS, n_ctx=512, chunk=CHUNK,
-                                     lane_batch=4, weight_format="int8"))
-    lanes = [rt.alloc_lane() for _ in range(3)]
-    for i, lane in enumerate(lanes):
-        rt.prefill(lane, torch.tensor(PROMPT[: 40 + 10 * i]), logits="none")
-    alone = rt.alloc_lane()
-    rt.prefill(alone, torch.tensor(PROMPT[:40]), logits="none")
-    for step in range(3):  # padded to 4 rows: padding and neighbours touch no lane
-        together = rt.decode([(lane, torch.tensor(42 + step)) for lane in lanes])
-        solo = rt.decode([(alone, torch.tensor(42 + step))])
-        assert torch.equal(together[0].logits, solo[0].logits)
-    assert torch.equal(rt.export_state(lanes[0], 43).keys[0], rt.export_state(alone, 43).keys[0])
+def test_leading_dense_layer_then_moe_layers(deepseek2_f32):
+    rt = whole_model(deepseek2_f32)
+    kinds = [type(layer.ffn) for layer in rt.layers]
+    assert kinds == [GatedFfn, MoeFfn, MoeFfn, MoeFfn]
+    assert all(layer.ffn.bias is not None and layer.ffn.shared is not None
+               for layer in rt.layers[1:])
 
 
 def test_synth_options_are_the_archs_own(smollm2, tmp_path):

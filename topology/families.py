@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
     from .model_config import ModelConfig
 
 
@@ -24,7 +25,8 @@ class MoeRules:
 
     norm_weights: bool | None = True   # None: `expert_weights_norm`
     gating: str | None = "softmax"     # None: `expert_gating_func` (stages/moe.py GATINGS)
-    gating_default: str | None = None  # what a missing gating key means (None: an error)
+    # what a missing gating key means (None: an error), or how the file decides it
+    gating_default: str | Callable[[GGUFFile], str] | None = None
     reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
 
 
@@ -64,6 +66,13 @@ class Family:
         return layer % self.swa_pattern < self.swa_pattern - 1
 
 
+def _deepseek2_gating(f: GGUFFile) -> str:
+    """llama.cpp's routing for deepseek2 files that predate the gating key."""
+    trunk = int(f.arch_key("block_count")) - int(f.arch_key("nextn_predict_layers", 0) or 0)
+    vocab = int(f.tensors["token_embd.weight"].shape[1])
+    return "sigmoid" if trunk in (47, 48) and vocab == 154880 else "softmax"
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", rope_style="norm", activation="silu"),
     "qwen3": Family("qwen3", rope_style="neox", activation="silu", qk_norm=True),
@@ -82,6 +91,13 @@ FAMILIES: dict[str, Family] = {
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),
+    # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
+    # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
+    # MoE: gating, weight norm and scale from their keys; a file without a gating key is
+    # softmax-routed, but sigmoid for GLM-4.7-Flash (47 trunk layers, or 48, and its vocab).
+    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla",
+                        moe=MoeRules(norm_weights=None, gating=None, reads_scale=True,
+                                     gating_default=_deepseek2_gating)),
     # llama.cpp (models/qwen3moe.cpp): softmax routing, chosen weights normalised, no scale
     # key read; NEOX rope.
     "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
@@ -92,9 +108,6 @@ FAMILIES: dict[str, Family] = {
     "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
                          qk_norm_whole=True,
                          moe=MoeRules(norm_weights=True, gating=None)),
-    # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
-    # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
-    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla"),
 }
 
 

@@ -41,6 +41,8 @@ class ModelConfig:
     ssm_d_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 0
+    # DeepSeek2: multi-head latent attention sizes and rope (topology/mla_config.py)
+    mla: MlaConfig | None = None
     # Mixture of experts (stages/moe.py; the llama.cpp keys in moe_fields): a layer with a
     # `ffn_gate_inp` router runs n_expert_used of n_expert experts per token (plus any
     # shared experts). expert_gating: "softmax", "sigmoid", "softmax_weight" or
@@ -56,8 +58,6 @@ class ModelConfig:
     expert_groups: int = 0
     expert_groups_used: int = 0
     leading_dense_layers: int = 0
-    # DeepSeek2: multi-head latent attention sizes and rope (topology/mla_config.py)
-    mla: MlaConfig | None = None
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -189,13 +189,18 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
     if rules is None:
         return {}
     n_expert = int(f.arch_key("expert_count", 0) or 0)
+    if n_expert == 0 and not any(n.endswith(".ffn_gate_inp.weight") for n in f.tensors):
+        return {}  # every layer dense (e.g. a deepseek2 file of leading dense layers only)
     used = _one_count(f, "expert_used_count")
     if n_expert <= 0 or not 0 < used <= n_expert:
         raise ValueError(f"{arch}: expert_count {n_expert}, expert_used_count {used}")
     gating = rules.gating
     if gating is None:
         code = int(f.arch_key("expert_gating_func", 0) or 0)
-        gating = _GATINGS.get(code, rules.gating_default if code == 0 else None)
+        default = rules.gating_default
+        if callable(default):  # the family decides by the file (deepseek2: GLM-4.7-Flash)
+            default = default(f)
+        gating = _GATINGS.get(code, default if code == 0 else None)
         if gating is None:
             raise ValueError(f"{arch}: expert_gating_func {code} is not supported")
     norm = rules.norm_weights
