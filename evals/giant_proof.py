@@ -37,8 +37,10 @@ from pathlib import Path
 # The giant: deepseek2-shaped (multi-head latent attention, a dense first layer, then
 # mixture-of-experts layers with shared experts and grouped routing), the shape of today's
 # giant models. CI runs the same path on SMALL (about 300 MB).
-GIANT = {"arch": "deepseek2", "dims": {"hidden": 1024, "ff": 512, "heads": 8, "kv_heads": 1},
-         "options": {}}
+# DeepSeek-V3's attention sizes at head_dim 128 (kv_lora 512, q_lora 1536, rope 64); 64
+# experts of width 512 per layer, 6 used, in 8 groups of which 4 are searched, 1 shared.
+GIANT = {"arch": "deepseek2", "dims": {"hidden": 1024, "ff": 2048, "heads": 8, "kv_heads": 1},
+         "options": {"experts": 64, "experts_used": 6, "expert_groups": 8, "groups_used": 4}}
 SMALL = {"arch": "deepseek2", "dims": {"hidden": 512, "ff": 256, "heads": 8, "kv_heads": 1},
          "options": {}}
 STAGES = 3
