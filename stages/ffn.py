@@ -8,6 +8,7 @@ from skippy.topology.model_config import ModelConfig
 
 from .layers import gated_activation
 from .linear import fuse_linear, make_linear
+from .moe import MoeFfn
 from .weights import StageTensors
 
 
@@ -32,5 +33,8 @@ class GatedFfn:
 
 
 def make_ffn(index: int, cfg: ModelConfig, t: StageTensors, fmt: str):
-    """Layer `index`'s feed-forward block."""
+    """Layer `index`'s feed-forward block: a mixture of experts where the layer has a
+    router (stages/moe.py), else the dense gated FFN."""
+    if f"blk.{index}.ffn_gate_inp.weight" in t.names:
+        return MoeFfn(index, cfg, t, fmt)
     return GatedFfn(index, cfg, t, fmt)

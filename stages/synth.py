@@ -287,6 +287,40 @@ def _falcon_h1_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- qwen3moe (qwen3 attention, a mixture of experts in every layer) -------------------------
+# The expert count and top-k are fixed for the synthetic family; --ff sets each expert's
+# width (llama.cpp reads it as expert_feed_forward_length).
+QWEN3MOE_EXPERTS = {"experts": 8, "used": 2}
+
+
+def _moe_hparams(d: Dims, experts: dict[str, int]) -> dict[str, int | float | list[int]]:
+    return {"expert_count": experts["experts"], "expert_used_count": experts["used"],
+            "expert_feed_forward_length": d.ff}
+
+
+def _expert_tensors(d: Dims, b: str, n_expert: int) -> list[TensorSpec]:
+    """A router and the routed experts as 3-D stacks (numpy [n_expert, out, in])."""
+    return [
+        TensorSpec(f"{b}.ffn_gate_inp.weight", (n_expert, d.hidden), "proj", always_f32=True),
+        TensorSpec(f"{b}.ffn_gate_exps.weight", (n_expert, d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_up_exps.weight", (n_expert, d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_down_exps.weight", (n_expert, d.hidden, d.ff), "proj"),
+    ]
+
+
+def _qwen3moe_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), **_moe_hparams(d, QWEN3MOE_EXPERTS)}
+
+
+def _qwen3moe_tensors(d: Dims) -> list[TensorSpec]:
+    dense = _dense_tensors(d, qk_norm=True)
+    out = [t for t in dense if ".ffn_" not in t.name or t.name.endswith("ffn_norm.weight")]
+    for i in range(d.layers):  # after each layer's ffn_norm, in layer order
+        at = next(j for j, t in enumerate(out) if t.name == f"blk.{i}.ffn_norm.weight")
+        out[at + 1:at + 1] = _expert_tensors(d, f"blk.{i}", QWEN3MOE_EXPERTS["experts"])
+    return out
+
+
 # -- qwen3next (gated DeltaNet and gated attention layers, MoE FFN) ---------------------------
 # Fixed for the synthetic family: every 3rd layer attention (6 layers: d d a d d a), rope on
 # a quarter of each head (as the released 64 of 256), DeltaNet with 2 key heads and 4 value
@@ -306,9 +340,7 @@ def _qwen3next_hparams(d: Dims) -> dict[str, int | float | list[int]]:
         **_qwen3_hparams(d),
         "rope.dimension_count": d.head_dim // s["rope_fraction"],
         "full_attention_interval": s["interval"],
-        "expert_count": s["experts"],
-        "expert_used_count": s["used"],
-        "expert_feed_forward_length": d.ff,
+        **_moe_hparams(d, s),
         "expert_shared_feed_forward_length": d.ff,
         "ssm.conv_kernel": s["d_conv"],
         "ssm.inner_size": s["v_heads"] * s["head"],
@@ -350,14 +382,10 @@ def _qwen3next_attention(b: str, d: Dims) -> list[TensorSpec]:
 
 
 def _qwen3next_moe(b: str, d: Dims) -> list[TensorSpec]:
-    n = QWEN3NEXT["experts"]
     return [
-        TensorSpec(f"{b}.ffn_gate_inp.weight", (n, d.hidden), "proj"),
-        # numpy (experts, out, in) = ggml {in, out, experts}
-        TensorSpec(f"{b}.ffn_gate_exps.weight", (n, d.ff, d.hidden), "proj"),
-        TensorSpec(f"{b}.ffn_up_exps.weight", (n, d.ff, d.hidden), "proj"),
-        TensorSpec(f"{b}.ffn_down_exps.weight", (n, d.hidden, d.ff), "proj"),
-        TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (d.hidden,), "proj"),  # one logit
+        *_expert_tensors(d, b, QWEN3NEXT["experts"]),
+        # the shared expert and its gate: one logit per row
+        TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (d.hidden,), "proj"),
         TensorSpec(f"{b}.ffn_gate_shexp.weight", (d.ff, d.hidden), "proj"),
         TensorSpec(f"{b}.ffn_up_shexp.weight", (d.ff, d.hidden), "proj"),
         TensorSpec(f"{b}.ffn_down_shexp.weight", (d.hidden, d.ff), "proj"),
@@ -396,6 +424,8 @@ _ARCHS: dict[str, ArchSpec] = {
                      tensors=_lfm2_tensors),
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
+    "qwen3moe": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3moe_hparams,
+                         tensors=_qwen3moe_tensors),
     "qwen3next": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3next_hparams,
                           tensors=_qwen3next_tensors),
 }

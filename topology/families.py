@@ -17,6 +17,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class MoeRules:
+    """How llama.cpp parameterises a family's mixture-of-experts call (build_moe_ffn):
+    a constant where the family's graph hard-codes one, None where it reads the GGUF key
+    (model_config.moe_fields resolves them)."""
+
+    norm_weights: bool | None = True   # None: `expert_weights_norm`
+    gating: str | None = "softmax"     # None: `expert_gating_func` (stages/moe.py GATINGS)
+    gating_default: str | None = None  # what a missing gating key means (None: an error)
+    reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     rope_style: str            # "norm": rotate adjacent pairs (llama GGUFs, Q/K permuted by
@@ -44,6 +56,8 @@ class Family:
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
     # stage boundary inside a group. None: any cut between layers is allowed.
     keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
+    # Mixture-of-experts layers (those with a `ffn_gate_inp` router; stages/moe.py).
+    moe: MoeRules | None = None
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -69,13 +83,20 @@ FAMILIES: dict[str, Family] = {
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),
+    # llama.cpp (models/qwen3moe.cpp): softmax routing, chosen weights normalised, no scale
+    # key read; NEOX rope.
+    "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
+                       moe=MoeRules(norm_weights=True, gating="softmax")),
     # llama.cpp (models/qwen3next.cpp): DeltaNet or gated attention by layer
     # (ModelConfig.deltanet_layers); the pre-FFN norm is post_attention_norm; NEOX rope
-    # (llama_model_rope_type), partial where rope.dimension_count < key_length.
+    # (llama_model_rope_type), partial where rope.dimension_count < key_length. MoE:
+    # softmax routing, chosen weights normalised, no scale key read; the shared expert is
+    # gated by sigmoid(h . ffn_gate_inp_shexp) (stages/moe.py).
     "qwen3next": Family("qwen3next", rope_style="neox", activation="silu", qk_norm=True,
                         attn_output_gate=True, cache_policy="KvRecurrent",
                         recurrent_mixer="gated_deltanet",
-                        ffn_norm="post_attention_norm.weight"),
+                        ffn_norm="post_attention_norm.weight",
+                        moe=MoeRules(norm_weights=True, gating="softmax")),
 }
 
 

@@ -40,6 +40,21 @@ class ModelConfig:
     ssm_d_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 0
+    # Mixture of experts (stages/moe.py; the llama.cpp keys in moe_fields): a layer with a
+    # `ffn_gate_inp` router runs n_expert_used of n_expert experts per token (plus any
+    # shared experts). expert_gating: "softmax", "sigmoid", "softmax_weight" or
+    # "sqrt_softplus"; expert_weights_scale 0: no scale; expert_groups > 1: grouped routing.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ff: int = 0
+    n_expert_shared: int = 0
+    expert_shared_ff: int = 0
+    expert_weights_scale: float = 0.0
+    expert_weights_norm: bool = False
+    expert_gating: str = "softmax"
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+    leading_dense_layers: int = 0
     # Qwen3-Next: layers whose mixer is a gated DeltaNet instead of attention. Its sizes use
     # the ssm_* fields as llama.cpp reads them: ssm_heads = value heads (time_step_rank),
     # ssm_groups = key heads (group_count), ssm_d_state = the head size of both.
@@ -120,7 +135,12 @@ class ModelConfig:
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
             **ssm,
+            **moe_fields(f, family),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
 
     def is_conv_layer(self, layer: int) -> bool:
         return layer in self.conv_layers
@@ -147,6 +167,61 @@ class ModelConfig:
     def rope_scale_for(self, layer: int) -> float:
         # llama.cpp scales only the global layers; local layers keep scale 1.
         return 1.0 if self.is_swa_layer(layer) else self.rope_scale
+
+
+# llama.cpp's llama_expert_gating_func_type values (0: none)
+_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+
+
+def _one_count(f: GGUFFile, key: str) -> int:
+    """A count llama.cpp reads as a key or a per-layer array: one value for every layer."""
+    value = f.arch_key(key, 0)
+    if isinstance(value, list):
+        counts = {int(v) for v in value if int(v)}
+        if len(counts) > 1:
+            raise ValueError(f"{f.architecture}: per-layer {key} differ: {sorted(counts)}")
+        return counts.pop() if counts else 0
+    return int(value or 0)
+
+
+def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
+    """The mixture-of-experts fields of ModelConfig as llama.cpp reads them for `family`
+    (its constants in family.moe where its graph hard-codes them); {} for a dense family."""
+    rules = family.moe
+    arch = f.architecture
+    if rules is None:
+        return {}
+    n_expert = int(f.arch_key("expert_count", 0) or 0)
+    used = _one_count(f, "expert_used_count")
+    if n_expert <= 0 or not 0 < used <= n_expert:
+        raise ValueError(f"{arch}: expert_count {n_expert}, expert_used_count {used}")
+    gating = rules.gating
+    if gating is None:
+        code = int(f.arch_key("expert_gating_func", 0) or 0)
+        gating = _GATINGS.get(code, rules.gating_default if code == 0 else None)
+        if gating is None:
+            raise ValueError(f"{arch}: expert_gating_func {code} is not supported")
+    norm = rules.norm_weights
+    if norm is None:
+        norm = bool(f.arch_key("expert_weights_norm", False))
+    groups = int(f.arch_key("expert_group_count", 0) or 0)
+    groups_used = int(f.arch_key("expert_group_used_count", 0) or 0)
+    if groups > 1 and (n_expert % groups or not 0 < groups_used < groups):
+        raise ValueError(f"{arch}: {n_expert} experts in {groups} groups, {groups_used} used")
+    return {
+        "n_expert": n_expert,
+        "n_expert_used": used,
+        "expert_ff": _one_count(f, "expert_feed_forward_length"),
+        "n_expert_shared": int(f.arch_key("expert_shared_count", 0) or 0),
+        "expert_shared_ff": int(f.arch_key("expert_shared_feed_forward_length", 0) or 0),
+        "expert_weights_scale": (float(f.arch_key("expert_weights_scale", 0.0) or 0.0)
+                                 if rules.reads_scale else 0.0),
+        "expert_weights_norm": norm,
+        "expert_gating": gating,
+        "expert_groups": groups,
+        "expert_groups_used": groups_used,
+        "leading_dense_layers": int(f.arch_key("leading_dense_block_count", 0) or 0),
+    }
 
 
 def deltanet_layer_pattern(n_layers: int, interval: int) -> frozenset[int]:

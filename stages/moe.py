@@ -1,0 +1,250 @@
+"""Mixture-of-experts feed-forward blocks: a router picks n_used of n_expert experts per
+token and sums their outputs by weight (llama.cpp's build_moe_ffn), plus any shared
+experts every token runs.
+
+Each expert is held in the stage's weight format on its own (make_linear on its slice of
+the layer's 3-D tensor: Q4_0 / Q8_0 experts keep the file's blocks), and only the chosen
+experts run, each over the rows that chose it.
+
+Exactness (DESIGN.md §5.3): only real rows (Segment.n_real) are routed; padding rows get
+no expert output. In decode (every segment one row) a row's bits must not depend on the
+rows beside it: routing runs row by row (elementwise kernels round a vector's tail
+differently from its body), and an expert runs the rows that chose it together only
+where its matrices are row-invariant (our integer kernel, BlockLinear, up to SMALL_ROWS
+rows), else one row at a time. The chosen experts' outputs are added in selection order,
+as llama.cpp adds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from skippy.topology.model_config import ModelConfig
+
+from .layers import gated_activation
+from .linear import SMALL_ROWS, BlockLinear, Linear, Matrix, fuse_linear, make_linear
+from .weights import StageTensors
+
+GATINGS = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
+# llama.cpp clamps the sum of the chosen weights before normalising: the least normal f16
+_MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a row's experts and their weights follow from the router's logits."""
+
+    n_used: int
+    gating: str = "softmax"
+    norm: bool = False        # divide the chosen weights by their sum
+    scale: float = 0.0        # multiply the chosen weights (0 or 1: no scale)
+    groups: int = 0           # > 1: experts in groups; only the best groups_used compete
+    groups_used: int = 0
+
+    def __post_init__(self):
+        if self.gating not in GATINGS:
+            raise ValueError(f"unknown expert gating '{self.gating}' (known: {GATINGS})")
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "Routing":
+        return cls(cfg.n_expert_used, cfg.expert_gating, cfg.expert_weights_norm,
+                   cfg.expert_weights_scale, cfg.expert_groups, cfg.expert_groups_used)
+
+    def __call__(self, logits: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [n, n_expert] -> (experts [n, n_used] in selection order, best first;
+        their weights [n, n_used]). `bias` (exp_probs_b) shifts the choice, not the
+        weights."""
+        probs = self._gate(logits)
+        choose = probs + bias if bias is not None else probs
+        if self.groups > 1:
+            choose = self._best_groups(choose)
+        experts = torch.topk(choose, self.n_used, dim=-1, sorted=True).indices
+        weights = probs.gather(-1, experts)
+        if self.gating == "softmax_weight":
+            weights = torch.softmax(weights, dim=-1)
+        if self.norm:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=_MIN_WEIGHT_SUM)
+        if self.scale not in (0.0, 1.0):
+            weights = weights * self.scale
+        return experts, weights
+
+    def _gate(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.gating == "softmax":
+            return torch.softmax(logits, dim=-1)
+        if self.gating == "sigmoid":
+            return torch.sigmoid(logits)
+        if self.gating == "sqrt_softplus":
+            return torch.sqrt(F.softplus(logits))
+        return logits  # softmax_weight: the softmax comes over the chosen ones
+
+    def _best_groups(self, choose: torch.Tensor) -> torch.Tensor:
+        """Scores of experts outside the best `groups_used` groups (a group's score: the
+        sum of its two best) set to -inf."""
+        n, e = choose.shape
+        grouped = choose.view(n, self.groups, e // self.groups)
+        score = grouped.topk(2, dim=-1, sorted=True).values.sum(-1)
+        best = score.topk(self.groups_used, dim=-1, sorted=True).indices
+        keep = torch.zeros(n, self.groups, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
+
+
+def per_row(fn, x: torch.Tensor, one_by_one: bool) -> torch.Tensor:
+    """fn over the rows of x, one row at a time where `one_by_one` (decode: a row's bits
+    then never depend on how many rows came with it)."""
+    if not one_by_one or x.shape[0] <= 1:
+        return fn(x)
+    return torch.cat([fn(x[r:r + 1]) for r in range(x.shape[0])])
+
+
+class Expert:
+    """One gated FFN: down(act(gate(h)) * up(h)), each product optionally scaled by a
+    number (llama.cpp's per-expert `.scale` tensors)."""
+
+    def __init__(self, gate_up: Linear, split: list[int], down: Linear, activation: str,
+                 scales: tuple[float | None, float | None, float | None] = (None,) * 3):
+        self.gate_up, self.split, self.down = gate_up, split, down
+        self.activation, self.scales = activation, scales
+        # Rows run together only where every product's bits per row are independent of
+        # how many rows come with it (our integer kernel, up to SMALL_ROWS rows).
+        self.row_invariant = isinstance(gate_up, BlockLinear) and isinstance(down, BlockLinear)
+
+    @classmethod
+    def of(cls, gate: Matrix | torch.Tensor, up: Matrix | torch.Tensor,
+           down: Matrix | torch.Tensor, fmt: str, activation: str, scales=(None,) * 3):
+        gate_up, split = fuse_linear([gate, up], fmt)
+        return cls(gate_up, split, make_linear(down, fmt), activation, scales)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(h).split(self.split, dim=-1)
+        sg, su, sd = self.scales
+        if sg is not None:
+            gate = gate * sg
+        if su is not None:
+            up = up * su
+        y = self.down(gated_activation(gate, up, self.activation))
+        return y * sd if sd is not None else y
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+def _expert_scales(t: StageTensors, p: str, e: int, merged: bool):
+    """Expert e's (gate, up, down) output scales where the file has them."""
+    def one(name: str) -> float | None:
+        s = t.get(p + name)
+        return None if s is None else float(s.reshape(-1)[e])
+    up = one("ffn_gate_up_exps.scale" if merged else "ffn_up_exps.scale")
+    gate = up if merged else one("ffn_gate_exps.scale")
+    return gate, up, one("ffn_down_exps.scale")
+
+
+def load_experts(index: int, t: StageTensors, fmt: str, activation: str) -> list[Expert]:
+    """Layer `index`'s routed experts, each in format `fmt` (gate and up as separate 3-D
+    tensors, or one merged gate_up tensor)."""
+    p = f"blk.{index}."
+    down = t.experts(p + "ffn_down_exps.weight")
+    merged = p + "ffn_gate_up_exps.weight" in t.names
+    if merged:
+        gate_up = t.experts(p + "ffn_gate_up_exps.weight")
+        half = gate_up[0].values.shape[0] // 2
+        return [Expert(make_linear(gate_up[e], fmt), [half, half], make_linear(down[e], fmt),
+                       activation, _expert_scales(t, p, e, True))
+                for e in range(len(down))]
+    gate = t.experts(p + "ffn_gate_exps.weight")
+    up = t.experts(p + "ffn_up_exps.weight")
+    return [Expert.of(gate[e], up[e], down[e], fmt, activation, _expert_scales(t, p, e, False))
+            for e in range(len(down))]
+
+
+class MoeFfn:
+    """A mixture-of-experts FFN block (the Ffn protocol of stages/transformer.py): the
+    router (float32, as quantizers leave it), the routed experts, any shared experts (run
+    by every row; qwen3next gates them by sigmoid(h . ffn_gate_inp_shexp))."""
+
+    def __init__(self, index: int, cfg: ModelConfig, t: StageTensors, fmt: str,
+                 activation: str | None = None):
+        p = f"blk.{index}."
+        activation = activation or cfg.family.activation
+        self.router = Linear(t[p + "ffn_gate_inp.weight"])
+        self.bias = t.get(p + "exp_probs_b.bias")
+        self.routing = Routing.of(cfg)
+        self.experts = load_experts(index, t, fmt, activation)
+        if len(self.experts) != self.router.out_features:
+            raise ValueError(f"layer {index}: {len(self.experts)} experts, router for "
+                             f"{self.router.out_features}")
+        self.shared = None
+        if p + "ffn_up_shexp.weight" in t.names:
+            self.shared = Expert.of(t.matrix(p + "ffn_gate_shexp.weight"),
+                                    t.matrix(p + "ffn_up_shexp.weight"),
+                                    t.matrix(p + "ffn_down_shexp.weight"), fmt, activation)
+        gate = t.get(p + "ffn_gate_inp_shexp.weight")
+        self.shared_gate = Linear(gate.reshape(1, -1)) if gate is not None else None
+
+    def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:
+        decode = all(s.n == 1 for s in segments)
+        out = self.routed(h, segments, decode)
+        if self.shared is not None:
+            y = self.shared(h)
+            if self.shared_gate is not None:
+                y = y * per_row(lambda x: torch.sigmoid(self.shared_gate(x)), h, decode)
+            out = out + y
+        return out
+
+    def routed(self, h: torch.Tensor, segments, decode: bool,
+               logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum for the segments' real rows (zero elsewhere);
+        `logits` [n, n_expert] given by a family that computes its own (else the router's
+        over h)."""
+        out = h.new_zeros(h.shape)
+        if not segments:
+            return out
+        rows = torch.cat([torch.arange(s.row0, s.row0 + s.n_real) for s in segments])
+        if rows.numel() == 0:
+            return out
+        x = h[rows]
+        logits = per_row(self.router, x, decode) if logits is None else logits[rows]
+        if decode:
+            picks = [self.routing(logits[r:r + 1], self.bias) for r in range(len(rows))]
+            experts = torch.cat([e for e, _ in picks])
+            weights = torch.cat([w for _, w in picks])
+        else:
+            experts, weights = self.routing(logits, self.bias)
+        out[rows] = self._mix(x, experts, weights, decode)
+        return out
+
+    def _mix(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+             decode: bool) -> torch.Tensor:
+        """sum_j weights[:, j] * expert_{experts[:, j]}(x), added in order j = 0, 1, ..."""
+        n, k = experts.shape
+        ys = x.new_empty(n, k, x.shape[1])
+        flat = experts.reshape(-1)
+        for e in torch.unique(flat).tolist():
+            at = (flat == e).nonzero().squeeze(1)  # positions row * k + j
+            expert = self.experts[e]
+            step = (SMALL_ROWS if expert.row_invariant else 1) if decode else len(at)
+            for i in range(0, len(at), step):
+                part = at[i:i + step]
+                ys[part // k, part % k] = expert(x[part // k])
+        out = ys[:, 0] * weights[:, 0:1]
+        for j in range(1, k):
+            out = out + ys[:, j] * weights[:, j:j + 1]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode row reads: the router, n_used experts (as large as
+        any), the shared experts."""
+        expert = max(e.nbytes for e in self.experts)
+        shared = self.shared.nbytes if self.shared is not None else 0
+        return self.router.nbytes + self.routing.n_used * expert + shared
+
+    @property
+    def held_nbytes(self) -> int:
+        """Weight bytes the block holds: every expert (the planner's figure)."""
+        shared = self.shared.nbytes if self.shared is not None else 0
+        return self.router.nbytes + sum(e.nbytes for e in self.experts) + shared
