@@ -44,6 +44,10 @@ MODELS = {
     "falcon-h1": Family("falcon-h1", "hybrid",
                         shape=Shape("falcon-h1", layers=4, hidden=256, heads=4, kv_heads=2,
                                     ff=512, dtype="f32", seed=7)),
+    # tests/test_family_qwen3next.py's shape: DeltaNet and gated attention, MoE FFN
+    "qwen3next": Family("qwen3next", "hybrid",
+                        shape=Shape("qwen3next", layers=6, hidden=256, heads=4, kv_heads=2,
+                                    ff=128, dtype="f32", seed=5)),
 }
 SPLITS = (1, 2, 3)
 CHECKS = ("split_handoff", "restore_equals_recompute", "repeated_hits", "full_state")
