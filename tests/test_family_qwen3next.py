@@ -17,7 +17,7 @@ from skippy.stages.synth import QWEN3NEXT, write_synthetic
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.families import family_for
 from skippy.topology.gguf_file import GGUFFile
-from skippy.topology.model_config import ModelConfig, deltanet_layer_pattern
+from skippy.topology.model_config import ModelConfig, deltanet_fields, deltanet_layer_pattern
 
 LAYERS = 6  # d d a d d a
 DELTANET = {0, 1, 3, 4}
@@ -45,6 +45,28 @@ def test_layer_pattern_defaults_to_every_fourth_layer_attention():
     """llama.cpp without attention.recurrent_layers: layer i is DeltaNet iff (i + 1) % n."""
     assert sorted(set(range(8)) - deltanet_layer_pattern(8, 4)) == [3, 7]
     assert sorted(set(range(LAYERS)) - deltanet_layer_pattern(LAYERS, 3)) == [2, 5]
+
+
+class _Keys:
+    """The metadata a config reads, without a file."""
+    architecture = "qwen3next"
+
+    def __init__(self, **keys):
+        self.keys = {k.replace("__", "."): v for k, v in keys.items()}
+
+    def arch_key(self, key, default=None):
+        return self.keys.get(key, default)
+
+
+def test_an_explicit_recurrent_layer_list_wins_over_the_interval():
+    sizes = dict(ssm__conv_kernel=4, ssm__inner_size=128, ssm__state_size=32,
+                 ssm__time_step_rank=4, ssm__group_count=2)
+    listed = deltanet_fields(_Keys(attention__recurrent_layers=[True, False, True, True],
+                                     full_attention_interval=2, **sizes), 4)
+    assert listed["deltanet_layers"] == {0, 2, 3}
+    assert deltanet_fields(_Keys(**sizes), 8)["deltanet_layers"] == {0, 1, 2, 4, 5, 6}
+    with pytest.raises(ValueError, match="inner size"):
+        deltanet_fields(_Keys(**{**sizes, "ssm__inner_size": 96}), 4)
 
 
 def test_synthetic_file_layout_and_config(qwen3next_f32):

@@ -105,7 +105,7 @@ class ModelConfig:
             if ssm["ssm_d_conv"] < 2:
                 raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
         elif family.recurrent_mixer == "gated_deltanet":
-            ssm = _deltanet_hparams(f, n_layers)
+            ssm = deltanet_fields(f, n_layers)
         sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
@@ -230,7 +230,7 @@ def deltanet_layer_pattern(n_layers: int, interval: int) -> frozenset[int]:
     return frozenset(i for i in range(n_layers) if (i + 1) % interval != 0)
 
 
-def _deltanet_hparams(f: GGUFFile, n_layers: int) -> dict[str, object]:
+def deltanet_fields(f: GGUFFile, n_layers: int) -> dict[str, object]:
     """Qwen3-Next's DeltaNet layers and sizes, from the keys llama.cpp reads: the layer list
     attention.recurrent_layers if present, else full_attention_interval (default 4)."""
     arch = f.architecture
