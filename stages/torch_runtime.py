@@ -1,8 +1,8 @@
 """The torch stage runtime: any contiguous layer range of a supported family.
 
-Hybrid families (LFM2, Falcon-H1) keep recurrent conv (and SSM) state beside the attention
-KV. That state exists only at the lane's current length and at the chunk boundaries a
-prefill was asked to snapshot: it cannot be cut back to a shorter prefix, so exports,
+Hybrid families (LFM2, Falcon-H1, Qwen3-Next) keep recurrent conv (and SSM or DeltaNet)
+state beside the attention KV. That state exists only at the lane's current length and at
+the chunk boundaries a prefill was asked to snapshot: it cannot be cut back to a shorter prefix, so exports,
 copies and prefill starts are limited to those lengths (and 0).
 """
 

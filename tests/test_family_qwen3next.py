@@ -18,6 +18,7 @@ from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.families import family_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig, deltanet_fields, deltanet_layer_pattern
+from skippy.topology.planner import ModelFacts
 
 LAYERS = 6  # d d a d d a
 DELTANET = {0, 1, 3, 4}
@@ -96,6 +97,10 @@ def test_a_stage_exports_conv_and_delta_state_of_its_deltanet_layers(qwen3next_f
     assert fixed["conv.3"].shape == (S["d_conv"] - 1, CONV_DIM)
     assert fixed["ssm.3"].shape == (S["v_heads"], S["head"], S["head"])
     assert rt.identity()["recurrent_state"].startswith("gated-deltanet")
+    # the planner's per-lane bytes for these layers: KV for the attention layer only
+    facts = ModelFacts.from_gguf(qwen3next_f32)
+    assert sum(facts.state_bytes[2:5]) == sum(4 * v.numel() for v in fixed.values())
+    assert [b > 0 for b in facts.kv_bytes_per_token] == [i not in DELTANET for i in range(6)]
 
 
 def _frame(rt: TorchStageRuntime, n: int):
