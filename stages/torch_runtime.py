@@ -2,8 +2,8 @@
 
 Hybrid families (LFM2, Falcon-H1, Qwen3-Next) keep recurrent conv (and SSM or DeltaNet)
 state beside the attention KV. That state exists only at the lane's current length and at
-the chunk boundaries a prefill was asked to snapshot: it cannot be cut back to a shorter prefix, so exports,
-copies and prefill starts are limited to those lengths (and 0).
+the chunk boundaries a prefill was asked to snapshot: it cannot be cut back to a shorter
+prefix, so exports, copies and prefill starts are limited to those lengths (and 0).
 """
 
 from __future__ import annotations
