@@ -44,6 +44,13 @@ MODELS = {
     "falcon-h1": Family("falcon-h1", "hybrid",
                         shape=Shape("falcon-h1", layers=4, hidden=256, heads=4, kv_heads=2,
                                     ff=512, dtype="f32", seed=7)),
+    # tests/test_family_qwen3moe.py and test_family_minimax_m2.py: 8 experts of width ff
+    "qwen3moe": Family("qwen3moe", "dense",
+                       shape=Shape("qwen3moe", layers=4, hidden=256, heads=4, kv_heads=2,
+                                   ff=128, dtype="f32", seed=7)),
+    "minimax-m2": Family("minimax-m2", "dense",
+                         shape=Shape("minimax-m2", layers=4, hidden=256, heads=4, kv_heads=2,
+                                     ff=128, dtype="f32", seed=7)),
     # tests/test_family_qwen3next.py's shape: DeltaNet and gated attention, MoE FFN
     "qwen3next": Family("qwen3next", "hybrid",
                         shape=Shape("qwen3next", layers=6, hidden=256, heads=4, kv_heads=2,

@@ -391,11 +391,15 @@ def make_linear(weight: torch.Tensor | Matrix, fmt: str = "fp32") -> Linear:
     return Int8Linear(m.values, dense)
 
 
+_ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float:
     """Bytes a stage holds for one GGUF tensor (`qtype` its type name, `shape` in GGUF
     order, inputs first) in format `fmt`: the planner's memory estimate. Layer matrices
-    go through make_linear, a Q8_0 table through Embeddings and make_head; everything
-    else (norms, convolutions, other tables) is held as float32. Ask for a tied head
+    go through make_linear (a 3-D expert stack expert by expert), a Q8_0 table through
+    Embeddings and make_head; everything else (norms, convolutions, other tables, MoE
+    routers) is held as float32. Ask for a tied head
     as "output.weight"."""
     n = 1
     for d in shape:
@@ -404,10 +408,14 @@ def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float
         return (1.0 + 4 / GROUP) * n
     if name == "output.weight" and qtype == "Q8_0" and fmt != "fp32":  # RescoredHead
         return (1.0 + 4 / GROUP + 1.0 + 8 / GROUP) * n
-    if not name.startswith("blk.") or len(shape) != 2 or shape[0] % GROUP:
+    if name.endswith(_ROUTERS):  # stages/moe.py holds routers as float32
+        return 4.0 * n
+    experts = len(shape) == 3 and "_exps." in name  # every expert held as a matrix
+    if not name.startswith("blk.") or not (len(shape) == 2 or experts) or shape[0] % GROUP:
         return 4.0 * n
     base = fmt.removesuffix(LEAN)
-    dense = 0.0 if fmt.endswith(LEAN) or not fast_bf16() else 2.0
+    # no bf16 copy for lean formats, nor for experts (stages/moe.py expert_format)
+    dense = 0.0 if fmt.endswith(LEAN) or experts or not fast_bf16() else 2.0
     if base == "fp32":
         return 4.0 * n
     if base == "bf16":

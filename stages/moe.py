@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from skippy.topology.model_config import ModelConfig
 
 from .layers import gated_activation
-from .linear import SMALL_ROWS, BlockLinear, Linear, Matrix, fuse_linear, make_linear
+from .linear import LEAN, SMALL_ROWS, BlockLinear, Linear, Matrix, fuse_linear, make_linear
 from .weights import StageTensors
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
@@ -134,31 +134,41 @@ class Expert:
 
 
 def _expert_scales(t: StageTensors, p: str, e: int, merged: bool):
-    """Expert e's (gate, up, down) output scales where the file has them."""
+    """Expert e's (gate, up, down) output scales where the file has them (a merged
+    gate_up stack takes the up scale on both halves, as llama.cpp applies it)."""
     def one(name: str) -> float | None:
         s = t.get(p + name)
         return None if s is None else float(s.reshape(-1)[e])
-    up = one("ffn_gate_up_exps.scale" if merged else "ffn_up_exps.scale")
+    up = one("ffn_up_exps.scale")
     gate = up if merged else one("ffn_gate_exps.scale")
     return gate, up, one("ffn_down_exps.scale")
 
 
+def expert_format(fmt: str) -> str:
+    """The format routed experts are held in: the stage's, but never with the bfloat16
+    prefill copy of the integer formats (linear.py): it would hold 2 bytes per weight
+    beside 0.6-1.1, for experts that see few rows of a chunk each (a chunk of C rows
+    gives an expert about C * n_used / n_expert), mostly under SMALL_ROWS, where the
+    integer kernel runs anyway."""
+    return fmt if fmt in ("fp32", "bf16") or fmt.endswith(LEAN) else fmt + LEAN
+
+
 def load_experts(index: int, t: StageTensors, fmt: str, activation: str) -> list[Expert]:
-    """Layer `index`'s routed experts, each in format `fmt` (gate and up as separate 3-D
-    tensors, or one merged gate_up tensor)."""
+    """Layer `index`'s routed experts, each in format `fmt` (held as expert_format says;
+    gate and up as separate 3-D tensors, or one merged gate_up tensor)."""
     p = f"blk.{index}."
+    fmt = expert_format(fmt)
     down = t.experts(p + "ffn_down_exps.weight")
-    merged = p + "ffn_gate_up_exps.weight" in t.names
-    if merged:
-        gate_up = t.experts(p + "ffn_gate_up_exps.weight")
-        half = gate_up[0].values.shape[0] // 2
-        return [Expert(make_linear(gate_up[e], fmt), [half, half], make_linear(down[e], fmt),
-                       activation, _expert_scales(t, p, e, True))
-                for e in range(len(down))]
-    gate = t.experts(p + "ffn_gate_exps.weight")
-    up = t.experts(p + "ffn_up_exps.weight")
-    return [Expert.of(gate[e], up[e], down[e], fmt, activation, _expert_scales(t, p, e, False))
-            for e in range(len(down))]
+    if p + "ffn_gate_up_exps.weight" in t.names:  # gate and up in one stack
+        out = []
+        for e, (gate_up, d) in enumerate(zip(t.experts(p + "ffn_gate_up_exps.weight"), down)):
+            half = gate_up.values.shape[0] // 2
+            out.append(Expert(make_linear(gate_up, fmt), [half, half], make_linear(d, fmt),
+                              activation, _expert_scales(t, p, e, True)))
+        return out
+    gate_up = zip(t.experts(p + "ffn_gate_exps.weight"), t.experts(p + "ffn_up_exps.weight"))
+    return [Expert.of(g, u, d, fmt, activation, _expert_scales(t, p, e, False))
+            for e, ((g, u), d) in enumerate(zip(gate_up, down))]
 
 
 class MoeFfn:
@@ -170,6 +180,9 @@ class MoeFfn:
                  activation: str | None = None):
         p = f"blk.{index}."
         activation = activation or cfg.family.activation
+        if cfg.n_expert_used <= 0:
+            raise ValueError(f"layer {index} has a router, but {cfg.family.name} reads no "
+                             f"mixture-of-experts settings (topology/families.py: moe)")
         self.router = Linear(t[p + "ffn_gate_inp.weight"])
         self.bias = t.get(p + "exp_probs_b.bias")
         self.routing = Routing.of(cfg)
@@ -191,7 +204,8 @@ class MoeFfn:
         if self.shared is not None:
             y = self.shared(h)
             if self.shared_gate is not None:
-                y = y * per_row(lambda x: torch.sigmoid(self.shared_gate(x)), h, decode)
+                gate = per_row(lambda x: torch.sigmoid(self.shared_gate(x)), h, True)
+                y = y * gate
             out = out + y
         return out
 
@@ -207,7 +221,9 @@ class MoeFfn:
         if rows.numel() == 0:
             return out
         x = h[rows]
-        logits = per_row(self.router, x, decode) if logits is None else logits[rows]
+        # one row at a time in prefill too: a batched float32 product splits its sums by
+        # thread count (the integer formats promise bits that do not depend on threads)
+        logits = per_row(self.router, x, True) if logits is None else logits[rows]
         if decode:
             picks = [self.routing(logits[r:r + 1], self.bias) for r in range(len(rows))]
             experts = torch.cat([e for e, _ in picks])

@@ -321,6 +321,43 @@ def _qwen3moe_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- minimax-m2 (whole-projection q/k norms, partial rope, sigmoid routing with a bias) --------
+MINIMAX_M2_EXPERTS = {"experts": 8, "used": 2}
+
+
+def _minimax_m2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), **_moe_hparams(d, MINIMAX_M2_EXPERTS),
+            "rope.dimension_count": d.head_dim // 2,  # rope turns half of each head
+            "expert_gating_func": 2}  # llama.cpp: sigmoid
+
+
+def _minimax_m2_tensors(d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    n_expert = MINIMAX_M2_EXPERTS["experts"]
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out += [
+            TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            # one norm over all heads of Q, one over all heads of K
+            TensorSpec(f"{b}.attn_q_norm.weight", (q,), "norm"),
+            TensorSpec(f"{b}.attn_k_norm.weight", (kv,), "norm"),
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            *_expert_tensors(d, b, n_expert),
+            # the selection bias: shifts which experts a token picks, not their weights
+            TensorSpec(f"{b}.exp_probs_b.bias", (n_expert,), "bias"),
+        ]
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 # -- qwen3next (gated DeltaNet and gated attention layers, MoE FFN) ---------------------------
 # Fixed for the synthetic family: every 3rd layer attention (6 layers: d d a d d a), rope on
 # a quarter of each head (as the released 64 of 256), DeltaNet with 2 key heads and 4 value
@@ -426,6 +463,8 @@ _ARCHS: dict[str, ArchSpec] = {
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
     "qwen3moe": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3moe_hparams,
                          tensors=_qwen3moe_tensors),
+    "minimax-m2": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_minimax_m2_hparams,
+                           tensors=_minimax_m2_tensors),
     "qwen3next": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3next_hparams,
                           tensors=_qwen3next_tensors),
 }

@@ -20,6 +20,7 @@ from . import qkernel
 from .kv import LaneKv
 from .layers import Rope, attend, causal_mask, rms_norm
 from .linear import fuse_linear, make_linear
+from .qk_norm import WholeQkNorm
 from .weights import StageTensors
 
 
@@ -77,6 +78,9 @@ class Attention:
             [t.matrix(p + "attn_q.weight"), t.matrix(p + "attn_k.weight"),
              t.matrix(p + "attn_v.weight")], fmt)
         self.out = make_linear(t.matrix(p + "attn_output.weight"), fmt)
+        if fam.qk_norm_whole:  # MiniMax-M2: Q and K each normed whole, then attention
+            self.qkv = WholeQkNorm(self.qkv, self.qkv_split, t[p + "attn_q_norm.weight"],
+                                   t[p + "attn_k_norm.weight"], cfg.rms_eps)
         self.q_norm = t[p + "attn_q_norm.weight"] if fam.qk_norm else None
         self.k_norm = t[p + "attn_k_norm.weight"] if fam.qk_norm else None
         # Q and K heads side by side ([n, H + KVH, D], adjacent in the QKV output) take

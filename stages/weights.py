@@ -8,6 +8,8 @@ model-digest part of the cache identity, stable across file names and processes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import blake3
 import numpy as np
 import torch
@@ -61,18 +63,22 @@ class StageTensors:
             values = dequantize_tensor(self.f, name)
         return Matrix(values, int4_blocks(self.f, name), int8_blocks(self.f, name))
 
-    def experts(self, name: str) -> list[Matrix]:
-        """A 3-D expert tensor (GGUF {in, out, n_expert}) as one Matrix per expert, read now
-        and not kept: each expert's values and, if stored so, its own 4-bit or 8-bit blocks
-        (views of the stack's), for make_linear expert by expert."""
-        m = self.matrix(name)
-        if m.values.ndim != 3:
-            raise ValueError(f"{name}: expected a 3-D expert tensor, not {tuple(m.values.shape)}")
-        b4, b8 = m.int4, m.int8
-        return [Matrix(m.values[e],
-                       None if b4 is None else Int4Blocks(b4.codes[e], b4.scale[e], b4.offset[e]),
-                       None if b8 is None else Int8Blocks(b8.codes[e], b8.scale[e]))
-                for e in range(m.values.shape[0])]
+    def experts(self, name: str) -> Iterator[Matrix]:
+        """A 3-D expert tensor (GGUF {in, out, n_expert}) one expert at a time, read now and
+        not kept: its values and, if stored so, its own 4-bit or 8-bit blocks, for
+        make_linear expert by expert. An expert's bytes are one contiguous slice of the
+        stack's, so no more than one expert is ever dequantized at a time."""
+        self._check(name)
+        info = self.f.tensors[name]
+        if len(info.shape) != 3:
+            raise ValueError(f"{name}: expected a 3-D expert tensor, not {tuple(info.shape)}")
+        k, n, n_expert = (int(d) for d in info.shape)
+        raw = np.asarray(self.f.raw(name))
+        per = raw.shape[0] // n_expert
+        for e in range(n_expert):
+            part = raw[e * per:(e + 1) * per]
+            yield Matrix(dequantize_raw(part, info.qtype, (n, k)),
+                         int4_of(part, info.qtype, (n, k)), int8_of(part, info.qtype, (n, k)))
 
 
 def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
@@ -95,10 +101,16 @@ def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
 
 def dequantize_tensor(f: GGUFFile, name: str) -> torch.Tensor:
     info = f.tensors[name]
-    rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
-    raw = np.asarray(f.raw(name)).reshape(rows, -1)
-    values = dequantize(raw, info.qtype).astype(np.float32, copy=False)
-    return torch.from_numpy(values.reshape(tuple(reversed(info.shape))).copy())
+    return dequantize_raw(np.asarray(f.raw(name)), info.qtype,
+                          tuple(int(d) for d in reversed(info.shape)))
+
+
+def dequantize_raw(raw: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 values of a tensor's bytes `raw` (GGML type `qtype`), shaped `shape`
+    (torch order: inputs last)."""
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    values = dequantize(raw.reshape(rows, -1), qtype).astype(np.float32, copy=False)
+    return torch.from_numpy(values.reshape(shape).copy())
 
 
 # Block layouts (ggml): Q4_0 = f16 d, 16 bytes of nibbles (value = (q - 8) * d);
@@ -107,52 +119,50 @@ def dequantize_tensor(f: GGUFFile, name: str) -> torch.Tensor:
 _Q4_HEADER = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
 
 
-def _block_rows(f: GGUFFile, name: str, block_bytes: int):
-    """A 2-D matrix or 3-D stack of matrices (experts) as [rows, blocks, block_bytes], and
-    the torch shape (..., out, in) the decoded codes take; None where the inner size is
-    not whole blocks or the tensor is not 2-D or 3-D."""
-    info = f.tensors[name]
-    if len(info.shape) not in (2, 3) or info.shape[0] % GROUP:
-        return None
-    shape = tuple(int(d) for d in reversed(info.shape))
-    rows = int(np.prod(shape[:-1]))
-    return np.asarray(f.raw(name)).reshape(rows, shape[-1] // GROUP, block_bytes), shape
-
-
 def int4_blocks(f: GGUFFile, name: str) -> Int4Blocks | None:
-    """The 4-bit blocks of a Q4_0 / Q4_1 matrix (or 3-D expert stack: codes [E, out, in])
-    as codes, scales and offsets; None for any other type (those are quantized from their
-    float values if at all)."""
+    """The 4-bit blocks of a Q4_0 / Q4_1 matrix as codes, scales and offsets; None for any
+    other type (those are quantized from their float values if at all)."""
     info = f.tensors[name]
-    header = _Q4_HEADER.get(info.qtype)
-    got = _block_rows(f, name, (header or 0) + GROUP // 2) if header is not None else None
-    if got is None:
+    if len(info.shape) != 2:
         return None
-    blocks, shape = got
+    return int4_of(np.asarray(f.raw(name)), info.qtype, (int(info.shape[1]), int(info.shape[0])))
+
+
+def int4_of(raw: np.ndarray, qtype, shape: tuple[int, int]) -> Int4Blocks | None:
+    """int4_blocks of one matrix's bytes `raw`, shaped (out, in)."""
+    header = _Q4_HEADER.get(qtype)
+    n, k = shape
+    if header is None or k % GROUP:
+        return None
+    blocks = raw.reshape(n, k // GROUP, header + GROUP // 2)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if info.qtype == GGMLQuantizationType.Q4_1:
+    if qtype == GGMLQuantizationType.Q4_1:
         offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     else:
         offset = -8.0 * d
     qs = blocks[..., header:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(shape)
-    groups = shape[:-1] + (shape[-1] // GROUP,)
-    return Int4Blocks(torch.from_numpy(codes.copy()), torch.from_numpy(d.reshape(groups)),
-                      torch.from_numpy(np.ascontiguousarray(offset).reshape(groups)))
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return Int4Blocks(torch.from_numpy(codes.copy()), torch.from_numpy(d),
+                      torch.from_numpy(np.ascontiguousarray(offset)))
 
 
 def int8_blocks(f: GGUFFile, name: str) -> Int8Blocks | None:
-    """A Q8_0 matrix's (or 3-D expert stack's) blocks (f16 d, 32 int8 codes; value =
-    code * d); None otherwise."""
+    """A Q8_0 matrix's blocks (f16 d, 32 int8 codes; value = code * d); None otherwise."""
     info = f.tensors[name]
-    got = _block_rows(f, name, 2 + GROUP) if info.qtype == GGMLQuantizationType.Q8_0 else None
-    if got is None:
+    if len(info.shape) != 2:
         return None
-    blocks, shape = got
+    return int8_of(np.asarray(f.raw(name)), info.qtype, (int(info.shape[1]), int(info.shape[0])))
+
+
+def int8_of(raw: np.ndarray, qtype, shape: tuple[int, int]) -> Int8Blocks | None:
+    """int8_blocks of one matrix's bytes `raw`, shaped (out, in)."""
+    n, k = shape
+    if qtype != GGMLQuantizationType.Q8_0:
+        return None
+    blocks = raw.reshape(n, k // GROUP, 2 + GROUP)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[..., 2:].copy().view(np.int8).reshape(shape)
-    return Int8Blocks(torch.from_numpy(codes),
-                      torch.from_numpy(d.reshape(shape[:-1] + (shape[-1] // GROUP,))))
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return Int8Blocks(torch.from_numpy(codes), torch.from_numpy(d))
 
 
 def load_stage_tensors(f: GGUFFile, cfg: ModelConfig, start: int, end: int,

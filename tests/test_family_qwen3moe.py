@@ -1,17 +1,13 @@
 """qwen3moe: qwen3 attention with a mixture of experts in every layer (stages/moe.py),
-through the family bar, plus the MoE block's own exactness: a lane's rows never depend
-on the lanes beside it nor on padding rows."""
+through the family bar and the MoE exactness checks (tests/moe_checks.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from family_checks import check_agreement, check_certify
-from skippy.stages.runtime import StageSpec
-from skippy.stages.torch_runtime import TorchStageRuntime
-
-PROMPT = [(i * 7919) % 40000 + 100 for i in range(90)]
+from moe_checks import (check_lanes_alone_equal_together, check_padding_rows_not_routed,
+                        check_threads_do_not_change_bits, whole)
 
 
 @pytest.fixture(scope="module")
@@ -33,46 +29,28 @@ def test_certify_two_stages(qwen3moe_f32, fmt):
 
 def test_every_layer_is_a_mixture_of_experts(qwen3moe_f32):
     from skippy.stages.moe import MoeFfn
-    rt = TorchStageRuntime(StageSpec(str(qwen3moe_f32), 0, 4, n_ctx=256))
-    assert rt.cfg.n_expert == 8 and rt.cfg.n_expert_used == 2 and rt.cfg.expert_ff == 128
-    assert rt.cfg.expert_gating == "softmax" and rt.cfg.expert_weights_norm
-    assert all(isinstance(layer.ffn, MoeFfn) for layer in rt.layers)
-    assert all(len(layer.ffn.experts) == 8 for layer in rt.layers)
+    rt = whole(qwen3moe_f32)
+    cfg = rt.cfg
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.expert_ff) == (8, 2, 128)
+    assert cfg.expert_gating == "softmax" and cfg.expert_weights_norm
+    assert all(isinstance(layer.ffn, MoeFfn) and len(layer.ffn.experts) == 8
+               for layer in rt.layers)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 def test_lane_logits_alone_equal_beside_other_lanes(qwen3moe_f32, fmt):
-    """Decode rows of 5 lanes in one step, each bitwise the lane's row decoded alone
-    (fp32 pads the step to lane_batch rows; int4 runs it unpadded)."""
-    rt = TorchStageRuntime(StageSpec(str(qwen3moe_f32), 0, 4, n_ctx=256, chunk=32,
-                                     lane_batch=8, weight_format=fmt))
-    lengths = [20 + 13 * k for k in range(5)]
-    lanes = [rt.alloc_lane() for _ in lengths]
-    for lane, n in zip(lanes, lengths):
-        rt.prefill(lane, torch.tensor(PROMPT[:n]), logits="none")
-    step = [torch.tensor(PROMPT[n]) for n in lengths]
-    alone = []
-    for lane, n, tok in zip(lanes, lengths, step):
-        alone.append(rt.decode([(lane, tok)])[0].logits)
-        rt.copy_lane(lane, lane, n)  # undo the step
-    together = rt.decode(list(zip(lanes, step)))
-    for k in range(len(lanes)):
-        assert torch.equal(together[k].logits, alone[k]), f"{fmt}: lane {k}"
+    check_lanes_alone_equal_together(qwen3moe_f32, fmt)
 
 
 def test_padding_rows_are_not_routed(qwen3moe_f32):
-    """A short last chunk: its real rows' logits do not depend on what its padding rows
-    hold (the padding is zero rows in serving; here garbage after the first layer)."""
-    from skippy.stages.moe import MoeFfn
-    from skippy.stages.transformer import Segment
-    rt = TorchStageRuntime(StageSpec(str(qwen3moe_f32), 0, 4, n_ctx=256, chunk=32))
-    ffn = rt.layers[0].ffn
-    assert isinstance(ffn, MoeFfn)
-    h = torch.randn(32, rt.cfg.hidden, generator=torch.Generator().manual_seed(1))
-    seg = Segment(None, 0, 32, 0, n_real=20)
-    a = ffn(h, [seg])
-    h2 = h.clone()
-    h2[20:] = torch.randn(12, rt.cfg.hidden)
-    b = ffn(h2, [seg])
-    assert torch.equal(a[:20], b[:20])
-    assert not a[20:].any()  # no shared experts: padding rows get nothing
+    check_padding_rows_not_routed(qwen3moe_f32)
+
+
+def test_certify_matrix_synthesizes_this_model(qwen3moe_f32, tmp_path):
+    from skippy.evals import certify_matrix as matrix
+    made = matrix.model_path("qwen3moe", synth_dir=tmp_path)
+    assert made.read_bytes() == qwen3moe_f32.read_bytes()
+
+
+def test_integer_formats_do_not_depend_on_threads(qwen3moe_f32):
+    check_threads_do_not_change_bits(qwen3moe_f32, "int4")

@@ -35,6 +35,7 @@ class Family:
                                # the converter); "neox": rotate the two halves
     activation: str            # gated FFN activation: "silu" or "gelu_tanh"
     qk_norm: bool = False      # per-head RMSNorm of Q and K before rope
+    qk_norm_whole: bool = False  # one RMSNorm over all Q heads, one over all K heads
     post_norms: bool = False   # RMSNorm after attention and after the FFN (Gemma)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
     swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
@@ -87,6 +88,12 @@ FAMILIES: dict[str, Family] = {
     # key read; NEOX rope.
     "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
                        moe=MoeRules(norm_weights=True, gating="softmax")),
+    # llama.cpp (models/minimax-m2.cpp): Q and K normed over the whole projection before
+    # rope, partial rope (rope.dimension_count of the head), sigmoid routing from
+    # expert_gating_func with exp_probs_b choosing, chosen weights normalised; NEOX rope.
+    "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
+                         qk_norm_whole=True,
+                         moe=MoeRules(norm_weights=True, gating=None)),
     # llama.cpp (models/qwen3next.cpp): DeltaNet or gated attention by layer
     # (ModelConfig.deltanet_layers); the pre-FFN norm is post_attention_norm; NEOX rope
     # (llama_model_rope_type), partial where rope.dimension_count < key_length. MoE:
