@@ -99,6 +99,11 @@ class Shape:
             from skippy.stages.synth import lfm2_is_attention_layer
             n_attn = sum(lfm2_is_attention_layer(i) for i in range(self.layers))
             text += f", {self.layers - n_attn} short-conv + {n_attn} attention layers"
+        if self.arch == "qwen3next":
+            from skippy.stages.synth import QWEN3NEXT as s, qwen3next_is_attention_layer
+            n_attn = sum(qwen3next_is_attention_layer(i) for i in range(self.layers))
+            text += (f", {self.layers - n_attn} gated DeltaNet + {n_attn} gated attention "
+                     f"layers, {s['experts']} experts ({s['used']} used) + a shared one")
         return text
 
 

@@ -56,6 +56,10 @@ MODELS = {
     "minimax-m2": Family("minimax-m2", "dense",
                          shape=Shape("minimax-m2", layers=4, hidden=256, heads=4, kv_heads=2,
                                      ff=128, dtype="f32", seed=7)),
+    # tests/test_family_qwen3next.py's shape: DeltaNet and gated attention, MoE FFN
+    "qwen3next": Family("qwen3next", "hybrid",
+                        shape=Shape("qwen3next", layers=6, hidden=256, heads=4, kv_heads=2,
+                                    ff=128, dtype="f32", seed=5)),
 }
 SPLITS = (1, 2, 3)
 CHECKS = ("split_handoff", "restore_equals_recompute", "repeated_hits", "full_state")

@@ -520,6 +520,96 @@ def _minimax_m2_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- qwen3next (gated DeltaNet and gated attention layers, MoE FFN) ---------------------------
+# Fixed for the synthetic family: every 3rd layer attention (6 layers: d d a d d a), rope on
+# a quarter of each head (as the released 64 of 256), DeltaNet with 2 key heads and 4 value
+# heads of 32 (so the key -> value head repeat is exercised) and a 4-tap conv, 8 experts of
+# which 2 are used, a shared expert as wide as one expert (--ff sets both).
+QWEN3NEXT = {"interval": 3, "rope_fraction": 4, "k_heads": 2, "v_heads": 4, "head": 32,
+             "d_conv": 4, "experts": 8, "used": 2}
+
+
+def qwen3next_is_attention_layer(layer: int) -> bool:
+    return (layer + 1) % QWEN3NEXT["interval"] == 0
+
+
+def _qwen3next_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    s = QWEN3NEXT
+    return {
+        **_qwen3_hparams(d),
+        "rope.dimension_count": d.head_dim // s["rope_fraction"],
+        "full_attention_interval": s["interval"],
+        **_moe_hparams(d, s),
+        "expert_shared_feed_forward_length": d.ff,
+        "ssm.conv_kernel": s["d_conv"],
+        "ssm.inner_size": s["v_heads"] * s["head"],
+        "ssm.state_size": s["head"],
+        "ssm.time_step_rank": s["v_heads"],  # llama.cpp: value heads
+        "ssm.group_count": s["k_heads"],     # llama.cpp: key heads
+    }
+
+
+def _qwen3next_deltanet(b: str, d: Dims) -> list[TensorSpec]:
+    s = QWEN3NEXT
+    key, value = s["k_heads"] * s["head"], s["v_heads"] * s["head"]
+    return [
+        TensorSpec(f"{b}.attn_qkv.weight", (2 * key + value, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_gate.weight", (value, d.hidden), "proj"),
+        # per key head: beta then alpha of its value heads
+        TensorSpec(f"{b}.ssm_ba.weight", (2 * s["v_heads"], d.hidden), "proj"),
+        # numpy (conv_dim, d_conv) = ggml {d_conv, conv_dim}; ssm_conv reads only f32
+        TensorSpec(f"{b}.ssm_conv1d.weight", (2 * key + value, s["d_conv"]), "proj",
+                   always_f32=True),
+        TensorSpec(f"{b}.ssm_dt.bias", (s["v_heads"],), "bias"),
+        TensorSpec(f"{b}.ssm_a", (s["v_heads"],), "ssm_a"),  # -exp(A_log)
+        TensorSpec(f"{b}.ssm_norm.weight", (s["head"],), "norm"),
+        TensorSpec(f"{b}.ssm_out.weight", (d.hidden, value), "proj"),
+    ]
+
+
+def _qwen3next_attention(b: str, d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    return [
+        # per head: its query, then its output gate
+        TensorSpec(f"{b}.attn_q.weight", (2 * q, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+        TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
+        TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+    ]
+
+
+def _qwen3next_moe(b: str, d: Dims) -> list[TensorSpec]:
+    return [
+        *_expert_tensors(d, b, QWEN3NEXT["experts"]),
+        # the shared expert and its gate: one logit per row
+        TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (d.hidden,), "proj"),
+        TensorSpec(f"{b}.ffn_gate_shexp.weight", (d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_up_shexp.weight", (d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_down_shexp.weight", (d.hidden, d.ff), "proj"),
+    ]
+
+
+def _qwen3next_tensors(d: Dims) -> list[TensorSpec]:
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out.append(TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"))
+        if qwen3next_is_attention_layer(i):
+            out += _qwen3next_attention(b, d)
+        else:
+            out += _qwen3next_deltanet(b, d)
+        # the pre-FFN norm is named post_attention_norm
+        out.append(TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm"))
+        out += _qwen3next_moe(b, d)
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -543,6 +633,8 @@ _ARCHS: dict[str, ArchSpec] = {
                          tensors=_qwen3moe_tensors),
     "minimax-m2": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_minimax_m2_hparams,
                            tensors=_minimax_m2_tensors),
+    "qwen3next": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3next_hparams,
+                          tensors=_qwen3next_tensors),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))

@@ -1,9 +1,9 @@
 """The torch stage runtime: any contiguous layer range of a supported family.
 
-Hybrid families (LFM2, Falcon-H1) keep recurrent conv (and SSM) state beside the attention
-KV. That state exists only at the lane's current length and at the chunk boundaries a
-prefill was asked to snapshot: it cannot be cut back to a shorter prefix, so exports,
-copies and prefill starts are limited to those lengths (and 0).
+Hybrid families (LFM2, Falcon-H1, Qwen3-Next) keep recurrent conv (and SSM or DeltaNet)
+state beside the attention KV. That state exists only at the lane's current length and at
+the chunk boundaries a prefill was asked to snapshot: it cannot be cut back to a shorter
+prefix, so exports, copies and prefill starts are limited to those lengths (and 0).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from .layers import Rope, rms_norm
 from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
+from .deltanet import GatedDeltaNet, deltanet_state_shapes
+from .gated_attention import GatedAttention
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
 from .mla import MlaAttention, YarnRope, latent_kv_shape
 from .shortconv import ShortConv
@@ -100,15 +102,17 @@ class TorchStageRuntime(StageRuntime):
         self._next_lane = 0
 
     def _build_layers(self, t: StageTensors) -> None:
-        """The stage's decoder layers, each with its mixer (attention, short conv, or
-        attention beside Mamba2), and the KV and recurrent-state slots they use."""
+        """The stage's decoder layers, each with its mixer (attention, short conv,
+        attention beside Mamba2, or gated DeltaNet), and the KV and recurrent-state slots
+        they use."""
         spec, cfg = self.spec, self.cfg
         ropes: dict[tuple[float, float], Rope] = {}
         self.layers: list[DecoderLayer] = []
         self.attn_layers: list[int] = []  # model layer index of each KV slot
         self.conv_layers: list[int] = []  # model layer index of each short-conv layer
-        # Recurrent state slots of LaneKv.conv: their export names ("conv.N": short-conv or
-        # Mamba2 conv state of layer N, "ssm.N": Mamba2 SSM state) and shapes.
+        # Recurrent state slots of LaneKv.conv: their export names ("conv.N": short-conv,
+        # Mamba2 or DeltaNet conv state of layer N, "ssm.N": Mamba2 SSM state or DeltaNet
+        # delta state) and shapes.
         self.state_names: list[str] = []
         self.state_shapes: list[tuple[int, ...]] = []
         for i in range(spec.layer_start, spec.layer_end):
@@ -123,12 +127,16 @@ class TorchStageRuntime(StageRuntime):
                 mixer = MlaAttention(i, len(self.attn_layers), cfg, t, spec.weight_format,
                                      ropes["mla"])
                 self.attn_layers.append(i)
+            elif cfg.is_deltanet_layer(i):  # Qwen3-Next: conv state and delta state
+                mixer = GatedDeltaNet(i, len(self.state_names), cfg, t, spec.weight_format)
+                self.state_names += [f"conv.{i}", f"ssm.{i}"]
+                self.state_shapes += list(deltanet_state_shapes(cfg))
             else:
                 key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
                 if key not in ropes:
                     ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style)
-                mixer = Attention(i, len(self.attn_layers), cfg, t, spec.weight_format,
-                                  ropes[key])
+                kind = GatedAttention if cfg.family.attn_output_gate else Attention
+                mixer = kind(i, len(self.attn_layers), cfg, t, spec.weight_format, ropes[key])
                 self.attn_layers.append(i)
                 if cfg.is_ssm_layer(i):  # Falcon-H1: Mamba2 beside attention
                     ssm = Mamba2(i, len(self.state_names), cfg, t, spec.weight_format)
@@ -364,6 +372,9 @@ class TorchStageRuntime(StageRuntime):
 
     def _recurrent_state_kind(self) -> str:
         cfg = self.cfg
+        if cfg.deltanet_layers:
+            return (f"gated-deltanet d_conv={cfg.ssm_d_conv} k_heads={cfg.ssm_groups} "
+                    f"v_heads={cfg.ssm_heads} head_dim={cfg.ssm_d_state} f32")
         if cfg.ssm_layers:
             return (f"mamba2 d_conv={cfg.ssm_d_conv} d_inner={cfg.ssm_d_inner} "
                     f"d_state={cfg.ssm_d_state} heads={cfg.ssm_heads} groups={cfg.ssm_groups} f32")

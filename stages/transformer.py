@@ -99,11 +99,16 @@ class Attention:
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
+        return self.out(self._attention(self.qkv(h), positions, segments))
+
+    def _attention(self, y: torch.Tensor, positions: torch.Tensor,
+                   segments: list[Segment]) -> torch.Tensor:
+        """The attention rows [n, heads * v_head_dim] of the QKV projection's output y
+        ([n, q | k | v]), before the output projection."""
         cfg, eps = self.cfg, self.cfg.rms_eps
-        n = h.shape[0]
-        y = self.qkv(h)
+        n = y.shape[0]
         if self.lib is not None and all(s.n == 1 and s.row0 == i for i, s in enumerate(segments)):
-            return self.out(self._decode(y, segments))
+            return self._decode(y, segments)
         qk = y[:, :self.qk_cols].view(n, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
         v = y[:, self.qk_cols:].view(n, cfg.n_kv_heads, cfg.v_head_dim)
         if self.qk_norm is not None:
@@ -113,11 +118,11 @@ class Attention:
         if len(segments) == 1 and segments[0].n == n:
             attn = self._attend(segments[0], q, k, v)
         else:  # decode batch: padding rows belong to no lane and stay zero
-            attn = h.new_zeros(n, cfg.n_heads * cfg.v_head_dim)
+            attn = y.new_zeros(n, cfg.n_heads * cfg.v_head_dim)
             for seg in segments:
                 rows = slice(seg.row0, seg.row0 + seg.n)
                 attn[rows] = self._attend(seg, q[rows], k[rows], v[rows])
-        return self.out(attn)
+        return attn
 
     @property
     def nbytes(self) -> int:

@@ -46,11 +46,16 @@ class Family:
     # "shortconv": layers whose per-layer KV head count is 0 mix tokens by a short causal
     # convolution (LFM2) instead of attention. "mamba2_parallel": every layer runs attention
     # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
+    # "gated_deltanet": the layers ModelConfig.deltanet_layers lists mix tokens by a gated
+    # DeltaNet (Qwen3-Next), the others by attention.
     # None: every layer is attention.
     recurrent_mixer: str | None = None
     # "mla": DeepSeek2's multi-head latent attention (stages/mla.py): a lane keeps one
     # compressed latent row per token and layer instead of per-head K and V.
     attention: str = "gqa"
+    # Attention's Q projection carries a per-head output gate: out = attn * sigmoid(gate)
+    # before the output projection (Qwen3-Next).
+    attn_output_gate: bool = False
     output_norm: str = "output_norm.weight"  # GGUF name of the final norm
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
@@ -108,6 +113,16 @@ FAMILIES: dict[str, Family] = {
     "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
                          qk_norm_whole=True,
                          moe=MoeRules(norm_weights=True, gating=None)),
+    # llama.cpp (models/qwen3next.cpp): DeltaNet or gated attention by layer
+    # (ModelConfig.deltanet_layers); the pre-FFN norm is post_attention_norm; NEOX rope
+    # (llama_model_rope_type), partial where rope.dimension_count < key_length. MoE:
+    # softmax routing, chosen weights normalised, no scale key read; the shared expert is
+    # gated by sigmoid(h . ffn_gate_inp_shexp) (stages/moe.py).
+    "qwen3next": Family("qwen3next", rope_style="neox", activation="silu", qk_norm=True,
+                        attn_output_gate=True, cache_policy="KvRecurrent",
+                        recurrent_mixer="gated_deltanet",
+                        ffn_norm="post_attention_norm.weight",
+                        moe=MoeRules(norm_weights=True, gating="softmax")),
 }
 
 

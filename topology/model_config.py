@@ -58,6 +58,10 @@ class ModelConfig:
     expert_groups: int = 0
     expert_groups_used: int = 0
     leading_dense_layers: int = 0
+    # Qwen3-Next: layers whose mixer is a gated DeltaNet instead of attention. Its sizes use
+    # the ssm_* fields as llama.cpp reads them: ssm_heads = value heads (time_step_rank),
+    # ssm_groups = key heads (group_count), ssm_d_state = the head size of both.
+    deltanet_layers: frozenset[int] = frozenset()
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -105,6 +109,8 @@ class ModelConfig:
             }
             if ssm["ssm_d_conv"] < 2:
                 raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+        elif family.recurrent_mixer == "gated_deltanet":
+            ssm = deltanet_fields(f, n_layers)
         sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
@@ -148,7 +154,10 @@ class ModelConfig:
     @property
     def is_recurrent(self) -> bool:
         """Some layer keeps recurrent state: a lane's state cannot be cut shorter."""
-        return bool(self.conv_layers or self.ssm_layers)
+        return bool(self.conv_layers or self.ssm_layers or self.deltanet_layers)
+
+    def is_deltanet_layer(self, layer: int) -> bool:
+        return layer in self.deltanet_layers
 
     def is_ssm_layer(self, layer: int) -> bool:
         return layer in self.ssm_layers
@@ -224,3 +233,49 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
         "expert_groups_used": groups_used,
         "leading_dense_layers": int(f.arch_key("leading_dense_block_count", 0) or 0),
     }
+
+
+def deltanet_layer_pattern(n_layers: int, interval: int) -> frozenset[int]:
+    """Qwen3-Next without an explicit list: every interval-th layer (1-based) is full
+    attention, the rest are DeltaNet (llama.cpp's default interval is 4)."""
+    return frozenset(i for i in range(n_layers) if (i + 1) % interval != 0)
+
+
+def deltanet_fields(f: GGUFFile, n_layers: int) -> dict[str, object]:
+    """Qwen3-Next's DeltaNet layers and sizes, from the keys llama.cpp reads: the layer list
+    attention.recurrent_layers if present, else full_attention_interval (default 4)."""
+    arch = f.architecture
+
+    def need(key: str) -> int:
+        value = f.arch_key(key)
+        if value is None:
+            raise ValueError(f"{arch}: missing {arch}.{key}")
+        return int(value)
+
+    listed = f.arch_key("attention.recurrent_layers")
+    if listed is not None:
+        if len(listed) != n_layers:
+            raise ValueError(f"{arch}: {len(listed)} recurrent-layer flags for {n_layers} layers")
+        layers = frozenset(i for i, r in enumerate(listed) if r)
+    else:
+        interval = int(f.arch_key("full_attention_interval", 4))
+        if interval < 1:
+            raise ValueError(f"{arch}: full_attention_interval must be at least 1")
+        layers = deltanet_layer_pattern(n_layers, interval)
+    out = {
+        "deltanet_layers": layers,
+        "ssm_d_conv": need("ssm.conv_kernel"),
+        "ssm_d_inner": need("ssm.inner_size"),
+        "ssm_d_state": need("ssm.state_size"),
+        "ssm_heads": need("ssm.time_step_rank"),
+        "ssm_groups": need("ssm.group_count"),
+    }
+    if out["ssm_d_conv"] < 2:
+        raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+    if out["ssm_heads"] % out["ssm_groups"] or \
+            out["ssm_d_inner"] != out["ssm_heads"] * out["ssm_d_state"]:
+        # llama.cpp's fused DeltaNet op needs key and value heads of one size
+        raise ValueError(f"{arch}: value heads {out['ssm_heads']} x state {out['ssm_d_state']} "
+                         f"must equal inner size {out['ssm_d_inner']} and be a multiple of "
+                         f"the key heads {out['ssm_groups']}")
+    return out

@@ -176,6 +176,11 @@ def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple
         if cfg.is_conv_layer(i):  # short conv: the last l_cache - 1 inputs
             kv.append(0)
             fixed += (cfg.conv_l_cache - 1) * cfg.hidden
+        elif cfg.is_deltanet_layer(i):  # conv window over q, k, v; a state per value head
+            kv.append(0)
+            d = cfg.ssm_d_state
+            conv_width = (2 * cfg.ssm_groups + cfg.ssm_heads) * d
+            fixed += (cfg.ssm_d_conv - 1) * conv_width + cfg.ssm_heads * d * d
         else:
             kv.append(kv_token)
         if cfg.is_ssm_layer(i):  # Mamba2: conv window over x, B, C; SSM state per head
