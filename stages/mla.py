@@ -14,8 +14,9 @@ so attention is multi-query attention of [W_kb q_nope, q_pe] over [c, k_pe] with
 followed by the per-head W_vb. Files with the older unsplit attn_kv_b (per-head
 [k_nope; v] = W c) are read into the same two per-head matrices.
 
-W_kb and W_vb are held in f32 in every weight format and run as batched matmuls (one
-per head group); decode attention runs in torch, not in rowops.c.
+W_kb and W_vb are held in f32 in every weight format and run as one batched matmul over
+the heads each; attention, decode rows included, runs in torch (not in rowops.c): about
+0.3 ms per layer and step at the test's sizes against 0.07 for rowops.c's GQA step.
 """
 
 from __future__ import annotations
