@@ -8,6 +8,7 @@ pattern) are recorded here, next to the family they belong to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,12 +34,32 @@ class Family:
     # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
     # None: every layer is attention.
     recurrent_mixer: str | None = None
-    output_norm: str = "output_norm.weight"  # GGUF name of the final norm
+    output_norm: str | None = "output_norm.weight"  # GGUF name of the final norm (None: no weight)
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
     # stage boundary inside a group. None: any cut between layers is allowed.
     keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
+    # Soft-capping, cap * tanh(x / cap), of the attention scores before the mask and
+    # softmax, and of the head's logits (Gemma 2). The value is the cap llama.cpp uses when
+    # the GGUF has no {arch}.attn_logit_softcapping / final_logit_softcapping key; 0: the
+    # family never caps.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # The factor Q.K is scaled by, from the config; None: 1 / sqrt(head_dim).
+    query_scale: Callable[[ModelConfig], float] | None = None
+    sliding_window_default: int = 0  # the window when the GGUF names none (Gemma 2: 4096)
+    swa_rope_scale: bool = False     # sliding-window layers keep the global rope scale
+    # The norms: "rms" (RMSNorm with a weight) or "layer" (OLMo: mean-subtracted LayerNorm
+    # with neither weight nor bias, eps from attention.layer_norm_epsilon). pre_norms:
+    # the mixer and the FFN read normed rows (OLMo 2 norms only their outputs).
+    norm: str = "rms"
+    pre_norms: bool = True
+    # "head": Q and K normed per head (qwen3); "projection": over all of Q and all of K,
+    # one weight of n_heads * head_dim and one of n_kv_heads * head_dim (OLMo 2).
+    qk_norm_span: str = "head"
+    clamp_kqv: bool = False    # reads attention.clamp_kqv: Q, K, V clamped to [-c, c] (OLMo)
+    ffn_up_fused: bool = False  # ffn_up holds gate then up rows, no ffn_gate (GLM-4)
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -61,6 +82,27 @@ FAMILIES: dict[str, Family] = {
     # rms_norm(x, attn_norm); attn_out + ssm_out + x, then the FFN. llama.cpp reads no muP
     # multiplier keys and applies none at runtime (a converter must fold them). NEOX rope
     # (llama_model_rope_type); the pre-FFN norm is loaded as "blk.N.ffn_norm" (no ".weight").
+    # llama.cpp (models/gemma2.cpp): every even layer slides (pattern 2, window 4096 unless
+    # the GGUF says), and sliding layers keep the global rope scale; Q is scaled by
+    # 1/sqrt(head_dim) but for the 27B (46 layers): 1/sqrt(hidden / heads); caps 50 and 30.
+    "gemma2": Family("gemma2", rope_style="neox", activation="gelu_tanh", post_norms=True,
+                     embed_scale=True, swa_pattern=2, sliding_window_default=4096,
+                     swa_rope_scale=True, attn_softcap=50.0, final_softcap=30.0,
+                     query_scale=lambda c: 1.0 / math.sqrt(
+                         c.hidden // c.n_heads if c.n_layers == 46 else c.head_dim)),
+    # llama.cpp (models/olmo.cpp): weightless LayerNorms (LLM_NORM) before attention, FFN
+    # and head; Q, K and V clamped when attention.clamp_kqv is set.
+    "olmo": Family("olmo", rope_style="norm", activation="silu", norm="layer",
+                   output_norm=None, clamp_kqv=True),
+    # llama.cpp (models/olmo2.cpp): no pre-norms; RMSNorm of the whole Q and K projections,
+    # then of the attention and FFN outputs. A windowed file (OLMo 3) slides 3 of 4 layers.
+    "olmo2": Family("olmo2", rope_style="neox", activation="silu", qk_norm=True,
+                    qk_norm_span="projection", post_norms=True, pre_norms=False,
+                    swa_pattern=4),
+    # llama.cpp (models/glm4.cpp): four norms per layer like Gemma's, partial rope over the
+    # first rope.dimension_count dims (NORM style), SwiGLU over a fused up projection.
+    "glm4": Family("glm4", rope_style="norm", activation="silu", post_norms=True,
+                   ffn_up_fused=True),
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .families import Family, family_for
@@ -40,6 +41,13 @@ class ModelConfig:
     ssm_d_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 0
+    # Soft caps of attention scores and of the head's logits (0: none; Gemma 2), the clamp
+    # of Q, K and V (0: none; OLMo), and the sliding layers' own rope base when the GGUF
+    # gives one (rope.freq_base_swa).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    clamp_kqv: float = 0.0
+    rope_base_swa: float | None = None
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -85,7 +93,8 @@ class ModelConfig:
             }
             if ssm["ssm_d_conv"] < 2:
                 raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
-        sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
+        sliding_window = int(f.arch_key("attention.sliding_window",
+                                        family.sliding_window_default) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
             raise ValueError(f"{arch}: sliding-window attention is not supported for this family")
@@ -106,7 +115,7 @@ class ModelConfig:
             rope_dim=int(f.arch_key("rope.dimension_count", head_dim)),
             rope_base=float(f.arch_key("rope.freq_base", 10000.0)),
             rope_scale=1.0 / factor if scaling == "linear" else 1.0,
-            rms_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=_norm_eps(f, family),
             vocab=int(embd.shape[1]),
             context_length=int(f.arch_key("context_length", 4096)),
             sliding_window=sliding_window,
@@ -114,6 +123,7 @@ class ModelConfig:
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
             **ssm,
+            **_soft_caps(f, family),
         )
 
     def is_conv_layer(self, layer: int) -> bool:
@@ -131,10 +141,44 @@ class ModelConfig:
         return self.family.is_swa_layer(layer, self.sliding_window)
 
     def rope_base_for(self, layer: int) -> float:
-        if self.is_swa_layer(layer) and self.family.rope_base_swa is not None:
-            return self.family.rope_base_swa
+        if self.is_swa_layer(layer):
+            # a constant llama.cpp hard-codes for the family wins over the file's key
+            for base in (self.family.rope_base_swa, self.rope_base_swa):
+                if base is not None:
+                    return base
         return self.rope_base
 
     def rope_scale_for(self, layer: int) -> float:
-        # llama.cpp scales only the global layers; local layers keep scale 1.
-        return 1.0 if self.is_swa_layer(layer) else self.rope_scale
+        # llama.cpp scales only the global layers (local layers keep scale 1), but Gemma 2's
+        if self.is_swa_layer(layer) and not self.family.swa_rope_scale:
+            return 1.0
+        return self.rope_scale
+
+    def attention_scale(self) -> float:
+        """The factor Q.K is scaled by before the softmax."""
+        if self.family.query_scale is not None:
+            return self.family.query_scale(self)
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def _norm_eps(f: GGUFFile, family: Family) -> float:
+    if family.norm == "layer":  # LayerNorm families name their eps apart (llama.cpp)
+        return float(f.arch_key("attention.layer_norm_epsilon", 1e-5))
+    return float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6))
+
+
+def _soft_caps(f: GGUFFile, family: Family) -> dict[str, float | None]:
+    """The family's optional caps and clamp as the GGUF sets them (llama.cpp's defaults
+    where the family caps and the key is absent), and a sliding layers' rope base."""
+    out: dict[str, float | None] = {}
+    if family.attn_softcap:
+        out["attn_softcap"] = float(f.arch_key("attn_logit_softcapping", family.attn_softcap))
+    if family.final_softcap:
+        out["final_softcap"] = float(f.arch_key("final_logit_softcapping",
+                                                family.final_softcap))
+    if family.clamp_kqv:
+        out["clamp_kqv"] = float(f.arch_key("attention.clamp_kqv", 0.0) or 0.0)
+    base = f.arch_key("rope.freq_base_swa")
+    if base is not None:
+        out["rope_base_swa"] = float(base)
+    return out
