@@ -54,3 +54,10 @@ def check_resume_is_bitwise_cold(path, weight_format: str = "fp32") -> None:
         for t, want in zip((7, 8, 9), cold_steps):
             assert torch.equal(rt.decode([(lane, torch.tensor(t))])[0].logits, want)
         rt.free_lane(lane)
+
+
+def check_matrix_makes_this_file(name: str, path, tmp_path) -> None:
+    """evals/certify_matrix.py's default model `name` is byte for byte the test's file."""
+    from skippy.evals import certify_matrix
+    made = certify_matrix.model_path(name, synth_dir=tmp_path)
+    assert made.read_bytes() == path.read_bytes()

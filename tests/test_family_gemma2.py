@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from dense_family_checks import check_lanes_independent, check_resume_is_bitwise_cold
+from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
+                                 check_resume_is_bitwise_cold)
 from family_checks import check_agreement, check_certify
 from skippy.stages.layers import attend, causal_mask
 from skippy.stages.linear import Int8Blocks, RescoredHead
@@ -89,3 +90,7 @@ def test_certify_two_stages(gemma2_f32, fmt):
 def test_decode_lanes_are_independent_and_resume_is_bitwise(gemma2_f32):
     check_lanes_independent(gemma2_f32, "int8")
     check_resume_is_bitwise_cold(gemma2_f32)
+
+
+def test_certify_matrix_runs_this_file(gemma2_f32, tmp_path):
+    check_matrix_makes_this_file("gemma2", gemma2_f32, tmp_path)

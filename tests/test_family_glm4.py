@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_family_checks import check_lanes_independent, check_resume_is_bitwise_cold, runtime
+from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
+                                 check_resume_is_bitwise_cold, runtime)
 from family_checks import check_agreement, check_certify
 from skippy.stages.ffn import FusedUpFfn
 from skippy.stages.synth import glm4_fused_qkv, write_synthetic
@@ -67,3 +68,7 @@ def test_certify_two_stages(glm4_f32, fmt):
 def test_decode_lanes_are_independent_and_resume_is_bitwise(glm4_f32):
     check_lanes_independent(glm4_f32, "int8")
     check_resume_is_bitwise_cold(glm4_f32)
+
+
+def test_certify_matrix_runs_this_file(glm4_f32, tmp_path):
+    check_matrix_makes_this_file("glm4", glm4_f32, tmp_path)

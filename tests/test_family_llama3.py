@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dense_family_checks import check_lanes_independent, check_resume_is_bitwise_cold, runtime
+from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
+                                 check_resume_is_bitwise_cold, runtime)
 from family_checks import check_agreement, check_certify
 from skippy.stages.layers import Rope
 from skippy.stages.runtime import StageSpec
@@ -92,3 +93,7 @@ def test_the_cli_writes_it(tmp_path, smollm2):
     f = GGUFFile(out)
     assert f.arch_key("rope.freq_base") == 500000.0 and "rope_freqs.weight" in f.tensors
     f.close()
+
+
+def test_certify_matrix_runs_this_file(llama3_f32, tmp_path):
+    check_matrix_makes_this_file("llama3", llama3_f32, tmp_path)

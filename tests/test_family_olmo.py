@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dense_family_checks import check_lanes_independent, check_resume_is_bitwise_cold, runtime
+from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
+                                 check_resume_is_bitwise_cold, runtime)
 from family_checks import check_agreement, check_certify
 from skippy.stages.norms import layer_norm
 from skippy.stages.synth import OLMO_CLAMP_KQV, write_synthetic
@@ -62,3 +63,7 @@ def test_certify_two_stages(olmo_f32, fmt):
 def test_decode_lanes_are_independent_and_resume_is_bitwise(olmo_f32):
     check_lanes_independent(olmo_f32, "int8")
     check_resume_is_bitwise_cold(olmo_f32)
+
+
+def test_certify_matrix_runs_this_file(olmo_f32, tmp_path):
+    check_matrix_makes_this_file("olmo", olmo_f32, tmp_path)
