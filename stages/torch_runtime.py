@@ -359,6 +359,14 @@ class TorchStageRuntime(StageRuntime):
                     f"d_state={cfg.ssm_d_state} heads={cfg.ssm_heads} groups={cfg.ssm_groups} f32")
         return f"shortconv l_cache={cfg.conv_l_cache} f32"
 
+    def _metadata_options(self) -> dict[str, object]:
+        """Options read from the GGUF's metadata (not its tensors, which the weights digest
+        covers) that change the arithmetic; present only where a family sets them."""
+        cfg = self.cfg
+        options = {"soft_caps": [cfg.attn_softcap, cfg.final_softcap],
+                   "clamp_kqv": cfg.clamp_kqv, "rope_base_swa": cfg.rope_base_swa}
+        return {k: v for k, v in options.items() if v not in (None, 0.0, [0.0, 0.0])}
+
     def identity(self) -> dict[str, object]:
         cfg, spec = self.cfg, self.spec
         return {
@@ -373,8 +381,7 @@ class TorchStageRuntime(StageRuntime):
             "n_ctx": self.n_ctx,
             "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
             **({"recurrent_state": self._recurrent_state_kind()} if self.recurrent else {}),
-            **({"soft_caps": [cfg.attn_softcap, cfg.final_softcap]}
-               if cfg.attn_softcap or cfg.final_softcap else {}),
+            **self._metadata_options(),
             "numeric_policy": {
                 "compute": "f32",
                 # torch's kernels differ by CPU kind (AVX2 vs AVX-512 round differently):

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
-                                 check_resume_is_bitwise_cold)
+from dense_family_checks import (PROMPT, check_lanes_independent, check_matrix_makes_this_file,
+                                 check_resume_is_bitwise_cold, runtime)
 from family_checks import check_agreement, check_certify
 from skippy.stages.layers import attend, causal_mask
 from skippy.stages.linear import Int8Blocks, RescoredHead
@@ -94,3 +94,17 @@ def test_decode_lanes_are_independent_and_resume_is_bitwise(gemma2_f32):
 
 def test_certify_matrix_runs_this_file(gemma2_f32, tmp_path):
     check_matrix_makes_this_file("gemma2", gemma2_f32, tmp_path)
+
+
+def test_capped_decode_in_the_kernel_follows_the_torch_path(gemma2_f32):
+    """Decode rows through rowops.c (capped in C) and through attend_capped (what runs
+    where the kernel is off) differ by rounding only."""
+    rt = runtime(gemma2_f32)
+    lanes = [rt.alloc_lane() for _ in range(2)]
+    for lane in lanes:
+        rt.prefill(lane, torch.tensor(PROMPT[:100]), logits="none")
+    kernel = rt.decode([(lanes[0], torch.tensor(42))])[0].logits
+    for layer in rt.layers:
+        layer.mixer.lib = None
+    torch_path = rt.decode([(lanes[1], torch.tensor(42))])[0].logits
+    assert torch.allclose(kernel, torch_path, rtol=0, atol=2e-5)
