@@ -483,8 +483,9 @@ def write_synthetic(
     2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights (and tensors
     marked always_f32, such as LFM2's conv kernels) are always f32.
     `head_dim` defaults to hidden // heads. `rope_freqs` (llama only) makes a Llama 3
-    style file: rope base 500000 and a rope_freqs.weight of frequency factors. The file appears atomically (written under a
-    temporary name, then renamed), so an interrupted write never leaves a loadable stub.
+    style file: rope base 500000 and a rope_freqs.weight of frequency factors. The file
+    appears atomically (written under a temporary name, then renamed), so an interrupted
+    write never leaves a loadable stub.
     """
     spec = _spec(arch)
     if dtype not in _DTYPES:

@@ -27,7 +27,7 @@ def test_file_has_whole_projection_qk_norms_and_no_pre_norms(olmo2_f32):
     assert f.tensors["blk.0.attn_q_norm.weight"].shape == (256,)       # n_heads * head_dim
     assert f.tensors["blk.0.attn_k_norm.weight"].shape == (2 * 64,)    # n_kv_heads * head_dim
     assert "blk.0.attn_norm.weight" not in f.tensors and "blk.0.ffn_norm.weight" not in f.tensors
-    assert "blk.0.post_attention_norm.weight" in f.tensors and "blk.0.post_ffw_norm.weight" in f.tensors
+    assert {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"} <= set(f.tensors)
     f.close()
 
 

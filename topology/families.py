@@ -34,7 +34,8 @@ class Family:
     # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
     # None: every layer is attention.
     recurrent_mixer: str | None = None
-    output_norm: str | None = "output_norm.weight"  # GGUF name of the final norm (None: no weight)
+    output_norm: str | None = "output_norm.weight"  # GGUF name of the final norm (None: none,
+                                                    # a weightless norm)
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
@@ -82,6 +83,9 @@ FAMILIES: dict[str, Family] = {
     # rms_norm(x, attn_norm); attn_out + ssm_out + x, then the FFN. llama.cpp reads no muP
     # multiplier keys and applies none at runtime (a converter must fold them). NEOX rope
     # (llama_model_rope_type); the pre-FFN norm is loaded as "blk.N.ffn_norm" (no ".weight").
+    "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
+                        cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
+                        ffn_norm="ffn_norm"),
     # llama.cpp (models/gemma2.cpp): every even layer slides (pattern 2, window 4096 unless
     # the GGUF says), and sliding layers keep the global rope scale; Q is scaled by
     # 1/sqrt(head_dim) but for the 27B (46 layers): 1/sqrt(hidden / heads); caps 50 and 30.
@@ -103,9 +107,6 @@ FAMILIES: dict[str, Family] = {
     # first rope.dimension_count dims (NORM style), SwiGLU over a fused up projection.
     "glm4": Family("glm4", rope_style="norm", activation="silu", post_norms=True,
                    ffn_up_fused=True),
-    "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
-                        cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
-                        ffn_norm="ffn_norm"),
 }
 
 

@@ -23,7 +23,7 @@ class ModelConfig:
     rope_dim: int
     rope_base: float
     rope_scale: float          # linear position scale (1.0 = none)
-    rms_eps: float
+    rms_eps: float             # the norms' eps (LayerNorm families: layer_norm_epsilon)
     vocab: int
     context_length: int
     sliding_window: int        # 0 = no sliding-window layers
