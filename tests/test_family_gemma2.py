@@ -3,6 +3,7 @@ explicit prefill path) and logits, every even layer sliding, post norms, embeddi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -39,6 +40,10 @@ def test_config_reads_caps_window_and_the_sliding_layers(gemma2_f32):
     assert cfg.sliding_window == GEMMA2_WINDOW
     assert [cfg.is_swa_layer(i) for i in range(LAYERS)] == [True, False, True, False]
     assert cfg.attention_scale() == 1.0 / math.sqrt(cfg.head_dim)
+    # sliding layers keep the global rope scale, and take rope.freq_base_swa when given
+    local = dataclasses.replace(cfg, rope_scale=0.5, rope_base_swa=1e4)
+    assert (local.rope_base_for(0), local.rope_scale_for(0)) == (1e4, 0.5)
+    assert (local.rope_base_for(1), local.rope_scale_for(1)) == (cfg.rope_base, 0.5)
 
 
 def test_the_27b_scales_queries_by_hidden_over_heads():

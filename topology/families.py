@@ -51,6 +51,7 @@ class Family:
     query_scale: Callable[[ModelConfig], float] | None = None
     sliding_window_default: int = 0  # the window when the GGUF names none (Gemma 2: 4096)
     swa_rope_scale: bool = False     # sliding-window layers keep the global rope scale
+    swa_rope_base_key: bool = False  # ... and take rope.freq_base_swa as base when given
     # The norms: "rms" (RMSNorm with a weight) or "layer" (OLMo: mean-subtracted LayerNorm
     # with neither weight nor bias, eps from attention.layer_norm_epsilon). pre_norms:
     # the mixer and the FFN read normed rows (OLMo 2 norms only their outputs).
@@ -91,7 +92,8 @@ FAMILIES: dict[str, Family] = {
     # 1/sqrt(head_dim) but for the 27B (46 layers): 1/sqrt(hidden / heads); caps 50 and 30.
     "gemma2": Family("gemma2", rope_style="neox", activation="gelu_tanh", post_norms=True,
                      embed_scale=True, swa_pattern=2, sliding_window_default=4096,
-                     swa_rope_scale=True, attn_softcap=50.0, final_softcap=30.0,
+                     swa_rope_scale=True, swa_rope_base_key=True, attn_softcap=50.0,
+                     final_softcap=30.0,
                      query_scale=lambda c: 1.0 / math.sqrt(
                          c.hidden // c.n_heads if c.n_layers == 46 else c.head_dim)),
     # llama.cpp (models/olmo.cpp): weightless LayerNorms (LLM_NORM) before attention, FFN
@@ -99,7 +101,8 @@ FAMILIES: dict[str, Family] = {
     "olmo": Family("olmo", rope_style="norm", activation="silu", norm="layer",
                    output_norm=None, clamp_kqv=True),
     # llama.cpp (models/olmo2.cpp): no pre-norms; RMSNorm of the whole Q and K projections,
-    # then of the attention and FFN outputs. A windowed file (OLMo 3) slides 3 of 4 layers.
+    # then of the attention and FFN outputs. A windowed file (OLMo 3) slides 3 of 4 layers,
+    # rotated at the global base (the graph reads no rope.freq_base_swa) and scale 1.
     "olmo2": Family("olmo2", rope_style="neox", activation="silu", qk_norm=True,
                     qk_norm_span="projection", post_norms=True, pre_norms=False,
                     swa_pattern=4),

@@ -123,7 +123,7 @@ class ModelConfig:
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
             **ssm,
-            **_soft_caps(f, family),
+            **_family_options(f, family),
         )
 
     def is_conv_layer(self, layer: int) -> bool:
@@ -167,9 +167,9 @@ def _norm_eps(f: GGUFFile, family: Family) -> float:
     return float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6))
 
 
-def _soft_caps(f: GGUFFile, family: Family) -> dict[str, float | None]:
+def _family_options(f: GGUFFile, family: Family) -> dict[str, float | None]:
     """The family's optional caps and clamp as the GGUF sets them (llama.cpp's defaults
-    where the family caps and the key is absent), and a sliding layers' rope base."""
+    where the family caps and the key is absent), and its sliding layers' rope base."""
     out: dict[str, float | None] = {}
     if family.attn_softcap:
         out["attn_softcap"] = float(f.arch_key("attn_logit_softcapping", family.attn_softcap))
@@ -179,6 +179,6 @@ def _soft_caps(f: GGUFFile, family: Family) -> dict[str, float | None]:
     if family.clamp_kqv:
         out["clamp_kqv"] = float(f.arch_key("attention.clamp_kqv", 0.0) or 0.0)
     base = f.arch_key("rope.freq_base_swa")
-    if base is not None:
+    if base is not None and family.swa_rope_base_key:
         out["rope_base_swa"] = float(base)
     return out
