@@ -82,10 +82,12 @@ class Shape:
     ff: int = 4096
     dtype: str = "f16"
     seed: int = 1
+    rope_freqs: bool = False  # llama: Llama 3 rope frequency factors (synth --rope-freqs)
 
     def file_name(self) -> str:
         from skippy.stages.synth import SYNTH_VERSION
-        return (f"bench-{self.arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
+        arch = self.arch + ("-ropefreqs" if self.rope_freqs else "")
+        return (f"bench-{arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
                 f"-kv{self.kv_heads}-ff{self.ff}-{self.dtype}-s{self.seed}-v{SYNTH_VERSION}.gguf")
 
     def describe(self) -> str:
@@ -126,7 +128,8 @@ class Family:
             s = self.shape
             write_synthetic(s.arch, layers=s.layers, seed=s.seed, out=out,
                             tokenizer_from=resolve_model("smollm2"), hidden=s.hidden,
-                            ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype)
+                            ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype,
+                            rope_freqs=s.rope_freqs)
         return out
 
     def describe(self) -> str:

@@ -52,13 +52,14 @@ def cmd_models_synth(args) -> int:
     from .models import model_home, resolve_model
     tokenizer = resolve_model(args.tokenizer_from)
     out = Path(args.out) if args.out else (
-        model_home() / "synth" / f"{args.arch}-L{args.layers}-s{args.seed}-{args.dtype}.gguf")
+        model_home() / "synth" / f"{args.arch}{'-ropefreqs' if args.rope_freqs else ''}"
+        f"-L{args.layers}-s{args.seed}-{args.dtype}.gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
     path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
                            tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                            dtype=args.dtype, progress=_say,
-                           options=_synth_options(args.set or []))
+                           options=_synth_options(args.set or []), rope_freqs=args.rope_freqs)
     print(path)
     return 0
 
@@ -281,6 +282,8 @@ def _models_parser(sub) -> None:
     syn.add_argument("--dtype", choices=("f32", "f16"), default="f32")
     syn.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="an option of the arch (e.g. deepseek2: kv_lora_rank=512); repeatable")
+    syn.add_argument("--rope-freqs", action="store_true",
+                     help="llama: a Llama 3 style file (rope base 500000, rope_freqs.weight)")
     syn.add_argument("--out", help="output path (default: $SKIPPY_HOME/synth/...)")
     syn.add_argument("--tokenizer-from", default="smollm2",
                      help="model whose tokenizer is copied (default: smollm2)")

@@ -48,13 +48,19 @@ class Rope:
     """Rotary embedding tables for one (base, scale), grown on demand.
 
     Angles are built the way llama.cpp builds its rope cache, a float32 running product
-    pos * s * s * ... with s = base^(-2/n_dims), so both sides rotate by the same floats.
+    pos * s * s * ... with s = base^(-2/n_dims), so both sides rotate by the same floats;
+    frequency factors (Llama 3's rope_freqs), where given, divide pair i's angle by
+    factors[i] before the scale, as ggml's rope does.
     """
 
-    def __init__(self, dim: int, base: float, scale: float, style: str):
+    def __init__(self, dim: int, base: float, scale: float, style: str,
+                 factors: torch.Tensor | None = None):
         if style not in ("norm", "neox"):
             raise ValueError(f"unknown rope style '{style}'")
+        if factors is not None and factors.numel() < dim // 2:
+            raise ValueError(f"{factors.numel()} rope frequency factors for {dim // 2} pairs")
         self.dim, self.base, self.scale, self.style = dim, base, scale, style
+        self.factors = factors.to(torch.float32).reshape(-1) if factors is not None else None
         self.cos = torch.empty(0, dim // 2)
         self.sin = torch.empty(0, dim // 2)
         self._positions: torch.Tensor | None = None  # the last positions looked up
@@ -65,8 +71,9 @@ class Rope:
         step = torch.tensor(math.pow(self.base, -2.0 / self.dim), dtype=torch.float32)
         theta = torch.arange(n, dtype=torch.float32)
         cols = []
-        for _ in range(self.dim // 2):
-            cols.append(theta * self.scale)
+        for i in range(self.dim // 2):
+            angle = theta if self.factors is None else theta / self.factors[i]
+            cols.append(angle * self.scale)
             theta = theta * step
         angles = torch.stack(cols, dim=1)
         self.cos, self.sin = torch.cos(angles), torch.sin(angles)

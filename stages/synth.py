@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import blake3
@@ -55,6 +54,7 @@ class Dims:
     context_length: int
     rope_base: float
     rms_eps: float
+    rope_freqs: bool = False  # llama: Llama 3 rope frequency factors (rope_freqs.weight)
     # The arch's own sizes and switches (ArchSpec.options, overridden by the caller's)
     options: Mapping[str, int | float | None] = dataclasses.field(default_factory=dict)
 
@@ -67,7 +67,9 @@ class TensorSpec:
     fan-in scaling), "proj" (N(0, 1/sqrt(fan_in)): keeps each projection's output at the
     scale of its input), "norm" (1 + N(0, 0.1): near identity, but not exactly, so a port
     that forgets a norm weight is caught), "bias" (N(0, 0.1)) or "ssm_a" (-exp(N(0, 0.5)):
-    Mamba2's negative per-head decay rate A).
+    Mamba2's negative per-head decay rate A) or "rope_freqs" (Llama 3's frequency
+    factors, computed, not drawn) or "tied_embed" (N(0, 1/(16 fan_in)): Gemma 2's
+    embeddings, which are also its head).
     """
 
     name: str
@@ -147,7 +149,28 @@ def _llama_hparams(d: Dims) -> dict[str, int | float | list[int]]:
 
 
 def _llama_tensors(d: Dims) -> list[TensorSpec]:
-    return _dense_tensors(d, qk_norm=False)
+    out = _dense_tensors(d, qk_norm=False)
+    if d.rope_freqs:  # one global tensor, as the Llama 3 converter writes it
+        out.insert(1, TensorSpec("rope_freqs.weight", (d.head_dim // 2,), "rope_freqs"))
+    return out
+
+
+# Llama 3.1's rope scaling constants (its config.json: factor 8, low / high frequency
+# factors 1 / 4, original context 8192), with the base the --rope-freqs file uses.
+LLAMA3_ROPE = {"base": 500000.0, "factor": 8.0, "low": 1.0, "high": 4.0, "context": 8192}
+
+
+def llama3_rope_factors(n_pairs: int) -> np.ndarray:
+    """Per rotated pair: 1 for short wavelengths, `factor` for long ones, and a smooth
+    blend between, as the Llama 3 converter computes rope_freqs (angles are divided by it)."""
+    c = LLAMA3_ROPE
+    freqs = c["base"] ** (-np.arange(n_pairs, dtype=np.float64) * 2 / (2 * n_pairs))
+    wavelen = 2 * np.pi / freqs
+    smooth = (c["context"] / wavelen - c["low"]) / (c["high"] - c["low"])
+    out = 1.0 / ((1 - smooth) / c["factor"] + smooth)
+    out = np.where(wavelen < c["context"] / c["high"], 1.0, out)
+    out = np.where(wavelen > c["context"] / c["low"], c["factor"], out)
+    return out.astype(np.float32)
 
 
 # -- lfm2 (short convolution + attention hybrid) ----------------------------------------------
@@ -610,6 +633,121 @@ def _qwen3next_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- gemma2 (soft-capped attention and logits, every even layer sliding) ----------------------
+# A window far shorter than the test prompts, so sliding layers really slide; caps near
+# the scores' size (about 1) and the logits' (about 0.25, below), so tanh bends them
+# (Gemma 2 ships 50 and 30, far above its trained values too).
+GEMMA2_WINDOW, GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP = 48, 2.0, 0.75
+
+
+def _gemma2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), "attention.sliding_window": GEMMA2_WINDOW,
+            "attn_logit_softcapping": GEMMA2_ATTN_CAP,
+            "final_logit_softcapping": GEMMA2_FINAL_CAP}
+
+
+def _gemma2_tensors(d: Dims) -> list[TensorSpec]:
+    out = []
+    for spec in _dense_tensors(d, qk_norm=False):
+        if spec.name == "output.weight":
+            continue  # llama.cpp's gemma2 always reads its head from token_embd
+        if spec.name == "token_embd.weight":
+            # Small rows: the tied head's logits come out about 0.25 (N(0, 1) rows would
+            # give about 16). llama.cpp's CPU GELU rounds through an fp16 table, so a gate
+            # value a float apart from ours can land on the next fp16 step: an error floor
+            # near 1e-3 of the logits' size that the 1e-3 bar must stay above.
+            spec = TensorSpec(spec.name, spec.shape, "tied_embed")
+        out.append(spec)
+        block = spec.name.rsplit(".", 2)[0]
+        if spec.name.endswith("attn_output.weight"):
+            out.append(TensorSpec(f"{block}.post_attention_norm.weight", (d.hidden,), "norm"))
+        elif spec.name.endswith("ffn_down.weight"):
+            out.append(TensorSpec(f"{block}.post_ffw_norm.weight", (d.hidden,), "norm"))
+    return out
+
+
+# -- olmo (weightless LayerNorms, clamped Q/K/V) ----------------------------------------------
+OLMO_CLAMP_KQV = 1.5  # below the projections' largest values, so the clamp is exercised
+
+
+def _olmo_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    out = {k: v for k, v in _qwen3_hparams(d).items()
+           if k != "attention.layer_norm_rms_epsilon"}
+    return {**out, "attention.layer_norm_epsilon": d.rms_eps,
+            "attention.clamp_kqv": OLMO_CLAMP_KQV}
+
+
+def _olmo_tensors(d: Dims) -> list[TensorSpec]:
+    _need_square_attention("olmo", d)
+    return [t for t in _dense_tensors(d, qk_norm=False) if t.init != "norm"]
+
+
+def _need_square_attention(arch: str, d: Dims) -> None:
+    if d.heads * d.head_dim != d.hidden:
+        # llama.cpp creates these families' Q and output projections as n_embd x n_embd.
+        raise SynthError(f"{arch} needs heads * head_dim == hidden ({d.heads} * {d.head_dim} "
+                         f"!= {d.hidden})")
+
+
+# -- olmo2 (post-norms only, Q/K norms over the whole projections) ----------------------------
+def _olmo2_tensors(d: Dims) -> list[TensorSpec]:
+    _need_square_attention("olmo2", d)
+    out = []
+    for spec in _dense_tensors(d, qk_norm=False):
+        block = spec.name.rsplit(".", 2)[0]
+        if spec.name.endswith(("attn_norm.weight", "ffn_norm.weight")):
+            continue
+        out.append(spec)
+        if spec.name.endswith("attn_v.weight"):
+            out += [TensorSpec(f"{block}.attn_q_norm.weight", (d.hidden,), "norm"),
+                    TensorSpec(f"{block}.attn_k_norm.weight", (d.kv_heads * d.head_dim,), "norm")]
+        elif spec.name.endswith("attn_output.weight"):
+            out.append(TensorSpec(f"{block}.post_attention_norm.weight", (d.hidden,), "norm"))
+        elif spec.name.endswith("ffn_down.weight"):
+            out.append(TensorSpec(f"{block}.post_ffw_norm.weight", (d.hidden,), "norm"))
+    return out
+
+
+# -- glm4 (biased Q/K/V, partial rope, four norms, fused gate-up FFN) -------------------------
+def glm4_fused_qkv(layer: int) -> bool:
+    """The synthetic file's odd layers store one attn_qkv matrix and bias, the even ones
+    three of each: llama.cpp loads either per layer, so one file checks both."""
+    return layer % 2 == 1
+
+
+def _glm4_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    # GLM-4 rotates the first half of each head (rope.dimension_count = head_dim / 2)
+    return {**_qwen3_hparams(d), "rope.dimension_count": d.head_dim // 2}
+
+
+def _glm4_tensors(d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out.append(TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"))
+        if glm4_fused_qkv(i):
+            out += [TensorSpec(f"{b}.attn_qkv.weight", (q + 2 * kv, d.hidden), "proj"),
+                    TensorSpec(f"{b}.attn_qkv.bias", (q + 2 * kv,), "bias")]
+        else:
+            for name, rows in (("q", q), ("k", kv), ("v", kv)):
+                out += [TensorSpec(f"{b}.attn_{name}.weight", (rows, d.hidden), "proj"),
+                        TensorSpec(f"{b}.attn_{name}.bias", (rows,), "bias")]
+        out += [
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_up.weight", (2 * d.ff, d.hidden), "proj"),  # gate, then up
+            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+            TensorSpec(f"{b}.post_ffw_norm.weight", (d.hidden,), "norm"),
+        ]
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -623,6 +761,12 @@ _ARCHS: dict[str, ArchSpec] = {
                      tensors=_lfm2_tensors),
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
+    "gemma2": ArchSpec(defaults=_SMALL, hparams=_gemma2_hparams, tensors=_gemma2_tensors),
+    "olmo": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_olmo_hparams,
+                     tensors=_olmo_tensors),
+    "olmo2": ArchSpec(defaults=_SMALL, hparams=_qwen3_hparams, tensors=_olmo2_tensors),
+    "glm4": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_glm4_hparams,
+                     tensors=_glm4_tensors),
     # head_dim 32 (hidden / 8 heads): kv_lora 128, q_lora 384, rope 16; DeepSeek's eps and
     # rope base
     "deepseek2": ArchSpec(defaults={**_SMALL, "ff": 512, "heads": 8, "kv_heads": 1,
@@ -667,25 +811,32 @@ def write_synthetic(
     dtype: str = "f32",
     progress: Callable[[str], None] | None = None,
     options: Mapping[str, int | float] | None = None,
+    rope_freqs: bool = False,
 ) -> Path:
     """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
 
     2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights (and tensors
     marked always_f32, such as LFM2's conv kernels) are always f32.
     `head_dim` defaults to hidden // heads. `options` sets the arch's own sizes and
-    switches (its ArchSpec.options; e.g. deepseek2's kv_lora_rank). The file appears atomically (written under a
-    temporary name, then renamed), so an interrupted write never leaves a loadable stub.
+    switches (its ArchSpec.options; e.g. deepseek2's kv_lora_rank). `rope_freqs` (llama
+    only) makes a Llama 3 style file: rope base 500000 and a rope_freqs.weight of frequency
+    factors. The file appears atomically (written under a temporary name, then renamed),
+    so an interrupted write never leaves a loadable stub.
     """
     spec = _spec(arch)
     if dtype not in _DTYPES:
         raise SynthError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise SynthError(f"seed must be an integer in [0, 2**63), not {seed!r}")
+    if rope_freqs and arch != "llama":
+        raise SynthError(f"rope_freqs is a llama option, not one of {arch}")
     tok = _tokenizer_kv(Path(tokenizer_from))
     dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim,
                          vocab=len(tok["tokenizer.ggml.tokens"][0]))
     dims = _with_options(arch, spec, dims, options or {})
+    if rope_freqs:
+        dims = replace(dims, rope_freqs=True, rope_base=LLAMA3_ROPE["base"])
     np_dtype, file_type = _DTYPES[dtype]
     out = Path(out)
     tensors = spec.tensors(dims)
@@ -806,6 +957,8 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
+    if t.init == "rope_freqs":
+        return llama3_rope_factors(t.shape[0]).astype(dtype)
     rng = _rng(seed, t.name)
     out = np.empty(t.shape, dtype=dtype)
     if t.init == "norm":
@@ -814,6 +967,8 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
         mean, std = 0.0, (0.1 if t.init == "bias" else 0.5)
     elif t.init == "embed":
         mean, std = 0.0, 1.0
+    elif t.init == "tied_embed":
+        mean, std = 0.0, 0.25 / np.sqrt(t.shape[-1])
     else:
         mean, std = 0.0, 1.0 / np.sqrt(t.shape[-1])
     flat = out.reshape(t.shape[0], -1)

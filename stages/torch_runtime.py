@@ -21,17 +21,19 @@ from skippy.topology.model_package import open_model
 from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
-from .layers import Rope, rms_norm
+from .layers import Rope
 from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
 from .deltanet import GatedDeltaNet, deltanet_state_shapes
 from .gated_attention import GatedAttention
+from .norms import make_norm
+from .softcap import soft_cap
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
 from .mla import MlaAttention, YarnRope, latent_kv_shape
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
-from .weights import StageTensors, load_stage_tensors
+from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
 
 RUNTIME_ABI = f"skippy-torch/4 torch-{torch.__version__}"
 
@@ -79,7 +81,7 @@ class TorchStageRuntime(StageRuntime):
         self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
-            self.norm = t[cfg.family.output_norm]
+            self.norm = make_norm(cfg, t, cfg.family.output_norm)
             head = "token_embd.weight" if cfg.tied_head else "output.weight"
             # The head's top logits stay fp32 in every format: they pick the token, and a
             # head in fewer bits falls under the 99 % top-1 bar (evals/format_accuracy.py).
@@ -107,6 +109,7 @@ class TorchStageRuntime(StageRuntime):
         they use."""
         spec, cfg = self.spec, self.cfg
         ropes: dict[tuple[float, float], Rope] = {}
+        factors = t.get(ROPE_FREQS)  # llama3-style per-dimension frequency factors
         self.layers: list[DecoderLayer] = []
         self.attn_layers: list[int] = []  # model layer index of each KV slot
         self.conv_layers: list[int] = []  # model layer index of each short-conv layer
@@ -134,7 +137,8 @@ class TorchStageRuntime(StageRuntime):
             else:
                 key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
                 if key not in ropes:
-                    ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style)
+                    ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style,
+                                      factors)
                 kind = GatedAttention if cfg.family.attn_output_gate else Attention
                 mixer = kind(i, len(self.attn_layers), cfg, t, spec.weight_format, ropes[key])
                 self.attn_layers.append(i)
@@ -229,7 +233,7 @@ class TorchStageRuntime(StageRuntime):
         """Head over rows in padded groups of exactly `group` rows: a row's logits then do
         not depend on how many rows came with it. Serving ("last" and decode) uses groups
         of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows."""
-        x = rms_norm(hidden, self.norm, self.cfg.rms_eps)
+        x = self.norm(hidden)
         out = []
         for i in range(0, x.shape[0], group):
             part = x[i:i + group]
@@ -237,7 +241,9 @@ class TorchStageRuntime(StageRuntime):
             if n < group:
                 part = torch.cat([part, part.new_zeros(group - n, part.shape[1])])
             out.append(self.head(part)[:n])
-        return torch.cat(out) if len(out) > 1 else out[0]
+        logits = torch.cat(out) if len(out) > 1 else out[0]
+        # elementwise and monotonic: a rescored head's candidates stay its top logits
+        return soft_cap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
@@ -386,6 +392,13 @@ class TorchStageRuntime(StageRuntime):
             return "token-major"
         # one row of latent + rope floats per token: never mixed with per-head K/V payloads
         return f"token-major mla-latent kv_lora={m.kv_lora_rank} rope={m.rope_dim}"
+    def _metadata_options(self) -> dict[str, object]:
+        """Options read from the GGUF's metadata (not its tensors, which the weights digest
+        covers) that change the arithmetic; present only where a family sets them."""
+        cfg = self.cfg
+        options = {"soft_caps": [cfg.attn_softcap, cfg.final_softcap],
+                   "clamp_kqv": cfg.clamp_kqv, "rope_base_swa": cfg.rope_base_swa}
+        return {k: v for k, v in options.items() if v not in (None, 0.0, [0.0, 0.0])}
 
     def identity(self) -> dict[str, object]:
         cfg, spec = self.cfg, self.spec
@@ -402,6 +415,7 @@ class TorchStageRuntime(StageRuntime):
             "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
             **({"recurrent_state": self._recurrent_state_kind()} if self.recurrent else {}),
             **({"mla": cfg.mla.describe()} if cfg.mla is not None else {}),
+            **self._metadata_options(),
             "numeric_policy": {
                 "compute": "f32",
                 # torch's kernels differ by CPU kind (AVX2 vs AVX-512 round differently):

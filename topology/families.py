@@ -8,6 +8,7 @@ pattern) are recorded here, next to the family they belong to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,7 +38,6 @@ class Family:
                                # the converter); "neox": rotate the two halves
     activation: str            # gated FFN activation: "silu" or "gelu_tanh"
     qk_norm: bool = False      # per-head RMSNorm of Q and K before rope
-    qk_norm_whole: bool = False  # one RMSNorm over all Q heads, one over all K heads
     post_norms: bool = False   # RMSNorm after attention and after the FFN (Gemma)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
     swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
@@ -56,7 +56,8 @@ class Family:
     # Attention's Q projection carries a per-head output gate: out = attn * sigmoid(gate)
     # before the output projection (Qwen3-Next).
     attn_output_gate: bool = False
-    output_norm: str = "output_norm.weight"  # GGUF name of the final norm
+    output_norm: str | None = "output_norm.weight"  # GGUF name of the final norm (None: none,
+                                                    # a weightless norm)
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
@@ -64,6 +65,27 @@ class Family:
     keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
     # Mixture-of-experts layers (those with a `ffn_gate_inp` router; stages/moe.py).
     moe: MoeRules | None = None
+    # Soft-capping, cap * tanh(x / cap), of the attention scores before the mask and
+    # softmax, and of the head's logits (Gemma 2). The value is the cap llama.cpp uses when
+    # the GGUF has no {arch}.attn_logit_softcapping / final_logit_softcapping key; 0: the
+    # family never caps.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # The factor Q.K is scaled by, from the config; None: 1 / sqrt(head_dim).
+    query_scale: Callable[[ModelConfig], float] | None = None
+    sliding_window_default: int = 0  # the window when the GGUF names none (Gemma 2: 4096)
+    swa_rope_scale: bool = False     # sliding-window layers keep the global rope scale
+    swa_rope_base_key: bool = False  # ... and take rope.freq_base_swa as base when given
+    # The norms: "rms" (RMSNorm with a weight) or "layer" (OLMo: mean-subtracted LayerNorm
+    # with neither weight nor bias, eps from attention.layer_norm_epsilon). pre_norms:
+    # the mixer and the FFN read normed rows (OLMo 2 norms only their outputs).
+    norm: str = "rms"
+    pre_norms: bool = True
+    # "head": Q and K normed per head (qwen3); "projection": over all of Q and all of K,
+    # one weight of n_heads * head_dim and one of n_kv_heads * head_dim (OLMo 2).
+    qk_norm_span: str = "head"
+    clamp_kqv: bool = False    # reads attention.clamp_kqv: Q, K, V clamped to [-c, c] (OLMo)
+    ffn_up_fused: bool = False  # ffn_up holds gate then up rows, no ffn_gate (GLM-4)
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -111,7 +133,7 @@ FAMILIES: dict[str, Family] = {
     # rope, partial rope (rope.dimension_count of the head), sigmoid routing from
     # expert_gating_func with exp_probs_b choosing, chosen weights normalised; NEOX rope.
     "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
-                         qk_norm_whole=True,
+                         qk_norm=True, qk_norm_span="projection",
                          moe=MoeRules(norm_weights=True, gating=None)),
     # llama.cpp (models/qwen3next.cpp): DeltaNet or gated attention by layer
     # (ModelConfig.deltanet_layers); the pre-FFN norm is post_attention_norm; NEOX rope
@@ -123,6 +145,29 @@ FAMILIES: dict[str, Family] = {
                         recurrent_mixer="gated_deltanet",
                         ffn_norm="post_attention_norm.weight",
                         moe=MoeRules(norm_weights=True, gating="softmax")),
+    # llama.cpp (models/gemma2.cpp): every even layer slides (pattern 2, window 4096 unless
+    # the GGUF says), and sliding layers keep the global rope scale; Q is scaled by
+    # 1/sqrt(head_dim) but for the 27B (46 layers): 1/sqrt(hidden / heads); caps 50 and 30.
+    "gemma2": Family("gemma2", rope_style="neox", activation="gelu_tanh", post_norms=True,
+                     embed_scale=True, swa_pattern=2, sliding_window_default=4096,
+                     swa_rope_scale=True, swa_rope_base_key=True, attn_softcap=50.0,
+                     final_softcap=30.0,
+                     query_scale=lambda c: 1.0 / math.sqrt(
+                         c.hidden // c.n_heads if c.n_layers == 46 else c.head_dim)),
+    # llama.cpp (models/olmo.cpp): weightless LayerNorms (LLM_NORM) before attention, FFN
+    # and head; Q, K and V clamped when attention.clamp_kqv is set.
+    "olmo": Family("olmo", rope_style="norm", activation="silu", norm="layer",
+                   output_norm=None, clamp_kqv=True),
+    # llama.cpp (models/olmo2.cpp): no pre-norms; RMSNorm of the whole Q and K projections,
+    # then of the attention and FFN outputs. A windowed file (OLMo 3) slides 3 of 4 layers,
+    # rotated at the global base (the graph reads no rope.freq_base_swa) and scale 1.
+    "olmo2": Family("olmo2", rope_style="neox", activation="silu", qk_norm=True,
+                    qk_norm_span="projection", post_norms=True, pre_norms=False,
+                    swa_pattern=4),
+    # llama.cpp (models/glm4.cpp): four norms per layer like Gemma's, partial rope over the
+    # first rope.dimension_count dims (NORM style), SwiGLU over a fused up projection.
+    "glm4": Family("glm4", rope_style="norm", activation="silu", post_norms=True,
+                   ffn_up_fused=True),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .families import Family, family_for
@@ -23,7 +24,7 @@ class ModelConfig:
     rope_dim: int
     rope_base: float
     rope_scale: float          # linear position scale (1.0 = none)
-    rms_eps: float
+    rms_eps: float             # the norms' eps (LayerNorm families: layer_norm_epsilon)
     vocab: int
     context_length: int
     sliding_window: int        # 0 = no sliding-window layers
@@ -41,6 +42,13 @@ class ModelConfig:
     ssm_d_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 0
+    # Soft caps of attention scores and of the head's logits (0: none; Gemma 2), the clamp
+    # of Q, K and V (0: none; OLMo), and the sliding layers' own rope base when the GGUF
+    # gives one (rope.freq_base_swa).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    clamp_kqv: float = 0.0
+    rope_base_swa: float | None = None
     # DeepSeek2: multi-head latent attention sizes and rope (topology/mla_config.py)
     mla: MlaConfig | None = None
     # Mixture of experts (stages/moe.py; the llama.cpp keys in moe_fields): a layer with a
@@ -111,7 +119,8 @@ class ModelConfig:
                 raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
         elif family.recurrent_mixer == "gated_deltanet":
             ssm = deltanet_fields(f, n_layers)
-        sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
+        sliding_window = int(f.arch_key("attention.sliding_window",
+                                        family.sliding_window_default) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
             raise ValueError(f"{arch}: sliding-window attention is not supported for this family")
@@ -132,7 +141,7 @@ class ModelConfig:
             rope_dim=int(f.arch_key("rope.dimension_count", head_dim)),
             rope_base=float(f.arch_key("rope.freq_base", 10000.0)),
             rope_scale=1.0 / factor if scaling == "linear" else 1.0,
-            rms_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=_norm_eps(f, family),
             vocab=int(embd.shape[1]),
             context_length=int(f.arch_key("context_length", 4096)),
             sliding_window=sliding_window,
@@ -140,6 +149,7 @@ class ModelConfig:
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
             mla=read_mla(f, n_layers, n_heads) if family.attention == "mla" else None,
+            **_family_options(f, family),
             **ssm,
             **moe_fields(f, family),
         )
@@ -166,13 +176,47 @@ class ModelConfig:
         return self.family.is_swa_layer(layer, self.sliding_window)
 
     def rope_base_for(self, layer: int) -> float:
-        if self.is_swa_layer(layer) and self.family.rope_base_swa is not None:
-            return self.family.rope_base_swa
+        if self.is_swa_layer(layer):
+            # a constant llama.cpp hard-codes for the family wins over the file's key
+            for base in (self.family.rope_base_swa, self.rope_base_swa):
+                if base is not None:
+                    return base
         return self.rope_base
 
     def rope_scale_for(self, layer: int) -> float:
-        # llama.cpp scales only the global layers; local layers keep scale 1.
-        return 1.0 if self.is_swa_layer(layer) else self.rope_scale
+        # llama.cpp scales only the global layers (local layers keep scale 1), but Gemma 2's
+        if self.is_swa_layer(layer) and not self.family.swa_rope_scale:
+            return 1.0
+        return self.rope_scale
+
+    def attention_scale(self) -> float:
+        """The factor Q.K is scaled by before the softmax."""
+        if self.family.query_scale is not None:
+            return self.family.query_scale(self)
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def _norm_eps(f: GGUFFile, family: Family) -> float:
+    if family.norm == "layer":  # LayerNorm families name their eps apart (llama.cpp)
+        return float(f.arch_key("attention.layer_norm_epsilon", 1e-5))
+    return float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6))
+
+
+def _family_options(f: GGUFFile, family: Family) -> dict[str, float | None]:
+    """The family's optional caps and clamp as the GGUF sets them (llama.cpp's defaults
+    where the family caps and the key is absent), and its sliding layers' rope base."""
+    out: dict[str, float | None] = {}
+    if family.attn_softcap:
+        out["attn_softcap"] = float(f.arch_key("attn_logit_softcapping", family.attn_softcap))
+    if family.final_softcap:
+        out["final_softcap"] = float(f.arch_key("final_logit_softcapping",
+                                                family.final_softcap))
+    if family.clamp_kqv:
+        out["clamp_kqv"] = float(f.arch_key("attention.clamp_kqv", 0.0) or 0.0)
+    base = f.arch_key("rope.freq_base_swa")
+    if base is not None and family.swa_rope_base_key:
+        out["rope_base_swa"] = float(base)
+    return out
 
 
 # llama.cpp's llama_expert_gating_func_type values (0: none)
