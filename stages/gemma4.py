@@ -32,7 +32,7 @@ from .linear import Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
 from .moe import MoeFfn, per_row
 from .runtime import StageError
 from .transformer import Segment
-from .weights import StageTensors
+from .weights import ROPE_FREQS, StageTensors
 
 
 class PerLayerInputs:
@@ -140,6 +140,7 @@ class Gemma4Attention:
         self.q_norm = t[p + "attn_q_norm.weight"]
         self.k_norm = t[p + "attn_k_norm.weight"] if self.own_kv else None
         self.v_norm = torch.ones(self.hd)  # an unweighted RMS norm: weight 1 is exact
+        self.scale = cfg.attention_scale()  # 1: the normed q and k keep scores in range
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
@@ -167,9 +168,8 @@ class Gemma4Attention:
         if k is not None:
             seg.kv.write(self.slot, seg.pos, k, v)
         lo, hi, mask = seg.window(self.window)
-        # scores unscaled (llama.cpp: f_attention_scale = 1)
         return attend(q, seg.kv.keys(self.slot, lo, hi), seg.kv.values(self.slot, lo, hi),
-                      mask, 1.0)
+                      mask, self.scale)
 
     @property
     def nbytes(self) -> int:
@@ -271,7 +271,7 @@ def build_layers(cfg: ModelConfig, t: StageTensors, start: int, end: int, fmt: s
     """Layers [start, end) of a Gemma 4 stage, the model layer of each KV slot, and the
     stage's per-layer inputs (None without per-layer embeddings)."""
     ropes: dict[tuple, Rope] = {}
-    factors = t.get("rope_freqs.weight")
+    factors = t.get(ROPE_FREQS)
     per_layer = PerLayerInputs(cfg, t, start, end, fmt) if cfg.per_layer_dim else None
     layers, kv_layers = [], []
     for i in range(start, end):

@@ -60,17 +60,19 @@ class Rope:
     """Rotary embedding tables for one (base, scale), grown on demand.
 
     Angles are built the way llama.cpp builds its rope cache, a float32 running product
-    pos * s * s * ... with s = base^(-2/n_dims), so both sides rotate by the same floats.
+    pos * s * s * ... with s = base^(-2/n_dims), so both sides rotate by the same floats;
+    frequency factors (rope_freqs: Llama 3's, Gemma 4's global layers'), where given,
+    divide pair i's angle by factors[i] before the scale, as ggml's rope does.
     """
 
     def __init__(self, dim: int, base: float, scale: float, style: str,
                  factors: torch.Tensor | None = None):
         if style not in ("norm", "neox"):
             raise ValueError(f"unknown rope style '{style}'")
+        if factors is not None and factors.numel() < dim // 2:
+            raise ValueError(f"{factors.numel()} rope frequency factors for {dim // 2} pairs")
         self.dim, self.base, self.scale, self.style = dim, base, scale, style
-        # per-pair frequency divisors (a GGUF's rope_freqs: Gemma 4's global layers),
-        # applied as ggml does: the angle theta / factor, then scaled
-        self.factors = factors
+        self.factors = factors.to(torch.float32).reshape(-1) if factors is not None else None
         self.cos = torch.empty(0, dim // 2)
         self.sin = torch.empty(0, dim // 2)
         self._positions: torch.Tensor | None = None  # the last positions looked up

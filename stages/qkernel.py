@@ -186,7 +186,8 @@ class AttnShape(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int) for n in ("heads", "kv_heads", "head_dim", "v_head_dim",
                                             "rope_dim", "rope_style", "window")] \
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] \
-        + [(n, ctypes.c_void_p) for n in ("qk_norm", "cos", "sin")]
+        + [(n, ctypes.c_void_p) for n in ("qk_norm", "cos", "sin")] \
+        + [("softcap", ctypes.c_float)]  # scores capped as cap * tanh(s / cap); 0: not
 
 
 def _declare_rowops(lib: ctypes.CDLL) -> None:

@@ -92,6 +92,7 @@ typedef struct {
     float eps, scale;
     const float *qk_norm; /* [(heads + kv_heads), head_dim] or NULL */
     const float *cos, *sin; /* angle tables [positions, rope_dim / 2] */
+    float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
 } attn_shape;
 
 /* One head's attention of query q over keys [lo, hi) of a token-major cache. */
@@ -101,7 +102,10 @@ static void attend_head(const attn_shape *A, const float *q, const float *kc, co
     const int D = A->head_dim, Dv = A->v_head_dim;
     float m = -INFINITY;
     for (int64_t l = lo; l < hi; l++) {
-        const float s = dot(q, kc + (l * A->kv_heads + g) * D, D) * A->scale;
+        float s = dot(q, kc + (l * A->kv_heads + g) * D, D) * A->scale;
+        /* libm's tanhf, as ggml's tanh calls it; one scalar call in every build */
+        if (A->softcap > 0.0f)
+            s = tanhf(s * (1.0f / A->softcap)) * A->softcap;
         scores[l - lo] = s;
         m = s > m ? s : m;
     }

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import blake3
@@ -54,6 +54,9 @@ class Dims:
     context_length: int
     rope_base: float
     rms_eps: float
+    rope_freqs: bool = False  # llama: Llama 3 rope frequency factors (rope_freqs.weight)
+    # The arch's own sizes and switches (ArchSpec.options, overridden by the caller's)
+    options: Mapping[str, int | float | None] = dataclasses.field(default_factory=dict)
     variant: str = ""  # one of the arch's ArchSpec.variants ("" where it has none)
 
 
@@ -67,8 +70,10 @@ class TensorSpec:
     that forgets a norm weight is caught), "bias" (N(0, 0.1)), "ssm_a" (-exp(N(0, 0.5)):
     Mamba2's negative per-head decay rate A), "qk_norm" ("norm" times head_dim^-1/4: for
     Q and K norms of a family that does not scale its scores, so that the scores are of
-    unit scale), "head_norm" (0.3 + N(0, 0.03): a final norm that scales logits down) or
-    "rope_freqs" (fixed rope frequency divisors, _rope_factors).
+    unit scale), "head_norm" (0.3 + N(0, 0.03): a final norm that scales logits down),
+    "rope_freqs" (Llama 3's frequency factors, computed, not drawn), "rope_divisors"
+    (Gemma 4's proportional-rope divisors, fixed: _rope_divisors) or "tied_embed"
+    (N(0, 1/(16 fan_in)): Gemma 2's embeddings, which are also its head).
     """
 
     name: str
@@ -82,6 +87,9 @@ class ArchSpec:
     defaults: dict[str, int | float]
     hparams: Callable[[Dims], dict[str, int | float | list[int]]]  # keys without "{arch}."
     tensors: Callable[[Dims], list[TensorSpec]]
+    # Arch-specific options a caller may set (write_synthetic(options=...), the CLI's
+    # --set KEY=VALUE) and their defaults; None: derived from the other sizes.
+    options: Mapping[str, int | float | None] = dataclasses.field(default_factory=dict)
     # Shapes of one family the `variant` option picks between (the first is the default),
     # e.g. gemma4's "e4b" (per-layer embeddings, shared KV) and "a4b" (experts).
     variants: tuple[str, ...] = ()
@@ -148,7 +156,28 @@ def _llama_hparams(d: Dims) -> dict[str, int | float | list[int]]:
 
 
 def _llama_tensors(d: Dims) -> list[TensorSpec]:
-    return _dense_tensors(d, qk_norm=False)
+    out = _dense_tensors(d, qk_norm=False)
+    if d.rope_freqs:  # one global tensor, as the Llama 3 converter writes it
+        out.insert(1, TensorSpec("rope_freqs.weight", (d.head_dim // 2,), "rope_freqs"))
+    return out
+
+
+# Llama 3.1's rope scaling constants (its config.json: factor 8, low / high frequency
+# factors 1 / 4, original context 8192), with the base the --rope-freqs file uses.
+LLAMA3_ROPE = {"base": 500000.0, "factor": 8.0, "low": 1.0, "high": 4.0, "context": 8192}
+
+
+def llama3_rope_factors(n_pairs: int) -> np.ndarray:
+    """Per rotated pair: 1 for short wavelengths, `factor` for long ones, and a smooth
+    blend between, as the Llama 3 converter computes rope_freqs (angles are divided by it)."""
+    c = LLAMA3_ROPE
+    freqs = c["base"] ** (-np.arange(n_pairs, dtype=np.float64) * 2 / (2 * n_pairs))
+    wavelen = 2 * np.pi / freqs
+    smooth = (c["context"] / wavelen - c["low"]) / (c["high"] - c["low"])
+    out = 1.0 / ((1 - smooth) / c["factor"] + smooth)
+    out = np.where(wavelen < c["context"] / c["high"], 1.0, out)
+    out = np.where(wavelen > c["context"] / c["low"], c["factor"], out)
+    return out.astype(np.float32)
 
 
 # -- lfm2 (short convolution + attention hybrid) ----------------------------------------------
@@ -365,7 +394,7 @@ def _gemma4_tensors(d: Dims) -> list[TensorSpec]:
                 TensorSpec("per_layer_model_proj.weight", (L * P, d.hidden), "proj"),
                 TensorSpec("per_layer_proj_norm.weight", (P,), "norm")]
     # the global layers' rope frequency divisors (Gemma 4's proportional rope)
-    out.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_freqs"))
+    out.append(TensorSpec("rope_freqs.weight", (hd // 2,), "rope_divisors"))
     for i in range(L):
         b = f"blk.{i}"
         out += _gemma4_attention(d, b, hd_swa if swa[i] else hd, i < L - shared,
@@ -421,6 +450,161 @@ def _gemma4_ffn(d: Dims, b: str, e4b: bool) -> list[TensorSpec]:
         TensorSpec(f"{b}.ffn_down_exps.weight", (n, d.hidden, ff), "proj"),
         TensorSpec(f"{b}.ffn_down_exps.scale", (n,), "norm"),
     ]
+
+
+# -- deepseek2 (multi-head latent attention; DeepSeek-V2/V3, GLM-4.7-Flash) --------------------
+# The MLA sizes follow head_dim (the unrotated query/key width) unless set: at head_dim 128
+# they are DeepSeek-V3's (kv_lora 512, q_lora 1536, rope 64, v 128). Rope is YaRN as
+# DeepSeek-V3 writes it (factor, original context, 0.1 * mscale_all_dim), so the scaled
+# rope and the attention scale's mscale are both exercised. After `leading_dense` dense
+# layers come DeepSeek-V3-style MoE layers: sigmoid routing with the exp_probs_b selection
+# bias, grouped (the best groups_used of expert_groups compete), normalised and scaled
+# weights, shared experts beside the routed ones. --ff is the dense layers' width.
+DEEPSEEK2_OPTIONS: dict[str, int | float | None] = {
+    "q_lora_rank": None,    # 12 * head_dim; 0: queries from attn_q (the "lite" layout)
+    "kv_lora_rank": None,   # 4 * head_dim
+    "rope_dim": None,       # head_dim // 2
+    "v_head_dim": None,     # head_dim
+    "kv_b": 0,              # 1: the unsplit attn_kv_b of older files, not attn_k_b / attn_v_b
+    "yarn_factor": 4.0,     # 0: no rope scaling keys
+    "yarn_log_multiplier": 0.0707,  # as stored: 0.1 * mscale_all_dim
+    "leading_dense": 1,     # layers with a dense FFN before the MoE layers
+    "experts": 16,          # routed experts per MoE layer (0: every layer dense)
+    "experts_used": 4,
+    "shared_experts": 1,
+    "expert_ff": None,      # each expert's width: ff // 4
+    "expert_groups": 4,     # 0 or 1: no grouped routing
+    "groups_used": 2,
+    "gating": 2,            # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
+    "weights_norm": 1,
+    "weights_scale": 2.5,
+    "probs_bias": 1,        # 1: exp_probs_b, the selection bias
+}
+
+
+def deepseek2_sizes(d: Dims) -> dict[str, int]:
+    """The resolved MLA and MoE sizes of a deepseek2 synth (nope = head_dim)."""
+    o, hd = d.options, d.head_dim
+
+    def size(key: str, default: int) -> int:
+        return default if o.get(key) is None else int(o[key])
+
+    experts = size("experts", 0)
+    dense = d.layers if not experts else min(d.layers, size("leading_dense", d.layers))
+    return {"nope": hd, "rope": size("rope_dim", hd // 2), "v": size("v_head_dim", hd),
+            "kv_lora": size("kv_lora_rank", 4 * hd), "q_lora": size("q_lora_rank", 12 * hd),
+            "leading_dense": dense, "experts": experts, "used": size("experts_used", 0),
+            "shared": size("shared_experts", 0), "expert_ff": size("expert_ff", d.ff // 4),
+            "groups": size("expert_groups", 0), "groups_used": size("groups_used", 0)}
+
+
+def _deepseek2_hparams(d: Dims) -> dict[str, int | float | bool | list[int]]:
+    z = deepseek2_sizes(d)
+    if z["rope"] < 2 or z["rope"] % 2:
+        raise SynthError(f"rope_dim must be a positive even integer, not {z['rope']}")
+    out: dict[str, int | float | bool | list[int]] = {
+        "context_length": d.context_length,
+        "embedding_length": d.hidden,
+        "block_count": d.layers,
+        "feed_forward_length": d.ff,
+        "attention.head_count": d.heads,
+        "attention.layer_norm_rms_epsilon": d.rms_eps,
+        "rope.freq_base": d.rope_base,
+        "rope.dimension_count": z["rope"],
+        "leading_dense_block_count": z["leading_dense"],
+        "attention.q_lora_rank": z["q_lora"],
+        "attention.kv_lora_rank": z["kv_lora"],
+        # read by llama.cpp's loader even when every layer is dense
+        "expert_feed_forward_length": z["expert_ff"],
+        "expert_shared_count": z["shared"],
+    }
+    if d.options.get("kv_b"):  # per-head K and V as llama.cpp expands them: MHA
+        out.update({"attention.head_count_kv": d.heads,
+                    "attention.key_length": z["nope"] + z["rope"],
+                    "attention.value_length": z["v"]})
+    else:  # the converter's absorbed form: one latent "head" (MQA) of kv_lora + rope
+        out.update({"attention.head_count_kv": 1,
+                    "attention.key_length": z["kv_lora"] + z["rope"],
+                    "attention.value_length": z["kv_lora"],
+                    "attention.key_length_mla": z["nope"] + z["rope"],
+                    "attention.value_length_mla": z["v"]})
+    factor = float(d.options.get("yarn_factor") or 0.0)
+    if factor:
+        out.update({"rope.scaling.type": "yarn", "rope.scaling.factor": factor,
+                    "rope.scaling.original_context_length": max(1, int(d.context_length / factor)),
+                    "rope.scaling.yarn_log_multiplier":
+                        float(d.options.get("yarn_log_multiplier") or 0.0)})
+    if z["leading_dense"] < d.layers:
+        out.update(_deepseek2_moe_hparams(d, z))
+    return out
+
+
+def _deepseek2_moe_hparams(d: Dims, z: dict[str, int]) -> dict[str, int | float | bool]:
+    o = d.options
+    if not 0 < z["used"] <= z["experts"] or z["shared"] < 1:
+        raise SynthError(f"deepseek2 MoE layers need 0 < experts_used <= experts and a "
+                         f"shared expert (llama.cpp always runs one), not {z}")
+    out: dict[str, int | float | bool] = {
+        "expert_count": z["experts"], "expert_used_count": z["used"],
+        "expert_gating_func": int(o.get("gating") or 1),
+        "expert_weights_norm": bool(o.get("weights_norm")),
+        "expert_weights_scale": float(o.get("weights_scale") or 0.0)}
+    if z["groups"] > 1:
+        if z["experts"] % z["groups"] or not 0 < z["groups_used"] < z["groups"]:
+            raise SynthError(f"{z['experts']} experts in {z['groups']} groups, "
+                             f"{z['groups_used']} used: not a grouping llama.cpp takes")
+        out.update({"expert_group_count": z["groups"],
+                    "expert_group_used_count": z["groups_used"]})
+    return out
+
+
+def _deepseek2_attention(d: Dims, b: str) -> list[TensorSpec]:
+    z = deepseek2_sizes(d)
+    k_head, h = z["nope"] + z["rope"], d.heads
+    if z["q_lora"]:
+        out = [TensorSpec(f"{b}.attn_q_a.weight", (z["q_lora"], d.hidden), "proj"),
+               TensorSpec(f"{b}.attn_q_a_norm.weight", (z["q_lora"],), "norm"),
+               TensorSpec(f"{b}.attn_q_b.weight", (h * k_head, z["q_lora"]), "proj")]
+    else:
+        out = [TensorSpec(f"{b}.attn_q.weight", (h * k_head, d.hidden), "proj")]
+    out += [TensorSpec(f"{b}.attn_kv_a_mqa.weight", (z["kv_lora"] + z["rope"], d.hidden), "proj"),
+            TensorSpec(f"{b}.attn_kv_a_norm.weight", (z["kv_lora"],), "norm")]
+    if d.options.get("kv_b"):
+        out.append(TensorSpec(f"{b}.attn_kv_b.weight", (h * (z["nope"] + z["v"]), z["kv_lora"]),
+                              "proj"))
+    else:  # per head: ggml {nope, kv_lora, heads} and {kv_lora, v, heads}
+        out += [TensorSpec(f"{b}.attn_k_b.weight", (h, z["kv_lora"], z["nope"]), "proj"),
+                TensorSpec(f"{b}.attn_v_b.weight", (h, z["v"], z["kv_lora"]), "proj")]
+    out.append(TensorSpec(f"{b}.attn_output.weight", (d.hidden, h * z["v"]), "proj"))
+    return out
+
+
+def _deepseek2_ffn(d: Dims, b: str, layer: int) -> list[TensorSpec]:
+    z = deepseek2_sizes(d)
+    if layer < z["leading_dense"]:
+        return [TensorSpec(f"{b}.ffn_gate.weight", (d.ff, d.hidden), "proj"),
+                TensorSpec(f"{b}.ffn_up.weight", (d.ff, d.hidden), "proj"),
+                TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj")]
+    shared = z["expert_ff"] * z["shared"]
+    out = _expert_tensors(dataclasses.replace(d, ff=z["expert_ff"]), b, z["experts"])
+    if d.options.get("probs_bias"):
+        out.append(TensorSpec(f"{b}.exp_probs_b.bias", (z["experts"],), "bias"))
+    return out + [TensorSpec(f"{b}.ffn_gate_shexp.weight", (shared, d.hidden), "proj"),
+                  TensorSpec(f"{b}.ffn_up_shexp.weight", (shared, d.hidden), "proj"),
+                  TensorSpec(f"{b}.ffn_down_shexp.weight", (d.hidden, shared), "proj")]
+
+
+def _deepseek2_tensors(d: Dims) -> list[TensorSpec]:
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out += [TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
+                *_deepseek2_attention(d, b),
+                TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+                *_deepseek2_ffn(d, b, i)]
+    out += [TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+            TensorSpec("output.weight", (d.vocab, d.hidden), "proj")]
+    return out
 
 
 # -- qwen3moe (qwen3 attention, a mixture of experts in every layer) -------------------------
@@ -494,6 +678,211 @@ def _minimax_m2_tensors(d: Dims) -> list[TensorSpec]:
     return out
 
 
+# -- qwen3next (gated DeltaNet and gated attention layers, MoE FFN) ---------------------------
+# Fixed for the synthetic family: every 3rd layer attention (6 layers: d d a d d a), rope on
+# a quarter of each head (as the released 64 of 256), DeltaNet with 2 key heads and 4 value
+# heads of 32 (so the key -> value head repeat is exercised) and a 4-tap conv, 8 experts of
+# which 2 are used, a shared expert as wide as one expert (--ff sets both).
+QWEN3NEXT = {"interval": 3, "rope_fraction": 4, "k_heads": 2, "v_heads": 4, "head": 32,
+             "d_conv": 4, "experts": 8, "used": 2}
+
+
+def qwen3next_is_attention_layer(layer: int) -> bool:
+    return (layer + 1) % QWEN3NEXT["interval"] == 0
+
+
+def _qwen3next_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    s = QWEN3NEXT
+    return {
+        **_qwen3_hparams(d),
+        "rope.dimension_count": d.head_dim // s["rope_fraction"],
+        "full_attention_interval": s["interval"],
+        **_moe_hparams(d, s),
+        "expert_shared_feed_forward_length": d.ff,
+        "ssm.conv_kernel": s["d_conv"],
+        "ssm.inner_size": s["v_heads"] * s["head"],
+        "ssm.state_size": s["head"],
+        "ssm.time_step_rank": s["v_heads"],  # llama.cpp: value heads
+        "ssm.group_count": s["k_heads"],     # llama.cpp: key heads
+    }
+
+
+def _qwen3next_deltanet(b: str, d: Dims) -> list[TensorSpec]:
+    s = QWEN3NEXT
+    key, value = s["k_heads"] * s["head"], s["v_heads"] * s["head"]
+    return [
+        TensorSpec(f"{b}.attn_qkv.weight", (2 * key + value, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_gate.weight", (value, d.hidden), "proj"),
+        # per key head: beta then alpha of its value heads
+        TensorSpec(f"{b}.ssm_ba.weight", (2 * s["v_heads"], d.hidden), "proj"),
+        # numpy (conv_dim, d_conv) = ggml {d_conv, conv_dim}; ssm_conv reads only f32
+        TensorSpec(f"{b}.ssm_conv1d.weight", (2 * key + value, s["d_conv"]), "proj",
+                   always_f32=True),
+        TensorSpec(f"{b}.ssm_dt.bias", (s["v_heads"],), "bias"),
+        TensorSpec(f"{b}.ssm_a", (s["v_heads"],), "ssm_a"),  # -exp(A_log)
+        TensorSpec(f"{b}.ssm_norm.weight", (s["head"],), "norm"),
+        TensorSpec(f"{b}.ssm_out.weight", (d.hidden, value), "proj"),
+    ]
+
+
+def _qwen3next_attention(b: str, d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    return [
+        # per head: its query, then its output gate
+        TensorSpec(f"{b}.attn_q.weight", (2 * q, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
+        TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+        TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
+        TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+    ]
+
+
+def _qwen3next_moe(b: str, d: Dims) -> list[TensorSpec]:
+    return [
+        *_expert_tensors(d, b, QWEN3NEXT["experts"]),
+        # the shared expert and its gate: one logit per row
+        TensorSpec(f"{b}.ffn_gate_inp_shexp.weight", (d.hidden,), "proj"),
+        TensorSpec(f"{b}.ffn_gate_shexp.weight", (d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_up_shexp.weight", (d.ff, d.hidden), "proj"),
+        TensorSpec(f"{b}.ffn_down_shexp.weight", (d.hidden, d.ff), "proj"),
+    ]
+
+
+def _qwen3next_tensors(d: Dims) -> list[TensorSpec]:
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out.append(TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"))
+        if qwen3next_is_attention_layer(i):
+            out += _qwen3next_attention(b, d)
+        else:
+            out += _qwen3next_deltanet(b, d)
+        # the pre-FFN norm is named post_attention_norm
+        out.append(TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm"))
+        out += _qwen3next_moe(b, d)
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
+# -- gemma2 (soft-capped attention and logits, every even layer sliding) ----------------------
+# A window far shorter than the test prompts, so sliding layers really slide; caps near
+# the scores' size (about 1) and the logits' (about 0.25, below), so tanh bends them
+# (Gemma 2 ships 50 and 30, far above its trained values too).
+GEMMA2_WINDOW, GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP = 48, 2.0, 0.75
+
+
+def _gemma2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    return {**_qwen3_hparams(d), "attention.sliding_window": GEMMA2_WINDOW,
+            "attn_logit_softcapping": GEMMA2_ATTN_CAP,
+            "final_logit_softcapping": GEMMA2_FINAL_CAP}
+
+
+def _gemma2_tensors(d: Dims) -> list[TensorSpec]:
+    out = []
+    for spec in _dense_tensors(d, qk_norm=False):
+        if spec.name == "output.weight":
+            continue  # llama.cpp's gemma2 always reads its head from token_embd
+        if spec.name == "token_embd.weight":
+            # Small rows: the tied head's logits come out about 0.25 (N(0, 1) rows would
+            # give about 16). llama.cpp's CPU GELU rounds through an fp16 table, so a gate
+            # value a float apart from ours can land on the next fp16 step: an error floor
+            # near 1e-3 of the logits' size that the 1e-3 bar must stay above.
+            spec = TensorSpec(spec.name, spec.shape, "tied_embed")
+        out.append(spec)
+        block = spec.name.rsplit(".", 2)[0]
+        if spec.name.endswith("attn_output.weight"):
+            out.append(TensorSpec(f"{block}.post_attention_norm.weight", (d.hidden,), "norm"))
+        elif spec.name.endswith("ffn_down.weight"):
+            out.append(TensorSpec(f"{block}.post_ffw_norm.weight", (d.hidden,), "norm"))
+    return out
+
+
+# -- olmo (weightless LayerNorms, clamped Q/K/V) ----------------------------------------------
+OLMO_CLAMP_KQV = 1.5  # below the projections' largest values, so the clamp is exercised
+
+
+def _olmo_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    out = {k: v for k, v in _qwen3_hparams(d).items()
+           if k != "attention.layer_norm_rms_epsilon"}
+    return {**out, "attention.layer_norm_epsilon": d.rms_eps,
+            "attention.clamp_kqv": OLMO_CLAMP_KQV}
+
+
+def _olmo_tensors(d: Dims) -> list[TensorSpec]:
+    _need_square_attention("olmo", d)
+    return [t for t in _dense_tensors(d, qk_norm=False) if t.init != "norm"]
+
+
+def _need_square_attention(arch: str, d: Dims) -> None:
+    if d.heads * d.head_dim != d.hidden:
+        # llama.cpp creates these families' Q and output projections as n_embd x n_embd.
+        raise SynthError(f"{arch} needs heads * head_dim == hidden ({d.heads} * {d.head_dim} "
+                         f"!= {d.hidden})")
+
+
+# -- olmo2 (post-norms only, Q/K norms over the whole projections) ----------------------------
+def _olmo2_tensors(d: Dims) -> list[TensorSpec]:
+    _need_square_attention("olmo2", d)
+    out = []
+    for spec in _dense_tensors(d, qk_norm=False):
+        block = spec.name.rsplit(".", 2)[0]
+        if spec.name.endswith(("attn_norm.weight", "ffn_norm.weight")):
+            continue
+        out.append(spec)
+        if spec.name.endswith("attn_v.weight"):
+            out += [TensorSpec(f"{block}.attn_q_norm.weight", (d.hidden,), "norm"),
+                    TensorSpec(f"{block}.attn_k_norm.weight", (d.kv_heads * d.head_dim,), "norm")]
+        elif spec.name.endswith("attn_output.weight"):
+            out.append(TensorSpec(f"{block}.post_attention_norm.weight", (d.hidden,), "norm"))
+        elif spec.name.endswith("ffn_down.weight"):
+            out.append(TensorSpec(f"{block}.post_ffw_norm.weight", (d.hidden,), "norm"))
+    return out
+
+
+# -- glm4 (biased Q/K/V, partial rope, four norms, fused gate-up FFN) -------------------------
+def glm4_fused_qkv(layer: int) -> bool:
+    """The synthetic file's odd layers store one attn_qkv matrix and bias, the even ones
+    three of each: llama.cpp loads either per layer, so one file checks both."""
+    return layer % 2 == 1
+
+
+def _glm4_hparams(d: Dims) -> dict[str, int | float | list[int]]:
+    # GLM-4 rotates the first half of each head (rope.dimension_count = head_dim / 2)
+    return {**_qwen3_hparams(d), "rope.dimension_count": d.head_dim // 2}
+
+
+def _glm4_tensors(d: Dims) -> list[TensorSpec]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
+    for i in range(d.layers):
+        b = f"blk.{i}"
+        out.append(TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"))
+        if glm4_fused_qkv(i):
+            out += [TensorSpec(f"{b}.attn_qkv.weight", (q + 2 * kv, d.hidden), "proj"),
+                    TensorSpec(f"{b}.attn_qkv.bias", (q + 2 * kv,), "bias")]
+        else:
+            for name, rows in (("q", q), ("k", kv), ("v", kv)):
+                out += [TensorSpec(f"{b}.attn_{name}.weight", (rows, d.hidden), "proj"),
+                        TensorSpec(f"{b}.attn_{name}.bias", (rows,), "bias")]
+        out += [
+            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
+            TensorSpec(f"{b}.post_attention_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
+            TensorSpec(f"{b}.ffn_up.weight", (2 * d.ff, d.hidden), "proj"),  # gate, then up
+            TensorSpec(f"{b}.ffn_down.weight", (d.hidden, d.ff), "proj"),
+            TensorSpec(f"{b}.post_ffw_norm.weight", (d.hidden,), "norm"),
+        ]
+    out += [
+        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
+        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
+    ]
+    return out
+
+
 _SMALL = {"hidden": 256, "ff": 768, "heads": 4, "kv_heads": 2, "head_dim": 64,
           "context_length": 4096, "rope_base": 1e6, "rms_eps": 1e-6}
 
@@ -507,12 +896,26 @@ _ARCHS: dict[str, ArchSpec] = {
                      tensors=_lfm2_tensors),
     "falcon-h1": ArchSpec(defaults={**_SMALL, "ff": 512, "rms_eps": 1e-5},
                           hparams=_falcon_h1_hparams, tensors=_falcon_h1_tensors),
+    "gemma2": ArchSpec(defaults=_SMALL, hparams=_gemma2_hparams, tensors=_gemma2_tensors),
+    "olmo": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_olmo_hparams,
+                     tensors=_olmo_tensors),
+    "olmo2": ArchSpec(defaults=_SMALL, hparams=_qwen3_hparams, tensors=_olmo2_tensors),
+    "glm4": ArchSpec(defaults={**_SMALL, "rms_eps": 1e-5}, hparams=_glm4_hparams,
+                     tensors=_glm4_tensors),
+    # head_dim 32 (hidden / 8 heads): kv_lora 128, q_lora 384, rope 16; DeepSeek's eps and
+    # rope base
+    "deepseek2": ArchSpec(defaults={**_SMALL, "ff": 512, "heads": 8, "kv_heads": 1,
+                                    "rope_base": 10000.0},
+                          hparams=_deepseek2_hparams, tensors=_deepseek2_tensors,
+                          options=DEEPSEEK2_OPTIONS),
     "gemma4": ArchSpec(defaults={**_SMALL, "ff": 512}, hparams=_gemma4_hparams,
                        tensors=_gemma4_tensors, variants=GEMMA4_VARIANTS),
     "qwen3moe": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3moe_hparams,
                          tensors=_qwen3moe_tensors),
     "minimax-m2": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_minimax_m2_hparams,
                            tensors=_minimax_m2_tensors),
+    "qwen3next": ArchSpec(defaults={**_SMALL, "ff": 128}, hparams=_qwen3next_hparams,
+                          tensors=_qwen3next_tensors),
 }
 
 SYNTH_ARCHS: tuple[str, ...] = tuple(sorted(_ARCHS))
@@ -544,26 +947,33 @@ def write_synthetic(
     head_dim: int | None = None,
     dtype: str = "f32",
     progress: Callable[[str], None] | None = None,
+    options: Mapping[str, int | float] | None = None,
+    rope_freqs: bool = False,
     variant: str | None = None,
 ) -> Path:
     """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
 
     2-D weights are stored as `dtype` ("f32" or "f16"); 1-D norm weights (and tensors
     marked always_f32, such as LFM2's conv kernels) are always f32.
-    `head_dim` defaults to hidden // heads; `variant` picks one of the arch's shapes
-    (ArchSpec.variants; default its first). The file appears atomically (written under a
-    temporary name, then renamed), so an interrupted write never leaves a loadable stub.
+    `head_dim` defaults to hidden // heads. `options` sets the arch's own sizes and
+    switches (its ArchSpec.options; e.g. deepseek2's kv_lora_rank). `rope_freqs` (llama
+    only) makes a Llama 3 style file: rope base 500000 and a rope_freqs.weight of frequency
+    factors. `variant` picks one of the arch's shapes (ArchSpec.variants; default its
+    first). The file appears atomically (written under a temporary name, then renamed),
+    so an interrupted write never leaves a loadable stub.
     """
     spec = _spec(arch)
     if dtype not in _DTYPES:
         raise SynthError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise SynthError(f"seed must be an integer in [0, 2**63), not {seed!r}")
+    if rope_freqs and arch != "llama":
+        raise SynthError(f"rope_freqs is a llama option, not one of {arch}")
     tok = _tokenizer_kv(Path(tokenizer_from))
     dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim,
                          vocab=len(tok["tokenizer.ggml.tokens"][0]))
-    dims = dataclasses.replace(dims, variant=_variant(arch, spec, variant))
+    dims = _shaped(arch, spec, dims, options, rope_freqs, variant)
     np_dtype, file_type = _DTYPES[dtype]
     out = Path(out)
     tensors = spec.tensors(dims)
@@ -583,6 +993,15 @@ def write_synthetic(
     return out
 
 
+def _shaped(arch: str, spec: ArchSpec, dims: Dims, options: Mapping[str, int | float] | None,
+            rope_freqs: bool, variant: str | None) -> Dims:
+    """dims with the caller's arch options, Llama 3 rope (llama) and variant applied."""
+    dims = _with_options(arch, spec, dims, options or {})
+    if rope_freqs:
+        dims = replace(dims, rope_freqs=True, rope_base=LLAMA3_ROPE["base"])
+    return replace(dims, variant=_variant(arch, spec, variant))
+
+
 def _variant(arch: str, spec: ArchSpec, variant: str | None) -> str:
     if variant is None:
         return spec.variants[0] if spec.variants else ""
@@ -592,6 +1011,18 @@ def _variant(arch: str, spec: ArchSpec, variant: str | None) -> str:
     return variant
 
 
+def synth_bytes(arch: str, *, layers: int, vocab: int, dtype: str = "f32",
+                options: Mapping[str, int | float] | None = None, variant: str | None = None,
+                **sizes: int | None) -> int:
+    """Tensor bytes of the file write_synthetic would write with these arguments (its
+    metadata aside): lets a caller pick the layer count that reaches a size."""
+    spec = _spec(arch)
+    given = {k: sizes.get(k) for k in ("hidden", "ff", "heads", "kv_heads", "head_dim")}
+    dims = _shaped(arch, spec, _resolve_dims(spec, layers=layers, vocab=vocab, **given),
+                   options, False, variant)
+    item = np.dtype(_DTYPES[dtype][0]).itemsize
+    return sum(int(np.prod(t.shape)) * (4 if len(t.shape) == 1 or t.always_f32 else item)
+               for t in spec.tensors(dims))
 def _add_metadata(writer: GGUFWriter, arch: str, layers: int, seed: int, file_type: int,
                   hparams: dict, tok: dict) -> None:
     """The file's name, type, the architecture's hyperparameters, our synth keys and the
@@ -646,10 +1077,27 @@ def _resolve_dims(spec: ArchSpec, *, layers: int, vocab: int, **given: int | Non
                 rms_eps=float(spec.defaults["rms_eps"]))
 
 
-def _add_typed(writer: GGUFWriter, key: str, value: int | float | list[int]) -> None:
+def _with_options(arch: str, spec: ArchSpec, dims: Dims,
+                  options: Mapping[str, int | float]) -> Dims:
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        known = ", ".join(sorted(spec.options)) or "none"
+        raise SynthError(f"{arch} has no option {', '.join(unknown)} (options: {known})")
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise SynthError(f"option {key} must be a number >= 0, not {value!r}")
+    return dataclasses.replace(dims, options={**spec.options, **options})
+
+
+def _add_typed(writer: GGUFWriter, key: str,
+               value: int | float | bool | str | list[int]) -> None:
     # llama.cpp reads hparams as u32 / f32 (arrays of i32); Python ints and floats
     # would otherwise be guessed as 64-bit by gguf-py.
-    if isinstance(value, float):
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):  # before int: a bool is an int to Python
+        writer.add_bool(key, value)
+    elif isinstance(value, float):
         writer.add_float32(key, value)
     elif isinstance(value, list) and value and all(isinstance(v, bool) for v in value):
         writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.BOOL)
@@ -667,6 +1115,10 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
+    if t.init == "rope_freqs":
+        return llama3_rope_factors(t.shape[0]).astype(dtype)
+    if t.init == "rope_divisors":
+        return _rope_divisors(t.shape[0]).astype(dtype)
     rng = _rng(seed, t.name)
     out = np.empty(t.shape, dtype=dtype)
     if t.init == "norm":
@@ -680,8 +1132,8 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
         mean, std = 0.0, (0.1 if t.init == "bias" else 0.5)
     elif t.init == "embed":
         mean, std = 0.0, 1.0
-    elif t.init == "rope_freqs":
-        return _rope_factors(t.shape[0]).astype(dtype)
+    elif t.init == "tied_embed":
+        mean, std = 0.0, 0.25 / np.sqrt(t.shape[-1])
     else:
         mean, std = 0.0, 1.0 / np.sqrt(t.shape[-1])
     flat = out.reshape(t.shape[0], -1)
@@ -696,7 +1148,7 @@ def _generate(t: TensorSpec, seed: int, dtype: type[np.generic]) -> np.ndarray:
     return out
 
 
-def _rope_factors(n: int) -> np.ndarray:
+def _rope_divisors(n: int) -> np.ndarray:
     """Rope frequency divisors: 1 for the first quarter of the pairs, growing ones for the
     next, and 1e30 (no rotation at all) for the last half, as proportional rope leaves the
     pairs past its partial rotary factor unrotated."""

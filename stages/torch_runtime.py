@@ -1,9 +1,9 @@
 """The torch stage runtime: any contiguous layer range of a supported family.
 
-Hybrid families (LFM2, Falcon-H1) keep recurrent conv (and SSM) state beside the attention
-KV. That state exists only at the lane's current length and at the chunk boundaries a
-prefill was asked to snapshot: it cannot be cut back to a shorter prefix, so exports,
-copies and prefill starts are limited to those lengths (and 0).
+Hybrid families (LFM2, Falcon-H1, Qwen3-Next) keep recurrent conv (and SSM or DeltaNet)
+state beside the attention KV. That state exists only at the lane's current length and at
+the chunk boundaries a prefill was asked to snapshot: it cannot be cut back to a shorter
+prefix, so exports, copies and prefill starts are limited to those lengths (and 0).
 """
 
 from __future__ import annotations
@@ -22,14 +22,19 @@ from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
 from .gemma4 import build_layers as build_gemma4_layers
 from .kv import LaneKv
-from .layers import Rope, rms_norm
+from .layers import Rope
 from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
+from .deltanet import GatedDeltaNet, deltanet_state_shapes
+from .gated_attention import GatedAttention
+from .norms import make_norm
+from .softcap import soft_cap
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
+from .mla import MlaAttention, YarnRope, latent_kv_shape
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
-from .weights import StageTensors, load_stage_tensors
+from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
 
 RUNTIME_ABI = f"skippy-torch/4 torch-{torch.__version__}"
 
@@ -77,7 +82,7 @@ class TorchStageRuntime(StageRuntime):
         self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
-            self.norm = t[cfg.family.output_norm]
+            self.norm = make_norm(cfg, t, cfg.family.output_norm)
             head = "token_embd.weight" if cfg.tied_head else "output.weight"
             # The head's top logits stay fp32 in every format: they pick the token, and a
             # head in fewer bits falls under the 99 % top-1 bar (evals/format_accuracy.py).
@@ -88,8 +93,10 @@ class TorchStageRuntime(StageRuntime):
         # SMALL_ROWS rows) and, at the last stage, a rescored head (checked bitwise by
         # tests/test_shape_invariance.py). Elsewhere steps run exactly lane_batch rows,
         # padded.
+        # (MLA's per-head up-projections are batched torch matmuls: their rows may
+        # depend on how many come together, so MLA steps stay padded.)
         self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
-                            and not self.recurrent
+                            and not self.recurrent and cfg.mla is None
                             and (not spec.is_last or isinstance(self.head, RescoredHead)))
         f.close()
         del t
@@ -98,15 +105,18 @@ class TorchStageRuntime(StageRuntime):
         self._next_lane = 0
 
     def _build_layers(self, t: StageTensors) -> None:
-        """The stage's decoder layers, each with its mixer (attention, short conv, or
-        attention beside Mamba2), and the KV and recurrent-state slots they use."""
+        """The stage's decoder layers, each with its mixer (attention, short conv,
+        attention beside Mamba2, or gated DeltaNet), and the KV and recurrent-state slots
+        they use."""
         spec, cfg = self.spec, self.cfg
         ropes: dict[tuple[float, float], Rope] = {}
+        factors = t.get(ROPE_FREQS)  # llama3-style per-dimension frequency factors
         self.layers: list[DecoderLayer] = []
         self.attn_layers: list[int] = []  # model layer index of each KV slot
         self.conv_layers: list[int] = []  # model layer index of each short-conv layer
-        # Recurrent state slots of LaneKv.conv: their export names ("conv.N": short-conv or
-        # Mamba2 conv state of layer N, "ssm.N": Mamba2 SSM state) and shapes.
+        # Recurrent state slots of LaneKv.conv: their export names ("conv.N": short-conv,
+        # Mamba2 or DeltaNet conv state of layer N, "ssm.N": Mamba2 SSM state or DeltaNet
+        # delta state) and shapes.
         self.state_names: list[str] = []
         self.state_shapes: list[tuple[int, ...]] = []
         # Gemma 4's per-layer embeddings: frames carry the scaled token embedding x0 beside
@@ -124,12 +134,23 @@ class TorchStageRuntime(StageRuntime):
                 self.conv_layers.append(i)
                 self.state_names.append(f"conv.{i}")
                 self.state_shapes.append((cfg.conv_l_cache - 1, cfg.hidden))
+            elif cfg.mla is not None:  # DeepSeek2: one latent row per token in the KV slot
+                if "mla" not in ropes:
+                    ropes["mla"] = YarnRope(cfg.rope_dim, cfg.mla.rope)
+                mixer = MlaAttention(i, len(self.attn_layers), cfg, t, spec.weight_format,
+                                     ropes["mla"])
+                self.attn_layers.append(i)
+            elif cfg.is_deltanet_layer(i):  # Qwen3-Next: conv state and delta state
+                mixer = GatedDeltaNet(i, len(self.state_names), cfg, t, spec.weight_format)
+                self.state_names += [f"conv.{i}", f"ssm.{i}"]
+                self.state_shapes += list(deltanet_state_shapes(cfg))
             else:
                 key = (cfg.rope_base_for(i), cfg.rope_scale_for(i))
                 if key not in ropes:
-                    ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style)
-                mixer = Attention(i, len(self.attn_layers), cfg, t, spec.weight_format,
-                                  ropes[key])
+                    ropes[key] = Rope(cfg.rope_dim, key[0], key[1], cfg.family.rope_style,
+                                      factors)
+                kind = GatedAttention if cfg.family.attn_output_gate else Attention
+                mixer = kind(i, len(self.attn_layers), cfg, t, spec.weight_format, ropes[key])
                 self.attn_layers.append(i)
                 if cfg.is_ssm_layer(i):  # Falcon-H1: Mamba2 beside attention
                     ssm = Mamba2(i, len(self.state_names), cfg, t, spec.weight_format)
@@ -146,9 +167,13 @@ class TorchStageRuntime(StageRuntime):
         self._next_lane += 1
         cfg = self.cfg
         conv_shapes = tuple(self.state_shapes)
-        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), cfg.n_kv_heads,
-                                         [cfg.head_dim_for(i) for i in self.attn_layers],
-                                         [cfg.v_head_dim_for(i) for i in self.attn_layers],
+        if cfg.mla is not None:  # one latent row per token and layer
+            kv_heads, k_dim, v_dim = latent_kv_shape(cfg.mla)
+        else:  # head sizes per layer: Gemma 4's sliding and global layers differ
+            kv_heads = cfg.n_kv_heads
+            k_dim = [cfg.head_dim_for(i) for i in self.attn_layers]
+            v_dim = [cfg.v_head_dim_for(i) for i in self.attn_layers]
+        self._lanes[lane] = _Lane(LaneKv(len(self.attn_layers), kv_heads, k_dim, v_dim,
                                          self.spec.chunk, self.n_ctx, conv_shapes))
         return lane
 
@@ -240,7 +265,7 @@ class TorchStageRuntime(StageRuntime):
         """Head over rows in padded groups of exactly `group` rows: a row's logits then do
         not depend on how many rows came with it. Serving ("last" and decode) uses groups
         of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows."""
-        x = rms_norm(hidden[:, :self.cfg.hidden], self.norm, self.cfg.rms_eps)
+        x = self.norm(hidden[:, :self.cfg.hidden])  # without a frame's side columns
         out = []
         for i in range(0, x.shape[0], group):
             part = x[i:i + group]
@@ -249,9 +274,8 @@ class TorchStageRuntime(StageRuntime):
                 part = torch.cat([part, part.new_zeros(group - n, part.shape[1])])
             out.append(self.head(part)[:n])
         logits = torch.cat(out) if len(out) > 1 else out[0]
-        cap = self.cfg.logit_softcap
-        # llama.cpp: scale by 1 / cap, tanh, scale by cap (Gemma's final soft cap)
-        return torch.tanh(logits * (1.0 / cap)) * cap if cap else logits
+        # elementwise and monotonic: a rescored head's candidates stay its top logits
+        return soft_cap(logits, self.cfg.final_softcap) if self.cfg.final_softcap else logits
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
@@ -358,15 +382,20 @@ class TorchStageRuntime(StageRuntime):
             n_tokens=n_tokens,
             prefilled=min(n_tokens, st.prefilled),
             keys=[st.kv.keys(i, 0, n_tokens).clone() for i in range(n)],
-            values=[st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
+            # MLA: the latent rows are the whole state; values are part of them
+            values=[] if self.cfg.mla is not None else
+            [st.kv.values(i, 0, n_tokens).clone() for i in range(n)],
             fixed={name: c.clone() for name, c in zip(self.state_names, conv)},
         )
 
     def import_state(self, lane: int, state: LaneState) -> None:
         st = self._lane(lane)
         n_attn = len(self.attn_layers)
-        if len(state.keys) != n_attn or len(state.values) != n_attn:
+        n_values = 0 if self.cfg.mla is not None else n_attn
+        if len(state.keys) != n_attn or len(state.values) != n_values:
             raise StageError("state has a different number of attention layers")
+        if any(tuple(k.shape[1:]) != shape for k, shape in zip(state.keys, st.kv.shapes_k)):
+            raise StageError("state's KV rows have a different layout")
         names = self.state_names
         if set(state.fixed) != set(names):
             raise StageError(f"state carries recurrent state {sorted(state.fixed)}, "
@@ -377,17 +406,35 @@ class TorchStageRuntime(StageRuntime):
         n = state.n_tokens
         st.kv.ensure(max(n, 1))
         for i in range(n_attn):
-            st.kv.write(i, 0, state.keys[i], state.values[i])
+            k = state.keys[i]
+            st.kv.write(i, 0, k, state.values[i] if n_values else k[..., :0])
         st.kv.conv = [c.to(torch.float32).clone() for c in conv]
         st.saved = {}
         st.length, st.prefilled = n, state.prefilled
 
     def _recurrent_state_kind(self) -> str:
         cfg = self.cfg
+        if cfg.deltanet_layers:
+            return (f"gated-deltanet d_conv={cfg.ssm_d_conv} k_heads={cfg.ssm_groups} "
+                    f"v_heads={cfg.ssm_heads} head_dim={cfg.ssm_d_state} f32")
         if cfg.ssm_layers:
             return (f"mamba2 d_conv={cfg.ssm_d_conv} d_inner={cfg.ssm_d_inner} "
                     f"d_state={cfg.ssm_d_state} heads={cfg.ssm_heads} groups={cfg.ssm_groups} f32")
         return f"shortconv l_cache={cfg.conv_l_cache} f32"
+
+    def _kv_layout(self) -> str:
+        m = self.cfg.mla
+        if m is None:
+            return "token-major"
+        # one row of latent + rope floats per token: never mixed with per-head K/V payloads
+        return f"token-major mla-latent kv_lora={m.kv_lora_rank} rope={m.rope_dim}"
+    def _metadata_options(self) -> dict[str, object]:
+        """Options read from the GGUF's metadata (not its tensors, which the weights digest
+        covers) that change the arithmetic; present only where a family sets them."""
+        cfg = self.cfg
+        options = {"soft_caps": [cfg.attn_softcap, cfg.final_softcap],
+                   "clamp_kqv": cfg.clamp_kqv, "rope_base_swa": cfg.rope_base_swa}
+        return {k: v for k, v in options.items() if v not in (None, 0.0, [0.0, 0.0])}
 
     def identity(self) -> dict[str, object]:
         cfg, spec = self.cfg, self.spec
@@ -397,12 +444,14 @@ class TorchStageRuntime(StageRuntime):
             "stage_index": spec.stage_index,
             "layer_range": [spec.layer_start, spec.layer_end],
             "runtime_abi": RUNTIME_ABI,
-            "kv_layout": "token-major",
+            "kv_layout": self._kv_layout(),
             "kv_dtype": "f32",
             "wire_dtype": spec.wire_dtype,
             "n_ctx": self.n_ctx,
             "rope": [cfg.rope_base, cfg.family.rope_base_swa, cfg.rope_scale, cfg.rope_dim],
             **({"recurrent_state": self._recurrent_state_kind()} if self.recurrent else {}),
+            **({"mla": cfg.mla.describe()} if cfg.mla is not None else {}),
+            **self._metadata_options(),
             "numeric_policy": {
                 "compute": "f32",
                 # torch's kernels differ by CPU kind (AVX2 vs AVX-512 round differently):

@@ -8,7 +8,6 @@ attention for dense families; hybrid families plug in a recurrent mixer for some
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,8 +18,10 @@ from skippy.topology.model_config import ModelConfig
 from . import qkernel
 from .kv import LaneKv
 from .layers import Rope, attend, causal_mask, rms_norm
-from .linear import fuse_linear, make_linear
-from .qk_norm import WholeQkNorm
+from .linear import make_linear
+from .norms import Norm, make_norm
+from .qkv import QkvProjection
+from .softcap import attend_capped
 from .weights import StageTensors
 
 
@@ -74,36 +75,39 @@ class Attention:
         fam = cfg.family
         self.slot, self.cfg, self.rope = slot, cfg, rope  # slot: this layer's KV in LaneKv
         self.window = cfg.sliding_window if cfg.is_swa_layer(index) else 0
-        self.qkv, self.qkv_split = fuse_linear(
-            [t.matrix(p + "attn_q.weight"), t.matrix(p + "attn_k.weight"),
-             t.matrix(p + "attn_v.weight")], fmt)
+        self.qkv = QkvProjection(index, cfg, t, fmt)  # biases, clamp, whole-projection norms
         self.out = make_linear(t.matrix(p + "attn_output.weight"), fmt)
-        if fam.qk_norm_whole:  # MiniMax-M2: Q and K each normed whole, then attention
-            self.qkv = WholeQkNorm(self.qkv, self.qkv_split, t[p + "attn_q_norm.weight"],
-                                   t[p + "attn_k_norm.weight"], cfg.rms_eps)
-        self.q_norm = t[p + "attn_q_norm.weight"] if fam.qk_norm else None
-        self.k_norm = t[p + "attn_k_norm.weight"] if fam.qk_norm else None
+        per_head = fam.qk_norm and fam.qk_norm_span == "head"
+        self.q_norm = t[p + "attn_q_norm.weight"] if per_head else None
+        self.k_norm = t[p + "attn_k_norm.weight"] if per_head else None
         # Q and K heads side by side ([n, H + KVH, D], adjacent in the QKV output) take
         # their norms and rope in one pass: per element the same arithmetic as separately.
         self.qk_cols = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
         self.qk_norm = None
-        if fam.qk_norm:
+        if per_head:
             self.qk_norm = torch.cat([self.q_norm.expand(cfg.n_heads, -1),
                                       self.k_norm.expand(cfg.n_kv_heads, -1)]).contiguous()
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attention_scale()
+        self.softcap = cfg.attn_softcap  # 0: none (then torch's fused attention)
         self.lib = qkernel.library()
         self.shape = qkernel.AttnShape(
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim, rope.dim,
             int(rope.style == "neox"), self.window, cfg.rms_eps, self.scale,
-            self.qk_norm.data_ptr() if self.qk_norm is not None else None)
+            self.qk_norm.data_ptr() if self.qk_norm is not None else None,
+            softcap=self.softcap)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
+        return self.out(self._attention(self.qkv(h), positions, segments))
+
+    def _attention(self, y: torch.Tensor, positions: torch.Tensor,
+                   segments: list[Segment]) -> torch.Tensor:
+        """The attention rows [n, heads * v_head_dim] of the QKV projection's output y
+        ([n, q | k | v]), before the output projection."""
         cfg, eps = self.cfg, self.cfg.rms_eps
-        n = h.shape[0]
-        y = self.qkv(h)
+        n = y.shape[0]
         if self.lib is not None and all(s.n == 1 and s.row0 == i for i, s in enumerate(segments)):
-            return self.out(self._decode(y, segments))
+            return self._decode(y, segments)
         qk = y[:, :self.qk_cols].view(n, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
         v = y[:, self.qk_cols:].view(n, cfg.n_kv_heads, cfg.v_head_dim)
         if self.qk_norm is not None:
@@ -113,11 +117,11 @@ class Attention:
         if len(segments) == 1 and segments[0].n == n:
             attn = self._attend(segments[0], q, k, v)
         else:  # decode batch: padding rows belong to no lane and stay zero
-            attn = h.new_zeros(n, cfg.n_heads * cfg.v_head_dim)
+            attn = y.new_zeros(n, cfg.n_heads * cfg.v_head_dim)
             for seg in segments:
                 rows = slice(seg.row0, seg.row0 + seg.n)
                 attn[rows] = self._attend(seg, q[rows], k[rows], v[rows])
-        return self.out(attn)
+        return attn
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +145,9 @@ class Attention:
     def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
         seg.kv.write(self.slot, seg.pos, k, v)
         lo, hi, mask = seg.window(self.window)
+        if self.softcap:
+            return attend_capped(q, seg.kv.keys(self.slot, lo, hi),
+                                 seg.kv.values(self.slot, lo, hi), mask, self.scale, self.softcap)
         return attend(q, seg.kv.keys(self.slot, lo, hi), seg.kv.values(self.slot, lo, hi),
                       mask, self.scale)
 
@@ -150,21 +157,27 @@ class DecoderLayer:
         p = f"blk.{index}."
         fam = cfg.family
         self.index, self.cfg, self.mixer, self.ffn = index, cfg, mixer, ffn
-        self.attn_norm = t[p + "attn_norm.weight"]  # the mixer's input norm (LFM2: operator_norm)
-        self.post_attn_norm = t[p + "post_attention_norm.weight"] if fam.post_norms else None
+        # the mixer's input norm (LFM2: operator_norm); None: the family norms no input
+        self.attn_norm = make_norm(cfg, t, p + "attn_norm.weight") if fam.pre_norms else None
+        self.post_attn_norm = make_norm(cfg, t, p + "post_attention_norm.weight") \
+            if fam.post_norms else None
         # Falcon-H1 files as llama.cpp loads them name it "blk.N.ffn_norm" (no ".weight")
-        norm = t.get(p + fam.ffn_norm)
-        self.ffn_norm = norm if norm is not None else t[p + "ffn_norm.weight"]
-        self.post_ffn_norm = t[p + "post_ffw_norm.weight"] if fam.post_norms else None
+        name = p + fam.ffn_norm if p + fam.ffn_norm in t.names else p + "ffn_norm.weight"
+        self.ffn_norm = make_norm(cfg, t, name) if fam.pre_norms else None
+        self.post_ffn_norm = make_norm(cfg, t, p + "post_ffw_norm.weight") \
+            if fam.post_norms else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 segments: list[Segment]) -> torch.Tensor:
-        eps = self.cfg.rms_eps
-        h = self.mixer(rms_norm(x, self.attn_norm, eps), positions, segments)
+        h = self.mixer(_normed(self.attn_norm, x), positions, segments)
         if self.post_attn_norm is not None:
-            h = rms_norm(h, self.post_attn_norm, eps)
+            h = self.post_attn_norm(h)
         x = x + h
-        h = self.ffn(rms_norm(x, self.ffn_norm, eps), segments)
+        h = self.ffn(_normed(self.ffn_norm, x), segments)
         if self.post_ffn_norm is not None:
-            h = rms_norm(h, self.post_ffn_norm, eps)
+            h = self.post_ffn_norm(h)
         return x + h
+
+
+def _normed(norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)

@@ -23,6 +23,10 @@ from skippy.topology.model_config import ModelConfig
 from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix
 
 
+# Llama 3's per-dimension rope frequency factors: one tensor every attention layer reads.
+ROPE_FREQS = "rope_freqs.weight"
+
+
 class MissingTensor(ValueError):
     """The GGUF lacks a tensor this stage needs."""
 
@@ -86,11 +90,14 @@ def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
     """Names of the tensors a stage [start, end) loads, in file order."""
     prefixes = tuple(f"blk.{i}." for i in range(start, end))
     names = [n for n in f.tensors if n.startswith(prefixes)]
+    if ROPE_FREQS in f.tensors:
+        names.append(ROPE_FREQS)
     names += [n for n in cfg.family.stage_tensors if n in f.tensors]
     if first:
         names.append("token_embd.weight")
     if last:
-        names.append(cfg.family.output_norm)
+        if cfg.family.output_norm is not None:
+            names.append(cfg.family.output_norm)
         names.append("token_embd.weight" if cfg.tied_head else "output.weight")
     missing = [n for n in names if n not in f.tensors]
     if missing:

@@ -99,3 +99,19 @@ def test_a_token_the_f16_wire_flips_passes_only_within_its_noise():
     assert not ok and "beyond" in text
     early = torch.tensor([[1.0, 3.0, 0.0], [1.98, 2.0, 0.0]])      # broken before the flip
     assert not certify_mod.wire_flip(ref, [0, 0], early, [0, 1])[0]
+
+
+def test_the_f16_wire_is_judged_for_dense_models_and_reported_for_moe():
+    """A mixture of experts' routing is discontinuous: an f16 rounding can flip an expert
+    choice, so there the lossy wire is reported, not judged (the f32 wire still is)."""
+    assert certify_mod.f16_verdict(False, " (flip)", routed=False) == (False, " (flip)")
+    ok, why = certify_mod.f16_verdict(False, " (flip)", routed=True)
+    assert ok and why.startswith(" (flip)") and "reported, not judged" in why
+    assert certify_mod.f16_verdict(True, "", routed=True) == (True, "")
+
+
+def test_a_moe_file_is_routed_and_a_dense_one_is_not(qwen3_f32, tmp_path, smollm2):
+    from skippy.stages.synth import write_synthetic
+    moe = write_synthetic("qwen3moe", layers=2, seed=1, out=tmp_path / "m.gguf",
+                          tokenizer_from=smollm2)
+    assert certify_mod._routed(moe) and not certify_mod._routed(qwen3_f32)

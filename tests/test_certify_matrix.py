@@ -61,5 +61,6 @@ def test_synthetic_families_are_the_test_models(family, fixture, tmp_path, reque
 def test_defaults_cover_every_family_split_and_format():
     assert list(matrix.MODELS)[:5] == ["smollm2", "gemma3-270m", "qwen3", "lfm2", "falcon-h1"]
     assert {"qwen3moe", "minimax-m2"} <= set(matrix.MODELS)  # issue 19's families
+    assert {"gemma2", "olmo", "olmo2", "glm4", "llama3"} <= set(matrix.MODELS)
     assert {"gemma4", "gemma4-a4b"} <= set(matrix.MODELS)
     assert matrix.SPLITS == (1, 2, 3)

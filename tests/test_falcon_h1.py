@@ -145,7 +145,7 @@ def test_padding_rows_never_enter_the_recurrent_state(falcon_h1_f32):
     state = rt.export_state(lane, 40).fixed
     m = rt.layers[0].mixer.ssm
     ids = torch.tensor(PROMPT[32:40] + [0] * 24)
-    h = rms_norm(rt.embed(ids), rt.layers[0].attn_norm,
+    h = rms_norm(rt.embed(ids), rt.layers[0].attn_norm.weight,
                  rt.cfg.rms_eps)
     _, xbc, dt = m.in_proj(h).split([m.d_inner, m.conv_dim, m.n_head], dim=-1)
     assert torch.equal(state["conv.0"], xbc[5:8])

@@ -31,12 +31,13 @@ def test_certify_two_stages(minimax_m2_f32, fmt):
 
 
 def test_config_as_llama_cpp_reads_it(minimax_m2_f32):
-    from skippy.stages.qk_norm import WholeQkNorm
     rt = whole(minimax_m2_f32)
     cfg = rt.cfg
     assert cfg.expert_gating == "sigmoid" and cfg.expert_weights_norm
     assert (cfg.rope_dim, cfg.head_dim) == (32, 64)
-    assert all(isinstance(layer.mixer.qkv, WholeQkNorm) for layer in rt.layers)
+    assert cfg.family.qk_norm_span == "projection"  # stages/qkv.py norms Q and K whole
+    assert all(layer.mixer.qkv.q_norm is not None and layer.mixer.q_norm is None
+               for layer in rt.layers)
     assert all(layer.ffn.bias is not None for layer in rt.layers)
 
 

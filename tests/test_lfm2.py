@@ -147,7 +147,7 @@ def test_padding_rows_never_enter_the_conv_state(lfm2_f32):
     state = rt.export_state(lane, 40).fixed["conv.0"]
     ids = torch.tensor(PROMPT[32:40] + [0] * 24)
     layer = rt.layers[0]
-    h = rms_norm(rt.embed(ids), layer.attn_norm, rt.cfg.rms_eps)
+    h = rms_norm(rt.embed(ids), layer.attn_norm.weight, rt.cfg.rms_eps)
     b, _, x = layer.mixer.in_proj(h).split(rt.cfg.hidden, dim=-1)
     assert torch.equal(state, (b * x)[6:8])
 

@@ -44,7 +44,7 @@ def test_q4_blocks_and_q8_pairs_hold_the_files_exact_values(smollm2, smollm2_q4_
 
 def test_int4_uses_the_files_blocks_and_never_fewer_bits(smollm2_q4_0):
     rt = runtime(smollm2_q4_0, "int4")
-    qkv = rt.layers[0].mixer.qkv
+    qkv = rt.layers[0].mixer.qkv.linear
     if qkernel.library() is not None:  # our kernel on the file's 4-bit blocks
         assert isinstance(qkv, BlockLinear) and qkv.kind == 4 and qkv.z is None  # Q4_0
     else:
@@ -73,7 +73,7 @@ def test_lean_formats_hold_no_bf16_copy_and_decode_as_the_full_ones():
 def test_lean_runtime_keeps_only_integer_weights(smollm2_q4_0):
     rt = runtime(smollm2_q4_0, "int4-lean")
     for layer in rt.layers:
-        for lin in (layer.mixer.qkv, layer.mixer.out, layer.ffn.gate_up, layer.ffn.down):
+        for lin in (layer.mixer.qkv.linear, layer.mixer.out, layer.ffn.gate_up, layer.ffn.down):
             assert lin.dense is None
     lane = rt.alloc_lane()
     assert rt.prefill(lane, torch.tensor(PROMPT)).logits.isfinite().all()
@@ -151,8 +151,8 @@ def _held(lin) -> int:
 def test_planner_bytes_match_what_a_layer_holds(smollm2_q4_0, fmt):
     from skippy.stages.linear import held_bytes
     layer = runtime(smollm2_q4_0, fmt).layers[3]
-    held = sum(_held(lin) for lin in (layer.mixer.qkv, layer.mixer.out, layer.ffn.gate_up,
-                                      layer.ffn.down))
+    held = sum(_held(lin) for lin in (layer.mixer.qkv.linear, layer.mixer.out,
+                                      layer.ffn.gate_up, layer.ffn.down))
     f = GGUFFile(smollm2_q4_0)
     planned = sum(held_bytes(fmt, n, i.qtype.name, tuple(i.shape))
                   for n, i in f.tensors.items() if n.startswith("blk.3.") and len(i.shape) == 2)

@@ -8,11 +8,13 @@ pattern) are recorded here, next to the family they belong to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
     from .model_config import ModelConfig
 
 
@@ -24,10 +26,9 @@ class MoeRules:
 
     norm_weights: bool | None = True   # None: `expert_weights_norm`
     gating: str | None = "softmax"     # None: `expert_gating_func` (stages/moe.py GATINGS)
-    gating_default: str | None = None  # what a missing gating key means (None: an error)
+    # what a missing gating key means (None: an error), or how the file decides it
+    gating_default: str | Callable[[GGUFFile], str] | None = None
     reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
-    # a family whose files may have no experts at all (Gemma 4: E2B / E4B are dense)
-    optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -35,20 +36,29 @@ class Family:
     name: str
     rope_style: str            # "norm": rotate adjacent pairs (llama GGUFs, Q/K permuted by
                                # the converter); "neox": rotate the two halves
-    activation: str            # gated FFN activation: "silu" or "gelu_tanh"
+    activation: str            # gated FFN activation: "silu", "gelu_tanh" or "gelu_f16"
     qk_norm: bool = False      # per-head RMSNorm of Q and K before rope
-    qk_norm_whole: bool = False  # one RMSNorm over all Q heads, one over all K heads
     post_norms: bool = False   # RMSNorm after attention and after the FFN (Gemma)
     embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden) (Gemma)
     swa_pattern: int = 0       # n > 0: layer i is sliding-window unless i % n == n - 1
-    rope_base_swa: float | None = None  # rope base of sliding-window layers
+    # rope base of sliding-window layers (with swa_rope_base_key: when the file has none)
+    rope_base_swa: float | None = None
     cache_policy: str = "ResidentKv"  # "KvRecurrent": state = attention KV + recurrent state
     # "shortconv": layers whose per-layer KV head count is 0 mix tokens by a short causal
     # convolution (LFM2) instead of attention. "mamba2_parallel": every layer runs attention
     # and a Mamba2 SSM side by side on the same normed rows and sums them (Falcon-H1).
+    # "gated_deltanet": the layers ModelConfig.deltanet_layers lists mix tokens by a gated
+    # DeltaNet (Qwen3-Next), the others by attention.
     # None: every layer is attention.
     recurrent_mixer: str | None = None
-    output_norm: str = "output_norm.weight"  # GGUF name of the final norm
+    # "mla": DeepSeek2's multi-head latent attention (stages/mla.py): a lane keeps one
+    # compressed latent row per token and layer instead of per-head K and V.
+    attention: str = "gqa"
+    # Attention's Q projection carries a per-head output gate: out = attn * sigmoid(gate)
+    # before the output projection (Qwen3-Next).
+    attn_output_gate: bool = False
+    output_norm: str | None = "output_norm.weight"  # GGUF name of the final norm (None: none,
+                                                    # a weightless norm)
     ffn_norm: str = "ffn_norm.weight"  # GGUF name (after "blk.N.") of the pre-FFN norm
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
@@ -57,14 +67,37 @@ class Family:
     # "decoder": stages/transformer.py's DecoderLayer; "gemma4": stages/gemma4.py builds the
     # layers (value norm, shared KV, per-layer embeddings, its own MoE block).
     layer: str = "decoder"
-    # Tensors outside the layers that every stage loads when the file has them (rope
-    # factors, per-layer embedding tables a stage reads its layers' columns of).
+    # Tensors outside the layers that every stage loads when the file has them (beside
+    # rope_freqs, which every family's stages load): per-layer embedding tables a stage
+    # reads its layers' columns of.
     stage_tensors: tuple[str, ...] = ()
     # Of those, the tables whose columns belong to the layers in equal slices (layer i:
     # columns [i * w, (i + 1) * w)): the planner counts each slice with its layer.
     layer_sliced: tuple[str, ...] = ()
     # Mixture-of-experts layers (those with a `ffn_gate_inp` router; stages/moe.py).
     moe: MoeRules | None = None
+    # Soft-capping, cap * tanh(x / cap), of the attention scores before the mask and
+    # softmax, and of the head's logits (Gemma 2). The value is the cap llama.cpp uses when
+    # the GGUF has no {arch}.attn_logit_softcapping / final_logit_softcapping key; 0: the
+    # family never caps.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    # The factor Q.K is scaled by, from the config; None: 1 / sqrt(head_dim).
+    query_scale: Callable[[ModelConfig], float] | None = None
+    sliding_window_default: int = 0  # the window when the GGUF names none (Gemma 2: 4096)
+    swa_rope_scale: bool = False     # sliding-window layers keep the global rope scale
+    # sliding-window layers take rope.freq_base_swa as base when given (Gemma 2, Gemma 4)
+    swa_rope_base_key: bool = False
+    # The norms: "rms" (RMSNorm with a weight) or "layer" (OLMo: mean-subtracted LayerNorm
+    # with neither weight nor bias, eps from attention.layer_norm_epsilon). pre_norms:
+    # the mixer and the FFN read normed rows (OLMo 2 norms only their outputs).
+    norm: str = "rms"
+    pre_norms: bool = True
+    # "head": Q and K normed per head (qwen3); "projection": over all of Q and all of K,
+    # one weight of n_heads * head_dim and one of n_kv_heads * head_dim (OLMo 2).
+    qk_norm_span: str = "head"
+    clamp_kqv: bool = False    # reads attention.clamp_kqv: Q, K, V clamped to [-c, c] (OLMo)
+    ffn_up_fused: bool = False  # ffn_up holds gate then up rows, no ffn_gate (GLM-4)
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -77,6 +110,13 @@ def gemma4_shared_kv_groups(cfg: ModelConfig) -> list[tuple[int, int]]:
     layers from the first one read that way to the last layer are one group."""
     sources = [cfg.kv_source(i) for i in range(cfg.n_layers) if not cfg.has_kv(i)]
     return [(min(sources), cfg.n_layers)] if sources else []
+
+
+def _deepseek2_gating(f: GGUFFile) -> str:
+    """llama.cpp's routing for deepseek2 files that predate the gating key."""
+    trunk = int(f.arch_key("block_count")) - int(f.arch_key("nextn_predict_layers", 0) or 0)
+    vocab = int(f.tensors["token_embd.weight"].shape[1])
+    return "sigmoid" if trunk in (47, 48) and vocab == 154880 else "softmax"
 
 
 FAMILIES: dict[str, Family] = {
@@ -97,20 +137,30 @@ FAMILIES: dict[str, Family] = {
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
                         ffn_norm="ffn_norm"),
-    # llama.cpp (models/gemma4.cpp): the window pattern, SWA head size and rope base are
-    # GGUF keys (ModelConfig reads them); attention scale 1 (q and k are normed); V gets
-    # an unweighted RMS norm; the last shared_kv_layers layers read an earlier layer's KV.
+    # llama.cpp (models/gemma4.cpp): the window pattern and SWA head size are GGUF keys
+    # (ModelConfig reads them), as are the sliding layers' rope base (10000 when absent)
+    # and the final soft cap (30 when absent); attention scale 1 (q and k are normed);
+    # V gets an unweighted RMS norm; the last shared_kv_layers layers read an earlier
+    # layer's KV.
     # GELU through llama.cpp's f16 table (layers.gelu_f16). MoE (26B-A4B): softmax over
     # the family's own router logits, chosen weights normalised, no scale (gemma4.cpp).
     "gemma4": Family("gemma4", rope_style="neox", activation="gelu_f16", qk_norm=True,
                      post_norms=True, embed_scale=True, rope_base_swa=10000.0,
-                     moe=MoeRules(norm_weights=True, gating="softmax", optional=True),
+                     swa_rope_base_key=True, final_softcap=30.0, query_scale=lambda c: 1.0,
+                     moe=MoeRules(norm_weights=True, gating="softmax"),
                      keep_together=gemma4_shared_kv_groups, layer="gemma4",
-                     stage_tensors=("rope_freqs.weight", "per_layer_token_embd.weight",
+                     stage_tensors=("per_layer_token_embd.weight",
                                     "per_layer_model_proj.weight",
                                     "per_layer_proj_norm.weight"),
                      layer_sliced=("per_layer_token_embd.weight",
                                    "per_layer_model_proj.weight")),
+    # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
+    # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
+    # MoE: gating, weight norm and scale from their keys; a file without a gating key is
+    # softmax-routed, but sigmoid for GLM-4.7-Flash (47 trunk layers, or 48, and its vocab).
+    "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla",
+                        moe=MoeRules(norm_weights=None, gating=None, reads_scale=True,
+                                     gating_default=_deepseek2_gating)),
     # llama.cpp (models/qwen3moe.cpp): softmax routing, chosen weights normalised, no scale
     # key read; NEOX rope.
     "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
@@ -119,8 +169,41 @@ FAMILIES: dict[str, Family] = {
     # rope, partial rope (rope.dimension_count of the head), sigmoid routing from
     # expert_gating_func with exp_probs_b choosing, chosen weights normalised; NEOX rope.
     "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
-                         qk_norm_whole=True,
+                         qk_norm=True, qk_norm_span="projection",
                          moe=MoeRules(norm_weights=True, gating=None)),
+    # llama.cpp (models/qwen3next.cpp): DeltaNet or gated attention by layer
+    # (ModelConfig.deltanet_layers); the pre-FFN norm is post_attention_norm; NEOX rope
+    # (llama_model_rope_type), partial where rope.dimension_count < key_length. MoE:
+    # softmax routing, chosen weights normalised, no scale key read; the shared expert is
+    # gated by sigmoid(h . ffn_gate_inp_shexp) (stages/moe.py).
+    "qwen3next": Family("qwen3next", rope_style="neox", activation="silu", qk_norm=True,
+                        attn_output_gate=True, cache_policy="KvRecurrent",
+                        recurrent_mixer="gated_deltanet",
+                        ffn_norm="post_attention_norm.weight",
+                        moe=MoeRules(norm_weights=True, gating="softmax")),
+    # llama.cpp (models/gemma2.cpp): every even layer slides (pattern 2, window 4096 unless
+    # the GGUF says), and sliding layers keep the global rope scale; Q is scaled by
+    # 1/sqrt(head_dim) but for the 27B (46 layers): 1/sqrt(hidden / heads); caps 50 and 30.
+    "gemma2": Family("gemma2", rope_style="neox", activation="gelu_tanh", post_norms=True,
+                     embed_scale=True, swa_pattern=2, sliding_window_default=4096,
+                     swa_rope_scale=True, swa_rope_base_key=True, attn_softcap=50.0,
+                     final_softcap=30.0,
+                     query_scale=lambda c: 1.0 / math.sqrt(
+                         c.hidden // c.n_heads if c.n_layers == 46 else c.head_dim)),
+    # llama.cpp (models/olmo.cpp): weightless LayerNorms (LLM_NORM) before attention, FFN
+    # and head; Q, K and V clamped when attention.clamp_kqv is set.
+    "olmo": Family("olmo", rope_style="norm", activation="silu", norm="layer",
+                   output_norm=None, clamp_kqv=True),
+    # llama.cpp (models/olmo2.cpp): no pre-norms; RMSNorm of the whole Q and K projections,
+    # then of the attention and FFN outputs. A windowed file (OLMo 3) slides 3 of 4 layers,
+    # rotated at the global base (the graph reads no rope.freq_base_swa) and scale 1.
+    "olmo2": Family("olmo2", rope_style="neox", activation="silu", qk_norm=True,
+                    qk_norm_span="projection", post_norms=True, pre_norms=False,
+                    swa_pattern=4),
+    # llama.cpp (models/glm4.cpp): four norms per layer like Gemma's, partial rope over the
+    # first rope.dimension_count dims (NORM style), SwiGLU over a fused up projection.
+    "glm4": Family("glm4", rope_style="norm", activation="silu", post_norms=True,
+                   ffn_up_fused=True),
 }
 
 

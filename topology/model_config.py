@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .families import Family, family_for
 from .gguf_file import GGUFFile
+from .mla_config import MlaConfig, read_mla
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class ModelConfig:
     rope_dim: int
     rope_base: float
     rope_scale: float          # linear position scale (1.0 = none)
-    rms_eps: float
+    rms_eps: float             # the norms' eps (LayerNorm families: layer_norm_epsilon)
     vocab: int
     context_length: int
     sliding_window: int        # 0 = no sliding-window layers
@@ -40,18 +42,24 @@ class ModelConfig:
     ssm_d_state: int = 0
     ssm_heads: int = 0
     ssm_groups: int = 0
+    # Soft caps of attention scores and of the head's logits (0: none; Gemma 2), the clamp
+    # of Q, K and V (0: none; OLMo), and the sliding layers' own rope base when the GGUF
+    # gives one (rope.freq_base_swa).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    clamp_kqv: float = 0.0
+    rope_base_swa: float | None = None
+    # DeepSeek2: multi-head latent attention sizes and rope (topology/mla_config.py)
+    mla: MlaConfig | None = None
     # Gemma 4 (read from its GGUF keys): the sliding-window layers as listed per layer
-    # (None: the family's fixed pattern); sliding-window layers' head and rope sizes and
-    # rope base (0 / None: the global layers'); the last shared_kv_layers layers compute
-    # no K/V and read an earlier layer's (kv_source); the per-layer embedding width; the
-    # final logits' soft cap (0: none).
+    # (None: the family's fixed pattern); sliding-window layers' head and rope sizes (0:
+    # the global layers'); the last shared_kv_layers layers compute no K/V and read an
+    # earlier layer's (kv_source); the per-layer embedding width.
     swa_layers: frozenset[int] | None = None
     head_dim_swa: int = 0
     rope_dim_swa: int = 0
-    rope_base_swa: float | None = None
     shared_kv_layers: int = 0
     per_layer_dim: int = 0
-    logit_softcap: float = 0.0
     # Mixture of experts (stages/moe.py; the llama.cpp keys in moe_fields): a layer with a
     # `ffn_gate_inp` router runs n_expert_used of n_expert experts per token (plus any
     # shared experts). expert_gating: "softmax", "sigmoid", "softmax_weight" or
@@ -67,6 +75,10 @@ class ModelConfig:
     expert_groups: int = 0
     expert_groups_used: int = 0
     leading_dense_layers: int = 0
+    # Qwen3-Next: layers whose mixer is a gated DeltaNet instead of attention. Its sizes use
+    # the ssm_* fields as llama.cpp reads them: ssm_heads = value heads (time_step_rank),
+    # ssm_groups = key heads (group_count), ssm_d_state = the head size of both.
+    deltanet_layers: frozenset[int] = frozenset()
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -74,7 +86,9 @@ class ModelConfig:
         family = family_for(arch)
         hidden = int(f.arch_key("embedding_length"))
         n_heads = int(f.arch_key("attention.head_count"))
-        n_layers = int(f.arch_key("block_count"))
+        # block_count includes the appended multi-token-prediction layers (GLM-4.7-Flash):
+        # llama.cpp's trunk, like ours, runs the others
+        n_layers = int(f.arch_key("block_count")) - int(f.arch_key("nextn_predict_layers", 0) or 0)
         n_kv = f.arch_key("attention.head_count_kv", n_heads)
         conv_layers: frozenset[int] = frozenset()
         conv_l_cache = 0
@@ -112,8 +126,11 @@ class ModelConfig:
             }
             if ssm["ssm_d_conv"] < 2:
                 raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+        elif family.recurrent_mixer == "gated_deltanet":
+            ssm = deltanet_fields(f, n_layers)
+        sliding_window = int(f.arch_key("attention.sliding_window",
+                                        family.sliding_window_default) or 0)
         gemma4 = _gemma4_keys(f, n_layers) if family.layer == "gemma4" else {}
-        sliding_window = int(f.arch_key("attention.sliding_window", 0) or 0)
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
             raise ValueError(f"{arch}: sliding-window attention is not supported for this family")
@@ -134,13 +151,15 @@ class ModelConfig:
             rope_dim=int(f.arch_key("rope.dimension_count", head_dim)),
             rope_base=float(f.arch_key("rope.freq_base", 10000.0)),
             rope_scale=1.0 / factor if scaling == "linear" else 1.0,
-            rms_eps=float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=_norm_eps(f, family),
             vocab=int(embd.shape[1]),
             context_length=int(f.arch_key("context_length", 4096)),
             sliding_window=sliding_window,
             tied_head="output.weight" not in f.tensors,
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
+            mla=read_mla(f, n_layers, n_heads) if family.attention == "mla" else None,
+            **_family_options(f, family),
             **ssm,
             **gemma4,
             **moe_fields(f, family),
@@ -168,7 +187,10 @@ class ModelConfig:
     @property
     def is_recurrent(self) -> bool:
         """Some layer keeps recurrent state: a lane's state cannot be cut shorter."""
-        return bool(self.conv_layers or self.ssm_layers)
+        return bool(self.conv_layers or self.ssm_layers or self.deltanet_layers)
+
+    def is_deltanet_layer(self, layer: int) -> bool:
+        return layer in self.deltanet_layers
 
     def is_ssm_layer(self, layer: int) -> bool:
         return layer in self.ssm_layers
@@ -180,10 +202,11 @@ class ModelConfig:
 
     def rope_base_for(self, layer: int) -> float:
         if self.is_swa_layer(layer):
-            if self.rope_base_swa is not None:
-                return self.rope_base_swa
-            if self.family.rope_base_swa is not None:
-                return self.family.rope_base_swa
+            # the file's rope.freq_base_swa (read where the family's graph reads it), else
+            # the family's constant (llama.cpp's default or hard-coded value)
+            for base in (self.rope_base_swa, self.family.rope_base_swa):
+                if base is not None:
+                    return base
         return self.rope_base
 
     def head_dim_for(self, layer: int) -> int:
@@ -215,13 +238,47 @@ class ModelConfig:
 
     def kv_values_per_token(self, layer: int) -> int:
         """K and V values one token adds to `layer`'s own cache (0: it stores none)."""
-        if self.is_conv_layer(layer) or not self.has_kv(layer):
+        if self.is_conv_layer(layer) or self.is_deltanet_layer(layer) or \
+                not self.has_kv(layer):
             return 0
+        if self.mla is not None:  # one latent row per token (stages/mla.py)
+            return self.mla.latent
         return self.n_kv_heads * (self.head_dim_for(layer) + self.v_head_dim_for(layer))
 
     def rope_scale_for(self, layer: int) -> float:
-        # llama.cpp scales only the global layers; local layers keep scale 1.
-        return 1.0 if self.is_swa_layer(layer) else self.rope_scale
+        # llama.cpp scales only the global layers (local layers keep scale 1), but Gemma 2's
+        if self.is_swa_layer(layer) and not self.family.swa_rope_scale:
+            return 1.0
+        return self.rope_scale
+
+    def attention_scale(self) -> float:
+        """The factor Q.K is scaled by before the softmax."""
+        if self.family.query_scale is not None:
+            return self.family.query_scale(self)
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def _norm_eps(f: GGUFFile, family: Family) -> float:
+    if family.norm == "layer":  # LayerNorm families name their eps apart (llama.cpp)
+        return float(f.arch_key("attention.layer_norm_epsilon", 1e-5))
+    return float(f.arch_key("attention.layer_norm_rms_epsilon", 1e-6))
+
+
+def _family_options(f: GGUFFile, family: Family) -> dict[str, float | None]:
+    """The family's optional caps and clamp as the GGUF sets them (llama.cpp's defaults
+    where the family caps and the key is absent), and its sliding layers' rope base."""
+    out: dict[str, float | None] = {}
+    if family.attn_softcap:
+        out["attn_softcap"] = float(f.arch_key("attn_logit_softcapping", family.attn_softcap))
+    if family.final_softcap:
+        out["final_softcap"] = float(f.arch_key("final_logit_softcapping",
+                                                family.final_softcap))
+    if family.clamp_kqv:
+        out["clamp_kqv"] = float(f.arch_key("attention.clamp_kqv", 0.0) or 0.0)
+    base = f.arch_key("rope.freq_base_swa")
+    if base is not None and family.swa_rope_base_key:
+        out["rope_base_swa"] = float(base)
+    return out
 
 
 def _gemma4_keys(f: GGUFFile, n_layers: int) -> dict[str, object]:
@@ -234,15 +291,12 @@ def _gemma4_keys(f: GGUFFile, n_layers: int) -> dict[str, object]:
     shared = int(f.arch_key("attention.shared_kv_layers", 0) or 0)
     if shared and not 2 <= n_layers - shared:
         raise ValueError(f"{arch}: {shared} shared-KV layers leave fewer than 2 KV layers")
-    base_swa = f.arch_key("rope.freq_base_swa")
     return {
         "swa_layers": frozenset(i for i, s in enumerate(pattern) if s),
         "head_dim_swa": int(f.arch_key("attention.key_length_swa", 0) or 0),
         "rope_dim_swa": int(f.arch_key("rope.dimension_count_swa", 0) or 0),
-        "rope_base_swa": None if base_swa is None else float(base_swa),
         "shared_kv_layers": shared,
         "per_layer_dim": int(f.arch_key("embedding_length_per_layer_input", 0) or 0),
-        "logit_softcap": float(f.arch_key("final_logit_softcapping", 0.0) or 0.0),
     }
 
 
@@ -269,15 +323,18 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
     if rules is None:
         return {}
     n_expert = int(f.arch_key("expert_count", 0) or 0)
-    if n_expert <= 0 and rules.optional:
-        return {}
+    if n_expert == 0 and not any(n.endswith(".ffn_gate_inp.weight") for n in f.tensors):
+        return {}  # every layer dense (e.g. a deepseek2 file of leading dense layers only)
     used = _one_count(f, "expert_used_count")
     if n_expert <= 0 or not 0 < used <= n_expert:
         raise ValueError(f"{arch}: expert_count {n_expert}, expert_used_count {used}")
     gating = rules.gating
     if gating is None:
         code = int(f.arch_key("expert_gating_func", 0) or 0)
-        gating = _GATINGS.get(code, rules.gating_default if code == 0 else None)
+        default = rules.gating_default
+        if callable(default):  # the family decides by the file (deepseek2: GLM-4.7-Flash)
+            default = default(f)
+        gating = _GATINGS.get(code, default if code == 0 else None)
         if gating is None:
             raise ValueError(f"{arch}: expert_gating_func {code} is not supported")
     norm = rules.norm_weights
@@ -301,3 +358,49 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
         "expert_groups_used": groups_used,
         "leading_dense_layers": int(f.arch_key("leading_dense_block_count", 0) or 0),
     }
+
+
+def deltanet_layer_pattern(n_layers: int, interval: int) -> frozenset[int]:
+    """Qwen3-Next without an explicit list: every interval-th layer (1-based) is full
+    attention, the rest are DeltaNet (llama.cpp's default interval is 4)."""
+    return frozenset(i for i in range(n_layers) if (i + 1) % interval != 0)
+
+
+def deltanet_fields(f: GGUFFile, n_layers: int) -> dict[str, object]:
+    """Qwen3-Next's DeltaNet layers and sizes, from the keys llama.cpp reads: the layer list
+    attention.recurrent_layers if present, else full_attention_interval (default 4)."""
+    arch = f.architecture
+
+    def need(key: str) -> int:
+        value = f.arch_key(key)
+        if value is None:
+            raise ValueError(f"{arch}: missing {arch}.{key}")
+        return int(value)
+
+    listed = f.arch_key("attention.recurrent_layers")
+    if listed is not None:
+        if len(listed) != n_layers:
+            raise ValueError(f"{arch}: {len(listed)} recurrent-layer flags for {n_layers} layers")
+        layers = frozenset(i for i, r in enumerate(listed) if r)
+    else:
+        interval = int(f.arch_key("full_attention_interval", 4))
+        if interval < 1:
+            raise ValueError(f"{arch}: full_attention_interval must be at least 1")
+        layers = deltanet_layer_pattern(n_layers, interval)
+    out = {
+        "deltanet_layers": layers,
+        "ssm_d_conv": need("ssm.conv_kernel"),
+        "ssm_d_inner": need("ssm.inner_size"),
+        "ssm_d_state": need("ssm.state_size"),
+        "ssm_heads": need("ssm.time_step_rank"),
+        "ssm_groups": need("ssm.group_count"),
+    }
+    if out["ssm_d_conv"] < 2:
+        raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+    if out["ssm_heads"] % out["ssm_groups"] or \
+            out["ssm_d_inner"] != out["ssm_heads"] * out["ssm_d_state"]:
+        # llama.cpp's fused DeltaNet op needs key and value heads of one size
+        raise ValueError(f"{arch}: value heads {out['ssm_heads']} x state {out['ssm_d_state']} "
+                         f"must equal inner size {out['ssm_d_inner']} and be a multiple of "
+                         f"the key heads {out['ssm_groups']}")
+    return out

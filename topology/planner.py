@@ -154,7 +154,9 @@ class ModelFacts:
             for name, info in f.tensors.items():
                 size = held(name, info)
                 if name.startswith("blk."):
-                    elements[int(name.split(".")[1])] += size
+                    layer = int(name.split(".")[1])
+                    if layer < cfg.n_layers:  # past it: prediction layers no stage loads
+                        elements[layer] += size
                 elif name == "token_embd.weight":
                     first += size
                     if cfg.tied_head:  # the last stage holds it as a head
@@ -169,12 +171,11 @@ class ModelFacts:
         finally:
             f.close()
         kv, state = _lane_bytes(cfg, kv_bytes)
-        groups = tuple(cfg.family.keep_together(cfg)) if cfg.family.keep_together else ()
         return cls(name=Path(path).name, architecture=cfg.architecture, model_digest=digest,
                    layer_bytes=tuple(elements), kv_bytes_per_token=kv, state_bytes=state,
                    first_bytes=first, last_bytes=last, shared_bytes=shared,
                    context_length=cfg.context_length,
-                   keep_together=tuple((int(a), int(b)) for a, b in groups))
+                   keep_together=cfg.cut_groups())
 
 
 def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -185,6 +186,11 @@ def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple
         if cfg.is_conv_layer(i):  # short conv: the last l_cache - 1 inputs
             kv.append(0)
             fixed += (cfg.conv_l_cache - 1) * cfg.hidden
+        elif cfg.is_deltanet_layer(i):  # conv window over q, k, v; a state per value head
+            kv.append(0)
+            d = cfg.ssm_d_state
+            conv_width = (2 * cfg.ssm_groups + cfg.ssm_heads) * d
+            fixed += (cfg.ssm_d_conv - 1) * conv_width + cfg.ssm_heads * d * d
         else:  # 0 for a layer that reads another layer's KV (Gemma 4)
             kv.append(cfg.kv_values_per_token(i) * kv_bytes)
         if cfg.is_ssm_layer(i):  # Mamba2: conv window over x, B, C; SSM state per head

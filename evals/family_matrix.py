@@ -1,0 +1,161 @@
+"""The specification's family table, reproduced on our files: every family we run.
+
+    python -m skippy.evals.family_matrix [--family NAME ...] [--repeats 5]
+        [--json PATH] [--markdown PATH]        (PATH.png is drawn next to the JSON)
+
+Per family: the payload its cache stores (ResidentKv: attention KV; KvRecurrent: KV with
+the recurrent state), `skippy certify` at 2 stages in fp32 and int4 (pass/fail), then the
+warm-cache rows of evals/bench_stage_cache.py (the reference's method: a 128-token prefix,
+one generated token, one lane, the same GGUF on both sides, 2 threads each) on our torch
+stage against llama.cpp's warm slot — exact_repeat (the same prompt again) and
+changed_tail (the prefix with a new 16-token tail) — and the bytes of the prefix's state
+as the cache holds it (measured: the exported state's tensors).
+
+The shipped models are real (smollm2, gemma3-270m); every other family is a random-weight
+file written by stages.synth at a shape big enough that compute, not call overhead, is
+what is timed (see MATRIX), kept under `model_home()/synth` so reruns are free. Every
+timed answer of ours is checked against an uncached one (bench_stage_cache raises when a
+next token differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from skippy.evals.bench_stage_cache import PREFIX, TAIL, Family, Shape, bench
+from skippy.stages.certify import certify
+
+CERTIFY_FORMATS = ("fp32", "int4")
+ROWS = ("exact_repeat", "changed_tail")
+
+
+@dataclass(frozen=True)
+class Entry:
+    family: Family
+    label: str                 # the family as the specification's table names it
+    synth: dict = field(default_factory=dict)  # extra stages.synth arguments
+
+
+def _synth(arch: str, kind: str = "dense", **shape) -> Family:
+    base = dict(layers=8, hidden=512, heads=8, kv_heads=4, ff=1536, dtype="f16", seed=1)
+    return Family(arch, kind, shape=Shape(arch, **{**base, **shape}))
+
+
+MATRIX: dict[str, Entry] = {
+    "smollm2": Entry(Family("smollm2", "dense", model="smollm2"), "Llama (SmolLM2-135M)"),
+    "gemma3-270m": Entry(Family("gemma3-270m", "dense", model="gemma3-270m"),
+                         "Gemma3 (270M)"),
+    "qwen3": Entry(_synth("qwen3"), "Qwen3 dense"),
+    "lfm2": Entry(_synth("lfm2", "hybrid"), "LFM2"),
+    "falcon-h1": Entry(_synth("falcon-h1", "hybrid"), "Falcon-H1"),
+}
+
+
+def cache_bytes(path: Path, prefix: int = PREFIX) -> int:
+    """Bytes of a `prefix`-token state as the cache holds it: the whole model's exported
+    lane state (KV of every attention layer, plus recurrent state)."""
+    from skippy.evals.numerics import whole_model
+    rt = whole_model(path, weight_format="int4")
+    lane = rt.alloc_lane()
+    ids = torch.tensor([(i * 7919) % 30000 + 100 for i in range(prefix)])
+    rt.prefill(lane, ids, logits="none")
+    return rt.export_state(lane, prefix).nbytes
+
+
+def run_family(name: str, repeats: int, say=print) -> dict:
+    entry = MATRIX[name]
+    fam = entry.family
+    path = fam.path()
+    checks = {}
+    for fmt in CERTIFY_FORMATS:
+        t = time.perf_counter()
+        checks[fmt] = certify(path, 2, weight_format=fmt).passed
+        say(f"{name}: certify 2 stages {fmt}: {'PASS' if checks[fmt] else 'FAIL'} "
+            f"({time.perf_counter() - t:.0f} s)")
+    result = bench(fam, repeats=repeats, runtimes=("torch",), say=say)
+    rows = {r["row"]: r for r in result["rows"] if r["row"] in ROWS}
+    return {"family": name, "label": entry.label, "file": str(path),
+            "shape": result["shape_text"],
+            "payload": "KvRecurrent" if fam.kind == "hybrid" else "ResidentKv",
+            "certify": checks, "cache_bytes": cache_bytes(path),
+            "rows": {k: {"prefix_tokens": r["prefix_tokens"],
+                         "request_tokens": r["prefix_tokens"] + r["tail_tokens"],
+                         "llama_cpp_ms": r["llama_cpp_ms"], "ours_ms": r["ours_ms"],
+                         "speedup": r["speedup"], "bitwise": r["ours"]["logits_bitwise"]}
+                     for k, r in rows.items()}}
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def markdown(families: list[dict]) -> str:
+    lines = ["| family | payload | certify (2 stages fp32 / int4) | row | prefix tokens | "
+             "request tokens | llama.cpp ms | ours ms | speedup | cache bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for f in families:
+        cert = " / ".join("pass" if f["certify"][k] else "FAIL" for k in CERTIFY_FORMATS)
+        for row, r in f["rows"].items():
+            lines.append(f"| {f['label']} | `{f['payload']}` | {cert} | {row} | "
+                         f"{r['prefix_tokens']} | {r['request_tokens']} | "
+                         f"{r['llama_cpp_ms']:.1f} | {r['ours_ms']:.1f} | "
+                         f"**{r['speedup']:.2f}x** | {_bytes(f['cache_bytes'])} |")
+    return "\n".join(lines)
+
+
+def plot(families: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [f["label"] for f in families]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4))
+    width = 0.8 / len(ROWS)
+    for i, row in enumerate(ROWS):
+        xs = [j + (i - (len(ROWS) - 1) / 2) * width for j in range(len(names))]
+        ax.bar(xs, [f["rows"].get(row, {}).get("speedup", 0) for f in families], width,
+               label=row.replace("_", " "))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel("llama.cpp ms / ours ms (warm cache)")
+    ax.set_title(f"Warm-cache speedup per family ({PREFIX}-token prefix, {TAIL}-token tail)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m skippy.evals.family_matrix")
+    p.add_argument("--family", action="append", choices=sorted(MATRIX),
+                   help="repeatable; default: every family")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", help="write the results to PATH (and the plot to PATH.png)")
+    p.add_argument("--markdown", help="write the markdown table to PATH")
+    args = p.parse_args(argv)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    families = [run_family(name, args.repeats, say) for name in args.family or list(MATRIX)]
+    table = markdown(families)
+    print(table)
+    for f in families:
+        say(f"{f['label']}: {f['shape']}")
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.json:
+        out = Path(args.json)
+        out.write_text(json.dumps({"families": families, "repeats": args.repeats,
+                                   "seconds": time.perf_counter() - started}, indent=2))
+        plot(families, out.with_name(out.name + ".png"))
+    ok = all(all(f["certify"].values()) for f in families)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
