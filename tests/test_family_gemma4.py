@@ -19,7 +19,7 @@ from moe_checks import check_lanes_alone_equal_together, check_threads_do_not_ch
 from skippy.stages.layers import gelu_f16 as gelu
 from skippy.stages.gemma4 import Gemma4MoeFfn
 from skippy.stages.runtime import StageError, StageSpec
-from skippy.stages.synth import SynthError, write_synthetic
+from skippy.stages.synth import GEMMA4, SynthError, write_synthetic
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -71,6 +71,26 @@ def test_config_reads_the_layer_pattern_and_shared_kv(gemma4_e4b):
     assert cfg.rope_base_for(0) == 10000.0 and cfg.rope_base_for(3) == cfg.rope_base
     assert cfg.cut_groups() == (GROUP,)
     assert cfg.frame_width == 2 * cfg.hidden
+
+
+def test_config_reads_cap_and_sliding_base_else_llama_cpps_defaults(gemma4_e4b):
+    f = GGUFFile(gemma4_e4b)
+    cfg = ModelConfig.from_gguf(f)
+    assert cfg.final_softcap == GEMMA4["softcap"]
+    read = f.arch_key
+
+    def keys(given):  # the file as if its keys were `given` (None: absent)
+        def arch_key(key, default=None):
+            if key not in given:
+                return read(key, default)
+            return default if given[key] is None else given[key]
+        f.arch_key = arch_key
+        return ModelConfig.from_gguf(f)
+
+    cfg = keys({"final_logit_softcapping": None, "rope.freq_base_swa": None})
+    assert cfg.final_softcap == 30.0 and cfg.rope_base_for(0) == 10000.0  # gemma4's defaults
+    cfg = keys({"rope.freq_base_swa": 5e5})  # the file's base wins over the default
+    assert cfg.rope_base_for(0) == 5e5 and cfg.rope_base_for(3) == cfg.rope_base
 
 
 @pytest.mark.parametrize("stages", [2, 3])
