@@ -55,6 +55,18 @@ MATRIX: dict[str, Entry] = {
     "qwen3": Entry(_synth("qwen3"), "Qwen3 dense"),
     "lfm2": Entry(_synth("lfm2", "hybrid"), "LFM2"),
     "falcon-h1": Entry(_synth("falcon-h1", "hybrid"), "Falcon-H1"),
+    "qwen3next": Entry(_synth("qwen3next", "hybrid", ff=512), "Qwen3Next"),
+    # MoE archs: --ff is each expert's width (deepseek2: the dense layer's, experts ff / 4)
+    "qwen3moe": Entry(_synth("qwen3moe", ff=512), "Qwen3-MoE"),
+    "minimax-m2": Entry(_synth("minimax-m2", ff=512), "MiniMax-M2"),
+    "deepseek2": Entry(_synth("deepseek2", kv_heads=1), "DeepSeek2 / GLM-4.7 Flash (MLA)"),
+    "llama3": Entry(_synth("llama", rope_freqs=True), "Llama 3 (rope_freqs)"),
+    "gemma2": Entry(_synth("gemma2"), "Gemma2"),
+    "gemma4": Entry(_synth("gemma4"), "Gemma4 E4B"),
+    "gemma4-a4b": Entry(_synth("gemma4", variant="a4b"), "Gemma4 A4B"),
+    "olmo": Entry(_synth("olmo"), "OLMo"),
+    "olmo2": Entry(_synth("olmo2"), "OLMo2"),
+    "glm4": Entry(_synth("glm4"), "GLM4"),
 }
 
 
