@@ -35,6 +35,11 @@ class Norm:
             return layer_norm(x, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes one decode step reads through this norm."""
+        return self.weight.nbytes if self.weight is not None else 0
+
 
 def make_norm(cfg: ModelConfig, t: StageTensors, name: str | None) -> Norm:
     """The family's norm; `name` is its weight's GGUF name (unread by weightless norms)."""
