@@ -116,8 +116,9 @@ def _qwen3_tensors(d: Dims) -> list[TensorSpec]:
     return _dense_tensors(d, qk_norm=True)
 
 
-def _dense_tensors(d: Dims, *, qk_norm: bool) -> list[TensorSpec]:
-    """Attention + SwiGLU blocks (qwen3 adds per-head q/k norms; llama has none)."""
+def _dense_tensors(d: Dims, *, qk_norm: bool, whole: bool = False) -> list[TensorSpec]:
+    """Attention + SwiGLU blocks (qwen3 adds per-head q/k norms; llama has none; `whole`:
+    one norm over all of Q and one over all of K, as MiniMax-M2's)."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
     for i in range(d.layers):
@@ -131,8 +132,8 @@ def _dense_tensors(d: Dims, *, qk_norm: bool) -> list[TensorSpec]:
         ]
         if qk_norm:
             out += [
-                TensorSpec(f"{b}.attn_q_norm.weight", (d.head_dim,), "norm"),
-                TensorSpec(f"{b}.attn_k_norm.weight", (d.head_dim,), "norm"),
+                TensorSpec(f"{b}.attn_q_norm.weight", (q if whole else d.head_dim,), "norm"),
+                TensorSpec(f"{b}.attn_k_norm.weight", (kv if whole else d.head_dim,), "norm"),
             ]
         out += [
             TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
@@ -633,11 +634,20 @@ def _qwen3moe_hparams(d: Dims) -> dict[str, int | float | list[int]]:
 
 
 def _qwen3moe_tensors(d: Dims) -> list[TensorSpec]:
-    dense = _dense_tensors(d, qk_norm=True)
+    return _with_experts(_dense_tensors(d, qk_norm=True), d, QWEN3MOE_EXPERTS["experts"])
+
+
+def _with_experts(dense: list[TensorSpec], d: Dims, n_expert: int,
+                  probs_bias: bool = False) -> list[TensorSpec]:
+    """Dense blocks with each layer's FFN replaced by a router and experts (and, with
+    `probs_bias`, the exp_probs_b selection bias), after the layer's ffn_norm."""
     out = [t for t in dense if ".ffn_" not in t.name or t.name.endswith("ffn_norm.weight")]
     for i in range(d.layers):  # after each layer's ffn_norm, in layer order
         at = next(j for j, t in enumerate(out) if t.name == f"blk.{i}.ffn_norm.weight")
-        out[at + 1:at + 1] = _expert_tensors(d, f"blk.{i}", QWEN3MOE_EXPERTS["experts"])
+        extra = _expert_tensors(d, f"blk.{i}", n_expert)
+        if probs_bias:  # shifts which experts a token picks, not their weights
+            extra.append(TensorSpec(f"blk.{i}.exp_probs_b.bias", (n_expert,), "bias"))
+        out[at + 1:at + 1] = extra
     return out
 
 
@@ -652,30 +662,8 @@ def _minimax_m2_hparams(d: Dims) -> dict[str, int | float | list[int]]:
 
 
 def _minimax_m2_tensors(d: Dims) -> list[TensorSpec]:
-    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    n_expert = MINIMAX_M2_EXPERTS["experts"]
-    out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
-    for i in range(d.layers):
-        b = f"blk.{i}"
-        out += [
-            TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
-            TensorSpec(f"{b}.attn_q.weight", (q, d.hidden), "proj"),
-            TensorSpec(f"{b}.attn_k.weight", (kv, d.hidden), "proj"),
-            TensorSpec(f"{b}.attn_v.weight", (kv, d.hidden), "proj"),
-            TensorSpec(f"{b}.attn_output.weight", (d.hidden, q), "proj"),
-            # one norm over all heads of Q, one over all heads of K
-            TensorSpec(f"{b}.attn_q_norm.weight", (q,), "norm"),
-            TensorSpec(f"{b}.attn_k_norm.weight", (kv,), "norm"),
-            TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
-            *_expert_tensors(d, b, n_expert),
-            # the selection bias: shifts which experts a token picks, not their weights
-            TensorSpec(f"{b}.exp_probs_b.bias", (n_expert,), "bias"),
-        ]
-    out += [
-        TensorSpec("output_norm.weight", (d.hidden,), "norm"),
-        TensorSpec("output.weight", (d.vocab, d.hidden), "proj"),
-    ]
-    return out
+    return _with_experts(_dense_tensors(d, qk_norm=True, whole=True), d,
+                         MINIMAX_M2_EXPERTS["experts"], probs_bias=True)
 
 
 # -- qwen3next (gated DeltaNet and gated attention layers, MoE FFN) ---------------------------
