@@ -51,7 +51,7 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-# -- plain HTTP ---------------------------------------------------------------------------------
+# -- plain HTTP -------------------------------------------------------------------------------
 def test_the_page_is_public_and_its_data_follows_the_key_rule(server):
     page = httpx.get(f"{server.url}/")
     assert page.status_code == 200
@@ -80,7 +80,7 @@ def test_the_page_is_public_and_its_data_follows_the_key_rule(server):
             assert stage[k]["m"] in metrics, k
 
 
-# -- a real browser --------------------------------------------------------------------------------
+# -- a real browser ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def browser():
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not Path(p).exists()]

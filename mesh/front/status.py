@@ -238,7 +238,7 @@ def _plan(stats: dict) -> dict:
     return {"nodes": plan["nodes"], "stages": stages}
 
 
-# -- the page -------------------------------------------------------------------------------
+# -- the page ---------------------------------------------------------------------------------
 @cache
 def page() -> tuple[str, str]:
     """The page's HTML and its Content-Security-Policy: only its own inline script and
