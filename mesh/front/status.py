@@ -110,8 +110,10 @@ class _History:
 class StatusBoard:
     """Assembles /status.json for one gateway."""
 
-    def __init__(self, engine: Engine, metrics: GatewayMetrics, in_flight: InFlight):
+    def __init__(self, engine: Engine, metrics: GatewayMetrics, in_flight: InFlight,
+                 clock=time.monotonic):
         self.engine, self.metrics, self.in_flight = engine, metrics, in_flight
+        self._clock = clock  # when each reading was taken: rates divide by it
         self._history = _History()
 
     def snapshot(self, requests: list[dict]) -> dict:
@@ -125,7 +127,7 @@ class StatusBoard:
             serving = bool(self.engine.status()["serving"])
         except Exception:  # noqa: BLE001
             serving = False
-        t = time.monotonic()
+        t = self._clock()
         series = _Series(self.metrics.families(stats))
         self._history.add(t, series.values)
         info = self.engine.info
