@@ -114,7 +114,7 @@ def test_every_figure_is_the_metric_it_names():
     engine, metrics, status = board(lambda: 100.0)
     metrics.requests.labels("/v1/completions", "200").inc(3)
     metrics.requests.labels("/v1/completions", "400").inc()
-    body = status.snapshot([])
+    body = status.snapshot()
     shown = figures(body)
     assert len(shown) > 30
     text = exported(metrics)
@@ -131,16 +131,16 @@ def test_every_figure_is_the_metric_it_names():
 def test_rates_come_from_two_readings_of_the_row_counters():
     now = [100.0]
     engine, metrics, status = board(lambda: now[0])
-    assert status.snapshot([])["stages"][0]["decode_rows_per_s"] is None  # one reading
+    assert status.snapshot()["stages"][0]["decode_rows_per_s"] is None  # one reading
     engine.rows = [30, 60]
     now[0] = 102.0
-    stages = status.snapshot([])["stages"]
+    stages = status.snapshot()["stages"]
     assert [s["decode_rows_per_s"] for s in stages] == [15.0, 30.0]
     assert [s["prefill_rows_per_s"] for s in stages] == [0.0, 0.0]
     # later readings rate over about the last few seconds, not since the start
     engine.rows = [30, 60]
     now[0] = 110.0
-    assert status.snapshot([])["stages"][0]["decode_rows_per_s"] == 0.0
+    assert status.snapshot()["stages"][0]["decode_rows_per_s"] == 0.0
 
 
 def test_recent_errors_count_only_the_window():
@@ -148,8 +148,8 @@ def test_recent_errors_count_only_the_window():
     engine, metrics, status = board(lambda: now[0])
     errors = metrics.requests.labels("/v1/completions", "500")
     errors.inc(5)
-    status.snapshot([])
+    status.snapshot()
     now[0] = RECENT_WINDOW_S + 10
     errors.inc(2)
-    answer, = status.snapshot([])["errors"]["answers"]
+    answer, = status.snapshot()["errors"]["answers"]
     assert (answer["total"]["v"], answer["recent"]) == (7.0, 2.0)

@@ -116,9 +116,9 @@ class StatusBoard:
         self._clock = clock  # when each reading was taken: rates divide by it
         self._history = _History()
 
-    def snapshot(self, requests: list[dict]) -> dict:
-        """The page's data now (blocking: the engine's figures may come from Ray).
-        `requests`: the in-flight runs, read on the event loop."""
+    def snapshot(self) -> dict:
+        """The page's data now but the requests in flight (blocking: the engine's
+        figures may come from Ray); `in_flight.snapshot()` adds those on the event loop."""
         try:
             stats = self.engine.stats()
         except Exception:  # noqa: BLE001 (the page shows what it can; /metrics logs it)
@@ -140,7 +140,7 @@ class StatusBoard:
             "stages": self._stages(stats, series, t),
             "nodes": [_node(node, series) for node in stats.get("nodes") or {}],
             "gateway": _gateway(series),
-            "requests": requests,
+            "requests": [],
             "errors": self._errors(stats, series, t),
         }
 
@@ -272,6 +272,8 @@ def add_status_routes(app: FastAPI, board: StatusBoard) -> None:
 
     @app.get("/status.json")
     async def status_json():
-        requests = board.in_flight.snapshot()  # on the event loop, where runs change
-        body = await asyncio.to_thread(board.snapshot, requests)
+        body = await asyncio.to_thread(board.snapshot)
+        # read on the event loop, where runs change; after the counters, so a first token
+        # they count is in this list too
+        body["requests"] = board.in_flight.snapshot()
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
