@@ -237,6 +237,7 @@ def cmd_serve(args) -> int:
                        n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
          f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
+    _say(f"skippy: status page on http://{args.host}:{args.port}/")
     serve(engine, args.host, args.port, **gateway)
     return 0
 

@@ -40,6 +40,11 @@ class Lanes:
     def warm(self) -> int:
         return len(self._warm)
 
+    @property
+    def busy(self) -> int:
+        """Lanes a request holds now (allocated and not kept warm)."""
+        return len(self._info) - len(self._warm)
+
     def warm_lanes(self) -> list[int]:
         """The idle lanes that keep their rows, oldest first."""
         return list(self._warm)

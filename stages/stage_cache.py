@@ -481,6 +481,7 @@ class StageCache:
         """Totals over this stage's caches (hits by kind, bytes by state), plus each part:
         `prefix` (resident KV or payload entries, under max_bytes), `results`, `blocks`;
         `restore_failures` (restores that failed after a plan: each one a recompute),
+        `lanes_busy` and `lanes_warm` (request lanes held now, finished ones kept warm),
         `leases_held` and `leases_expired` (plans whose restore never came in time)."""
         prefix = self.prefixes.stats()
         extra = {name: c.stats() for name, c in (
@@ -499,6 +500,7 @@ class StageCache:
                                    **self.cold.store.node_stats()}
         snap["restore_failures"] = self.restore_failures
         snap["exports"], snap["adopted"] = self.exports, self.adopted
+        snap["lanes_busy"], snap["lanes_warm"] = self.lanes.busy, self.lanes.warm
         snap["leases_held"] = len(self.leases)
         snap["leases_expired"] = self.leases.expired
         return snap

@@ -80,6 +80,20 @@ def test_stages_run_on_different_nodes(engine, cluster):
     assert set(nodes) <= {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
+def test_status_json_names_each_stages_node_and_lanes(engine, server):
+    import httpx
+    status = httpx.get(server.url + "/status.json", timeout=60).json()
+    nodes = [n[:12] for n in engine.node_ids()]
+    assert [(row["stage"], row["node"]) for row in status["plan"]["stages"]] == \
+        [(0, nodes[0]), (1, nodes[1])]
+    assert {n["name"] for n in status["plan"]["nodes"]} == set(nodes)
+    assert all(n["memory"] > 0 for n in status["plan"]["nodes"])
+    assert {n["node"] for n in status["nodes"]} == set(nodes)
+    for stage in status["stages"]:  # the stage actors' own figures, over Ray
+        assert stage["lanes_busy"]["v"] + stage["lanes_free"]["v"] == engine.info.lanes
+        assert stage["queue_rows"]["v"] == 0 and stage["weight_format"] == "fp32"
+
+
 def test_nodes_say_which_package_layers_they_hold(cluster, smollm2, tmp_path_factory):
     from skippy.mesh.control.ray_engine import cluster_nodes
     from skippy.stages.package import split_package

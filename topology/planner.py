@@ -417,8 +417,7 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
             need = [sum(costs[a:b]) + share - cap
                     for (a, b), (_, share), cap in zip(ranges, slots, caps)]
             slots = _near_parts(model, slots, ranges, need)
-            return _build(model, slots, ranges, costs, wire_dtype, n_ctx, lanes,
-                          overhead_bytes)
+            return _build(model, slots, ranges, wire_dtype, n_ctx, lanes, overhead_bytes)
     raise PlanError(_why_not(model, ranked, costs, tries[-1], stages is not None,
                              overhead_bytes, n_ctx, lanes))
 
@@ -520,15 +519,28 @@ def _split(costs: list[int], caps: list[int], allowed: list[bool]) -> list[tuple
     return ranges[::-1]
 
 
-def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tuple[int, int]],
-           costs: list[int], wire_dtype: str, n_ctx: int, lanes: int, overhead: int) -> Plan:
-    check_cuts(ranges, model.keep_together)
+def stage_bytes(model: ModelFacts, ranges: Sequence[tuple[int, int]], *, n_ctx: int,
+                lanes: int) -> list[tuple[int, int]]:
+    """Each stage's (weight bytes, KV and recurrent-state bytes of `lanes` lanes of
+    n_ctx tokens) for a split of `model` into `ranges`: what a plan reserves for it."""
+    n_ctx = min(n_ctx, model.context_length)
     out = []
-    for i, ((node, share), (a, b)) in enumerate(zip(slots, ranges)):
+    for i, (a, b) in enumerate(ranges):
         weights = sum(model.layer_bytes[a:b]) + model.shared_bytes \
             + (model.first_bytes if i == 0 else 0) \
             + (model.last_bytes if i == len(ranges) - 1 else 0)
-        kv = sum(costs[a:b]) - sum(model.layer_bytes[a:b])
+        kv = lanes * sum(n_ctx * kv + st for kv, st in
+                         zip(model.kv_bytes_per_token[a:b], model.state_bytes[a:b]))
+        out.append((weights, kv))
+    return out
+
+
+def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tuple[int, int]],
+           wire_dtype: str, n_ctx: int, lanes: int, overhead: int) -> Plan:
+    check_cuts(ranges, model.keep_together)
+    out = []
+    sizes = stage_bytes(model, ranges, n_ctx=n_ctx, lanes=lanes)
+    for i, ((node, share), (a, b), (weights, kv)) in enumerate(zip(slots, ranges, sizes)):
         out.append(StagePlan(i, a, b, node, weights, kv, overhead, share))
     digest = topology_digest(model.model_digest, ranges, wire_dtype)
     return Plan(model.name, model.model_digest, wire_dtype, n_ctx, lanes, tuple(out), digest)

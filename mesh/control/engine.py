@@ -86,7 +86,8 @@ class Engine(Protocol):
         free. Returns what releases them (once)."""
 
     def stats(self) -> dict:
-        """Per-stage figures for /metrics: {"stages": [{...}, ...]}."""
+        """Figures for /metrics and the status page: {"stages": [{...}, ...], "nodes":
+        {node: {...}}, "plan": {"nodes": [...], "stages": [...]}, ...}."""
 
     def status(self) -> dict:
         """{"serving": bool, "detail": str}: False while no pipeline can serve (a stage

@@ -6,6 +6,8 @@ engine test the served path."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import threading
 import weakref
 from concurrent import futures
@@ -17,11 +19,13 @@ from skippy.stages.runtime import StageSpec
 from skippy.topology.capabilities import capability_for
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
-from skippy.topology.planner import even_ranges, gguf_model_digest, topology_digest
+from skippy.stages.linear import held_bytes
+from skippy.topology.planner import ModelFacts, PlanError, even_ranges, gguf_model_digest, \
+    local_node, stage_bytes, topology_digest
 
 from .engine import EngineInfo, GenerationRequest, Step
 from ..stage.server import StageServer
-from .pipelines import PipelinesEngine, node_figures
+from .pipelines import PipelinesEngine, node_figures, plan_figures
 
 DEFAULT_LANES = 8
 # Sessions block a thread while their stage computes; the default executor's few
@@ -104,6 +108,7 @@ class InProcessEngine(PipelinesEngine):
         # Loop threads hold their stages: they end with the engine (or its close).
         self._stop = weakref.finalize(self, _stop_loops, servers)
         self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
+        self._plan = _plan(path, model_digest, servers, runtime, lanes)
         self.info = EngineInfo(model=model_name or path.stem, path=str(path),
                                n_ctx=servers[0].runtime.n_ctx, n_stages=n,
                                topology_digest=split, lanes=lanes,
@@ -118,12 +123,31 @@ class InProcessEngine(PipelinesEngine):
         return asyncio.run(run())
 
     def stats(self) -> dict:
-        stages = [s.stats() for s in self.servers]
+        stages = self._with_free_lanes([s.stats() for s in self.servers])
         return {"stages": stages, "nodes": node_figures(("local", s) for s in stages),
-                **self._figures()}
+                "plan": self._plan, **self._figures()}
 
     async def close(self) -> None:
         self._stop()
+
+
+def _plan(path: Path, model_digest: str, servers: list[StageServer], runtime: str,
+          lanes: int) -> dict:
+    """The stages on this machine and the memory each reserves (the planner's figures
+    for these ranges: weights in the stages' format, KV for the lane budget)."""
+    spec = servers[0].spec
+    held = None if runtime != "torch" else \
+        functools.partial(held_bytes, spec.weight_format)
+    facts = ModelFacts.from_gguf(path, tensor_bytes=held, model_digest=model_digest)
+    ranges = [(s.spec.layer_start, s.spec.layer_end) for s in servers]
+    sizes = stage_bytes(facts, ranges, n_ctx=servers[0].runtime.n_ctx, lanes=lanes)
+    try:
+        node = local_node()
+        here = (node.name, node.memory, node.cpus)
+    except PlanError:
+        here = ("local", None, os.cpu_count())
+    return plan_figures([here], [(0, i, "local", a, b, w, kv, 0)
+                                 for i, ((a, b), (w, kv)) in enumerate(zip(ranges, sizes))])
 
 
 def _stop_loops(servers: list[StageServer]) -> None:

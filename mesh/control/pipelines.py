@@ -72,6 +72,14 @@ class PipelinesEngine:
         self.rebuilds["evicted" if "went away" in reason else "fault"] += 1
         self.rebuilds_by_pipeline[p] += 1
 
+    def _with_free_lanes(self, stages: list[dict]) -> list[dict]:
+        """Each stage's figures with its free lanes: the engine's lane budget (a
+        pipeline's, times the pipelines whose figures are added up stage by stage) less
+        the lanes requests hold there now."""
+        for s in stages:
+            s["lanes_free"] = max(0, self.admission.lanes - s.get("lanes_busy", 0))
+        return stages
+
     def _figures(self) -> dict:
         return {"admission": self.admission.stats(), "rebuilds": dict(self.rebuilds),
                 "rebuilds_by_pipeline": list(self.rebuilds_by_pipeline),
@@ -83,26 +91,46 @@ class PipelinesEngine:
 
 
 def node_figures(stages: Iterable[tuple[str, dict]]) -> dict[str, dict]:
-    """State bytes per node from (node, stage figures) pairs: the logical bytes its stages
-    reference, the physical bytes held (once for the node where its stages share a
-    store, else each stage's own added up), what deduplication saves, what pulls fetched
-    from peers and what they found held here already, and exports to peers."""
+    """State bytes per node from (node, stage figures) pairs: what its stages' caches
+    hold resident in their runtimes, the logical bytes its stages reference, the
+    physical bytes held (once for the node where its stages share a store, else each
+    stage's own added up), what deduplication saves, the disk tier's bytes (counted the
+    same way), what pulls fetched from peers and what they found held here already, and
+    exports to peers."""
     nodes: dict[str, dict] = {}
-    shared: dict[str, int] = {}  # node -> bytes its shared store holds
+    shared: dict[tuple[str, str], int] = {}  # (node, store) -> bytes its shared store holds
     for node, s in stages:
         blocks, pulls = s.get("blocks") or {}, s.get("pulls") or {}
         figures = nodes.setdefault(node, dict.fromkeys(
-            ("logical_bytes", "physical_bytes", "saved_bytes", "fetched_bytes",
-             "fetch_saved_bytes", "pulls", "exports"), 0))
+            ("resident_bytes", "logical_bytes", "physical_bytes", "saved_bytes",
+             "disk_bytes", "fetched_bytes", "fetch_saved_bytes", "pulls", "exports"), 0))
+        figures["resident_bytes"] += s.get("resident_bytes", 0)
         figures["logical_bytes"] += blocks.get("logical_bytes", 0)
-        figures["physical_bytes"] += blocks.get("physical_bytes", 0)
-        if "node_physical_bytes" in blocks:
-            shared[node] = max(shared.get(node, 0), blocks["node_physical_bytes"])
+        for store, key in (("blocks", "physical_bytes"), ("cold_blocks", "disk_bytes")):
+            held = s.get(store) or {}
+            figures[key] += held.get("physical_bytes", 0)
+            if "node_physical_bytes" in held:
+                shared[node, key] = max(shared.get((node, key), 0),
+                                        held["node_physical_bytes"])
         figures["fetched_bytes"] += pulls.get("fetched_bytes", 0)
         figures["fetch_saved_bytes"] += pulls.get("held_bytes", 0)
         figures["pulls"] += pulls.get("pulls", 0)
         figures["exports"] += s.get("exports", 0)
-    for node, figures in nodes.items():
-        figures["physical_bytes"] = shared.get(node, figures["physical_bytes"])
+    for (node, key), held in shared.items():
+        nodes[node][key] = held
+    for figures in nodes.values():
         figures["saved_bytes"] = figures["logical_bytes"] - figures["physical_bytes"]
     return nodes
+
+
+def plan_figures(nodes: Iterable[tuple[str, int | None, int | None]],
+                 stages: Iterable[tuple[int, int, str, int, int, int, int, int]]) -> dict:
+    """The plan as the status page shows it: nodes as (name, memory bytes, cpus), stages
+    as (pipeline, stage, node, first layer, end layer, and the bytes the plan reserves:
+    weights, KV and state of the lane budget, overhead)."""
+    return {"nodes": [{"name": name, "memory": memory, "cpus": cpus}
+                      for name, memory, cpus in nodes],
+            "stages": [{"pipeline": r, "stage": i, "node": node, "layers": [a, b],
+                        "weight_bytes": w, "kv_bytes": kv, "overhead_bytes": o,
+                        "total_bytes": w + kv + o}
+                       for r, i, node, a, b, w, kv, o in stages]}

@@ -32,7 +32,7 @@ from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .engine import EngineInfo
 from .part_sources import PartSources
-from .pipelines import PipelinesEngine, node_figures
+from .pipelines import PipelinesEngine, node_figures, plan_figures
 from .ray_pipeline import RayPipeline
 
 log = logging.getLogger(__name__)
@@ -315,8 +315,21 @@ class RayEngine(PipelinesEngine):
             log.warning("stage figures unavailable: %s", e)
             per = [[]]
         stages = per[0] if len(per) == 1 else [_sum(col) for col in zip(*per)]
-        return {"stages": stages, "recreated": sum(p.recreated for p in self.pipelines),
-                "nodes": self._by_node(per), **self._figures()}
+        return {"stages": self._with_free_lanes(stages),
+                "recreated": sum(p.recreated for p in self.pipelines),
+                "nodes": self._by_node(per), "plan": self._plan_figures(), **self._figures()}
+
+    def _plan_figures(self) -> dict:
+        """The plan's stages where they run now (a lost node's stages move), and the
+        plan's nodes with their memory and cores."""
+        planned = {st.node.name[:12]: st.node for st in self.plan.stages}
+        rows = [(r, st.index, self._launch.placed.get((r, st.index), st.node.name)[:12],
+                 st.start, st.end, st.weight_bytes, st.kv_bytes, st.overhead_bytes)
+                for r in range(len(self.pipelines)) for st in self.plan.stages]
+        names = dict.fromkeys(node for _, _, node, *_ in rows)
+        return plan_figures([(n, planned[n].memory if n in planned else None,
+                              planned[n].cpus if n in planned else None) for n in names],
+                            rows)
 
     def _by_node(self, per: list[list[dict]]) -> dict[str, dict]:
         return node_figures((self._launch.placed.get((r, i), "")[:12], s)

@@ -30,7 +30,8 @@ from fastapi.responses import JSONResponse
 from .openai_api import ApiError
 
 TENANT = "skippy.tenant"  # the ASGI scope key for the caller's tenant tag ("" unkeyed)
-OPEN_PATHS = frozenset({"/health", "/ready"})  # probes stay reachable without a key
+# probes stay reachable without a key, and the status page (its data needs the key)
+OPEN_PATHS = frozenset({"/health", "/ready", "/"})
 JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 

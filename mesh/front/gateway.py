@@ -63,6 +63,7 @@ from .openai_api import (
     sse,
 )
 from .result_memo import ResultMemo
+from .status import StatusBoard, add_status_routes
 from .tokenizer import Tokenizer
 
 __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 2  # what a 503 tells the client when nothing better is known
 READY_PROBE_INTERVAL_S = 5.0   # /ready probes the engine at most this often
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready",
-              "/metrics"}
+              "/metrics", "/", "/status.json"}
 
 
 # -- the app ----------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class _Gateway:
             self.template_missing = str(e).split(";")[0]
         self.metrics = GatewayMetrics(engine.stats, memo.stats, self.slots.stats)
         self.runs = RunContext(engine, memo, self.metrics, self.tokenizer)
+        self.status = StatusBoard(engine, self.metrics, self.runs.in_flight)
         self.created = int(time.time())
         self._probe_ids = tuple(self.tokenizer.encode("Hello") or [0])
         self._ready_at = 0.0
@@ -504,6 +506,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     app.state.gateway = gw
     _error_handlers(app)
     _routes(app, gw)
+    add_status_routes(app, gw.status)
     app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys), tenant_secret),
                        loopback=is_loopback(bind_host), count=gw.count)
     return app

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..control.engine import Engine, GenerationRequest, Step
+from .in_flight import InFlight
 from .metrics import GatewayMetrics
 from .openai_api import Logprobs, Usage
 from .result_memo import KnownRun, ResultMemo, memo_key
@@ -32,6 +33,7 @@ class RunContext:
     memo: ResultMemo
     metrics: GatewayMetrics
     tokenizer: Tokenizer
+    in_flight: InFlight = field(default_factory=InFlight)  # the status page lists them
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Generation:
         self._first_at: float | None = None
 
     async def start(self) -> None:
+        self.ctx.in_flight.add(self)
         self.known = self.ctx.memo.get(self.key)
         if self.known is not None and self._known_suffices(self.known):
             self._replay = self.known.tokens[:self.request.max_tokens]
@@ -135,10 +138,24 @@ class Generation:
 
     async def close(self) -> None:
         """End the engine's iteration now: its lanes are freed even if the client left."""
+        self.ctx.in_flight.remove(self)
         steps, self._steps = self._steps, None
         if steps is not None:
             with contextlib.suppress(Exception):
                 await steps.aclose()
+
+    def figures(self, now: float) -> dict:
+        """This run as the status page lists it at perf_counter `now`: its age, prompt
+        and cached tokens, tokens so far, time to first token and decode speed (tokens
+        after the first over the seconds since it, as skippy_decode_tokens_per_second
+        counts them) once known."""
+        usage, first = self.outcome.usage, self._first_at
+        n = usage.completion_tokens
+        return {"age_s": now - self.arrived, "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens, "tokens": n,
+                "ttft_s": None if first is None else first - self.arrived,
+                "tokens_per_s": (n - 1) / (now - first)
+                if first is not None and n > 1 and now > first else None}
 
     def _account(self, ran_out: bool) -> None:
         n = self.outcome.usage.completion_tokens

@@ -44,12 +44,24 @@ class GatewayMetrics:
             "skippy_decode_tokens_per_second",
             "Per request: tokens after the first / seconds after the first",
             buckets=_RATE_BUCKETS, registry=self.registry)
+        self._memo_stats, self._admission_stats = memo_stats, admission_stats
         self.registry.register(_StageCollector(stage_stats, memo_stats))
         if admission_stats is not None:
             self.registry.register(_AdmissionCollector(admission_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def families(self, stats: dict) -> list[Metric]:
+        """Every family /metrics exports, the engine's built from `stats` (one
+        `engine.stats()` reading): what the status page shows is read from these, so its
+        numbers are /metrics' numbers by construction."""
+        own = [m for c in (self.requests, self.ttft, self.tokens, self.tokens_per_second)
+               for m in c.collect()]
+        engine = list(stage_families(stats, self._memo_stats()))
+        admission = [] if self._admission_stats is None else \
+            list(admission_families(self._admission_stats()))
+        return own + engine + admission
 
 
 class _StageCollector:
@@ -62,51 +74,61 @@ class _StageCollector:
         return []  # names depend on what the engine reports: not known up front
 
     def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-
-        def family(kind, name, doc, labels):
-            if name not in families:
-                families[name] = kind(name, doc, labels=labels)
-            return families[name]
-
         try:
             stats = self._stage_stats()
         except Exception as e:  # noqa: BLE001 (a scrape must not fail with one engine call)
             log.warning("engine.stats() failed: %s", " ".join(str(e).split()))
             stats = {}
-        stages = stats.get("stages", [])
-        _engine_figures(stats, family)
-        for i, stage in enumerate(stages):
-            label = [str(i)]
-            for k, v in (stage.get("counters") or {}).items():
-                family(CounterMetricFamily, f"skippy_stage_cache_{k}",
-                       f"Stage cache event count: {k}", ["stage"]).add_metric(label, v)
-            for kind, v in (stage.get("hits_by_kind") or {}).items():
-                family(CounterMetricFamily, "skippy_stage_cache_hits_by_kind",
-                       "Stage cache hits by cache kind", ["stage", "kind"]
-                       ).add_metric([str(i), str(kind)], v)
-            for k in _CACHE_BYTES:
-                if isinstance(stage.get(k), (int, float)):
-                    family(GaugeMetricFamily, f"skippy_stage_cache_{k}",
-                           f"Stage cache {k.replace('_', ' ')}", ["stage"]
-                           ).add_metric(label, stage[k])
-            for k, v in _numbers(stage.get("blocks") or {}):
-                family(GaugeMetricFamily, f"skippy_stage_block_store_{k}",
-                       f"Stage block store: {k}", ["stage"]).add_metric(label, v)
-            other = {k: v for k, v in stage.items() if k not in _KNOWN}
-            for k, v in _numbers(other):
-                family(GaugeMetricFamily, f"skippy_stage_{k}",
-                       f"Stage figure reported by the engine: {k}", ["stage"]
-                       ).add_metric(label, v)
-        memo = self._memo_stats()
-        for k, v in memo.counters.items():
-            family(CounterMetricFamily, f"skippy_gateway_results_{k}",
-                   f"Gateway exact results event count: {k}", []).add_metric([], v)
-        for k in _CACHE_BYTES:
-            family(GaugeMetricFamily, f"skippy_gateway_results_{k}",
-                   f"Gateway exact results {k.replace('_', ' ')}", []
-                   ).add_metric([], getattr(memo, k))
-        yield from families.values()
+        yield from stage_families(stats, self._memo_stats())
+
+
+def stage_families(stats: dict, memo: CacheStats) -> Iterator[Metric]:
+    """The engine's figures (`engine.stats()`) and the gateway's exact results as
+    metric families."""
+    families: dict[str, Metric] = {}
+
+    def family(kind, name, doc, labels):
+        if name not in families:
+            families[name] = kind(name, doc, labels=labels)
+        return families[name]
+
+    _engine_figures(stats, family)
+    for i, stage in enumerate(stats.get("stages", [])):
+        _stage_figures(str(i), stage, family)
+    for k, v in memo.counters.items():
+        family(CounterMetricFamily, f"skippy_gateway_results_{k}",
+               f"Gateway exact results event count: {k}", []).add_metric([], v)
+    for k in _CACHE_BYTES:
+        family(GaugeMetricFamily, f"skippy_gateway_results_{k}",
+               f"Gateway exact results {k.replace('_', ' ')}", []
+               ).add_metric([], getattr(memo, k))
+    yield from families.values()
+
+
+def _stage_figures(i: str, stage: dict, family) -> None:
+    """One stage's figures: cache counters, hits by kind, cache bytes, its block store,
+    and any other number it reports as a gauge named after its key."""
+    label = [i]
+    for k, v in (stage.get("counters") or {}).items():
+        family(CounterMetricFamily, f"skippy_stage_cache_{k}",
+               f"Stage cache event count: {k}", ["stage"]).add_metric(label, v)
+    for kind, v in (stage.get("hits_by_kind") or {}).items():
+        family(CounterMetricFamily, "skippy_stage_cache_hits_by_kind",
+               "Stage cache hits by cache kind", ["stage", "kind"]
+               ).add_metric([i, str(kind)], v)
+    for k in _CACHE_BYTES:
+        if isinstance(stage.get(k), (int, float)):
+            family(GaugeMetricFamily, f"skippy_stage_cache_{k}",
+                   f"Stage cache {k.replace('_', ' ')}", ["stage"]
+                   ).add_metric(label, stage[k])
+    for k, v in _numbers(stage.get("blocks") or {}):
+        family(GaugeMetricFamily, f"skippy_stage_block_store_{k}",
+               f"Stage block store: {k}", ["stage"]).add_metric(label, v)
+    other = {k: v for k, v in stage.items() if k not in _KNOWN}
+    for k, v in _numbers(other):
+        family(GaugeMetricFamily, f"skippy_stage_{k}",
+               f"Stage figure reported by the engine: {k}", ["stage"]
+               ).add_metric(label, v)
 
 
 def _engine_figures(stats: dict, family) -> None:
@@ -141,15 +163,17 @@ class _AdmissionCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        yield GaugeMetricFamily("skippy_gateway_requests_running",
-                                "Requests holding one of the gateway's slots",
-                                value=s["in_use"])
-        yield GaugeMetricFamily("skippy_gateway_requests_waiting",
-                                "Requests waiting for a slot", value=s["waiting"])
-        yield CounterMetricFamily("skippy_gateway_requests_refused",
-                                  "Requests refused for want of a slot (503)",
-                                  value=s["refused"])
+        yield from admission_families(self._stats())
+
+
+def admission_families(s: dict) -> Iterator[Metric]:
+    yield GaugeMetricFamily("skippy_gateway_requests_running",
+                            "Requests holding one of the gateway's slots", value=s["in_use"])
+    yield GaugeMetricFamily("skippy_gateway_requests_waiting",
+                            "Requests waiting for a slot", value=s["waiting"])
+    yield CounterMetricFamily("skippy_gateway_requests_refused",
+                              "Requests refused for want of a slot (503)",
+                              value=s["refused"])
 
 
 def _numbers(d: dict, prefix: str = "") -> Iterator[tuple[str, float]]:

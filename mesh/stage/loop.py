@@ -102,6 +102,7 @@ class StageLoop:
         self._jobs: deque[_Job] = deque()
         self._rows: list[Row] = []
         self._rows_since = 0.0     # when the oldest waiting row arrived
+        self._prefills_waiting = 0  # compute() jobs posted, not yet started
         self.decoding = 0          # sessions past their prefill: rows to expect
         self.sessions = 0          # open sessions (thread bursting)
         self.timing = Timing()
@@ -134,13 +135,32 @@ class StageLoop:
     def compute(self, kind: str, fn, *args, rows: int = 0, **kwargs):
         """A prefill-like job of `rows` rows, timed and run at the loop's thread count."""
         def timed():
+            self._posted(-1)
             self._fit_threads()
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.timing.add(kind, time.perf_counter() - t, rows)
+        self._posted(1)  # waiting until timed() starts
         return self.call(timed)
+
+    def _posted(self, delta: int) -> None:
+        with self._cv:
+            self._prefills_waiting += delta
+
+    def figures(self) -> dict:
+        """What the loop has done and what waits for it now, for /metrics and the status
+        page: rows computed (counters: a reader takes rates from two readings), seconds
+        and steps by kind, open sessions, and the queue (decode rows gathering for the
+        next step, prefills posted but not started). Read without posting to the loop, so
+        a reader never counts itself in the queue."""
+        t = self.timing
+        with self._cv:
+            return {"seconds": dict(t.seconds), "steps": dict(t.count),
+                    "decode_rows": t.rows, "prefill_rows": t.prefill_rows,
+                    "sessions": self.sessions, "decoding": self.decoding,
+                    "queue_rows": len(self._rows), "queue_prefills": self._prefills_waiting}
 
     def allow_burst(self, burst: int | None) -> None:
         """Take `burst` threads while one session is open (only where the runtime's

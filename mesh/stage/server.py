@@ -92,9 +92,7 @@ class StageServer:
         s = self.loop.call(self.cache.stats)
         if self.puller is not None:
             s["pulls"] = self.puller.stats()
-        t = self.loop.timing
         s.update(stage_index=self.spec.stage_index,
                  layers=[self.spec.layer_start, self.spec.layer_end],
-                 seconds=dict(t.seconds), steps=dict(t.count), decode_rows=t.rows,
-                 sessions=self.loop.sessions)
+                 weight_format=self.spec.weight_format, **self.loop.figures())
         return s
