@@ -115,20 +115,19 @@ def traces_url(endpoint: str | None = None, env=os.environ) -> str | None:
     /v1/traces. $OTEL_SDK_DISABLED=true turns the environment's off. ValueError (one
     line) for a URL that is not http(s)://host[:port][/path]."""
     if endpoint:
-        url = endpoint if endpoint.rstrip("/").endswith(TRACES_PATH) else \
-            endpoint.rstrip("/") + TRACES_PATH
+        url, base = endpoint, not endpoint.rstrip("/").endswith(TRACES_PATH)
     elif env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        url = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+        url, base = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"], False
     elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        url = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + TRACES_PATH
+        url, base = env["OTEL_EXPORTER_OTLP_ENDPOINT"], True
     else:
         return None
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"the OTLP endpoint {url!r} is not an http:// or https:// URL")
-    return url
+    return url.rstrip("/") + TRACES_PATH if base else url
 
 
 def configure(url: str | None, role: str = "gateway") -> bool:
