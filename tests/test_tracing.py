@@ -214,6 +214,29 @@ def test_a_repeated_prompt_shows_each_stage_restoring_its_prefix(client, collect
             attributes(restore.attributes)["skippy.tokens"]
 
 
+def test_a_streamed_answer_keeps_its_spans_under_the_gateway_span_to_the_end(client,
+                                                                              collector):
+    collector.clear()
+    with client.stream("POST", CHAT, json={
+            "model": "smollm2", "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Name three colors."}]}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    trace = one_trace(collector)
+    [root] = trace.named(f"POST {CHAT}")
+    [generate] = trace.named("generate")
+    assert trace.parent(generate) is root
+    check_stage_chain(trace, "decode", generate)
+    answer = {"usage": events[-1]["usage"], "choices": [
+        next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])
+        ["choices"][0]]}
+    assert len(trace.named("decode", 1)) == decode_steps(answer) >= 2
+    last = max(s.end_time_unix_nano for s in trace.spans if s is not root)
+    assert last <= root.end_time_unix_nano
+
+
 def test_a_caller_trace_context_becomes_the_gateway_span_parent(client, collector):
     collector.clear()
     caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
