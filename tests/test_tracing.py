@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -142,7 +143,15 @@ def chat(client, text: str, **fields) -> dict:
 
 
 def one_trace(collector) -> Trace:
-    tracing.flush()
+    """The one trace the collector holds, once its root span (the gateway's, which ends
+    just after the answer's last byte is sent) is in."""
+    deadline = time.monotonic() + 10
+    while True:
+        tracing.flush()
+        if any(s.name == f"POST {CHAT}" for _, s in collector.spans) or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     ids = {s.trace_id for _, s in collector.spans}
     assert len(ids) == 1, f"{len(ids)} traces"
     return Trace(list(collector.spans))
@@ -200,7 +209,9 @@ def test_a_chat_request_is_one_trace_with_a_span_per_stage_step(client, collecto
 
 
 def test_a_repeated_prompt_shows_each_stage_restoring_its_prefix(client, collector):
+    collector.clear()
     chat(client, STORY, max_tokens=2)
+    one_trace(collector)  # all of its spans in, before they are forgotten
     collector.clear()
     # sampled, so the gateway's exact results do not answer it: the stages do
     chat(client, STORY, max_tokens=2, temperature=0.7)
@@ -220,7 +231,7 @@ def test_a_streamed_answer_keeps_its_spans_under_the_gateway_span_to_the_end(cli
     with client.stream("POST", CHAT, json={
             "model": "smollm2", "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "Name three colors."}]}) as r:
+            "messages": [{"role": "user", "content": "Count to five."}]}) as r:
         assert r.status_code == 200
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
