@@ -216,6 +216,7 @@ def cmd_serve(args) -> int:
     from .stage.security import load_secret
     secret = load_secret(args.cluster_secret_file)  # an empty or unreadable file: one line
     gateway = _gateway_options(args, secret)  # refused binds and bad key files: before Ray
+    _trace(args)  # before the engine: its stages export where this process does
     path = resolve_model(args.package or args.model)
     if is_package(path):
         if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
@@ -240,6 +241,19 @@ def cmd_serve(args) -> int:
     _say(f"skippy: status page on http://{args.host}:{args.port}/")
     serve(engine, args.host, args.port, **gateway)
     return 0
+
+
+def _trace(args) -> None:
+    """Trace requests where --otlp-endpoint or the OTEL_EXPORTER_OTLP_ environment names a
+    collector (mesh/tracing.py); off otherwise."""
+    from . import tracing
+    try:
+        url = tracing.traces_url(args.otlp_endpoint)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if url:
+        tracing.configure(url)
+        _say(f"skippy: traces go to {url} (OTLP/HTTP)")
 
 
 def _gateway_options(args, secret: str) -> dict:
@@ -383,6 +397,9 @@ def _serve_parser(sub) -> None:
     srv.add_argument("--stage-tls", choices=("auto", "on", "off"), default="auto",
                      help="mutual TLS between stages, certificates made at start: auto "
                      "(default) is on when the Ray cluster has more than one node")
+    srv.add_argument("--otlp-endpoint", metavar="URL", help="export an OpenTelemetry trace "
+                     "of each request to this OTLP/HTTP collector (e.g. http://host:4318; "
+                     "also: $OTEL_EXPORTER_OTLP_ENDPOINT; default: off)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--ctx", type=int, default=8192,

@@ -117,14 +117,16 @@ class Decode(_message.Message):
     def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class StageCall(_message.Message):
-    __slots__ = ("plan", "prefill", "decode")
+    __slots__ = ("plan", "prefill", "decode", "traceparent")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     prefill: Prefill
     decode: Decode
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "cached_tokens", "logprob", "top", "logits")

@@ -16,6 +16,7 @@ to declare a node dead and a stage to load elsewhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
@@ -24,6 +25,7 @@ import torch
 
 from skippy.proto import stage_pb2 as pb
 
+from .. import tracing
 from .engine import EngineBusy, EngineError, GenerationRequest, InvalidRequest, Step
 from ..wire import sampling_to_proto, token_logprobs
 
@@ -56,21 +58,51 @@ class Pipeline(Protocol):
         """Make the chain whole again, unless someone already did since `generation`."""
 
 
-async def drive(pipe: Pipeline, request: GenerationRequest,
-                on_rebuild=lambda reason: None,
-                peers: Callable[[bool], list[str]] = lambda rebuilding: []
-                ) -> AsyncIterator[Step]:
+def drive(pipe: Pipeline, request: GenerationRequest,
+          on_rebuild=lambda reason: None,
+          peers: Callable[[bool], list[str]] = lambda rebuilding: []
+          ) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
     iteration (client gone) closes the session, which frees the lanes down the chain.
     `peers(rebuilding)`: another pipeline's stage addresses, for this try's stages to pull
-    the prompt's state from (a stage re-placed after a fault starts empty)."""
+    the prompt's state from (a stage re-placed after a fault starts empty).
+    Traced (mesh/tracing.py), the request's life is one `generate` span (a probe's is not
+    traced), and each call to stage 0 carries it as the parent of the stages' spans."""
+    if request.probe or not tracing.enabled():
+        return _drive(pipe, request, [], on_rebuild, peers, tracing.OFF)
+    return _traced(pipe, request, on_rebuild, peers)
+
+
+async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers
+                  ) -> AsyncIterator[Step]:
+    span = tracing.start("generate", {"skippy.prompt_tokens": len(request.tokens),
+                                      "skippy.max_tokens": request.max_tokens})
     produced: list[int] = []
+    try:
+        async with contextlib.aclosing(_drive(pipe, request, produced, on_rebuild, peers,
+                                              span)) as steps:
+            async for step in steps:
+                yield step
+    except (EngineError, StageFault) as e:
+        span.fail(str(e))
+        raise
+    finally:
+        span.set_attribute("skippy.completion_tokens", len(produced))
+        span.end()
+
+
+async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int],
+                 on_rebuild, peers, span) -> AsyncIterator[Step]:
+    """`drive`'s tries: each on a fresh session, after a repair when a stage failed."""
+    traceparent = tracing.traceparent(span)
     failures = 0
     while True:
         generation = pipe.generation
         link = None
         try:
             link = await pipe.open()
+            if traceparent:
+                link = _Traced(link, traceparent)
             async for step in _attempt(link, request, produced, peers(failures > 0)):
                 produced.append(step.token)
                 yield step
@@ -90,6 +122,7 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
                 raise EngineError(f"the pipeline failed {failures} times: {e}") from e
             log.warning("stage fault (%s); rebuilding the request after %d tokens",
                         e, len(produced))
+            span.add_event("rebuild", {"reason": str(e), "skippy.tokens": len(produced)})
             on_rebuild(str(e))
         finally:
             if link is not None:
@@ -97,6 +130,20 @@ async def drive(pipe: Pipeline, request: GenerationRequest,
         await pipe.repair(generation)
         if not pipe.healthy:
             await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
+
+
+class _Traced:
+    """A link whose calls carry the request's trace context to the stages."""
+
+    def __init__(self, link: Link, traceparent: str):
+        self.link, self.traceparent = link, traceparent
+
+    async def ask(self, call: pb.StageCall) -> pb.StageResult:
+        call.traceparent = self.traceparent
+        return await self.link.ask(call)
+
+    async def close(self) -> None:
+        await self.link.close()
 
 
 async def _attempt(link: Link, request: GenerationRequest, produced: list[int],

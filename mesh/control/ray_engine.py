@@ -28,6 +28,7 @@ from skippy.topology.capabilities import capability_for
 from skippy.topology.model_package import is_package, open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
 
+from .. import tracing
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .engine import EngineInfo
@@ -227,7 +228,8 @@ class _Launch:
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
         ).remote(spec, self.cache, self.policy, self.runtime, self.host, burst,
-                  credentials=self.credentials.issue(), parts=self.parts_for(spec))
+                  credentials=self.credentials.issue(), parts=self.parts_for(spec),
+                  traces=tracing.exporting_to())  # stages trace where the driver does
 
 
 class RayEngine(PipelinesEngine):

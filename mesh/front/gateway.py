@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import tracing
 from .chat import ChatTemplate, ChatTemplateMissing, encode_chat, load_chat_template
 from ..control.admission import Admission
 from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest
@@ -509,6 +510,8 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     add_status_routes(app, gw.status)
     app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys), tenant_secret),
                        loopback=is_loopback(bind_host), count=gw.count)
+    if tracing.enabled():  # outermost: a request's span holds the edge's refusals too
+        app.add_middleware(tracing.HttpSpans)
     return app
 
 

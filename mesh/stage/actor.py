@@ -12,6 +12,7 @@ import ray
 from skippy.cache.config import CacheConfig
 from skippy.stages.runtime import StageSpec
 
+from .. import tracing
 from .grpc_service import grpc_opener, message_limit, start_server
 from .security import StageCredentials
 from .node_store import cold_store, node_store
@@ -24,10 +25,13 @@ from .state_pull import StatePuller
 class StageActor:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
                  host: str | None = None, burst_threads: int | None = None, *,
-                 credentials: StageCredentials, parts: PartSource | None = None):
+                 credentials: StageCredentials, parts: PartSource | None = None,
+                 traces: str | None = None):
         """Serves on `host` (default: Ray's address of this node), taking calls that carry
-        `credentials`' token (over TLS when they hold certificates) and making its own."""
+        `credentials`' token (over TLS when they hold certificates) and making its own.
+        `traces`: where this process exports its spans (mesh/tracing.py; None: off)."""
         logging.basicConfig(level=logging.INFO)
+        tracing.configure(traces, role=f"stage {spec.stage_index}")
         if parts is not None:  # a package: its parts from this node, fetched here if need be
             spec = dataclasses.replace(spec, model_path=local_package(parts, credentials))
         host = host or ray.util.get_node_ip_address()
@@ -73,6 +77,7 @@ class StageActor:
         """Stop serving and let go of this stage's blocks in the node's shared store
         (what a killed stage leaves there is swept by the next stage to open it)."""
         self._rpc.stop(grace=None)
+        tracing.flush()
         cache = self.server.cache
         self.server.loop.call(cache.clear)
         cache.store.close()

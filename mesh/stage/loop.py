@@ -55,6 +55,7 @@ class Row(_Posted):
     def __init__(self, lane: int, x: object, finish: Callable[[object], object]):
         super().__init__()
         self.lane, self.x, self.finish = lane, x, finish
+        self.batch = 0  # rows in the step that ran it (its trace span says so)
 
 
 class _Job(_Posted):
@@ -246,6 +247,7 @@ class StageLoop:
         finally:
             self.timing.add("decode", time.perf_counter() - t, len(ok))
         for row, out in zip(ok, outs):
+            row.batch = len(ok)
             try:
                 row.settle(row.finish(out))
             except Exception as e:

@@ -13,6 +13,11 @@ call and freed by `close`, so a client that goes away frees every lane down the 
 Errors are replies: `invalid` when the request is at fault (never retried), `retryable`
 when a stage or link failed (the driver rebuilds the request), `busy` when no lane came
 free.
+
+A traced call (it carries a `traceparent`, mesh/tracing.py) is one span here, named for
+the call, under the caller's span; the calls this stage sends down carry this span. A
+decode step that serves several requests at once is one span per request, each with the
+step's row count (`skippy.batch`): every request's trace then holds each of its steps.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from skippy.proto import stage_pb2 as pb
 from skippy.stages.runtime import StageError
 
+from .. import tracing
 from ..sampler import Sampler
 from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
 from .loop import Row
@@ -55,10 +61,28 @@ class StageSession:
         self.probe, self.namespace = False, ""
         self.downstream_start: int | None = None
         self.decoding = False
+        spec = server.spec
+        self.trace_attributes = {"skippy.stage.index": spec.stage_index,
+                                 "skippy.stage.layer_start": spec.layer_start,
+                                 "skippy.stage.layer_end": spec.layer_end}
+        self.span = tracing.OFF  # the traced call's span while it runs
         self.loop.opened(1)
 
     def handle(self, call: pb.StageCall) -> pb.StageResult:
         kind = call.WhichOneof("call")
+        if not call.traceparent:
+            return self._handle(kind, call)
+        with tracing.joined(call.traceparent, kind or "empty", self.trace_attributes) as span:
+            self.span = span
+            try:
+                result = self._handle(kind, call)
+            finally:
+                self.span = tracing.OFF
+            if result.WhichOneof("result") == "error":
+                span.fail(result.error.message)
+            return result
+
+    def _handle(self, kind: str | None, call: pb.StageCall) -> pb.StageResult:
         try:
             if kind == "plan":
                 return self._plan(call.plan)
@@ -99,10 +123,11 @@ class StageSession:
             logits = self.loop.call(self.cache.cached_result, tokens, probe=p.probe,
                                     namespace=p.namespace)
             if logits is not None:  # an exact repeat: its first token, nothing computed
+                self.span.set_attribute("skippy.exact_result", True)
                 self._new_sampler(p.sampling)
                 return pb.StageResult(token=self._sample(logits, len(tokens)))
         pulling = self._pull(p, tokens)  # while the stages below plan theirs
-        reply = None if self.last else self._downstream().ask(pb.StageCall(plan=p))
+        reply = None if self.last else self._ask_down(pb.StageCall(plan=p))
         if pulling is not None:
             pulling.join()
         d = None
@@ -113,6 +138,7 @@ class StageSession:
         start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, probe=p.probe,
                                namespace=p.namespace)
         self.downstream_start = d
+        self.span.set_attribute("skippy.start", start)
         return pb.StageResult(plan=pb.PlanReply(start=start))
 
     def _prefill(self, p: pb.Prefill) -> pb.StageResult:
@@ -128,8 +154,12 @@ class StageSession:
                 raise StageError(f"frame starts at {inputs.start}, not {start}")
         if self.last:
             self._new_sampler(p.sampling)
-        out = self.loop.compute("prefill", self._restore_and_prefill, tokens, inputs, start,
-                                p.probe, p.namespace, rows=len(tokens) - start)
+        self.span.set_attribute("skippy.start", start)
+        self.span.set_attribute("skippy.rows", len(tokens) - start)
+        if p.replay:
+            self.span.set_attribute("skippy.replay", True)
+        out = self.loop.compute("prefill", tracing.carried(self._restore_and_prefill), tokens,
+                                inputs, start, p.probe, p.namespace, rows=len(tokens) - start)
         self._start_decoding()
         if self.last:
             if not p.probe:
@@ -141,7 +171,7 @@ class StageSession:
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
                           probe=p.probe, namespace=p.namespace, replay=p.replay)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
-        reply = self._downstream().ask(pb.StageCall(prefill=sent))
+        reply = self._ask_down(pb.StageCall(prefill=sent))
         kind = reply.WhichOneof("result")
         if kind in ("token", "done"):  # prompt tokens no stage computed
             msg = getattr(reply, kind)
@@ -163,12 +193,16 @@ class StageSession:
                 return None
             return self._sample(out.logits)
 
-        out = self.loop.decode(Row(self.lane, x, finish))
+        row = Row(self.lane, x, finish)
+        out = self.loop.decode(row)
+        self.span.set_attribute("skippy.batch", row.batch)
+        if replay:
+            self.span.set_attribute("skippy.replay", True)
         if self.last:
             return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
         sent = pb.Decode(token=token, replay=replay)
         sent.frame.CopyFrom(frame_to_proto(out))
-        return self._downstream().ask(pb.StageCall(decode=sent))
+        return self._ask_down(pb.StageCall(decode=sent))
 
     # -- pieces --------------------------------------------------------------------------
     def _pull(self, p: pb.Plan, tokens: list[int]) -> threading.Thread | None:
@@ -204,8 +238,12 @@ class StageSession:
     def _restore_and_prefill(self, tokens, inputs, start: int, probe: bool, namespace: str):
         """On the loop thread. A planned restore cannot fail for lack of its entry (the
         plan pinned it); one that fails anyway (a corrupt block) is a stage fault."""
-        if not self.cache.restore(self.lane, tokens, start, namespace=namespace):
-            raise RuntimeError(f"cached state for {start} tokens went away before the prefill")
+        restoring = tracing.OFF if not start else tracing.span(
+            "restore", {**self.trace_attributes, "skippy.tokens": start})
+        with restoring:
+            if not self.cache.restore(self.lane, tokens, start, namespace=namespace):
+                raise RuntimeError(f"cached state for {start} tokens went away before the "
+                                   f"prefill")
         return self.cache.prefill(self.lane, tokens, inputs, start, probe=probe,
                                   namespace=namespace,
                                   downstream=self.downstream_start if not self.last else None,
@@ -228,6 +266,11 @@ class StageSession:
         if not self.decoding:
             self.decoding = True
             self.loop.decoding_changed(1)
+
+    def _ask_down(self, call: pb.StageCall) -> pb.StageResult:
+        """A call to the next stage, under this call's span when it is traced."""
+        call.traceparent = tracing.traceparent()
+        return self._downstream().ask(call)
 
     def _downstream(self):
         if self.down is None:
