@@ -26,8 +26,9 @@ def _say(message: str) -> None:
 # -- models -------------------------------------------------------------------------------
 def cmd_models_pull(args) -> int:
     from .models import pull
+    from .progress import Console
     for name in args.names:
-        path = pull(name, progress=_say)
+        path = pull(name, progress=Console())  # bars on a terminal, lines in a log
         print(path)
     return 0
 
@@ -136,8 +137,11 @@ def cmd_certify(args) -> int:
         report = certify_range(resolve_model(args.model), *parse_range(args.stage),
                                weight_format=args.weight_format)
     else:
-        report = certify(resolve_model(args.model), args.stages, args.runtime,
-                         weight_format=args.weight_format)
+        from .progress import progress_bar
+        model = resolve_model(args.model)
+        with progress_bar(None, f"certify {model.name}", "step") as bar:
+            report = certify(model, args.stages, args.runtime,
+                             weight_format=args.weight_format, progress=bar.to)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
 
@@ -175,7 +179,10 @@ def cmd_plan(args) -> int:
 def cmd_package_split(args) -> int:
     from skippy.stages.package import split_package
     from .models import resolve_model
-    manifest = split_package(resolve_model(args.model), args.out, progress=_say)
+    from .progress import progress_bar
+    model = resolve_model(args.model)
+    with progress_bar(None, f"split {model.name}", "B") as bar:
+        manifest = split_package(model, args.out, progress=bar.to)
     size = sum(p.size for p in manifest.parts)
     print(f"{args.out}: {len(manifest.parts)} parts, {size / 2**20:.1f} MiB, "
           f"model {manifest.model_digest[:16]}")
@@ -184,7 +191,12 @@ def cmd_package_split(args) -> int:
 
 def cmd_package_verify(args) -> int:
     from skippy.topology.model_package import verify_package
-    manifest = verify_package(args.dir, progress=_say if args.verbose else None)
+    from .progress import Console, progress_bar
+    console = Console()
+    # a log hears verify's progress only when asked: a clean run stays one line
+    say = console if console.tty or args.verbose else (lambda _line: None)
+    with progress_bar(None, f"verify {Path(args.dir).name}", "B", say=say) as bar:
+        manifest = verify_package(args.dir, progress=bar.to)
     print(f"{args.dir}: {len(manifest.parts)} parts verified")
     return 0
 
@@ -357,7 +369,8 @@ def _package_parser(sub) -> None:
     spl.set_defaults(run=cmd_package_split)
     ver = psub.add_parser("verify", help="check every part's size and BLAKE3")
     ver.add_argument("dir", metavar="DIR")
-    ver.add_argument("-v", "--verbose", action="store_true", help="name each part checked")
+    ver.add_argument("-v", "--verbose", action="store_true",
+                     help="progress lines in a log too (a terminal always shows a bar)")
     ver.set_defaults(run=cmd_package_verify)
 
 
