@@ -203,7 +203,7 @@ def cmd_package_verify(args) -> int:
 
 # -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    from skippy.topology.model_package import is_package, verify_package
+    from skippy.topology.model_package import is_package
     from .cache_flags import cache_config
     from .models import resolve_model
 
@@ -230,27 +230,35 @@ def cmd_serve(args) -> int:
     gateway = _gateway_options(args, secret)  # refused binds and bad key files: before Ray
     path = resolve_model(args.package or args.model)
     if is_package(path):
-        if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
-            raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
-                             "use --runtime torch, or the GGUF the package was split from")
-        # a bad part fails here, named, before any stage starts; parts the head lacks
-        # are fetched by the nodes whose stages read them
-        verify_package(path, held_only=True)
+        _check_package(path, args.runtime)
     cache = cache_config(args)
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .front.gateway import serve
     from .control.ray_engine import RayEngine
+    from .progress import Console
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines, weight_format=args.weight_format,
                        lane_batch=args.lane_batch, lanes=args.lanes,
                        model_name=args.model_name or (path.name if args.package else args.model),
                        address=args.address, secret=secret, stage_tls=args.stage_tls,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
-                       n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
+                       n_ctx=args.ctx, progress=Console(prefix="skippy: "))
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
          f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
     serve(engine, args.host, args.port, **gateway)
     return 0
+
+
+def _check_package(path: Path, runtime: str) -> None:
+    """A bad part fails here, named, before any stage starts; parts the head lacks are
+    fetched by the nodes whose stages read them."""
+    from skippy.topology.model_package import verify_package
+    from .progress import Console, progress_bar
+    if runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
+        raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
+                         "use --runtime torch, or the GGUF the package was split from")
+    with progress_bar(None, f"verify {path.name}", "B", say=Console(prefix="skippy: ")) as bar:
+        verify_package(path, progress=bar.to, held_only=True)
 
 
 def _gateway_options(args, secret: str) -> dict:

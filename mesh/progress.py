@@ -33,15 +33,16 @@ class Console:
     """The stream a command tells its progress on (stderr by default). A line said while a
     bar is drawn goes above the bar, not through it."""
 
-    def __init__(self, stream: TextIO | None = None):
+    def __init__(self, stream: TextIO | None = None, prefix: str = ""):
         self.stream = stream if stream is not None else sys.stderr
+        self.prefix = prefix
         self.tty = _isatty(self.stream)
 
     def __call__(self, message: str) -> None:
         if self.tty:
-            tqdm.write(message, file=self.stream)
+            tqdm.write(self.prefix + message, file=self.stream)
         else:
-            print(message, file=self.stream, flush=True)
+            print(self.prefix + message, file=self.stream, flush=True)
 
 
 def _isatty(stream) -> bool:
