@@ -16,14 +16,15 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator
-from typing import TextIO
+from collections.abc import Callable, Iterator, Sequence
+from typing import TextIO, TypeVar
 
 from tqdm import tqdm
 
 EVERY_S = 10.0  # a plain line at least this often while work goes on
 
 Say = Callable[[str], None]
+T = TypeVar("T")
 
 _LINE = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}]"
 _LINE_NO_TOTAL = "{desc}: {n_fmt} [{elapsed}, {rate_fmt}]"
@@ -137,3 +138,12 @@ def progress_bar(total: int | None, desc: str, unit: str = "it", *,
         yield bar
     finally:
         bar.close()
+
+
+def tracked(items: Sequence[T], desc: str, unit: str = "it", *,
+            say: Say | None = None) -> Iterator[T]:
+    """Each of `items` in turn, with a bar of how many are done (an eval's outer loop)."""
+    with progress_bar(len(items), desc, unit, say=say) as bar:
+        for item in items:
+            yield item
+            bar.update()
