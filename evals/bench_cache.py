@@ -54,6 +54,7 @@ from pathlib import Path
 from skippy.cache.identity import StageKey
 from skippy.cache.index import PrefixIndex
 from skippy.cache.prefix_cache import PrefixCache
+from skippy.mesh.progress import Console, tracked
 
 VOCAB = 49152
 QUERIES_PER_CASE = 32
@@ -357,11 +358,11 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark, print the table, write JSON if asked; returns the JSON figures."""
     args = parse_args(argv)
     out = sys.stderr if args.json == "-" else sys.stdout
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # progress
+    say = Console()  # progress, on stderr
     rng = random.Random(args.seed)
     _warm_up()
     sizes = []
-    for n in args.entries:
+    for n in tracked(args.entries, "bench_cache", "size", say=say):
         sizes.append(_bench_size(n, args, rng, say))
         gc.collect()
     result = {

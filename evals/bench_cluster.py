@@ -42,6 +42,7 @@ from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_engine import RayEngine
 from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.mesh.models import pull
+from skippy.mesh.progress import tracked
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine = RayEngine(path, 1, pipelines=3, address=args.address, n_ctx=n_ctx,
                        weight_format=args.weight_format, cache=CacheConfig(), lanes=2)
     try:
-        rows = [measure(engine, tok, args.data, n, skip=7 * i) for i, n in enumerate(lengths)]
+        rows = [measure(engine, tok, args.data, n, skip=7 * i)
+                for i, n in enumerate(tracked(lengths, "bench_cluster", "length"))]
         dedupe = measure_dedupe(engine, tok, args.data, args.shared, args.sessions) \
             if args.sessions else None
         result = {"model": path.name, "weight_format": args.weight_format, "dedupe": dedupe,

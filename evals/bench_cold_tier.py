@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_engine import RayEngine
 from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.mesh.models import pull
+from skippy.mesh.progress import Console, tracked
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
@@ -123,14 +125,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    rows = []
-    for name in args.model or ["smollm2", "gemma3-270m"]:
+    rows, say = [], Console(sys.stdout)  # lines that keep clear of the bar on stderr
+    for name in tracked(args.model or ["smollm2", "gemma3-270m"], "bench_cold_tier", "model"):
         path = Path(name) if Path(name).is_file() else pull(name)
         off, on = run_model(path, args, cold=False), run_model(path, args, cold=True)
         if off["first_tokens"] != on["first_tokens"]:
             raise SystemExit(f"{path.name}: the disk tier changed an answer")
         rows.append({"model": path.stem, "prefix": args.prefix, "off": off, "on": on})
-        print(f"{path.stem}: returning TTFT p50 {off['p50_s']:.3f} -> {on['p50_s']:.3f} s, "
+        say(f"{path.stem}: returning TTFT p50 {off['p50_s']:.3f} -> {on['p50_s']:.3f} s, "
               f"p95 {off['p95_s']:.3f} -> {on['p95_s']:.3f} s with the disk tier "
               f"({on['disk_hits']} disk hits, {off['ram_evictions']} RAM evictions, "
               f"{on['disk_bytes'] / 2**20:.1f} MiB on disk for "

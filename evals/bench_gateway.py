@@ -49,6 +49,8 @@ from pathlib import Path
 
 import httpx
 
+from skippy.mesh.progress import tracked
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
 HOST = "127.0.0.1"
@@ -522,7 +524,7 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
         return {**body, "cache_salt": f"bench-{scenario}"} if ours else body
 
     out = {}
-    for scenario in scenarios:
+    for scenario in tracked(list(scenarios), "scenarios", "scenario", say=say):
         say(f"  {scenario} ...")
         if scenario == "repeat":
             body = {"model": work.model, "prompt": work.repeat_text, "max_tokens": 1,
@@ -596,8 +598,9 @@ def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
 
 def bench(args) -> dict:
     from skippy.mesh.models import requantize, resolve_model
+    from skippy.mesh.progress import Console
 
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
+    say = Console()  # progress, on stderr
     src = resolve_model(args.model)
     path = src if args.format == "shipped" else requantize(src, args.format)
     work, facts = build_workload(path, args.model, args.data, n_ctx=args.ctx, limit=args.limit,

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from skippy.evals.bench_runtime import environment
+from skippy.mesh.progress import Console, tracked
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
 
 HOP_SHAPES = ((1, 576), (128, 576))
@@ -104,7 +104,7 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
         channel = credentials.channel(address, channel_options(HOP_MESSAGE_LIMIT))
         down = GrpcLink(stage_pb2_grpc.StageStub(channel), credentials.metadata)
         rows_out = []
-        for n, width in HOP_SHAPES:
+        for n, width in tracked(HOP_SHAPES, "hops", "shape", say=say):
             rows = torch.randn(n, width).to(torch.float16)
             frame = Frame(0, rows, torch.ones(n, dtype=torch.float32))
 
@@ -168,7 +168,7 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
     tokens = tok.encode(render_chat(path, [{"role": "user", "content": PROMPT}]))
     tok.close()
     results = []
-    for n in stage_counts:
+    for n in tracked(stage_counts, "split", "engine", say=say):
         say(f"  RayEngine({path.name}, {n}) ...")
         t = time.perf_counter()
         engine = RayEngine(path, n, runtime="torch", n_ctx=n_ctx, weight_format=weight_format,
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
     from skippy.mesh.control.ray_engine import start_ray
 
     args = parse_args(argv)
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
+    say = Console()  # progress, on stderr
     path = resolve_model(args.model)
     result = {"model": args.model, "file": str(path), "weight_format": args.weight_format,
               "repeats": args.repeats,

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from skippy.evals.reference import _quiet_stderr
+from skippy.mesh.progress import Console, tracked
 from skippy.stages.linear import WEIGHT_FORMATS, kernels
 from skippy.stages.qkernel import cpu_flags, cpu_name
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
@@ -795,7 +796,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.restrict:
         _reexec_restricted(args.restrict, argv)
     out = sys.stderr if args.json == "-" else sys.stdout
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731  progress
+    say = Console()  # progress, on stderr
     result = {
         "llama_cpp_version": getattr(llama_cpp, "__version__", "?"),
         "torch_version": torch.__version__,
@@ -808,13 +809,13 @@ def main(argv: list[str] | None = None) -> dict:
         "bandwidth_gb_s": BANDWIDTH_GB_S,
         "runs": [],
     }
-    for m in args.model:
-        files = model_files(m, args.formats, say)
-        result["runs"] += [
-            bench_one(m, f, files[f], repeats=args.repeats, warmup=args.warmup,
-                      threads=args.threads, data=args.data, say=say, weight_format=w,
-                      lanes=args.lanes, tokens=args.tokens, decode_steps=args.decode_steps)
-            for f in args.formats for w in args.weight_formats]
+    files = {m: model_files(m, args.formats, say) for m in args.model}
+    cells = [(m, f, w) for m in args.model for f in args.formats for w in args.weight_formats]
+    result["runs"] += [
+        bench_one(m, f, files[m][f], repeats=args.repeats, warmup=args.warmup,
+                  threads=args.threads, data=args.data, say=say, weight_format=w,
+                  lanes=args.lanes, tokens=args.tokens, decode_steps=args.decode_steps)
+        for m, f, w in tracked(cells, "bench_runtime", "run", say=say)]
     print(_table(result), file=out, flush=True)
     if args.json == "-":
         json.dump(result, sys.stdout, indent=2)

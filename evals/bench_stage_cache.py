@@ -54,6 +54,7 @@ import torch
 from skippy.cache.config import CacheConfig
 from skippy.evals.reference import _quiet_stderr
 from skippy.mesh.control.local import InProcessEngine
+from skippy.mesh.progress import Console, tracked
 from skippy.stages.chain import StageChain
 
 PREFIX, LONG_PREFIX, TAIL = 128, 1024, 16
@@ -359,12 +360,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     table = sys.stderr if args.json == "-" else sys.stdout
 
-    def say(line: str) -> None:
-        print(line, file=table, flush=True)
+    say = Console(table)  # the table's lines keep clear of the bar on stderr
 
     started = time.perf_counter()
     families = []
-    for name in args.family or list(FAMILIES):
+    for name in tracked(args.family or list(FAMILIES), "bench_stage_cache", "family"):
         f = bench(FAMILIES[name], repeats=args.repeats, chunk=args.chunk,
                   runtimes=tuple(args.runtime or RUNTIMES), say=say)
         families.append(f)

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from skippy.evals.bench_stage_cache import Family, Shape
+from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.topology.planner import PlanError
@@ -102,21 +103,20 @@ def run(models: list[str], splits: list[int], formats: list[str],
     paths = {name: model_path(name, synth_dir) for name in models}  # a missing one: now
     say(HEADER)
     rows, started = [], time.perf_counter()
-    for spec, path in paths.items():
-        name = spec if spec in MODELS else path.stem
-        for n in splits:
-            for fmt in formats:
-                t = time.perf_counter()
-                try:
-                    row = certify(path, n, weight_format=fmt).as_dict()
-                    row["skipped"] = None
-                except PlanError as e:  # more stages than the model has layers
-                    row = {"model": str(path), "stages": n, "runtime": "torch",
-                           "weight_format": fmt, "passed": None, "checks": [],
-                           "skipped": str(e)}
-                row.update(name=name, seconds=time.perf_counter() - t)
-                rows.append(row)
-                say(format_row(row))
+    cells = [(spec, path, n, fmt) for spec, path in paths.items() for n in splits
+             for fmt in formats]
+    for spec, path, n, fmt in tracked(cells, "certify_matrix", "row", say=say):
+        t = time.perf_counter()
+        try:
+            row = certify(path, n, weight_format=fmt).as_dict()
+            row["skipped"] = None
+        except PlanError as e:  # more stages than the model has layers
+            row = {"model": str(path), "stages": n, "runtime": "torch",
+                   "weight_format": fmt, "passed": None, "checks": [], "skipped": str(e)}
+        row.update(name=spec if spec in MODELS else path.stem,
+                   seconds=time.perf_counter() - t)
+        rows.append(row)
+        say(format_row(row))
     return {"models": models, "stages": splits, "weight_formats": formats,
             "passed": all(r["passed"] is not False for r in rows),
             "seconds": time.perf_counter() - started, "rows": rows}
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to PATH ('-': JSON on stdout, "
                                   "the table on stderr)")
     args = p.parse_args(argv)
-    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    progress = Console()  # rows as they are done; a bar on a terminal
     try:
         result = run(args.model or list(MODELS), args.stages or list(SPLITS),
                      args.formats or list(WEIGHT_FORMATS), say=progress)

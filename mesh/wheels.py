@@ -11,10 +11,13 @@ the command line.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import BinaryIO
 
@@ -22,6 +25,8 @@ CARRIED = ("index-url", "extra-index-url", "find-links", "trusted-host", "cert",
 # Options that pip accepts several times; their config values are whitespace-separated.
 _MANY = frozenset({"extra-index-url", "find-links", "trusted-host"})
 CHUNK = 1 << 20  # extraction moves 1 MiB at a time: flat memory on 250 MB files
+# pip's `--progress-bar raw` lines on stdout (pip >= 24.1), a few times a second
+_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
 
 
 class WheelError(Exception):
@@ -59,9 +64,11 @@ def download_command(spec: str, into: Path,
                      settings: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
     """The argv and environment of `pip download` for one wheel of `spec`: binary only, no
     dependencies, no prompts, pip's configuration off but for `settings` (CARRIED keys)."""
+    # Not -q where pip can say its download progress as lines: a pull shows it as a bar.
+    say = ["--progress-bar", "raw"] if _pip_says_progress() else ["-q"]
     cmd = [sys.executable, "-m", "pip", "--isolated", "--no-input",
            "--disable-pip-version-check", "download", "--no-deps", "--only-binary=:all:",
-           "-q", "-d", str(into)]
+           *say, "-d", str(into)]
     for key in CARRIED:
         value = settings.get(key)
         if value:
@@ -73,13 +80,34 @@ def download_command(spec: str, into: Path,
     return cmd, env
 
 
-def download_wheel(spec: str, into: Path) -> Path:
-    """Download the one wheel of `spec` into the new folder `into`; return its path."""
+def _pip_says_progress() -> bool:
+    """Whether this Python's pip has `--progress-bar raw` (pip 24.1 and later)."""
+    try:
+        major, minor = (int(x) for x in version("pip").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (24, 1)
+
+
+def download_wheel(spec: str, into: Path,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """Download the one wheel of `spec` into the new folder `into`; return its path.
+    `progress(done, total)` hears the bytes pip has fetched (nothing for a file that pip
+    copies from a local folder or takes from its cache)."""
     into.mkdir()
     cmd, env = download_command(spec, into, site_pip_settings())
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise WheelError(f"pip could not download {spec}: {_last_error(proc.stderr)}")
+    with tempfile.TemporaryFile("w+") as err:  # a file: a chatty stderr cannot block pip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        with proc.stdout:
+            for line in proc.stdout:
+                m = _PROGRESS.match(line.strip())
+                if m and progress is not None:
+                    progress(int(m[1]), int(m[2]))
+        returncode = proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    if returncode != 0:
+        raise WheelError(f"pip could not download {spec}: {_last_error(stderr)}")
     wheels = sorted(into.glob("*.whl"))
     if len(wheels) != 1:
         raise WheelError(f"pip download of {spec} gave {len(wheels)} wheels, expected 1")

@@ -43,6 +43,7 @@ from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 from skippy.topology.planner import even_ranges
+from skippy.topology.tally import Progress, Tally
 
 STEPS = 16
 CHUNK = 64
@@ -167,23 +168,30 @@ def state_bytes(state: LaneState) -> bytes:
 
 # -- the checks -----------------------------------------------------------------------------
 def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | None = None,
-            weight_format: str = REFERENCE_FORMAT) -> Report:
+            weight_format: str = REFERENCE_FORMAT,
+            progress: Progress | None = None) -> Report:
     """Run every check on `path` cut into `n_stages` even stages whose weights are held
     in `weight_format` (torch runtime only). Raises StageError for a format the runtime
-    does not have."""
+    does not have. `progress(done, total)` hears the steps done: the cold run, then each
+    group of checks."""
     _check_weight_format(runtime, weight_format)
     report = Report(str(path), n_stages, runtime, weight_format if runtime == "torch" else None)
+    steps = Tally(4 if n_stages > 1 else 3, progress)
     ids = prompt or [(i * 7919) % 30000 + 50 for i in range(3 * CHUNK + 21)]
     stages = build(path, n_stages, runtime, "f32", weight_format)
     lanes = [s.alloc_lane() for s in stages]
     cold_logits, _ = prefill(stages, lanes, ids)
     cold, cold_tokens = greedy(stages, lanes, cold_logits)
+    steps.add()
     if n_stages > 1:
         report.checks.append(_split_handoff(path, n_stages, runtime, weight_format, ids, cold))
+        steps.add()
     store = BlockStore()
     report.checks += _restore_checks(stages, ids, store, cold, cold_tokens)
+    steps.add()
     report.checks += _full_state_checks(stages, ids, store, cold)
     report.checks.append(_recurrent_only(path))
+    steps.add()
     return report
 
 

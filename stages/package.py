@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from skippy.topology.families import FAMILIES
 from skippy.topology.gguf_file import GGUF_MAGIC, GGUFFile, TensorInfo
 from skippy.topology.model_package import (EMBEDDINGS, LAYER, MANIFEST, OUTPUT, SHARED,
                                            Manifest, PackageError, PartEntry)
+from skippy.topology.tally import Progress, Tally
 from skippy.topology.planner import gguf_model_digest
 
 PART_GGUF_VERSION = 3
@@ -65,9 +65,9 @@ def source_files(model: str | Path) -> list[Path]:
 
 
 def split_package(model: str | Path, out_dir: str | Path,
-                  progress: Callable[[str], None] | None = None) -> Manifest:
+                  progress: Progress | None = None) -> Manifest:
     """Write `model` (a GGUF file or split set) as a package in `out_dir` (new or empty);
-    return its manifest."""
+    return its manifest. `progress(done, total)` hears the tensor bytes copied so far."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PackageError(f"{out} exists and is not an empty directory")
@@ -95,15 +95,11 @@ def split_package(model: str | Path, out_dir: str | Path,
         digest = _model_digest(sources)
         out.mkdir(parents=True, exist_ok=True)
         entries = []
-        total = sum(t.nbytes for p in parts for _, t in p.tensors)
-        done = 0
-        for i, part in enumerate(parts):
+        copied = Tally(sum(t.nbytes for p in parts for _, t in p.tensors), progress)
+        for part in parts:
             size, digest_hex = _write_part(out / part.file, part,
-                                           full_kv if part.role == SHARED else slim_kv, align)
-            done += sum(t.nbytes for _, t in part.tensors)
-            if progress is not None:
-                progress(f"[{i + 1}/{len(parts)}] {part.file} {size / 2**20:.1f} MiB "
-                         f"({100 * done / max(total, 1):.0f}%)")
+                                           full_kv if part.role == SHARED else slim_kv, align,
+                                           copied)
             entries.append(PartEntry(part.name, part.file, part.role, part.layer, size,
                                      digest_hex, tuple(t for _, t in part.tensors)))
         manifest = Manifest(model_digest=digest, architecture=arch,
@@ -159,7 +155,8 @@ def _gguf_string(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _write_part(path: Path, part: _Part, kv: list[bytes], align: int) -> tuple[int, str]:
+def _write_part(path: Path, part: _Part, kv: list[bytes], align: int,
+                copied: Tally) -> tuple[int, str]:
     """One GGUF: header, the given metadata entries, this part's tensor index, then the
     tensors' bytes copied from their sources. Returns (size, BLAKE3)."""
     index = bytearray()
@@ -180,7 +177,7 @@ def _write_part(path: Path, part: _Part, kv: list[bytes], align: int) -> tuple[i
         with open(tmp, "wb") as fh:
             _emit(fh, h, head)
             for src, t in part.tensors:
-                _copy(src, t, fh, h, buf)
+                _copy(src, t, fh, h, buf, copied)
                 _emit(fh, h, bytes(_pad(t.nbytes, align) - t.nbytes))
             size = fh.tell()
             fh.flush()
@@ -215,7 +212,7 @@ def _emit(fh, h, data) -> None:
     h.update(data)
 
 
-def _copy(src: GGUFFile, t: TensorInfo, fh, h, buf: bytearray) -> None:
+def _copy(src: GGUFFile, t: TensorInfo, fh, h, buf: bytearray, copied: Tally) -> None:
     # pread into one buffer, not the source's memory map: mapped pages would count as the
     # splitter's memory and grow with the model.
     view = memoryview(buf)
@@ -227,6 +224,7 @@ def _copy(src: GGUFFile, t: TensorInfo, fh, h, buf: bytearray) -> None:
             if n <= 0:
                 raise PackageError(f"{src.path.name}: tensor {t.name} is truncated")
             _emit(fh, h, view[:n])
+            copied.add(n)
             pos += n
             left -= n
     finally:

@@ -209,9 +209,14 @@ def test_a_stage_killed_mid_stream_leaves_a_seeded_answer_as_it_was(engine, clie
 
 
 def test_two_pipelines_route_by_cached_prefix(cluster, smollm2, reference):
+    said: list[str] = []
     eng = RayEngine(smollm2, 2, pipelines=2, model_name="smollm2", n_ctx=2048,
-                    cache=CacheConfig(admit_after=1))
+                    cache=CacheConfig(admit_after=1), progress=said.append)
     try:
+        # each stage said as it comes up, the last with all the weights' bytes
+        loading = [s for s in said if s.startswith("loading 4 stage(s): ")]
+        assert [s.split()[-2] for s in loading] == ["1/4", "2/4", "3/4", "4/4"], said
+        assert "100%" in loading[-1] and "B/s" in loading[-1], said
         with BackgroundServer(create_app(eng, api_keys=[])) as s:
             c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=300)
             long_q = "Answer briefly. " + "Bees make honey from nectar. " * 12

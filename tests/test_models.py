@@ -133,7 +133,7 @@ def _offline_model(monkeypatch, folder: Path, members: list[bytes]) -> ModelSour
                          len(FAKE_DATA), tuple(parts), "offline test model")
     monkeypatch.setitem(KNOWN_MODELS, "fake", source)
 
-    def fetch(spec: str, into: Path) -> Path:
+    def fetch(spec: str, into: Path, progress=None) -> Path:
         into.mkdir()
         return Path(shutil.copy(built[spec], into))
 

@@ -36,6 +36,7 @@ from gguf import GGMLQuantizationType
 
 from .gguf_file import GGUFFile, TensorInfo
 from .package_part import OpenPart, PackageError, hash_fd, open_part_file
+from .tally import Progress, Tally
 
 MANIFEST = "manifest.json"
 PACKAGE_FORMAT = "skippy-package"
@@ -183,31 +184,33 @@ def is_package(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def check_part(directory: Path, part: PartEntry) -> None:
+def check_part(directory: Path, part: PartEntry,
+               on_bytes: Callable[[int], None] | None = None) -> None:
     """Raise PackageError naming the part unless its file exists with the manifest's size
-    and BLAKE3 (size and bytes both read through one open descriptor)."""
+    and BLAKE3 (size and bytes both read through one open descriptor). `on_bytes(n)`
+    hears each chunk hashed."""
     fd = open_part_file(directory, part.file, part.size)
     try:
-        digest = hash_fd(fd, part.size, f"{directory}: part {part.file}")
+        digest = hash_fd(fd, part.size, f"{directory}: part {part.file}", on_bytes)
     finally:
         os.close(fd)
     if digest != part.blake3:
         raise PackageError(f"{directory}: part {part.file} is corrupted (BLAKE3 mismatch)")
 
 
-def verify_package(directory: str | Path, progress: Callable[[str], None] | None = None,
+def verify_package(directory: str | Path, progress: Progress | None = None,
                    *, held_only: bool = False) -> Manifest:
     """Check every part's size and BLAKE3; raise PackageError naming the first bad one.
     `held_only`: parts absent here are skipped (a cluster's nodes fetch them from a node
-    that holds them), but for the shared part, which the metadata and tokenizer come from."""
+    that holds them), but for the shared part, which the metadata and tokenizer come from.
+    `progress(done, total)` hears the bytes hashed so far."""
     directory = Path(directory)
     manifest = Manifest.load(directory)
-    for i, part in enumerate(manifest.parts):
-        if held_only and part.role != SHARED and not (directory / part.file).exists():
-            continue
-        if progress is not None:
-            progress(f"[{i + 1}/{len(manifest.parts)}] {part.file}")
-        check_part(directory, part)
+    parts = [p for p in manifest.parts
+             if not held_only or p.role == SHARED or (directory / p.file).exists()]
+    hashed = Tally(sum(p.size for p in parts), progress)
+    for part in parts:
+        check_part(directory, part, hashed.add)
     return manifest
 
 

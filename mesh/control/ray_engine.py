@@ -29,12 +29,13 @@ from skippy.topology.model_package import is_package, open_model
 from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
 
 from .. import tracing
+from ..progress import progress_bar
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .engine import EngineInfo
 from .part_sources import PartSources
 from .pipelines import PipelinesEngine, node_figures, plan_figures
-from .ray_pipeline import RayPipeline
+from .ray_pipeline import ACTOR_START_TIMEOUT, RayPipeline
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +282,7 @@ class RayEngine(PipelinesEngine):
                           for r in range(pipelines)]
         for r in range(1, pipelines):
             progress(self._launch.placement(r))
-        t = time.monotonic()
-        for pipe in self.pipelines:
-            pipe.wire()
-        progress(f"loaded in {time.monotonic() - t:.1f} s")
+        _load(self.pipelines, self.plan, progress)
         for i, how in enumerate(ray.get([a.compute.remote() for a in self.actors], timeout=60)):
             progress(f"stage {i} computes with {how}")
         self._serve(self.pipelines, lanes, self.cache.stride)
@@ -360,6 +358,27 @@ def _caches_line(c: CacheConfig) -> str:
         else "no disk tier"
     return (f"caches per stage: RAM {format_bytes(c.max_bytes)}, {disk}; state blocks kept "
             f"once per node")
+
+
+def _load(pipelines: list[RayPipeline], plan: Plan, say: Callable[[str], None]) -> None:
+    """Wait for every stage actor to load its weights, saying each as it comes up (stages
+    of N, weight bytes: a bar on a terminal), then wire each pipeline's chain."""
+    t = time.monotonic()
+    loading = {a.address.remote(): plan.stages[i].weight_bytes
+               for pipe in pipelines for i, a in enumerate(pipe.actors)}
+    n = len(loading)
+    with progress_bar(sum(loading.values()), f"loading {n} stage(s)", "B", say=say) as bar:
+        while loading:
+            # one that failed is "ready" too: wire() below re-creates it, or raises
+            ready, _ = ray.wait(list(loading), num_returns=1,
+                                timeout=max(0.0, t + ACTOR_START_TIMEOUT - time.monotonic()))
+            if not ready:
+                break  # wire() says which stage is late
+            bar.note(f"{n - len(loading) + 1}/{n} stages")
+            bar.update(loading.pop(ready[0]))
+    for pipe in pipelines:
+        pipe.wire()
+    say(f"loaded in {time.monotonic() - t:.1f} s")
 
 
 def _placement(st: StagePlan, path: Path) -> str:
