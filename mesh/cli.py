@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_models_parser, _generate_parser, _certify_parser, _plan_parser,
                 _package_parser, _serve_parser):
         add(sub)
+    from .service_cli import add_service_parsers  # service start|stop|restart, status
+    add_service_parsers(sub)
     return p
 
 
