@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STOP_TIMEOUT_S = 60.0  # the supervisor gives the gateway 30 s to close its stages
+SUPERVISOR_MARK = " skippy service: "  # in each line the supervisor writes to the log
 
 
 class ServiceError(Exception):
@@ -222,8 +223,10 @@ def _wait_until_healthy(wait_s: float) -> ServiceState:
 
 
 def _last_line(log: Path) -> str:
+    """The gateway's last line in the log (the supervisor's own are left out)."""
     try:
-        lines = [s for s in log.read_text(errors="replace").splitlines() if s.strip()]
+        lines = [s for s in log.read_text(errors="replace").splitlines()
+                 if s.strip() and SUPERVISOR_MARK not in s]
     except OSError:
         return "no log"
     return f"its log ends: {lines[-1].strip()[:300]}" if lines else "its log is empty"

@@ -20,9 +20,13 @@ import time
 from dataclasses import dataclass
 
 from .cli import EXIT_USAGE
-from .service import ServiceState, process_start, state_path, write_state
+from .service import SUPERVISOR_MARK, ServiceState, process_start, state_path, write_state
 
 GRACE_S = 30.0  # a stopping gateway closes its stages; after this it is killed
+# How the gateway is asked to stop: uvicorn shuts down on SIGINT as on SIGTERM, and before
+# it serves, SIGINT is a KeyboardInterrupt (the CLI's "interrupted"), where Ray's handler
+# would answer SIGTERM with a stack dump in the log.
+STOP_SIGNAL = signal.SIGINT
 _PR_SET_PDEATHSIG = 1
 
 
@@ -89,7 +93,7 @@ class Supervisor:
         """One run of `skippy serve`: (its exit code, seconds it ran)."""
         began = time.monotonic()
         child = subprocess.Popen(
-            [sys.executable, "-m", "skippy.mesh.cli", "serve", *self.state.args],
+            [sys.executable, "-m", "skippy.mesh", "serve", *self.state.args],
             stdin=subprocess.DEVNULL, env=os.environ | {"PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent)
         s = self.state
@@ -100,7 +104,7 @@ class Supervisor:
         return self._wait(child), time.monotonic() - began
 
     def _wait(self, child: subprocess.Popen) -> int:
-        """The child's exit code; a stop request is passed on to it (SIGTERM, then
+        """The child's exit code; a stop request is passed on to it (STOP_SIGNAL, then
         SIGKILL after GRACE_S). Polls, so that a signal between Popen and here is seen."""
         asked = False
         while True:
@@ -109,7 +113,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             if self.stop_asked is not None and not asked:
-                child.terminate()
+                child.send_signal(STOP_SIGNAL)
                 asked = True
             if asked and time.monotonic() - self.stop_asked > GRACE_S:
                 child.kill()
@@ -127,13 +131,13 @@ class Supervisor:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGTERM when the supervisor dies."""
+    """In the child, before exec (Linux): STOP_SIGNAL when the supervisor dies."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, STOP_SIGNAL)
 
 
 def say(message: str) -> None:
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} skippy service: {message}",
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{SUPERVISOR_MARK}{message}",
           file=sys.stderr, flush=True)
 
 

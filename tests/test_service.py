@@ -1,0 +1,355 @@
+"""The gateway as a service (mesh/service.py, mesh/supervisor.py), started as `ray up`
+starts it: the YAML's own gateway command (deploy/cluster-local.yaml, `metadata.gateway`,
+the last of head_start_ray_commands) run by bash against this test's Ray cluster. The
+test's values come in as the head's do: $HOME (the venv, the Ray token, the API key file
+the command names under ~), $SKIPPY_HOME (the models) and RAY_ADDRESS (what
+`--address auto` joins; on a head, `ray start` leaves its address where `auto` finds it).
+
+Starts Ray and a server: run in the loopback-only namespace (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from skippy.mesh.service import ServiceState, describe, duration, probe_url
+from skippy.mesh.supervisor import RestartPolicy
+
+REPO = Path(__file__).resolve().parents[1]
+SKIPPY = [sys.executable, "-m", "skippy.mesh"]
+
+
+# -- the restart policy, and what status makes of a state -----------------------------------------
+def test_short_runs_back_off_then_give_up():
+    policy = RestartPolicy()
+    assert [policy.after_exit(1, 3.0) for _ in range(5)] == [1, 2, 4, 8, None]
+    assert "5 times in a row" in policy.why_not(1)
+
+
+def test_a_run_that_lasted_starts_the_backoff_over():
+    policy = RestartPolicy()
+    assert [policy.after_exit(-9, 1.0) for _ in range(3)] == [1, 2, 4]
+    assert policy.after_exit(-9, 3600.0) == 1
+    assert policy.after_exit(1, 2.0) == 1
+
+
+def test_refused_options_are_not_retried():
+    policy = RestartPolicy()
+    assert policy.after_exit(2, 3600.0) is None
+    assert "refused its options" in policy.why_not(2)
+
+
+def test_status_figures():
+    state = ServiceState(supervisor_pid=1, url="http://0.0.0.0:9", log="/x.log", args=[],
+                         started_at=1000.0, gateway_pid=2, gateway_started_at=1100.0,
+                         restarts=1, phase="restarting", last_exit=-9)
+    d = describe(state, now=1200.0)
+    assert (d["uptime_s"], d["service_uptime_s"], d["restarts"]) == (100.0, 200.0, 1)
+    assert d["health"] == "no answer"  # not asked while it restarts
+    assert [duration(s) for s in (5, 65, 3725, None)] == ["5s", "1m05s", "1h02m05s", "-"]
+    assert probe_url("http://0.0.0.0:8000") == "http://127.0.0.1:8000"
+    assert probe_url("http://10.0.0.2:8000") == "http://10.0.0.2:8000"
+
+
+# -- the CLI, no Ray -------------------------------------------------------------------------------
+def make_home(tmp_path: Path, smollm2: Path) -> Path:
+    """A head's home as the YAMLs set it up: ~/skippy-venv (this interpreter's venv), the
+    Ray token and the API key, and SKIPPY_HOME with this machine's models (and compiled
+    kernels, so that none is built again)."""
+    from skippy.mesh.models import model_home
+    (tmp_path / "skippy-venv").symlink_to(Path(sys.executable).parents[1])
+    auth = tmp_path / "skippy-ray-auth"
+    auth.mkdir(mode=0o700)
+    (auth / "token").write_text(secrets.token_hex(32) + "\n")
+    (tmp_path / "skippy-api-keys").write_text(secrets.token_urlsafe(32) + "\n")
+    skippy_home = tmp_path / "skippy-home"
+    skippy_home.mkdir()
+    (skippy_home / "models").symlink_to(Path(smollm2).parent)
+    if (model_home() / "kernels").is_dir():
+        (skippy_home / "kernels").symlink_to(model_home() / "kernels")
+    return tmp_path
+
+
+@pytest.fixture
+def home(tmp_path, smollm2):
+    return make_home(tmp_path, smollm2)
+
+
+def env_of(home: Path, **more: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return base | {"HOME": str(home), "SKIPPY_HOME": str(home / "skippy-home")} | more
+
+
+def skippy(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*SKIPPY, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_options_serve_refuses_are_not_restarted(home):
+    env = env_of(home)
+    r = skippy(env, "service", "start", "--wait", "60", "--", "--stages", "0", "--port", "1")
+    assert r.returncode == 1, r.stderr
+    assert "refused its options (exit code 2)" in r.stderr
+    assert "--stages must be at least 1, not 0" in r.stderr  # the log's last line
+    status = skippy(env, "status")
+    assert status.returncode == 1 and "gave up" in status.stdout, status
+    assert skippy(env, "service", "stop").returncode == 0
+    assert "no gateway service runs" in skippy(env, "status").stdout
+
+
+def test_mistakes_are_one_line_before_anything_starts(home):
+    env = env_of(home)
+    for args, says in ((["--host", "0.0.0.0"], "without API keys"),
+                       (["--model", "no-such-model"], "no such model"),
+                       (["--no-such-flag"], "unrecognized arguments")):
+        r = skippy(env, "service", "start", "--", *args)
+        assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (home / "skippy-home" / "service" / "state.json").exists()
+    r = skippy(env, "service", "restart")
+    assert r.returncode == 2 and "no gateway service to restart" in r.stderr
+
+
+def test_a_stale_state_is_not_a_running_service(home):
+    env = env_of(home)
+    folder = home / "skippy-home" / "service"
+    folder.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    state = ServiceState(supervisor_pid=dead.pid, supervisor_start=1, url="http://x:1",
+                         log="/x", args=[], started_at=0.0, phase="running")
+    (folder / "state.json").write_text(json.dumps(state.__dict__))
+    r = skippy(env, "status")
+    assert r.returncode == 1 and "no gateway service runs" in r.stdout
+    assert not (folder / "state.json").exists()
+
+
+# -- the YAML's gateway command against a Ray cluster ---------------------------------------------
+_CLUSTER = """
+import sys
+from ray.cluster_utils import Cluster
+names = iter("abcdefgh")
+
+def node():
+    return {"num_cpus": 1, "resources": {f"skippy_node_{next(names)}": 1},
+            "object_store_memory": 100 * 2**20}
+
+c = Cluster(initialize_head=True, connect=False,
+            head_node_args={**node(), "include_dashboard": False})
+c.add_node(**node())
+c.wait_for_nodes()
+print(c.address, flush=True)
+for line in sys.stdin:  # a line: one more node
+    c.add_node(**node())
+    c.wait_for_nodes()
+    print("added", flush=True)
+c.shutdown()  # stdin closed: stop what this process started
+"""
+
+
+def gateway_command(name: str = "cluster-local.yaml") -> str:
+    config = yaml.safe_load((REPO / "deploy" / name).read_text())
+    return config["metadata"]["gateway"]
+
+
+class Head:
+    """The test's Ray cluster: a head and one worker, a third node on request, in a
+    process of its own (token auth on, as the YAMLs run it) that stops them when its
+    stdin closes."""
+
+    def __init__(self, home: Path):
+        self.tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # socket paths <= 107 bytes
+        env = env_of(home, RAY_TMPDIR=self.tmp, RAY_AUTH_MODE="token",
+                     RAY_AUTH_TOKEN_PATH=str(home / "skippy-ray-auth" / "token"))
+        self.proc = subprocess.Popen([sys.executable, "-c", _CLUSTER], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.address = self.proc.stdout.readline().strip()
+        assert self.address, "the test's Ray did not start"
+
+    def add_node(self) -> None:
+        self.proc.stdin.write("add\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "added"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def wait_for(what, timeout: float, step: float = 0.5):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = what()
+        if got:
+            return got
+        time.sleep(step)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+class Service:
+    def __init__(self, home: Path, env: dict, shell: subprocess.Popen, out: str, err: str):
+        self.home, self.env, self.shell, self.out, self.err = home, env, shell, out, err
+        self.key = (home / "skippy-api-keys").read_text().strip()
+        self.log = home / "skippy-home" / "service" / "gateway.log"
+        self.url = "http://127.0.0.1:8000"
+
+    def status(self) -> dict | None:
+        return json.loads(skippy(self.env, "status", "--json").stdout)
+
+    def call(self, path: str, body: dict | None = None, key: str | None = "") -> tuple:
+        key = self.key if key == "" else key
+        headers = {"Content-Type": "application/json"} | (
+            {"Authorization": f"Bearer {key}"} if key else {})
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def chat(self, content: str, **kw) -> tuple:
+        return self.call("/v1/chat/completions", {
+            "model": "smollm2", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, smollm2):
+    """The YAML's gateway command, run by bash in a session of its own, while the test's
+    cluster has 2 of the 3 nodes the command waits for; the third joins once the log
+    says it waits. Yields once the shell has exited (the command returns when the gateway
+    answers, `--wait`)."""
+    home = make_home(tmp_path_factory.mktemp("head"), smollm2)
+    head = Head(home)
+    env = env_of(home, RAY_ADDRESS=head.address, RAY_TMPDIR=head.tmp)
+    log = home / "skippy-home" / "service" / "gateway.log"
+    shell = subprocess.Popen(["bash", "-c", gateway_command()], env=env, cwd=home,
+                             start_new_session=True, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: shell.poll() is not None or (
+            log.exists() and "waiting for 3 Ray nodes (2 joined)" in log.read_text()), 120)
+        head.add_node()
+        # reads both pipes to their end: a service holding either would time out here
+        out, err = shell.communicate(timeout=300)
+        yield Service(home, env, shell, out, err)
+    finally:
+        shell.kill()
+        skippy(env, "service", "stop")
+        head.close()
+
+
+def test_the_yaml_starts_a_gateway_that_outlives_its_shell(service):
+    assert service.shell.returncode == 0, service.err + service.log.read_text()
+    assert "answers at http://0.0.0.0:8000/v1" in service.err
+    with pytest.raises(ProcessLookupError):  # nothing is left in the shell's session
+        os.killpg(service.shell.pid, signal.SIGKILL)
+    status, body = service.chat("What is the capital of France?")
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["message"]["content"]
+    assert service.call("/v1/models", key=None)[0] == 401  # the YAML's key file holds
+    log = service.log.read_text()
+    assert "waiting for 3 Ray nodes (2 joined)" in log and "3 Ray nodes joined" in log
+
+
+# -- the Grafana dashboard ------------------------------------------------------------------------
+DASHBOARD = REPO / "deploy" / "grafana-dashboard.json"
+
+
+def dashboard_expressions() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every query of every panel, rows' panels included."""
+    board = json.loads(DASHBOARD.read_text())
+    out = []
+    for panel in board["panels"] + [p for r in board["panels"] for p in r.get("panels", [])]:
+        out += [(panel["title"], t["expr"]) for t in panel.get("targets", [])]
+    return out
+
+
+def exported_names(text: str) -> set[str]:
+    """Every sample name a scrape holds, as prometheus_client's own parser reads it
+    (histograms as _bucket/_sum/_count, counters as _total)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return {s.name for family in text_string_to_metric_families(text)
+            for s in family.samples}
+
+
+def test_the_dashboard_names_only_metrics_the_gateway_exports(service):
+    for i in range(2):  # the same twice: the gateway's exact results answer the second
+        assert service.chat("Name a color.")[0] == 200
+    assert service.chat("Name a color. And a fruit.", temperature=0.7, seed=1)[0] == 200
+    assert service.chat("Hi", max_tokens=-1)[0] == 400  # an error, counted by status
+    status, text = service.call("/metrics")
+    assert status == 200
+    exported = exported_names(text)
+    if os.environ.get("SKIPPY_DUMP_METRICS"):
+        Path(os.environ["SKIPPY_DUMP_METRICS"]).write_text(text)
+    queries = dashboard_expressions()
+    assert len(queries) >= 12
+    named = {}
+    for title, expr in queries:
+        names = set(re.findall(r"\bskippy_\w+", expr))
+        assert names, f"panel {title!r} names no skippy metric: {expr}"
+        for name in names:
+            named.setdefault(name, title)
+    missing = {n: t for n, t in named.items() if n not in exported}
+    assert not missing, f"not in /metrics: {missing}\nexported: {sorted(exported)}"
+    for needed in ("skippy_requests_total", "skippy_time_to_first_token_seconds_bucket",
+                   "skippy_gateway_requests_refused_total"):
+        assert needed in named
+
+
+# -- restart, status, stop ------------------------------------------------------------------------
+def test_a_killed_gateway_comes_back(service):
+    before = service.status()
+    assert before["phase"] == "running" and before["health"] == "ok", before
+    os.kill(before["gateway_pid"], signal.SIGKILL)
+    after = wait_for(lambda: (s := service.status()) and s["gateway_pid"] != before[
+        "gateway_pid"] and s["health"] == "ok" and s, 240, step=1)
+    assert after["restarts"] == before["restarts"] + 1 and after["last_exit"] == -9
+    assert after["supervisor_pid"] == before["supervisor_pid"]
+    assert service.chat("What is 2 + 2?")[0] == 200
+    assert "exited (code -9)" in service.log.read_text()
+
+
+def test_status_says_pid_url_uptime_and_log(service):
+    s = service.status()
+    r = skippy(service.env, "status")
+    assert r.returncode == 0, r.stderr
+    rows = dict(line.split(None, 1) for line in r.stdout.splitlines())
+    assert rows["gateway"] == "running, /health: ok"
+    assert rows["pid"].startswith(f"{s['gateway_pid']} (supervisor {s['supervisor_pid']})")
+    assert rows["url"] == "http://0.0.0.0:8000/v1"
+    assert re.fullmatch(r"(\d+h)?(\d+m)?\d+s \(service (\d+h)?(\d+m)?\d+s\)", rows["uptime"])
+    assert rows["log"] == str(service.log) and rows["restarts"].startswith(str(s["restarts"]))
+
+
+def test_stop_ends_the_gateway_and_its_supervisor(service):
+    s = service.status()
+    r = skippy(service.env, "service", "stop")
+    assert r.returncode == 0 and f"gateway stopped (pid {s['gateway_pid']})" in r.stderr
+    for pid in (s["gateway_pid"], s["supervisor_pid"]):
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    r = skippy(service.env, "status")
+    assert r.returncode == 1 and r.stdout.strip() == \
+        "skippy: no gateway service runs (start one: skippy service start -- <serve options>)"
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(service.url + "/health", timeout=5)
