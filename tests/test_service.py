@@ -9,6 +9,7 @@ Starts Ray and a server: run in the loopback-only namespace (DESIGN.md §9)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,7 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from skippy.mesh.service import ServiceState, describe, duration, probe_url
+from skippy.mesh.cli import main
+from skippy.mesh.service import ServiceState, current, describe, duration, probe_url, stop
 from skippy.mesh.supervisor import RestartPolicy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,31 +101,47 @@ def skippy(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedP
                           timeout=timeout)
 
 
-def test_options_serve_refuses_are_not_restarted(home):
+@contextlib.contextmanager
+def skippy_home(env: dict):
+    """mesh.service's functions, called here, on the service of `env`."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("SKIPPY_HOME", env["SKIPPY_HOME"])
+        yield
+
+
+def run_cli(env: dict, capsys, *args: str) -> tuple[int, str, str]:
+    """`skippy ARGS` in this process (main(), as the console script calls it)."""
+    with skippy_home(env):
+        code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_options_serve_refuses_are_not_restarted(home, capsys):
     env = env_of(home)
     r = skippy(env, "service", "start", "--wait", "60", "--", "--stages", "0", "--port", "1")
     assert r.returncode == 1, r.stderr
     assert "refused its options (exit code 2)" in r.stderr
     assert "--stages must be at least 1, not 0" in r.stderr  # the log's last line
-    status = skippy(env, "status")
-    assert status.returncode == 1 and "gave up" in status.stdout, status
-    assert skippy(env, "service", "stop").returncode == 0
-    assert "no gateway service runs" in skippy(env, "status").stdout
+    code, out, _ = run_cli(env, capsys, "status")
+    assert code == 1 and "gave up: skippy serve refused its options" in out, out
+    assert run_cli(env, capsys, "service", "stop")[0] == 0
+    assert "no gateway service runs" in run_cli(env, capsys, "status")[1]
 
 
-def test_mistakes_are_one_line_before_anything_starts(home):
+def test_mistakes_are_one_line_before_anything_starts(home, capsys):
     env = env_of(home)
     for args, says in ((["--host", "0.0.0.0"], "without API keys"),
                        (["--model", "no-such-model"], "no such model"),
                        (["--no-such-flag"], "unrecognized arguments")):
-        r = skippy(env, "service", "start", "--", *args)
-        assert r.returncode == 2 and says in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        code, _, err = run_cli(env, capsys, "service", "start", "--", *args)
+        assert code == 2 and says in err and err.count("\n") == 1, err
     assert not (home / "skippy-home" / "service" / "state.json").exists()
-    r = skippy(env, "service", "restart")
-    assert r.returncode == 2 and "no gateway service to restart" in r.stderr
+    code, _, err = run_cli(env, capsys, "service", "restart")
+    assert code == 2 and "no gateway service to restart" in err
 
 
-def test_a_stale_state_is_not_a_running_service(home):
+def test_a_stale_state_is_not_a_running_service(home, capsys):
     env = env_of(home)
     folder = home / "skippy-home" / "service"
     folder.mkdir(parents=True)
@@ -132,8 +150,8 @@ def test_a_stale_state_is_not_a_running_service(home):
     state = ServiceState(supervisor_pid=dead.pid, supervisor_start=1, url="http://x:1",
                          log="/x", args=[], started_at=0.0, phase="running")
     (folder / "state.json").write_text(json.dumps(state.__dict__))
-    r = skippy(env, "status")
-    assert r.returncode == 1 and "no gateway service runs" in r.stdout
+    code, out, _ = run_cli(env, capsys, "status")
+    assert code == 1 and "no gateway service runs" in out
     assert not (folder / "state.json").exists()
 
 
@@ -211,7 +229,10 @@ class Service:
         self.url = "http://127.0.0.1:8000"
 
     def status(self) -> dict | None:
-        return json.loads(skippy(self.env, "status", "--json").stdout)
+        """What `skippy status --json` prints, read in this process."""
+        with skippy_home(self.env):
+            state = current()
+            return describe(state) if state else None
 
     def call(self, path: str, body: dict | None = None, key: str | None = "") -> tuple:
         key = self.key if key == "" else key
@@ -253,7 +274,8 @@ def service(tmp_path_factory, smollm2):
         yield Service(home, env, shell, out, err)
     finally:
         shell.kill()
-        skippy(env, "service", "stop")
+        with skippy_home(env):
+            stop()
         head.close()
 
 
@@ -351,8 +373,6 @@ def test_stop_ends_the_gateway_and_its_supervisor(service):
     for pid in (s["gateway_pid"], s["supervisor_pid"]):
         assert not Path(f"/proc/{pid}").exists() or \
             Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    r = skippy(service.env, "status")
-    assert r.returncode == 1 and r.stdout.strip() == \
-        "skippy: no gateway service runs (start one: skippy service start -- <serve options>)"
+    assert service.status() is None
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(service.url + "/health", timeout=5)
