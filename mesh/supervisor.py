@@ -16,8 +16,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .cli import EXIT_USAGE
 from .service import SUPERVISOR_MARK, ServiceState, process_start, state_path, write_state
@@ -28,6 +30,7 @@ GRACE_S = 30.0  # a stopping gateway closes its stages; after this it is killed
 # would answer SIGTERM with a stack dump in the log.
 STOP_SIGNAL = signal.SIGINT
 _PR_SET_PDEATHSIG = 1
+LOG_MAX_BYTES = 64 * 2**20  # then the log moves to gateway.log.1 (one old file is kept)
 
 
 @dataclass
@@ -57,9 +60,44 @@ class RestartPolicy:
                 f"starting (last exit code {code})")
 
 
+class LogFile:
+    """The service's log, rotated past `max_bytes`: serve's output comes through a pipe
+    and is written here, so that a gateway up for months (a line per request) does not
+    fill the head's disk. The supervisor's own lines go here too."""
+
+    def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES):
+        self.path, self.max_bytes = path, max_bytes
+        self._lock = threading.Lock()
+        self._file = open(path, "ab")
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            self._file.write(data)
+            self._file.flush()
+            if self._file.tell() >= self.max_bytes:
+                self._file.close()
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self._file = open(self.path, "ab")
+
+    def say(self, message: str) -> None:
+        self.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{SUPERVISOR_MARK}{message}\n"
+                   .encode())
+
+    def pump(self, stream) -> None:
+        """Copy `stream` (a child's output) here, line by line, to its end. A line that
+        cannot be written (a full disk) is dropped: a pipe left unread would stall the
+        gateway at its next print."""
+        for line in iter(stream.readline, b""):
+            try:
+                self.write(line)
+            except OSError:
+                pass
+
+
 class Supervisor:
-    def __init__(self, state: ServiceState, policy: RestartPolicy):
-        self.state, self.policy = state, policy
+    def __init__(self, state: ServiceState, policy: RestartPolicy, log: LogFile):
+        self.state, self.policy, self.log = state, policy, log
+        self.say = log.say
         self.stop_asked: float | None = None  # when SIGTERM came (monotonic)
 
     def run(self) -> int:
@@ -74,14 +112,14 @@ class Supervisor:
                 return self._give_up(code)
             self.state.phase = "restarting"
             write_state(self.state)
-            say(f"the gateway exited (code {code}) after {ran:.0f} s; starting it again "
+            self.say(f"the gateway exited (code {code}) after {ran:.0f} s; starting it again "
                 f"in {delay:g} s")
             self._sleep(delay)
             if self.stop_asked is not None:
                 break
             self.state.restarts += 1
             code, ran = self._run_gateway()
-        say("stopped")
+        self.say("stopped")
         state_path().unlink(missing_ok=True)
         return 0
 
@@ -94,14 +132,20 @@ class Supervisor:
         began = time.monotonic()
         child = subprocess.Popen(
             [sys.executable, "-m", "skippy.mesh", "serve", *self.state.args],
-            stdin=subprocess.DEVNULL, env=os.environ | {"PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent)
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+        pump = threading.Thread(target=self.log.pump, args=(child.stdout,), daemon=True)
+        pump.start()
         s = self.state
         s.gateway_pid, s.gateway_start = child.pid, process_start(child.pid)
         s.gateway_started_at, s.phase = time.time(), "running"
         write_state(s)
-        say(f"gateway started (pid {child.pid}): skippy serve {shlex.join(s.args)}")
-        return self._wait(child), time.monotonic() - began
+        self.say(f"gateway started (pid {child.pid}): skippy serve {shlex.join(s.args)}")
+        code = self._wait(child)
+        pump.join(timeout=5)  # its last lines, unless a process it left holds the pipe
+        if not pump.is_alive():
+            child.stdout.close()
+        return code, time.monotonic() - began
 
     def _wait(self, child: subprocess.Popen) -> int:
         """The child's exit code; a stop request is passed on to it (STOP_SIGNAL, then
@@ -126,7 +170,7 @@ class Supervisor:
     def _give_up(self, code: int) -> int:
         self.state.phase, self.state.reason = "failed", self.policy.why_not(code)
         write_state(self.state)
-        say(f"not starting the gateway again: {self.state.reason}")
+        self.say(f"not starting the gateway again: {self.state.reason}")
         return 1
 
 
@@ -134,11 +178,6 @@ def _die_with_parent() -> None:
     """In the child, before exec (Linux): STOP_SIGNAL when the supervisor dies."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, STOP_SIGNAL)
-
-
-def say(message: str) -> None:
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{SUPERVISOR_MARK}{message}",
-          file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     write_state(state)
     os.write(a.notify_fd, str(pid).encode())
     os.close(a.notify_fd)
-    return Supervisor(state, RestartPolicy()).run()
+    return Supervisor(state, RestartPolicy(), LogFile(Path(a.log))).run()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import yaml
 
 from skippy.mesh.cli import main
 from skippy.mesh.service import ServiceState, current, describe, duration, probe_url, stop
-from skippy.mesh.supervisor import RestartPolicy
+from skippy.mesh.supervisor import LogFile, RestartPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 SKIPPY = [sys.executable, "-m", "skippy.mesh"]
@@ -53,6 +53,21 @@ def test_refused_options_are_not_retried():
     policy = RestartPolicy()
     assert policy.after_exit(2, 3600.0) is None
     assert "refused its options" in policy.why_not(2)
+
+
+def test_the_log_moves_aside_past_its_cap(tmp_path):
+    log = LogFile(tmp_path / "gateway.log", max_bytes=1000)
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as w:
+        w.write(b"".join(b"line %04d of the gateway\n" % i for i in range(100)))
+    with os.fdopen(read, "rb") as r:
+        log.pump(r)
+    log.say("stopped")
+    old = (tmp_path / "gateway.log.1").read_bytes()
+    new = (tmp_path / "gateway.log").read_bytes()
+    assert len(old) >= 1000 and len(new) < 1000 + 100
+    assert new.endswith(b" skippy service: stopped\n")
+    assert b"line 0099 of the gateway\n" in new
 
 
 def test_status_figures():
@@ -323,7 +338,8 @@ def test_every_dashboard_panel_queries_a_skippy_metric():
                    "skippy_decode_tokens_per_second_bucket", "skippy_tokens_generated_total",
                    "skippy_gateway_requests_running", "skippy_gateway_requests_waiting",
                    "skippy_gateway_requests_refused_total", "skippy_stage_cache_hits_total",
-                   "skippy_stage_cache_misses_total", "skippy_stage_block_store_physical_bytes"):
+                   "skippy_stage_cache_misses_total",
+                   "skippy_stage_block_store_physical_bytes"):
         assert needed in named, needed
 
 
