@@ -476,4 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m skippy.mesh.cli`: run the module as imported, so that the exception types
+    # other modules raise (UsageError) are the ones main() catches
+    from skippy.mesh.cli import main as _main
+    sys.exit(_main())

@@ -131,7 +131,7 @@ class Supervisor:
         """One run of `skippy serve`: (its exit code, seconds it ran)."""
         began = time.monotonic()
         child = subprocess.Popen(
-            [sys.executable, "-m", "skippy.mesh", "serve", *self.state.args],
+            [sys.executable, "-m", "skippy.mesh.cli", "serve", *self.state.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=os.environ | {"PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
         pump = threading.Thread(target=self.log.pump, args=(child.stdout,), daemon=True)

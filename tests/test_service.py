@@ -32,7 +32,7 @@ from skippy.mesh.service import ServiceState, current, describe, duration, probe
 from skippy.mesh.supervisor import LogFile, RestartPolicy
 
 REPO = Path(__file__).resolve().parents[1]
-SKIPPY = [sys.executable, "-m", "skippy.mesh"]
+SKIPPY = [sys.executable, "-m", "skippy.mesh.cli"]
 
 
 # -- the restart policy, and what status makes of a state -----------------------------------------
