@@ -16,11 +16,13 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +32,8 @@ import yaml
 from skippy.mesh.cli import main
 from skippy.mesh.service import ServiceState, current, describe, duration, probe_url, stop
 from skippy.mesh.supervisor import LogFile, RestartPolicy
+
+pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[1]
 SKIPPY = [sys.executable, "-m", "skippy.mesh.cli"]
@@ -355,6 +359,64 @@ def test_the_dashboard_names_only_metrics_the_gateway_exports(service):
     exported = exported_names(text)
     missing = sorted(set(METRIC.findall(DASHBOARD.read_text())) - exported)
     assert not missing, f"not in /metrics: {missing}\nexported: {sorted(exported)}"
+
+
+def prometheus_binary() -> str | None:
+    return os.environ.get("SKIPPY_PROMETHEUS") or shutil.which("prometheus")
+
+
+@pytest.mark.skipif(not prometheus_binary(), reason="no prometheus binary (Debian's "
+                    "`prometheus` package, or SKIPPY_PROMETHEUS=PATH)")
+def test_every_dashboard_query_has_data_in_prometheus(service, tmp_path):
+    """A real Prometheus scrapes the gateway (with the key, as deploy/README.md says) while
+    requests run; then every query of every panel, as Grafana would send it, returns
+    series: the PromQL parses, and its names, labels and functions fit the data."""
+    key = tmp_path / "key"
+    key.write_text(service.key)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "skippy",
+                            "authorization": {"credentials_file": str(key)},
+                            "static_configs": [{"targets": ["127.0.0.1:8000"]}]}]}))
+    api = f"http://127.0.0.1:{port}/api/v1/query?"
+
+    def query(expr: str) -> list:
+        with urllib.request.urlopen(api + urllib.parse.urlencode({"query": expr}),
+                                    timeout=10) as r:
+            return json.loads(r.read())["data"]["result"]
+
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        prom = subprocess.Popen([prometheus_binary(),
+                                 f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        scrapes = 'count_over_time(up{job="skippy"}[1m])'
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not (
+                _answers(query, scrapes) and float(query(scrapes)[0]["value"][1]) >= 4):
+            service.chat("Name a color.")
+            service.chat("Hi", max_tokens=-1)
+        empty = []
+        for title, expr in dashboard_queries():
+            grafana = expr.replace("$__rate_interval", "10s").replace("$job", ".*")
+            if not query(grafana):
+                empty.append((title, grafana))
+        assert not empty, (tmp_path / "prometheus.log").read_text()[-2000:] + str(empty)
+    finally:
+        prom.kill()
+        prom.wait()
+
+
+def _answers(query, expr: str) -> bool:
+    try:
+        return bool(query(expr))
+    except OSError:  # not listening yet
+        return False
 
 
 # -- restart, status, stop ------------------------------------------------------------------------
