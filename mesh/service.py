@@ -91,12 +91,14 @@ def read_state() -> ServiceState | None:
 
 
 def process_start(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), None if it is gone."""
+    """The kernel's start time of `pid` (clock ticks since boot), None if it is gone or
+    a zombie (an exited process its parent has not reaped: a container's bare init)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name may hold spaces
+    fields = stat.rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return None if fields[0] == "Z" else int(fields[19])  # fields 3 and 22
 
 
 def alive(pid: int | None, start: int | None) -> bool:

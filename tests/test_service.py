@@ -30,7 +30,8 @@ import pytest
 import yaml
 
 from skippy.mesh.cli import main
-from skippy.mesh.service import ServiceState, current, describe, duration, probe_url, stop
+from skippy.mesh.service import (ServiceState, alive, current, describe, duration, probe_url,
+                                  process_start, stop)
 from skippy.mesh.supervisor import LogFile, RestartPolicy
 
 pytestmark = pytest.mark.timeout(600)
@@ -72,6 +73,18 @@ def test_the_log_moves_aside_past_its_cap(tmp_path):
     assert len(old) >= 1000 and len(new) < 1000 + 100
     assert new.endswith(b" skippy service: stopped\n")
     assert b"line 0099 of the gateway\n" in new
+
+
+def test_alive_means_running_and_the_same_process():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        start = process_start(child.pid)
+        assert alive(child.pid, start) and not alive(child.pid, start + 1)  # a reused pid
+    finally:
+        child.kill()
+    wait_for(lambda: process_start(child.pid) is None, 10, step=0.05)  # a zombie: gone
+    assert not alive(child.pid, start)
+    child.wait()
 
 
 def test_status_figures():
