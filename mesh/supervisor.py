@@ -98,7 +98,7 @@ class Supervisor:
     def __init__(self, state: ServiceState, policy: RestartPolicy, log: LogFile):
         self.state, self.policy, self.log = state, policy, log
         self.say = log.say
-        self.stop_asked: float | None = None  # when SIGTERM came (monotonic)
+        self.stop_asked: float | None = None  # when SIGTERM or SIGINT came (monotonic)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -112,8 +112,8 @@ class Supervisor:
                 return self._give_up(code)
             self.state.phase = "restarting"
             write_state(self.state)
-            self.say(f"the gateway exited (code {code}) after {ran:.0f} s; starting it again "
-                f"in {delay:g} s")
+            self.say(f"the gateway exited (code {code}) after {ran:.0f} s; starting it "
+                     f"again in {delay:g} s")
             self._sleep(delay)
             if self.stop_asked is not None:
                 break
