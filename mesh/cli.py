@@ -213,6 +213,8 @@ def cmd_serve(args) -> int:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
     if args.pipelines < 1:
         raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
+    if args.wait_nodes and not args.address:
+        raise UsageError("--wait-nodes needs --address: an embedded Ray has one node")
     if args.lanes < 1:
         raise UsageError(f"--lanes must be at least 1, not {args.lanes}")
     if args.lane_batch is None:
@@ -235,7 +237,11 @@ def cmd_serve(args) -> int:
     cache = cache_config(args)
     _say(f"skippy: loading {path.name} ({args.runtime} runtime) ...")
     from .front.gateway import serve
-    from .control.ray_engine import RayEngine
+    from .control.ray_engine import RayEngine, start_ray
+    if args.wait_nodes:  # RayEngine then plans in the cluster joined here
+        from .control.node_wait import wait_for_nodes
+        start_ray(args.address)
+        wait_for_nodes(args.wait_nodes, lambda m: _say(f"skippy: {m}"))
     from .progress import Console
     engine = RayEngine(path, args.stages or (1 if args.runtime == "llama.cpp" else None),
                        pipelines=args.pipelines, weight_format=args.weight_format,
@@ -296,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_models_parser, _generate_parser, _certify_parser, _plan_parser,
                 _package_parser, _serve_parser):
         add(sub)
+    from .service_cli import add_service_parsers  # service start|stop|restart, status
+    add_service_parsers(sub)
     return p
 
 
@@ -412,6 +420,9 @@ def _serve_parser(sub) -> None:
                           "cached, else to the least loaded")
     srv.add_argument("--address", help="join a Ray cluster ('auto' for the local one); "
                      "default: start an embedded Ray, listening on loopback only")
+    srv.add_argument("--wait-nodes", type=int, default=0, metavar="N",
+                     help="with --address: wait until the Ray cluster has N nodes before "
+                          "planning (a gateway `ray up` starts before its workers joined)")
     srv.add_argument("--cluster-secret-file", metavar="FILE", help="the secret every call "
                      "between stages carries (also: $SKIPPY_CLUSTER_SECRET; default: a new "
                      "random one)")
@@ -504,4 +515,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m skippy.mesh.cli`: run the module as imported, so that the exception types
+    # other modules raise (UsageError) are the ones main() catches
+    from skippy.mesh.cli import main as _main
+    sys.exit(_main())

@@ -73,6 +73,10 @@ def test_seeded_sampling_repeats(smollm2):
     (("serve", "--cluster-secret-file", "/dev/null"), "is empty"),
     (("serve", "--request-timeout", "0"), "request timeout"),
     (("serve", "--otlp-endpoint", "collector:4318"), "OTLP endpoint"),
+    (("serve", "--wait-nodes", "3"), "--wait-nodes needs --address"),
+    (("service", "start", "--", "--host", "0.0.0.0"), "without API keys"),
+    (("service", "start", "--wait", "soon"), "--wait"),
+    (("service", "restart"), "no gateway service to restart"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message):
     r = skippy(*args)

@@ -68,6 +68,29 @@ def test_every_node_advertises_its_own_resource(name):
         assert "NODE=skippy_node_" in commands and '{\\"$NODE\\": 1}' in commands
 
 
+@pytest.mark.parametrize("name", YAMLS)
+def test_the_head_starts_the_gateway_service_after_ray(name):
+    """The gateway command (metadata.gateway, one place at the top) is the head's last
+    start command; it waits for every node the YAML brings up, serves on the port the
+    firewall opens, with the key file the head made. tests/test_service.py runs it."""
+    raw = load(name)
+    config = prepare_config(raw)
+    gateway = raw["metadata"]["gateway"]
+    head = config["head_start_ray_commands"]
+    assert head[-1] == gateway and "ray start --head" in head[-2]
+    assert not any("skippy service" in c for c in config["worker_start_ray_commands"])
+    assert re.search(r"bin/skippy service start --wait \d+ -- ", gateway)
+    for option in ("--address auto", "--host 0.0.0.0", "--port 8000",
+                   "--api-keys-file ~/skippy-api-keys", "--model smollm2"):
+        assert option in gateway, option
+    workers = len(raw["provider"].get("worker_ips", [])) or sum(
+        t.get("min_workers", 0) for t in raw["available_node_types"].values())
+    assert f"--wait-nodes {1 + workers} " in gateway
+    if name == "cluster-aws.yaml":
+        opened = raw["provider"]["security_group"]["IpPermissions"]
+        assert [(p["FromPort"], p["ToPort"]) for p in opened] == [(8000, 8000)]
+
+
 def test_aws_uses_cpu_instances():
     config = prepare_config(load("cluster-aws.yaml"))
     types = {t["node_config"]["InstanceType"] for t in config["available_node_types"].values()}
@@ -91,7 +114,8 @@ def test_every_ray_command_runs_with_token_auth(name):
     for role in ("head", "worker"):
         for command in config[f"{role}_start_ray_commands"]:
             assert TOKEN_ENV in command, command
-            assert command.index(TOKEN_ENV) < command.index("bin/ray "), command
+            program = "bin/ray " if "bin/ray " in command else "bin/skippy "  # the gateway
+            assert command.index(TOKEN_ENV) < command.index(program), command
     # interactive shells (ray exec: skippy serve --address auto) present the token too
     shells = " ".join(c for c in config["setup_commands"] if ".bashrc" in c)
     assert 'RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$HOME/skippy-ray-auth/token"' in shells
