@@ -91,6 +91,16 @@ def run_model(path: Path, args, cold: bool) -> dict:
             "disk_logical_bytes": stats.get("cold_blocks", {}).get("logical_bytes", 0)}
 
 
+def line(row: dict) -> str:
+    """One model's figures, as the command prints them."""
+    off, on = row["off"], row["on"]
+    return (f"{row['model']}: returning TTFT p50 {off['p50_s']:.3f} -> {on['p50_s']:.3f} s, "
+            f"p95 {off['p95_s']:.3f} -> {on['p95_s']:.3f} s with the disk tier "
+            f"({on['disk_hits']} disk hits, {off['ram_evictions']} RAM evictions, "
+            f"{on['disk_bytes'] / 2**20:.1f} MiB on disk for "
+            f"{on['disk_logical_bytes'] / 2**20:.1f} MiB of state)")
+
+
 def plot(result: dict):
     """Returning conversations' TTFT p50 / p95, RAM only vs RAM + disk tier, per model
     (left); the state the disk tier held, logical vs physical (zstd) bytes (right)."""
@@ -98,7 +108,7 @@ def plot(result: dict):
     fig, ((ttft, disk),) = plots.figure(1, 2, title=(
         f"{result['conversations']} conversations of {result['prefix']}-token prefixes, "
         f"RAM for {result['ram_entries']}"))
-    labels = [r["model"] for r in rows]
+    labels = [plots.short(r["model"]) for r in rows]
     plots.bars(ttft, labels, {f"{name} {q}": [r[side][f"{q}_s"] for r in rows]
                               for side, name in (("off", "RAM only"), ("on", "RAM + disk"))
                               for q in ("p50", "p95")},
@@ -133,11 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if off["first_tokens"] != on["first_tokens"]:
             raise SystemExit(f"{path.name}: the disk tier changed an answer")
         rows.append({"model": path.stem, "prefix": args.prefix, "off": off, "on": on})
-        print(f"{path.stem}: returning TTFT p50 {off['p50_s']:.3f} -> {on['p50_s']:.3f} s, "
-              f"p95 {off['p95_s']:.3f} -> {on['p95_s']:.3f} s with the disk tier "
-              f"({on['disk_hits']} disk hits, {off['ram_evictions']} RAM evictions, "
-              f"{on['disk_bytes'] / 2**20:.1f} MiB on disk for "
-              f"{on['disk_logical_bytes'] / 2**20:.1f} MiB of state)")
+        print(line(rows[-1]))
     plots.write({"conversations": args.conversations, "prefix": args.prefix,
                  "rounds": args.rounds, "ram_entries": args.ram_entries,
                  "weight_format": args.weight_format, "rows": rows}, args.json,

@@ -84,6 +84,14 @@ def compare(path, records: list[dict], stages: int, cap: int = 512,
             "cache": on.stats()["stages"], "rows": rows}
 
 
+def line(r: dict) -> str:
+    """One model x split's figures, as the command prints them."""
+    return (f"{r['model']} x{r['stages']} {r['runtime']}: {r['prompts']} prompts, "
+            f"exact={r['exact']}, reused {r['reused_tokens']}/{r['prompt_tokens']} prompt "
+            f"tokens, cache on {r['seconds_cache_on']:.1f} s vs off "
+            f"{r['seconds_cache_off']:.1f} s")
+
+
 def plot(result: dict):
     """Per use case, the prompt tokens the cache served (left; a red x marks a use case
     with an answer that differed); cache on vs off seconds (middle); the block store's
@@ -93,7 +101,7 @@ def plot(result: dict):
         f"cache on vs off: {sum(r['prompts'] for r in runs)} prompts ({result['runtime']}, "
         f"first {result['cap']} tokens each), "
         f"{'every answer exact' if all(r['exact'] for r in runs) else 'NOT all exact'}"))
-    names = [f"{Path(r['model']).stem} x{r['stages']}" for r in runs]
+    names = [f"{plots.short(r['model'])} x{r['stages']}" for r in runs]
     cases = list(dict.fromkeys(x["use_case"] for r in runs for x in r["rows"]))
 
     def share(r: dict, case: str) -> float:
@@ -110,16 +118,15 @@ def plot(result: dict):
                              "cache on": [r["seconds_cache_on"] for r in runs]},
                colors=[plots.REFERENCE, plots.OURS])
     plots.finish(secs, title="time for every prompt", ylabel="s")
-    stages = [(f"{n}\nstage {i}", s.get("blocks") or {}) for n, r in zip(names, runs)
+    stages = [(f"{n}\nstage {i}", s) for n, r in zip(names, runs)
               for i, s in enumerate(r["cache"])]
-    if any(b for _, b in stages):
-        plots.bars(store, [k for k, _ in stages], {
-            "logical": [b.get("logical_bytes", 0) / plots.MIB for _, b in stages],
-            "physical": [b.get("physical_bytes", 0) / plots.MIB for _, b in stages]},
-            rotate=len(stages) > 3)
-        plots.finish(store, title="block store: bytes referenced vs held", ylabel="MiB")
-    else:
-        plots.empty(store, "no block store in these stages (ResidentKv entries only)")
+    plots.bars(store, [k for k, _ in stages], {
+        "resident (RAM entries)": [s.get("resident_bytes", 0) / plots.MIB for _, s in stages],
+        "block store, logical": [(s.get("blocks") or {}).get("logical_bytes", 0) / plots.MIB
+                                 for _, s in stages],
+        "block store, physical": [(s.get("blocks") or {}).get("physical_bytes", 0) / plots.MIB
+                                  for _, s in stages]}, rotate=len(stages) > 2)
+    plots.finish(store, title="what each stage's cache holds at the end", ylabel="MiB")
     return fig
 
 
@@ -147,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             r = compare(resolve_model(name), records, stages, args.cap, runtime=args.runtime)
             results.append(r)
             ok &= r["exact"]
-            print(f"{r['model']} x{stages} {args.runtime}: {r['prompts']} prompts, "
-                  f"exact={r['exact']}, "
-                  f"reused {r['reused_tokens']}/{r['prompt_tokens']} prompt tokens, "
-                  f"cache on {r['seconds_cache_on']:.1f} s vs off {r['seconds_cache_off']:.1f} s",
-                  flush=True)
+            print(line(r), flush=True)
     plots.write({"runtime": args.runtime, "cap": args.cap, "results": results}, args.json,
                 "cache_exactness")
     return 0 if ok else 1

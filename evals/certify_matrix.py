@@ -176,7 +176,7 @@ def plot(result: dict):
     lines = list(dict.fromkeys((r["name"], r["stages"]) for r in rows))
     formats = list(dict.fromkeys(r["weight_format"] for r in rows))
     grid = np.full((len(lines), len(formats)), np.nan)
-    fig, ((ax,),) = plots.figure(width=max(5.0, 1.3 * len(formats) + 2.5),
+    fig, ((ax,),) = plots.figure(width=max(6.4, 1.3 * len(formats) + 2.5),
                                  height=max(2.5, 0.32 * len(lines) + 1.2))
     for r in rows:
         i, j = lines.index((r["name"], r["stages"])), formats.index(r["weight_format"])
@@ -194,8 +194,10 @@ def plot(result: dict):
     ax.grid(which="minor", color="white", linewidth=1)
     ax.tick_params(which="minor", length=0)
     ran = [r for r in rows if r["passed"] is not None]
-    ax.set_title(f"certify: {sum(r['passed'] for r in ran)}/{len(ran)} pass (green), "
-                 "red names the failed checks, grey skipped", fontsize=10)
+    ax.set_title(f"certify, torch runtime: {sum(r['passed'] for r in ran)}/{len(ran)} pass",
+                 fontsize=10)
+    ax.set_xlabel("green: every check passed; red: the failed checks, named; grey: skipped "
+                  "split", fontsize=8)
     return fig
 
 

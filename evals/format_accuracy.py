@@ -83,13 +83,21 @@ def compare_format(path, fmt: str, prompts: list[list[int]], reference,
             "passes": top1 >= BAR}
 
 
+def line(r: dict) -> str:
+    """One model x format's row of the printed table."""
+    return (f"{r['model']:<40} {r['format']:<6} {r['positions']:>9} {r['top1']:>8.2%} "
+            f"{r['top1_prefill_rows']:>8.2%} {r['top1_decode_rows']:>8.2%} "
+            f"{r['min_cosine']:>10.6f} {r['mean_cosine']:>10.6f}  "
+            f"{'pass' if r['passes'] else 'FAIL'}")
+
+
 def plot(result: dict):
     """Top-1 agreement with fp32 per weight format and model, prefill rows and decode rows
     apart, against the bar (left); the lowest cosine of a position's logits (right)."""
     runs = result["results"]
     fig, ((top1, cos),) = plots.figure(1, 2, title=(
         f"weight formats vs fp32 on the same file ({result['file']})"))
-    labels = [f"{Path(r['model']).stem}\n{r['format']}" for r in runs]
+    labels = [f"{plots.short(r['model'])}\n{r['format']}" for r in runs]
     plots.bars(top1, labels, {"all": [100 * r["top1"] for r in runs],
                               "prefill rows": [100 * r["top1_prefill_rows"] for r in runs],
                               "decode rows": [100 * r["top1_decode_rows"] for r in runs]},
@@ -136,10 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for fmt in formats:
             r = {"model": Path(path).name, **compare_format(path, fmt, prompts, reference)}
             results.append(r)
-            print(f"{r['model']:<40} {fmt:<6} {r['positions']:>9} {r['top1']:>8.2%} "
-                  f"{r['top1_prefill_rows']:>8.2%} {r['top1_decode_rows']:>8.2%} "
-                  f"{r['min_cosine']:>10.6f} {r['mean_cosine']:>10.6f}  "
-                  f"{'pass' if r['passes'] else 'FAIL'}", flush=True)
+            print(line(r), flush=True)
         reference = None
     plots.write({"file": args.file, "bar": BAR, "results": results}, args.json,
                 "format_accuracy")

@@ -183,6 +183,15 @@ def decode_vs_recompute(path, ids: list[int], steps: int = 8) -> dict:
             "top1": float((decoded.argmax(-1) == recomputed.argmax(-1)).float().mean())}
 
 
+def line(r: dict) -> str:
+    """One model's figures, as the command prints them."""
+    d = r["decode_vs_recompute"]
+    return (f"{r['model']}: top-1 {r['top1']:.4f} over {r['positions']} positions, "
+            f"min final cosine {r['min_final_cosine']:.7f}, max |dlogit| "
+            f"{r['max_abs_delta']:.3g}; decode vs recompute ({d['steps']} steps): "
+            f"max |d| {d['max_abs_delta']:.3g}, top-1 {d['top1']:.3f}")
+
+
 def plot(result: dict):
     """Per model, top-1 agreement with llama.cpp at every position and of decode against a
     full recompute (left); the largest |logit difference| of each, and 1 - the lowest
@@ -190,7 +199,7 @@ def plot(result: dict):
     runs = result["results"]
     fig, ((top1, delta),) = plots.figure(1, 2, title=(
         f"our torch stages vs llama.cpp on the same file ({result['format']})"))
-    labels = [Path(r["model"]).stem for r in runs]
+    labels = [plots.short(r["model"]) for r in runs]
     plots.bars(top1, labels, {
         "prefill, every position": [100 * r["top1"] for r in runs],
         "decode vs recompute": [100 * r["decode_vs_recompute"]["top1"] for r in runs]})
@@ -229,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = prompt_ids(LlamaCppReference(path), chosen[0], 128)
         r["decode_vs_recompute"] = decode_vs_recompute(path, ids)
         results.append(r)
-        d = r["decode_vs_recompute"]
-        print(f"{r['model']}: top-1 {r['top1']:.4f} over {r['positions']} positions, "
-              f"min final cosine {r['min_final_cosine']:.7f}, max |dlogit| "
-              f"{r['max_abs_delta']:.3g}; decode vs recompute ({d['steps']} steps): "
-              f"max |d| {d['max_abs_delta']:.3g}, top-1 {d['top1']:.3f}", flush=True)
+        print(line(r), flush=True)
     plots.write({"format": args.format, "results": results}, args.json, "numerics")
     return 0
 

@@ -109,6 +109,12 @@ def save(fig, png: str | Path) -> Path:
     return png
 
 
+def short(model: str, width: int = 22) -> str:
+    """A model's file name as a label: no folder, no suffixes, at most `width` characters."""
+    name = Path(model).name.split(".")[0]
+    return name if len(name) <= width else name[:width - 1] + "~"
+
+
 def png_for(json_path: str | Path) -> Path:
     """Where the figure of a JSON goes: the same path with a .png suffix."""
     return Path(json_path).with_suffix(".png")

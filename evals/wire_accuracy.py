@@ -57,12 +57,21 @@ def compare_wire(path, prompts: list[list[int]], wire: str = "q8", stages: int =
             "accepted": top1 >= ACCEPT_TOP1, "per_prompt": per_prompt}
 
 
+def line(r: dict) -> str:
+    """One wire's figures and verdict, as the command prints them."""
+    verdict = "ACCEPTED" if r["accepted"] else "NOT accepted"
+    return (f"{r['model']} x{r['stages']} {r['wire']} vs f32 wire: {r['prompts']} prompts, "
+            f"{r['positions']} positions: top-1 agreement {100 * r['top1']:.2f} %, "
+            f"min cosine {r['min_cosine']:.6f}, mean cosine {r['mean_cosine']:.6f}\n"
+            f"{r['wire']}: {verdict} (needs top-1 agreement >= {100 * ACCEPT_TOP1:.0f} %)")
+
+
 def plot(result: dict):
     """Top-1 agreement with the f32 wire per use case, one bar per lossy wire, the overall
     figure and the acceptance bar as lines (left); each prompt's lowest cosine (right)."""
     runs = result["results"]
     fig, ((top1, cos),) = plots.figure(1, 2, title=(
-        f"lossy wire vs f32 wire: {runs[0]['model']} x{runs[0]['stages']}, "
+        f"lossy wire vs f32 wire: {plots.short(runs[0]['model'])} x{runs[0]['stages']}, "
         f"{runs[0]['prompts']} prompts"))
     cases = list(dict.fromkeys(p.get("use_case", "?") for r in runs for p in r["per_prompt"]))
 
@@ -114,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         for row, rec in zip(r["per_prompt"], records):
             row.update(id=rec["id"], use_case=rec["use_case"])
         results.append(r)
-        print(f"{r['model']} x{r['stages']} {wire} vs f32 wire: {r['prompts']} prompts, "
-              f"{r['positions']} positions: top-1 agreement {100 * r['top1']:.2f} %, "
-              f"min cosine {r['min_cosine']:.6f}, mean cosine {r['mean_cosine']:.6f}")
-        verdict = "ACCEPTED" if r["accepted"] else "NOT accepted"
-        print(f"{wire}: {verdict} (needs top-1 agreement >= {100 * ACCEPT_TOP1:.0f} %)",
-              flush=True)
+        print(line(r), flush=True)
     plots.write({"cap": args.cap, "results": results}, args.json, "wire_accuracy")
     return 0 if all(r["accepted"] for r in results) else 1
 

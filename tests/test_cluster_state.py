@@ -47,6 +47,10 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     assert row["remote_cached_tokens"] >= TOKENS and row["local_cached_tokens"] >= TOKENS
     assert 0 < row["fetched_bytes"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # Faults: host 2's stage killed mid-conversation; the rebuilt turn answers bitwise
+    faults = result["faults"]
+    assert faults["exact"] and faults["rebuilds"]["fault"] >= 1
+    assert [t["fault"] for t in faults["turns"]] == [False, False, True, False]
     # Dedupe: 6 sessions sharing 512 tokens round-robin over the hosts; the first one on
     # each host computes or pulls the prefix, every later one finds it on its host
     sessions = result["dedupe"]["sessions"]
