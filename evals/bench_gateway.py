@@ -10,7 +10,8 @@ two servers at once would time each other). The same scenarios go to every serve
 - interleaved: the same records, the use cases round-robin (record i of each use case
   in turn), max_tokens 1;
 - concurrent: 8 clients at once, each sending a few distinct short chat requests with
-  max_tokens 16; aggregate completion tokens per second.
+  max_tokens 16; aggregate completion tokens per second (`--clients 1,2,4,8`: each count
+  in turn, fewer first; the largest is the one compared).
 
 Records whose prompt does not fit the context (prompt + max_tokens + a margin, counted
 with the model's own chat template and vocabulary) are skipped on every server alike.
@@ -26,7 +27,8 @@ at its fastest. Run it in a loopback-only namespace:
         .venv/bin/python -m skippy.evals.bench_gateway --json gateway.json'
 
 Servers listen on free loopback ports and are always killed (their whole process group)
-when the bench ends, also on Ctrl-C or an error.
+when the bench ends, also on Ctrl-C or an error. `--json P` also draws P.png: speedup per
+scenario and per corpus use case, and tokens/s by concurrent clients.
 """
 
 from __future__ import annotations
