@@ -207,6 +207,7 @@ def plot(result: dict):
         turns = fault["turns"]
         faults.plot([t["turn"] for t in turns], [t["ttft_s"] for t in turns], "o-",
                     color=plots.OURS, label="TTFT")
+        faults.set_xticks([t["turn"] for t in turns])
         hit = next(t for t in turns if t["fault"])
         faults.axvline(hit["turn"] - 0.5, color=plots.FAIL, linestyle="--",
                        label="stage killed")

@@ -114,12 +114,9 @@ def plot(result: dict):
                               for q in ("p50", "p95")},
                colors=["tab:red", "salmon", "tab:green", "lightgreen"])
     plots.finish(ttft, title="returning conversations", ylabel="TTFT (s)")
-    plots.bars(disk, labels, {
+    plots.bars(disk, [f"{m}\n{r['on']['disk_hits']} disk hits" for m, r in zip(labels, rows)], {
         "logical (state)": [r["on"]["disk_logical_bytes"] / plots.MIB for r in rows],
         "physical (on disk)": [r["on"]["disk_bytes"] / plots.MIB for r in rows]})
-    for i, r in enumerate(rows):
-        disk.annotate(f"{r['on']['disk_hits']} disk hits", (i, 0), textcoords="offset points",
-                      xytext=(0, 4), ha="center", fontsize=8)
     plots.finish(disk, title="disk tier: bytes held", ylabel="MiB")
     return fig
 

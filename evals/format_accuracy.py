@@ -96,7 +96,8 @@ def plot(result: dict):
     apart, against the bar (left); the lowest cosine of a position's logits (right)."""
     runs = result["results"]
     fig, ((top1, cos),) = plots.figure(1, 2, title=(
-        f"weight formats vs fp32 on the same file ({result['file']})"))
+        f"weight formats vs fp32 on the same file ("
+        f"{'as shipped' if result['file'] == 'none' else result['file']})"))
     labels = [f"{plots.short(r['model'])}\n{r['format']}" for r in runs]
     plots.bars(top1, labels, {"all": [100 * r["top1"] for r in runs],
                               "prefill rows": [100 * r["top1_prefill_rows"] for r in runs],

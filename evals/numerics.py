@@ -198,7 +198,8 @@ def plot(result: dict):
     final-position cosine (right)."""
     runs = result["results"]
     fig, ((top1, delta),) = plots.figure(1, 2, title=(
-        f"our torch stages vs llama.cpp on the same file ({result['format']})"))
+        f"our torch stages vs llama.cpp on the same file ("
+        f"{'as shipped' if result['format'] == 'none' else result['format']})"))
     labels = [plots.short(r["model"]) for r in runs]
     plots.bars(top1, labels, {
         "prefill, every position": [100 * r["top1"] for r in runs],

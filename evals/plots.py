@@ -75,13 +75,12 @@ def bars(ax, labels: list[str], series: dict[str, list[float]], *, colors=None,
 
 def log_y(ax) -> None:
     """A log y axis whose ticks read as plain numbers (12, 40, 300), not powers of ten."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def target_marks(ax, targets: list[tuple[int, int, float]], groups: int, series: int) -> None:

@@ -78,8 +78,10 @@ def plot(result: dict):
     def agree(r: dict, case: str) -> float:
         mine = [p for p in r["per_prompt"] if p.get("use_case", "?") == case]
         return 100 * sum(p["top1_agree"] for p in mine) / max(1, sum(p["tokens"] for p in mine))
-    plots.bars(top1, cases, {r["wire"]: [agree(r, c) for c in cases] for r in runs},
-               rotate=True)
+    series = {r["wire"]: [agree(r, c) for c in cases] for r in runs}
+    plots.bars(top1, cases, series, rotate=True)
+    top1.set_ylim(min([100 * ACCEPT_TOP1 - 1] + [v - 1 for vs in series.values() for v in vs]),
+                  100.2)
     for k, r in enumerate(runs):
         top1.axhline(100 * r["top1"], color=f"C{k}", linestyle=":", linewidth=1,
                      label=f"{r['wire']} overall {100 * r['top1']:.2f} %")
