@@ -291,13 +291,13 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [measure(engine, tok, args.data, n, skip=7 * i) for i, n in enumerate(lengths)]
         dedupe = measure_dedupe(engine, tok, args.data, args.shared, args.sessions) \
             if args.sessions else None
+        state = engine.stats()["nodes"]  # before the fault restarts a stage (and its counts)
         faults = measure_faults(engine, tok, args.data, lengths[0], args.fault_turns) \
             if args.fault_turns else None
         result = {"model": path.name, "weight_format": args.weight_format, "dedupe": dedupe,
                   "faults": faults,
                   "nodes": [engine.node_ids(p) for p in range(3)],
-                  "stage_tls": engine.stage_tls, "rows": rows,
-                  "state_by_node": engine.stats()["nodes"]}
+                  "stage_tls": engine.stage_tls, "rows": rows, "state_by_node": state}
     finally:
         asyncio.run(engine.close())
     print(table(result))
