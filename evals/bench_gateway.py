@@ -300,9 +300,12 @@ def plot(result: dict):
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     labels = list(dict.fromkeys(r["label"] for r in rows))
     by = {(r["scenario"], r["label"]): r for r in rows}
+    # one colour per server in every panel; orange is the reference's
+    color = {REFERENCE.label: plots.REFERENCE,
+             **{c.label: f"C{i}" for i, c in zip((0, 2, 3), OURS)}}
     plots.bars(scen, [LABELS[s] for s in scenarios],
                {lb: [by[(s, lb)]["speedup"] if (s, lb) in by else 0 for s in scenarios]
-                for lb in labels}, rotate=True)
+                for lb in labels}, rotate=True, colors=[color[lb] for lb in labels])
     plots.target_marks(scen, [(scenarios.index(s), labels.index(lb), r["target"])
                               for (s, lb), r in by.items() if r["target"]],
                        len(scenarios), len(labels))
@@ -320,22 +323,23 @@ def plot(result: dict):
             plots.empty(ax, f"no {LABELS[scenario]} samples tagged by use case")
             continue
         plots.bars(ax, cases, {lb: [v.get(c, 0) for c in cases] for lb, v in per.items()},
-                   rotate=True)
+                   rotate=True, colors=[color[lb] for lb in per])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         plots.finish(ax, title=f"speedup per use case, {LABELS[scenario]}",
                      ylabel="llama.cpp median ms / ours")
-    colors = iter(("C0", "C2", "C3", "C4", "C5"))  # C1, orange, is the reference's
+    counts = set()
     for key, srv in servers.items():
         c = srv.get("scenarios", {}).get("concurrent")
         if c:
             points = sorted([*c.get("sweep", []), c], key=lambda p: p["clients"])
-            ref_side = key == REFERENCE.key
+            counts |= {p["clients"] for p in points}
             tput.plot([p["clients"] for p in points], [p["tokens_per_s"] for p in points],
-                      "s--" if ref_side else "o-", label=srv["label"],
-                      color=plots.REFERENCE if ref_side else next(colors))
-    plots.finish(tput, title=f"concurrent clients, {result['settings']['requests_per_client']}"
-                              " chats of 16 tokens each", xlabel="clients",
-                 ylabel="completion tokens/s (all clients)")
+                      "s--" if key == REFERENCE.key else "o-", label=srv["label"],
+                      color=color.get(srv["label"]))
+    tput.set_xticks(sorted(counts))
+    plots.finish(tput, title=f"concurrent clients, each sending "
+                              f"{result['settings']['requests_per_client']} chat(s) of 16 tokens",
+                 xlabel="clients", ylabel="completion tokens/s (all clients)")
     return fig
 
 

@@ -15,8 +15,9 @@ import pytest
 
 from skippy.evals import plots
 
-EVALS = Path(plots.__file__).parent
-DATA = Path(__file__).parent / "data" / "evals"
+ROOT = Path(__file__).resolve().parent.parent
+EVALS = ROOT / "evals"
+DATA = ROOT / "tests" / "data" / "evals"
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -131,3 +132,22 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path, capsys, text, says):
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert plots.main([str(tmp_path / "absent.json")]) == 2
+
+
+def test_make_figures_makes_every_figure_the_readme_embeds_with_valid_arguments(tmp_path):
+    import re
+    from importlib import import_module
+
+    from skippy.evals import figures
+    readme = (ROOT / "README.md").read_text()
+    embedded = set(re.findall(r"\]\(evals/figures/(\w+)\.png\)", readme))
+    assert embedded and embedded <= set(figures.FIGURES_BY_EVAL) <= set(plots.BENCHES)
+    for name, fig in figures.FIGURES_BY_EVAL.items():
+        cmd = figures.command(name, tmp_path / f"{name}.json")
+        assert cmd[-2:] == ["--json", str(tmp_path / f"{name}.json")]
+        assert f"skippy.evals.{name}" in cmd
+        parse = getattr(import_module(f"skippy.evals.{name}"), "parse_args", None)
+        if parse is not None:  # the eval's own parser takes the figure's arguments
+            parse([*fig.args, "--json", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):
+        figures.main(["no_such_eval"])
