@@ -113,10 +113,11 @@ def plot(result: dict):
         bad = [cases.index(x["use_case"]) for x in r["rows"]
                if not (x["same_tokens"] and x["bitwise_logits"])]
         reuse.scatter(bad, [0] * len(bad), marker="x", color=plots.FAIL, s=60, zorder=3)
+    reuse.set_ylim(0, 100)
     plots.finish(reuse, title="prompt tokens served by the cache", ylabel="% of prompt tokens")
     plots.bars(secs, names, {"cache off": [r["seconds_cache_off"] for r in runs],
                              "cache on": [r["seconds_cache_on"] for r in runs]},
-               colors=[plots.REFERENCE, plots.OURS])
+               colors=[plots.REFERENCE, plots.OURS], rotate=True)
     plots.finish(secs, title="time for every prompt", ylabel="s")
     stages = [(f"{n}\nstage {i}", s) for n, r in zip(names, runs)
               for i, s in enumerate(r["cache"])]

@@ -136,13 +136,12 @@ def plot(result: dict):
     plots.finish(speed, ylabel="llama.cpp ms / ours ms (warm cache)",
                  title=f"Warm-cache speedup per family ({PREFIX}-token prefix, {TAIL}-token "
                        "tail)")
-    colors = ["tab:purple" if f["payload"] == "KvRecurrent" else "tab:cyan" for f in families]
-    size.bar(range(len(families)), [f["cache_bytes"] / 2**20 for f in families], color=colors)
+    for payload, color in (("ResidentKv", "tab:cyan"), ("KvRecurrent", "tab:purple")):
+        mine = [i for i, f in enumerate(families) if f["payload"] == payload]
+        size.bar(mine, [families[i]["cache_bytes"] / 2**20 for i in mine], color=color,
+                 label=payload)
     size.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    plots.log_y(size)
-    plots.finish(size, ylabel="MiB (log)", legend=False,
-                 title=f"state of a {PREFIX}-token prefix as cached (cyan ResidentKv, purple "
-                       "KvRecurrent)")
+    plots.finish(size, ylabel="MiB", title=f"state of a {PREFIX}-token prefix as cached")
     return fig
 
 
