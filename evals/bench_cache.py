@@ -339,12 +339,14 @@ def plot(result: dict):
                   label=f"target {MATCH_P50_TARGET_US:g} us")
     match.set_xscale("log", base=2)
     match.set_xticks(entries, [str(n) for n in entries])
+    plots.log_y(match)
     plots.finish(match, title="matching (PrefixIndex.longest) p50", xlabel="resident entries",
                  ylabel="us")
     for s in sizes:
         cases = sorted(s["cases"].values(), key=lambda v: v["matched_tokens"])
         lookup.plot([v["matched_tokens"] for v in cases], [v["lookup"]["p50_us"] for v in cases],
                     "o-", label=f"{s['entries']} entries")
+    lookup.set_ylim(0, None)
     plots.finish(lookup, title="lookup + release p50 (hashing included)",
                  xlabel="prefix tokens the query shares", ylabel="us")
     return fig
