@@ -1,8 +1,9 @@
 """State shared between hosts that really are separate (tests/hosts.py): a conversation
 served by pipeline A on host 1 continues on pipeline B on host 2, whose stage pulls the
 state from host 1 over the stage network (mutual TLS) instead of recomputing it, and
-answers bitwise as a recompute does. The driver is `evals/bench_cluster.py` itself, run
-inside host 1, so the figures in its JSON are the eval's.
+answers bitwise as a recompute does; and when host 2's stage is killed mid-conversation,
+the rebuilt turn answers bitwise too. The driver is `evals/bench_cluster.py` itself, run
+inside host 1, so the figures in its JSON (and its plot) are the eval's.
 
 Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere."""
 
