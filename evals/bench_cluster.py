@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--tokens takes numbers separated by commas, not {args.tokens!r}")
     path = Path(args.model) if Path(args.model).is_file() else pull(args.model)
     tok = Tokenizer(path)
-    n_ctx = max(lengths + [args.shared]) + 2 * NEW_MESSAGE + 4 * ANSWER + 64
+    n_ctx = max(max(lengths + [args.shared]) + 2 * NEW_MESSAGE + 4 * ANSWER,
+                lengths[0] + args.fault_turns * (NEW_MESSAGE + ANSWER)) + 64
     engine = RayEngine(path, 1, pipelines=3, address=args.address, n_ctx=n_ctx,
                        weight_format=args.weight_format, cache=CacheConfig(), lanes=2)
     try:

@@ -10,6 +10,7 @@ Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # The `hosts` fixture (tests/conftest.py): pipeline A goes where the plan puts stage 0
 # (the largest host), B and C to the hosts with the most memory left after it.
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
+DATA = Path(os.environ.get("SKIPPY_CORPUS", Path(__file__).resolve().parents[1].parent
+                          / "shared" / "data" / "usecases.jsonl"))
 TOKENS = 1024
 
 
