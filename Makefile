@@ -20,7 +20,7 @@ PORT        ?= 8000
 PYTEST_ARGS ?=
 SERVE_ARGS  ?=
 
-.PHONY: run test test-fast venv llama-wheel llama-avx2 clean proto
+.PHONY: run test test-fast venv llama-wheel llama-avx2 clean proto figures
 
 venv: $(VENV)/.installed
 
@@ -80,6 +80,13 @@ test: venv
 test-fast: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest -m "not slow and not network" $(PYTEST_ARGS)'
+
+# The README's figures, drawn by the evals themselves at full size: evals/out/<eval>.json
+# and .png, the plot copied to evals/figures/ (about 2 hours on 2 cores; run it on an idle
+# machine). `make figures EVALS="bench_cache bench_cluster"` makes some;
+# `python -m skippy.evals.figures --list` gives each command and its time.
+figures: venv
+	$(BIN)/python -m skippy.evals.figures $(EVALS)
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (grpcio-tools pinned in pyproject.toml).
 proto: venv

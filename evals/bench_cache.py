@@ -35,26 +35,26 @@ scan's cost there: evals/README.md), hashing <= 1 us per token.
     python -m skippy.evals.bench_cache                           # 64,1024,4096 entries
     python -m skippy.evals.bench_cache --entries 64 --repeats 20 --json -  # JSON on stdout
 
-With `--json PATH` the figures are also written to PATH; with `--json -` the JSON goes to
-stdout and the table to stderr.
+With `--json PATH` the figures are also written to PATH and a plot to PATH with a .png
+suffix (matching p50 by resident entries; lookup p50 by the prefix a query shares); with
+`--json -` the JSON goes to stdout and the table to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import random
 import sys
 import time
 from array import array
-from pathlib import Path
 
 from skippy.cache.identity import StageKey
 from skippy.cache.index import PrefixIndex
 from skippy.cache.prefix_cache import PrefixCache
 from skippy.mesh.progress import Console, tracked
+from skippy.evals import plots
 
 VOCAB = 49152
 QUERIES_PER_CASE = 32
@@ -325,9 +325,38 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict):
+    """Matching p50 per case as entries grow, against the target (left); end-to-end lookup
+    p50 by the tokens a query shares with the cache, one line per size (right)."""
+    fig, (row,) = plots.figure(1, 2, title=f"prefix cache, {result['config']['tokens']}-token "
+                                             f"entries, block {result['config']['block']}")
+    match, lookup = row
+    sizes = result["sizes"]
+    entries = [s["entries"] for s in sizes]
+    for case in sizes[0]["cases"]:
+        match.plot(entries, [s["cases"][case]["match"]["p50_us"] for s in sizes], "o-",
+                   label=case)
+    match.axhline(MATCH_P50_TARGET_US, color="black", linestyle="--", linewidth=1,
+                  label=f"target {MATCH_P50_TARGET_US:g} us")
+    match.set_xscale("log", base=2)
+    match.set_xticks(entries, [str(n) for n in entries])
+    plots.log_y(match)
+    plots.finish(match, title="matching (PrefixIndex.longest) p50", xlabel="resident entries",
+                 ylabel="us")
+    for s in sizes:
+        cases = sorted(s["cases"].values(), key=lambda v: v["matched_tokens"])
+        lookup.plot([v["matched_tokens"] for v in cases], [v["lookup"]["p50_us"] for v in cases],
+                    "o-", label=f"{s['entries']} entries")
+    lookup.set_ylim(0, None)
+    plots.finish(lookup, title="lookup + release p50 (hashing included)",
+                 xlabel="prefix tokens the query shares", ylabel="us")
+    return fig
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON ('-': stdout)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON and a plot "
+                   "(PATH with .png); '-': JSON on stdout")
     p.add_argument("--entries", default="64,1024,4096",
                    help="comma-separated resident entry counts (default 64,1024,4096)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per entry (default 2048)")
@@ -375,11 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     result["verdict"] = _verdict(sizes)
     print(_table(result), file=out, flush=True)
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    plots.write(result, args.json, "bench_cache")
     return result
 
 

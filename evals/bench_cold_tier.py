@@ -12,14 +12,14 @@ tier they recompute it, with it they restore it from the node's disk (zstd) and 
 it back. Entries are admitted at first sight here (`admit_after` 1) so that the RAM cap,
 not admission, decides. p50 and p95 TTFT of the returning turns (every round after the
 first), per model, side by side; every returning answer's first token is checked equal
-between the two runs. `--json P` writes P and P.png.
+between the two runs. `--json P` writes P and P.png (TTFT p50 / p95 with and without
+the disk tier; the disk tier's logical and physical bytes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from skippy.cache.config import CacheConfig
+from skippy.evals import plots
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_engine import RayEngine
 from skippy.mesh.front.tokenizer import Tokenizer
@@ -92,25 +93,34 @@ def run_model(path: Path, args, cold: bool) -> dict:
             "disk_logical_bytes": stats.get("cold_blocks", {}).get("logical_bytes", 0)}
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    labels = [r["model"] for r in rows]
-    x = range(len(rows))
-    for k, (key, name) in enumerate((("off", "RAM only"), ("on", "RAM + disk tier"))):
-        for q, style in (("p50_s", "o"), ("p95_s", "^")):
-            ax.scatter([i + (k - 0.5) * 0.3 for i in x], [r[key][q] for r in rows],
-                       marker=style, color=f"C{k}", label=f"{name} {q[:3]}")
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("TTFT of a returning conversation (s)")
-    ax.set_title("Conversations returning after their state left RAM")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def line(row: dict) -> str:
+    """One model's figures, as the command prints them."""
+    off, on = row["off"], row["on"]
+    return (f"{row['model']}: returning TTFT p50 {off['p50_s']:.3f} -> {on['p50_s']:.3f} s, "
+            f"p95 {off['p95_s']:.3f} -> {on['p95_s']:.3f} s with the disk tier "
+            f"({on['disk_hits']} disk hits, {off['ram_evictions']} RAM evictions, "
+            f"{on['disk_bytes'] / 2**20:.1f} MiB on disk for "
+            f"{on['disk_logical_bytes'] / 2**20:.1f} MiB of state)")
+
+
+def plot(result: dict):
+    """Returning conversations' TTFT p50 / p95, RAM only vs RAM + disk tier, per model
+    (left); the state the disk tier held, logical vs physical (zstd) bytes (right)."""
+    rows = result["rows"]
+    fig, ((ttft, disk),) = plots.figure(1, 2, title=(
+        f"{result['conversations']} conversations of {result['prefix']}-token prefixes, "
+        f"RAM for {result['ram_entries']}"))
+    labels = [plots.short(r["model"]) for r in rows]
+    plots.bars(ttft, labels, {f"{name} {q}": [r[side][f"{q}_s"] for r in rows]
+                              for side, name in (("off", "RAM only"), ("on", "RAM + disk"))
+                              for q in ("p50", "p95")},
+               colors=["tab:red", "salmon", "tab:green", "lightgreen"])
+    plots.finish(ttft, title="returning conversations", ylabel="TTFT (s)")
+    plots.bars(disk, [f"{m}\n{r['on']['disk_hits']} disk hits" for m, r in zip(labels, rows)], {
+        "logical (state)": [r["on"]["disk_logical_bytes"] / plots.MIB for r in rows],
+        "physical (on disk)": [r["on"]["disk_bytes"] / plots.MIB for r in rows]})
+    plots.finish(disk, title="disk tier: bytes held", ylabel="MiB")
+    return fig
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -132,14 +142,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if off["first_tokens"] != on["first_tokens"]:
             raise SystemExit(f"{path.name}: the disk tier changed an answer")
         rows.append({"model": path.stem, "prefix": args.prefix, "off": off, "on": on})
-        say(f"{path.stem}: returning TTFT p50 {off['p50_s']:.3f} -> {on['p50_s']:.3f} s, "
-              f"p95 {off['p95_s']:.3f} -> {on['p95_s']:.3f} s with the disk tier "
-              f"({on['disk_hits']} disk hits, {off['ram_evictions']} RAM evictions, "
-              f"{on['disk_bytes'] / 2**20:.1f} MiB on disk for "
-              f"{on['disk_logical_bytes'] / 2**20:.1f} MiB of state)")
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
-        plot(rows, args.json.with_suffix(".png"))
+        say(line(rows[-1]))
+    plots.write({"conversations": args.conversations, "prefix": args.prefix,
+                 "rounds": args.rounds, "ram_entries": args.ram_entries,
+                 "weight_format": args.weight_format, "rows": rows}, args.json,
+                "bench_cold_tier")
     return rows
 
 

@@ -10,7 +10,8 @@ two servers at once would time each other). The same scenarios go to every serve
 - interleaved: the same records, the use cases round-robin (record i of each use case
   in turn), max_tokens 1;
 - concurrent: 8 clients at once, each sending a few distinct short chat requests with
-  max_tokens 16; aggregate completion tokens per second.
+  max_tokens 16; aggregate completion tokens per second (`--clients 1,2,4,8`: each count
+  in turn, fewer first; the largest is the one compared).
 
 Records whose prompt does not fit the context (prompt + max_tokens + a margin, counted
 with the model's own chat template and vocabulary) are skipped on every server alike.
@@ -26,7 +27,8 @@ at its fastest. Run it in a loopback-only namespace:
         .venv/bin/python -m skippy.evals.bench_gateway --json gateway.json'
 
 Servers listen on free loopback ports and are always killed (their whole process group)
-when the bench ends, also on Ctrl-C or an error.
+when the bench ends, also on Ctrl-C or an error. `--json P` also draws P.png: speedup per
+scenario and per corpus use case, and tokens/s by concurrent clients.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pathlib import Path
 import httpx
 
 from skippy.mesh.progress import tracked
+from skippy.evals import plots
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -70,6 +73,9 @@ LABELS = {"repeat": "(a) exact repeat 128 tok", "file_order": "(b) corpus, file 
           "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok",
           "stream": "(e) one stream, ms/token"}
 STREAM_TOKENS, STREAMS = 64, 3  # (e): streamed chats alone, after one warm-up
+# what the concurrent scenario keeps of each smaller client count it ran first
+SWEEP_KEYS = ("clients", "requests", "completion_tokens", "wall_s", "tokens_per_s",
+              "median_ms", "p95_ms", "errors")
 
 # distinct short questions for the concurrent scenario (a client/request tag keeps every
 # prompt unique, so no server answers one from an earlier identical request)
@@ -272,6 +278,72 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# -- plot ---------------------------------------------------------------------------------------
+def _by_use_case(ours: dict, reference: dict) -> dict[str, float]:
+    """llama.cpp's median ms / ours per use case, from the samples' tags."""
+    def medians(s: dict) -> dict[str, float]:
+        groups: dict[str, list[float]] = {}
+        for tag, ms in zip(s.get("tags") or [], s["samples_ms"]):
+            groups.setdefault(tag, []).append(ms)
+        return {k: statistics.median(v) for k, v in groups.items()}
+    a, b = medians(ours), medians(reference)
+    return {k: b[k] / a[k] for k in a if k in b and a[k] > 0}
+
+
+def plot(result: dict):
+    """Speedup per scenario and server, targets marked (top left); per use case, in file
+    order and interleaved (top right, bottom left); tokens/s by concurrent clients, every
+    server (bottom right)."""
+    fig, ((scen, order), (inter, tput)) = plots.figure(2, 2, width=6.8, height=4.2, title=(
+        f"gateway bench: {result['settings']['model']} ({Path(result['settings']['file']).name})"
+        ", ours vs llama.cpp's server over HTTP"))
+    rows = result["comparisons"]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    by = {(r["scenario"], r["label"]): r for r in rows}
+    # one colour per server in every panel; orange is the reference's
+    color = {REFERENCE.label: plots.REFERENCE,
+             **{c.label: f"C{i}" for i, c in zip((0, 2, 3), OURS)}}
+    plots.bars(scen, [LABELS[s] for s in scenarios],
+               {lb: [by[(s, lb)]["speedup"] if (s, lb) in by else 0 for s in scenarios]
+                for lb in labels}, rotate=True, colors=[color[lb] for lb in labels])
+    plots.target_marks(scen, [(scenarios.index(s), labels.index(lb), r["target"])
+                              for (s, lb), r in by.items() if r["target"]],
+                       len(scenarios), len(labels))
+    scen.axhline(1.0, color="grey", linewidth=0.8)
+    plots.finish(scen, title="speedup per scenario",
+                 ylabel="x llama.cpp (latency: theirs/ours, tok/s: ours/theirs)")
+    servers = result["servers"]
+    ref = servers.get(REFERENCE.key, {}).get("scenarios", {})
+    for ax, scenario in ((order, "file_order"), (inter, "interleaved")):
+        per = {cfg.label: _by_use_case(servers[cfg.key]["scenarios"][scenario], ref[scenario])
+               for cfg in OURS if scenario in ref
+               and scenario in servers.get(cfg.key, {}).get("scenarios", {})}
+        cases = list(dict.fromkeys(c for v in per.values() for c in v))
+        if not cases:
+            plots.empty(ax, f"no {LABELS[scenario]} samples tagged by use case")
+            continue
+        plots.bars(ax, cases, {lb: [v.get(c, 0) for c in cases] for lb, v in per.items()},
+                   rotate=True, colors=[color[lb] for lb in per])
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        plots.finish(ax, title=f"speedup per use case, {LABELS[scenario]}",
+                     ylabel="llama.cpp median ms / ours")
+    counts = set()
+    for key, srv in servers.items():
+        c = srv.get("scenarios", {}).get("concurrent")
+        if c:
+            points = sorted([*c.get("sweep", []), c], key=lambda p: p["clients"])
+            counts |= {p["clients"] for p in points}
+            tput.plot([p["clients"] for p in points], [p["tokens_per_s"] for p in points],
+                      "s--" if key == REFERENCE.key else "o-", label=srv["label"],
+                      color=color.get(srv["label"]))
+    tput.set_xticks(sorted(counts))
+    plots.finish(tput, title=f"concurrent clients, each sending "
+                              f"{result['settings']['requests_per_client']} chat(s) of 16 tokens",
+                 xlabel="clients", ylabel="completion tokens/s (all clients)")
+    return fig
+
+
 # -- servers ------------------------------------------------------------------------------------
 def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
@@ -411,9 +483,12 @@ def post(client: httpx.Client, url: str, body: dict) -> tuple[float, dict | None
     return dt, r.json(), None
 
 
-def run_sequential(base_url: str, path: str, bodies: list[dict], *, warmup: int = 0) -> dict:
-    """The bodies one after another; latency per request (warm-ups untimed)."""
+def run_sequential(base_url: str, path: str, bodies: list[dict], *, warmup: int = 0,
+                   tags: list[str] | None = None) -> dict:
+    """The bodies one after another; latency per request (warm-ups untimed). With `tags`
+    (one per body, e.g. its use case), `tags` in the result names each timed sample's."""
     samples, errors, prompt_tokens, completion_tokens, first_error = [], 0, 0, 0, None
+    kept = []
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         for i, body in enumerate(bodies):
             dt, reply, error = post(client, base_url + path, body)
@@ -424,12 +499,15 @@ def run_sequential(base_url: str, path: str, bodies: list[dict], *, warmup: int 
                 first_error = first_error or error
                 continue
             samples.append(dt * 1e3)
+            kept.append(None if tags is None else tags[i])
             usage = reply.get("usage") or {}
             prompt_tokens += usage.get("prompt_tokens", 0)
             completion_tokens += usage.get("completion_tokens", 0)
     out = summarize(samples)
     out.update(samples_ms=samples, errors=errors, first_error=first_error,
                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    if tags is not None:
+        out["tags"] = kept
     return out
 
 
@@ -514,6 +592,7 @@ class Workload:
     file_order: list[dict]
     interleaved: list[dict]
     concurrent: list[list[list[dict]]]
+    sweep: tuple[int, ...] = ()  # fewer clients to run the concurrent scenario with first
 
 
 def run_scenarios(base_url: str, work: Workload, *, ours: bool,
@@ -536,12 +615,18 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
             records = work.file_order if scenario == "file_order" else work.interleaved
             bodies = [salted(chat_body(work.model, r["messages"], 1), scenario)
                       for r in records]
-            out[scenario] = run_sequential(base_url, "/v1/chat/completions", bodies)
+            out[scenario] = run_sequential(base_url, "/v1/chat/completions", bodies,
+                                           tags=[r["use_case"] for r in records])
             out[scenario]["ids"] = [r.get("id") for r in records]
         elif scenario == "concurrent":
-            per_client = [[salted(chat_body(work.model, m, 16), scenario) for m in msgs]
-                          for msgs in work.concurrent]
-            out[scenario] = run_concurrent(base_url, per_client)
+            def run(clients: list[list[list[dict]]], salt: str) -> dict:
+                return run_concurrent(base_url, [[salted(chat_body(work.model, m, 16), salt)
+                                                  for m in msgs] for msgs in clients])
+            # fewer clients first, each count in a namespace of its own (no shared hits)
+            sweep = [run(concurrent_messages(n, len(work.concurrent[0])), f"{scenario}-{n}")
+                     for n in work.sweep if n < len(work.concurrent)]
+            out[scenario] = run(work.concurrent, scenario)
+            out[scenario]["sweep"] = [{k: r[k] for k in SWEEP_KEYS} for r in sweep]
         elif scenario == "stream":
             bodies = [{**chat_body(work.model, [{"role": "user", "content": q}],
                                    STREAM_TOKENS), "stream": True}
@@ -561,19 +646,15 @@ def loadavg() -> str:
         return "?"
 
 
-def emit(result: dict, text: str, json_path: str | None) -> None:
+def emit(result: dict, text: str, json_path: str | None, bench: str) -> None:
     """The table on stdout (stderr when the JSON goes to stdout: `json_path` "-"), and the
-    figures as JSON to `json_path` when given."""
+    figures as JSON to `json_path` when given, with the eval `bench`'s plot beside them."""
     print(text, file=sys.stderr if json_path == "-" else sys.stdout, flush=True)
-    data = json.dumps(result, indent=2, default=str)
-    if json_path == "-":
-        print(data)
-    elif json_path:
-        Path(json_path).write_text(data + "\n")
+    plots.write(result, json_path, bench)
 
 
 def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
-                   limit: int | None, repeats: int, clients: int,
+                   limit: int | None, repeats: int, clients: list[int],
                    requests: int) -> tuple[Workload, dict]:
     from skippy.evals.numerics import read_corpus
     from skippy.mesh.front.chat import load_chat_template
@@ -589,7 +670,7 @@ def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
     repeat_text, repeat_tokens = repeat_prompt(text, tok.encode, tok.decode)
     tok.close()
     work = Workload(model_name, repeat_text, repeats, fit, interleave(fit),
-                    concurrent_messages(clients, requests))
+                    concurrent_messages(max(clients), requests), tuple(sorted(clients)[:-1]))
     facts = {"records": len(fit), "over_context": len(over),
              "over_context_ids": [r.get("id") for r in over],
              "repeat_prompt_tokens": repeat_tokens}
@@ -609,7 +690,8 @@ def bench(args) -> dict:
     configs = [c for c in (REFERENCE, *OURS) if c.key in args.servers]
     result = {"settings": {"model": args.model, "file": str(path), "n_ctx": args.ctx,
                            "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
-                           "clients": args.clients, "requests_per_client": args.requests,
+                           "clients": max(args.clients), "clients_sweep": args.clients,
+                           "requests_per_client": args.requests,
                            **facts},
               "environment": where_it_runs(), "ours_env": dict(args.ours_env),
               "reference_env": dict(args.reference_env),
@@ -660,7 +742,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=4096, help="context of every server (4096)")
     p.add_argument("--limit", type=int, help="records per use case (default: all)")
     p.add_argument("--repeats", type=int, default=20, help="timed exact repeats (20)")
-    p.add_argument("--clients", type=int, default=8, help="concurrent clients (8)")
+    p.add_argument("--clients", type=_counts, default=[8],
+                   help="concurrent clients (8); a comma list such as 1,2,4,8 runs the "
+                        "scenario with each count, fewer first (tokens/s vs clients)")
     p.add_argument("--requests", type=int, default=4, help="requests per client (4)")
     p.add_argument("--server", action="append", dest="servers",
                    choices=[c.key for c in (REFERENCE, *OURS)],
@@ -681,12 +765,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write everything as JSON to PATH "
                                                   "('-': JSON on stdout, table on stderr)")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.clients < 1 or args.requests < 1 or args.ctx < 64 \
+    if args.repeats < 1 or min(args.clients) < 1 or args.requests < 1 or args.ctx < 64 \
             or (args.limit is not None and args.limit < 1):
         p.error("--repeats, --clients, --requests, --limit must be >= 1, --ctx >= 64")
     args.servers = args.servers or [c.key for c in (REFERENCE, *OURS)]
     args.scenarios = [s for s in SCENARIOS if s in (args.scenarios or SCENARIOS)]
     return args
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of client counts: {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"no client count in {text!r}")
+    return values
 
 
 def _interrupt(signum, frame):
@@ -697,7 +791,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     result = bench(args)
-    emit(result, table(result), args.json)
+    emit(result, table(result), args.json, "bench_gateway")
     return result
 
 

@@ -17,6 +17,9 @@ Run it in a loopback-only namespace (DESIGN.md §9):
 
     unshare -n bash -c 'ip link set lo up; RAY_AUTH_MODE=disabled \\
         .venv/bin/python -m skippy.evals.bench_mesh --json mesh.json'
+
+`--json P` also draws P.png: the hop round trips, and the per-token decode time by stage
+count against the target.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from skippy.evals import plots
 from skippy.evals.bench_runtime import environment
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
@@ -224,6 +228,46 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict):
+    """Round trip of one hop, gRPC vs Ray, per frame (left); per-token decode time by stage
+    count, the stages' own compute stacked under what the chain adds, with the target
+    (right)."""
+    fig, ((hops, split),) = plots.figure(1, 2, title=(
+        f"the data path: {result['model']} ({result['weight_format']})"))
+    if result["hops"]:
+        plots.bars(hops, [f"[{a}, {b}] f16\n{h['bytes'] / 1024:.0f} KiB"
+                          for h in result["hops"] for a, b in [h["shape"]]],
+                   {"gRPC stream": [h["grpc_ms"] for h in result["hops"]],
+                    "Ray actor call": [h["ray_ms"] for h in result["hops"]]})
+        plots.finish(hops, title=f"one hop, median of {result['repeats']} round trips",
+                     ylabel="ms")
+    else:
+        plots.empty(hops, "hops not measured (--skip-hops)")
+    if result["split"]:
+        xs = range(len(result["split"]))
+        bottom = [0.0] * len(result["split"])
+        for i in range(max(len(s["stage_compute_ms"]) for s in result["split"])):
+            part = [s["stage_compute_ms"][i] if i < len(s["stage_compute_ms"]) else 0.0
+                    for s in result["split"]]
+            split.bar(xs, part, 0.5, bottom=bottom, label=f"stage {i} compute")
+            bottom = [b + p for b, p in zip(bottom, part)]
+        split.bar(xs, [max(0.0, s["chain_overhead_ms"]) for s in result["split"]], 0.5,
+                  bottom=bottom, color="lightgrey", label="the chain adds")
+        split.scatter(xs, [s["per_token_ms"] for s in result["split"]], color="black",
+                      zorder=3, label="per token (median)")
+        v = result.get("verdict")
+        if v:
+            one = next(s["per_token_ms"] for s in result["split"] if s["stages"] == 1)
+            split.axhline(one * v["target"], color="black", linestyle="--", linewidth=1,
+                          label=f"target {v['target']}x one stage")
+        split.set_xticks(list(xs), [f"{s['stages']} stage(s)" for s in result["split"]])
+        plots.finish(split, title=f"decode, {result['decode_tokens']} tokens, median of "
+                                  f"{result['runs']} runs", ylabel="ms per token")
+    else:
+        plots.empty(split, "split not measured (--skip-split)")
+    return fig
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_mesh",
                                 description="Per-hop cost (gRPC vs Ray) and 2-stage decode "
@@ -273,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
         if owns_ray:
             ray.shutdown()
     result["loadavg_after"] = loadavg()
-    emit(result, table(result), args.json)
+    emit(result, table(result), args.json, "bench_mesh")
     return result
 
 

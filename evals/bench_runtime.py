@@ -40,8 +40,9 @@ process, is not restricted (its build is for this machine), which the output say
 
 The JSON records the CPU, torch's CPU capability, the restrictions in force, what our
 runtime multiplies with per weight format and llama.cpp's system info. With `--json PATH`
-the figures are also written to PATH and a plot to PATH with a .png suffix; with
-`--json -` the JSON goes to stdout and the table to stderr.
+the figures are also written to PATH and a plot to PATH with a .png suffix (drawn again
+by `--plot PATH` or `python -m skippy.evals.plots PATH`); with `--json -` the JSON goes to
+stdout and the table to stderr.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from skippy.evals import plots
 from skippy.evals.reference import _quiet_stderr
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.linear import WEIGHT_FORMATS, kernels
@@ -653,18 +655,19 @@ def _table(result: dict) -> str:
                      + _floor_rows(runs, w) + _batched_rows(runs, w) + _notes(runs))
 
 
-def plot(result: dict, png: Path) -> Path:
+def plot(result: dict):
     """ms per step, ours vs llama.cpp: prefill by prompt length (left) and each decode step
     (right, medians over repeats, dotted: the median step), one row per run."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     runs = result["runs"]
-    fig = Figure(figsize=(11, 3.4 * max(1, len(runs))))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(max(1, len(runs)), 2, squeeze=False)
-    sides = (("ours", "ours", "tab:blue", "o-"), ("reference", "llama.cpp", "tab:orange", "s--"))
+    env = result.get("environment") or {}
+    fig, axes = plots.figure(max(1, len(runs)), 2, width=5.5, height=3.4, title=(
+        f"ours vs llama.cpp {result.get('llama_cpp_version', '?')}, "
+        f"{result.get('threads', '?')} threads, {env.get('cpu', '?')}, torch "
+        f"{env.get('torch_cpu_capability', '?')}"))
+    sides = (("ours", "ours", plots.OURS, "o-"), ("reference", "llama.cpp", plots.REFERENCE,
+                                                   "s--"))
     for (pre, dec), r in zip(axes, runs):
         name = (f"{model_label(r['model'])} {r['format'].upper()} "
                 f"(ours {r['decode_bandwidth_floor']['ours_weight_format']})")
@@ -680,20 +683,13 @@ def plot(result: dict, png: Path) -> Path:
             pre.set_xscale("log", base=2)
             pre.set_yscale("log")
         pre.set_xticks(toks, [str(n) for n in toks])
-        pre.set(title=f"{name}: prefill", xlabel="prompt tokens", ylabel="ms per prefill")
-        dec.set(title=f"{name}: decode", ylabel="ms per step", ylim=(0, None),
-                xlabel=f"step after the {d['after_tokens']}-token prefill")
+        plots.finish(pre, title=f"{name}: prefill", xlabel="prompt tokens",
+                     ylabel="ms per prefill")
+        dec.set_ylim(0, None)
         dec.xaxis.set_major_locator(MaxNLocator(integer=True))
-        for ax in (pre, dec):
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-    env = result.get("environment") or {}
-    fig.suptitle(f"ours vs llama.cpp {result.get('llama_cpp_version', '?')}, "
-                 f"{result.get('threads', '?')} threads, {env.get('cpu', '?')}, torch "
-                 f"{env.get('torch_cpu_capability', '?')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=90)
-    return Path(png)
+        plots.finish(dec, title=f"{name}: decode", ylabel="ms per step",
+                     xlabel=f"step after the {d['after_tokens']}-token prefill")
+    return fig
 
 
 # -- the command line ------------------------------------------------------------------------------
@@ -789,9 +785,9 @@ def main(argv: list[str] | None = None) -> dict:
         sys.path.insert(0, str(args.llama_cpp.resolve()))
     import llama_cpp
 
-    if args.plot:
+    if args.plot:  # the same as `python -m skippy.evals.plots JSON --bench bench_runtime`
         result = json.loads(args.plot.read_text())
-        print(plot(result, args.plot.with_suffix(".png")))
+        print(plots.render(result, plots.png_for(args.plot), "bench_runtime"))
         return result
     if args.restrict:
         _reexec_restricted(args.restrict, argv)
@@ -817,12 +813,9 @@ def main(argv: list[str] | None = None) -> dict:
                   lanes=args.lanes, tokens=args.tokens, decode_steps=args.decode_steps)
         for m, f, w in tracked(cells, "bench_runtime", "run", say=say)]
     print(_table(result), file=out, flush=True)
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        say(f"plot: {plot(result, Path(args.json).with_suffix('.png'))}")
+    png = plots.write(result, args.json, "bench_runtime")
+    if png:
+        say(f"plot: {png}")
     return result
 
 

@@ -36,12 +36,13 @@ On a recurrent model llama.cpp is also timed running only the tail after a fresh
 computed prefix (untimed): the `ceiling` column, llama.cpp ms / that, is the speedup of
 a cache that leaves nothing but the tail to compute in llama.cpp's kernels. On 2 CPU
 cores prefill is compute-bound, so a 16-row tail costs about 1/7 of 144 rows there.
+`--json P` also draws P.png: the speedup per family and row against its target, and the
+changed-tail latency by prefix length, ours and llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 
 from skippy.cache.config import CacheConfig
+from skippy.evals import plots
 from skippy.evals.reference import _quiet_stderr
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.progress import Console, tracked
@@ -346,6 +348,56 @@ def format_row(family: str, r: dict) -> str:
             f"{r['ours']['reused_tokens']:>6}  {exact}")
 
 
+def summary(families: list[dict], *, repeats: int, chunk: int = CHUNK,
+            seconds: float = 0.0) -> dict:
+    """The JSON of a run: its settings, targets and whether all were met, and each
+    family's `bench` result."""
+    checked = [r["met"] for f in families for r in f["rows"] if r["met"] is not None]
+    return {"prefix_tokens": PREFIX, "long_prefix_tokens": LONG_PREFIX, "tail_tokens": TAIL,
+            "threads": THREADS, "repeats": repeats, "n_ctx": N_CTX, "chunk": chunk,
+            "targets": {f"{k}/{row}": v for (k, row), v in TARGETS.items()},
+            "targets_met": bool(checked) and all(checked), "families": families,
+            "seconds": seconds}
+
+
+def plot(result: dict):
+    """Speedup (llama.cpp ms / ours ms) per family, runtime and row, targets marked (left);
+    the changed-tail rows' ms by prefix length, ours solid and llama.cpp dashed (right)."""
+    fig, ((speed, latency),) = plots.figure(1, 2, width=6.8, title=(
+        f"warm cache hits vs llama.cpp's warm slot ({result['tail_tokens']}-token tails, "
+        f"{result['threads']} threads, medians of {result['repeats']})"))
+    groups = [(f["family"], rt) for f in result["families"]
+              for rt in dict.fromkeys(r["runtime"] for r in f["rows"])]
+    names = list(dict.fromkeys(r["row"] for f in result["families"] for r in f["rows"]))
+    by = {(f["family"], r["runtime"], r["row"]): r for f in result["families"]
+          for r in f["rows"]}
+    plots.bars(speed, [f"{fam}\n{rt}" for fam, rt in groups],
+               {n: [by[(*g, n)]["speedup"] if (*g, n) in by else 0 for g in groups]
+                for n in names}, rotate=len(groups) > 4)
+    plots.target_marks(speed, [(j, i, by[(*g, n)]["target"]) for i, n in enumerate(names)
+                               for j, g in enumerate(groups) if by.get((*g, n), {}).get("target")],
+                       len(groups), len(names))
+    speed.axhline(1.0, color="grey", linewidth=0.8)
+    plots.finish(speed, title="speedup per family", ylabel="llama.cpp ms / ours ms")
+    for k, f in enumerate(result["families"]):
+        tails = [r for r in f["rows"] if r["tail_tokens"]]
+        color = f"C{k}"
+        for rt in dict.fromkeys(r["runtime"] for r in tails):
+            mine = sorted((r for r in tails if r["runtime"] == rt),
+                          key=lambda r: r["prefix_tokens"])
+            latency.plot([r["prefix_tokens"] for r in mine], [r["ours_ms"] for r in mine],
+                         "o-" if rt == "torch" else "^-.", color=color,
+                         label=f"{f['family']} ours ({rt})")
+        ref = sorted({r["prefix_tokens"]: r for r in tails}.values(),
+                     key=lambda r: r["prefix_tokens"])
+        latency.plot([r["prefix_tokens"] for r in ref], [r["llama_cpp_ms"] for r in ref],
+                     "s--", color=color, label=f"{f['family']} llama.cpp")
+    plots.log_y(latency)
+    plots.finish(latency, title="prefix + new tail: ms to the first token",
+                 xlabel="cached prefix tokens", ylabel="ms (log)")
+    return fig
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_stage_cache")
     p.add_argument("--family", "--model", action="append", choices=sorted(FAMILIES),
@@ -355,8 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk", type=int, default=CHUNK,
                    help=f"our prefill chunk C (default {CHUNK}); a tail is padded to C rows")
-    p.add_argument("--json", help="write the results to PATH ('-': JSON on stdout, "
-                                  "the table on stderr)")
+    p.add_argument("--json", help="write the results to PATH and a plot to PATH with .png "
+                                  "('-': JSON on stdout, the table on stderr)")
     args = p.parse_args(argv)
     table = sys.stderr if args.json == "-" else sys.stdout
 
@@ -380,17 +432,11 @@ def main(argv: list[str] | None = None) -> dict:
     for f in families:
         for r in f["rows"]:
             say(format_row(f["family"], r))
+    result = summary(families, repeats=args.repeats, chunk=args.chunk,
+                     seconds=time.perf_counter() - started)
     checked = [r["met"] for f in families for r in f["rows"] if r["met"] is not None]
-    result = {"prefix_tokens": PREFIX, "long_prefix_tokens": LONG_PREFIX, "tail_tokens": TAIL,
-              "threads": THREADS, "repeats": args.repeats, "n_ctx": N_CTX, "chunk": args.chunk,
-              "targets": {f"{k}/{row}": v for (k, row), v in TARGETS.items()},
-              "targets_met": bool(checked) and all(checked), "families": families,
-              "seconds": time.perf_counter() - started}
     say(f"targets met: {sum(checked)}/{len(checked)}")
-    if args.json == "-":
-        print(json.dumps(result, indent=2))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    plots.write(result, args.json, "bench_stage_cache")
     return result
 
 

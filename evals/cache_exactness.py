@@ -8,7 +8,9 @@ Prompts are rendered with the model's chat template (plain concatenation where i
 none), capped at --cap tokens (their first tokens, so the shared stems stay shared), and
 sent one after another through a cached pipeline and an uncached one; each must give
 the same 8 greedy tokens and bitwise the same first-token logits. Records of one use
-case share long stems, so later prompts hit what earlier ones recorded.
+case share long stems, so later prompts hit what earlier ones recorded. `--json P` also
+draws P.png: the share of prompt tokens the cache served per use case, the time with the
+cache on and off, and the block store's logical vs physical bytes per stage.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from skippy.cache.config import CacheConfig
+from skippy.evals import plots
 from skippy.evals.numerics import first_of_each_use_case
 from skippy.mesh.control.local import InProcessEngine
 
@@ -81,6 +84,53 @@ def compare(path, records: list[dict], stages: int, cap: int = 512,
             "cache": on.stats()["stages"], "rows": rows}
 
 
+def line(r: dict) -> str:
+    """One model x split's figures, as the command prints them."""
+    return (f"{r['model']} x{r['stages']} {r['runtime']}: {r['prompts']} prompts, "
+            f"exact={r['exact']}, reused {r['reused_tokens']}/{r['prompt_tokens']} prompt "
+            f"tokens, cache on {r['seconds_cache_on']:.1f} s vs off "
+            f"{r['seconds_cache_off']:.1f} s")
+
+
+def plot(result: dict):
+    """Per use case, the prompt tokens the cache served (left; a red x marks a use case
+    with an answer that differed); cache on vs off seconds (middle); the block store's
+    logical and physical bytes per stage (right); one series per model x split."""
+    runs = result["results"]
+    fig, ((reuse, secs, store),) = plots.figure(1, 3, width=5.0, title=(
+        f"cache on vs off: {sum(r['prompts'] for r in runs)} prompts ({result['runtime']}, "
+        f"first {result['cap']} tokens each), "
+        f"{'every answer exact' if all(r['exact'] for r in runs) else 'NOT all exact'}"))
+    names = [f"{plots.short(r['model'])} x{r['stages']}" for r in runs]
+    cases = list(dict.fromkeys(x["use_case"] for r in runs for x in r["rows"]))
+
+    def share(r: dict, case: str) -> float:
+        mine = [x for x in r["rows"] if x["use_case"] == case]
+        return sum(x["reused"] for x in mine) / max(1, sum(x["tokens"] for x in mine))
+    plots.bars(reuse, cases, {n: [100 * share(r, c) for c in cases]
+                              for n, r in zip(names, runs)}, rotate=True)
+    for r in runs:
+        bad = [cases.index(x["use_case"]) for x in r["rows"]
+               if not (x["same_tokens"] and x["bitwise_logits"])]
+        reuse.scatter(bad, [0] * len(bad), marker="x", color=plots.FAIL, s=60, zorder=3)
+    reuse.set_ylim(0, 100)
+    plots.finish(reuse, title="prompt tokens served by the cache", ylabel="% of prompt tokens")
+    plots.bars(secs, names, {"cache off": [r["seconds_cache_off"] for r in runs],
+                             "cache on": [r["seconds_cache_on"] for r in runs]},
+               colors=[plots.REFERENCE, plots.OURS], rotate=True)
+    plots.finish(secs, title="time for every prompt", ylabel="s")
+    stages = [(f"{n}\nstage {i}", s) for n, r in zip(names, runs)
+              for i, s in enumerate(r["cache"])]
+    plots.bars(store, [k for k, _ in stages], {
+        "resident (RAM entries)": [s.get("resident_bytes", 0) / plots.MIB for _, s in stages],
+        "block store, logical": [(s.get("blocks") or {}).get("logical_bytes", 0) / plots.MIB
+                                 for _, s in stages],
+        "block store, physical": [(s.get("blocks") or {}).get("physical_bytes", 0) / plots.MIB
+                                  for _, s in stages]}, rotate=len(stages) > 2)
+    plots.finish(store, title="what each stage's cache holds at the end", ylabel="MiB")
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     from skippy.mesh.models import resolve_model
 
@@ -105,13 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             r = compare(resolve_model(name), records, stages, args.cap, runtime=args.runtime)
             results.append(r)
             ok &= r["exact"]
-            print(f"{r['model']} x{stages} {args.runtime}: {r['prompts']} prompts, "
-                  f"exact={r['exact']}, "
-                  f"reused {r['reused_tokens']}/{r['prompt_tokens']} prompt tokens, "
-                  f"cache on {r['seconds_cache_on']:.1f} s vs off {r['seconds_cache_off']:.1f} s",
-                  flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+            print(line(r), flush=True)
+    plots.write({"runtime": args.runtime, "cap": args.cap, "results": results}, args.json,
+                "cache_exactness")
     return 0 if ok else 1
 
 

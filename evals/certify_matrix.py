@@ -15,7 +15,8 @@ identical or not; recurrent_only: the family's state, KV or KV+recurrent) and th
 seconds taken; each failed check's detail (with its max |d|) follows the table. Rows go
 to stderr as they finish, the whole table to stdout at the end (stderr with `--json -`).
 A split the model cannot take (more stages than layers) is a skipped row. Exit code 1
-when a check failed, 2 when a model is missing.
+when a check failed, 2 when a model is missing. `--json P` also draws P.png: a pass grid,
+model x split by format.
 
 Also by default, issue 19's dense families gemma2, olmo, olmo2, glm4 and llama3 (llama
 with rope_freqs), synthesized at 4 layers as tests/test_family_<name>.py writes them.
@@ -31,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from skippy.evals import plots
 from skippy.evals.bench_stage_cache import Family, Shape
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
@@ -160,6 +162,45 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+SHORT = {"split_handoff": "split", "restore_equals_recompute": "restore",
+         "repeated_hits": "repeat", "full_state": "full"}
+
+
+def plot(result: dict):
+    """A pass grid: one row per model x stages, one column per weight format; green every
+    check passed, red (naming the failed checks) a failure, grey a skipped split."""
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+
+    rows = result["rows"]
+    lines = list(dict.fromkeys((r["name"], r["stages"]) for r in rows))
+    formats = list(dict.fromkeys(r["weight_format"] for r in rows))
+    grid = np.full((len(lines), len(formats)), np.nan)
+    fig, ((ax,),) = plots.figure(width=max(6.4, 1.3 * len(formats) + 2.5),
+                                 height=max(2.5, 0.32 * len(lines) + 1.2))
+    for r in rows:
+        i, j = lines.index((r["name"], r["stages"])), formats.index(r["weight_format"])
+        grid[i, j] = -1 if r["skipped"] else (1 if r["passed"] else 0)
+        failed = [SHORT.get(c["name"], c["name"]) for c in r["checks"] if c["passed"] is False]
+        if failed:
+            ax.text(j, i, ",".join(failed), ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.imshow(grid, cmap=ListedColormap([plots.SKIP, plots.FAIL, plots.PASS]), vmin=-1.5,
+              vmax=1.5, aspect="auto")
+    ax.set_xticks(range(len(formats)), formats)
+    ax.set_yticks(range(len(lines)), [f"{name} x{n}" for name, n in lines], fontsize=8)
+    ax.set_xticks(np.arange(len(formats) + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(len(lines) + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="white", linewidth=1)
+    ax.tick_params(which="minor", length=0)
+    ran = [r for r in rows if r["passed"] is not None]
+    ax.set_title(f"certify, torch runtime: {sum(r['passed'] for r in ran)}/{len(ran)} pass",
+                 fontsize=10)
+    ax.set_xlabel("green: every check passed; red: the failed checks, named; grey: skipped "
+                  "split", fontsize=8)
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     from skippy.evals.bench_gateway import emit
     from skippy.mesh.models import ModelError
@@ -171,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"repeatable; default: {', '.join(map(str, SPLITS))}")
     p.add_argument("--weight-format", action="append", dest="formats", choices=WEIGHT_FORMATS,
                    help="repeatable; default: every format")
-    p.add_argument("--json", help="also write the results to PATH ('-': JSON on stdout, "
-                                  "the table on stderr)")
+    p.add_argument("--json", help="also write the results to PATH and a pass grid to PATH "
+                                  "with .png ('-': JSON on stdout, the table on stderr)")
     args = p.parse_args(argv)
     progress = Console()  # rows as they are done; a bar on a terminal
     try:
@@ -181,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModelError as e:  # e.g. a shipped model not pulled yet
         print(f"certify_matrix: {e}", file=sys.stderr)
         return 2
-    emit(result, table(result), args.json)
+    emit(result, table(result), args.json, "certify_matrix")
     return 0 if result["passed"] else 1
 
 

@@ -1,7 +1,7 @@
 """The specification's family table, reproduced on our files: every family we run.
 
     python -m skippy.evals.family_matrix [--family NAME ...] [--repeats 5]
-        [--json PATH] [--markdown PATH]        (PATH.png is drawn next to the JSON)
+        [--json PATH] [--markdown PATH]        (PATH with .png: its plot, next to the JSON)
 
 Per family: the payload its cache stores (ResidentKv: attention KV; KvRecurrent: KV with
 the recurrent state), `skippy certify` at 2 stages in fp32 and int4 (pass/fail), then the
@@ -21,7 +21,6 @@ next token differs).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from skippy.evals import plots
 from skippy.evals.bench_stage_cache import PREFIX, TAIL, Family, Shape, bench
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
@@ -123,25 +123,27 @@ def markdown(families: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(families: list[dict], out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = [f["label"] for f in families]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4))
-    width = 0.8 / len(ROWS)
-    for i, row in enumerate(ROWS):
-        xs = [j + (i - (len(ROWS) - 1) / 2) * width for j in range(len(names))]
-        ax.bar(xs, [f["rows"].get(row, {}).get("speedup", 0) for f in families], width,
-               label=row.replace("_", " "))
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    ax.set_ylabel("llama.cpp ms / ours ms (warm cache)")
-    ax.set_title(f"Warm-cache speedup per family ({PREFIX}-token prefix, {TAIL}-token tail)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+def plot(result: dict):
+    """The warm-cache speedup per family, one bar per row (left; a family whose certify
+    failed is marked FAIL under its name), and the bytes of its prefix's state (right)."""
+    families = result["families"]
+    names = [f["label"] + ("" if all(f["certify"].values()) else "\n(certify FAIL)")
+             for f in families]
+    fig, ((speed, size),) = plots.figure(1, 2, width=max(6.0, 0.6 * len(names)), height=4.5)
+    plots.bars(speed, names, {row.replace("_", " "): [f["rows"].get(row, {}).get("speedup", 0)
+                                                     for f in families] for row in ROWS},
+               rotate=True)
+    speed.axhline(1.0, color="black", linewidth=0.8)
+    plots.finish(speed, ylabel="llama.cpp ms / ours ms (warm cache)",
+                 title=f"Warm-cache speedup per family ({PREFIX}-token prefix, {TAIL}-token "
+                       "tail)")
+    for payload, color in (("ResidentKv", "tab:cyan"), ("KvRecurrent", "tab:purple")):
+        mine = [i for i, f in enumerate(families) if f["payload"] == payload]
+        size.bar(mine, [families[i]["cache_bytes"] / 2**20 for i in mine], color=color,
+                 label=payload)
+    size.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    plots.finish(size, ylabel="MiB", title=f"state of a {PREFIX}-token prefix as cached")
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", action="append", choices=sorted(MATRIX),
                    help="repeatable; default: every family")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", help="write the results to PATH (and the plot to PATH.png)")
+    p.add_argument("--json", help="write the results to PATH (and its plot: PATH with .png)")
     p.add_argument("--markdown", help="write the markdown table to PATH")
     args = p.parse_args(argv)
     say = Console()  # on stderr; a bar of the families done on a terminal
@@ -162,11 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{f['label']}: {f['shape']}")
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    if args.json:
-        out = Path(args.json)
-        out.write_text(json.dumps({"families": families, "repeats": args.repeats,
-                                   "seconds": time.perf_counter() - started}, indent=2))
-        plot(families, out.with_name(out.name + ".png"))
+    plots.write({"families": families, "repeats": args.repeats,
+                 "seconds": time.perf_counter() - started}, args.json, "family_matrix")
     ok = all(all(f["certify"].values()) for f in families)
     return 0 if ok else 1
 

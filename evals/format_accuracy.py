@@ -9,19 +9,20 @@ half by teacher-forced decode steps (formats may use other kernels for the two).
 --file picks the GGUF the runtimes load (llama.cpp requantization: q4_0 by default, the
 file the runtime benchmark times; `none` for the shipped file). A format passes when its
 top-1 agreement with fp32 is at least BAR; the fastest passing format is the serving
-default (stages/runtime.py DEFAULT_WEIGHT_FORMAT).
+default (stages/runtime.py DEFAULT_WEIGHT_FORMAT). `--json P` also draws P.png: top-1
+agreement per format (prefill and decode rows) against the bar, and the cosine distance.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from skippy.evals import plots
 from skippy.evals.numerics import (DEFAULT_DATA, WINDOW, cosine, prompt_ids, read_corpus,
                                    whole_model)
 from skippy.evals.reference import LlamaCppReference
@@ -82,6 +83,38 @@ def compare_format(path, fmt: str, prompts: list[list[int]], reference,
             "passes": top1 >= BAR}
 
 
+def line(r: dict) -> str:
+    """One model x format's row of the printed table."""
+    return (f"{r['model']:<40} {r['format']:<6} {r['positions']:>9} {r['top1']:>8.2%} "
+            f"{r['top1_prefill_rows']:>8.2%} {r['top1_decode_rows']:>8.2%} "
+            f"{r['min_cosine']:>10.6f} {r['mean_cosine']:>10.6f}  "
+            f"{'pass' if r['passes'] else 'FAIL'}")
+
+
+def plot(result: dict):
+    """Top-1 agreement with fp32 per weight format and model, prefill rows and decode rows
+    apart, against the bar (left); the lowest cosine of a position's logits (right)."""
+    runs = result["results"]
+    fig, ((top1, cos),) = plots.figure(1, 2, title=(
+        f"weight formats vs fp32 on the same file ("
+        f"{'as shipped' if result['file'] == 'none' else result['file']})"))
+    labels = [f"{plots.short(r['model'])}\n{r['format']}" for r in runs]
+    plots.bars(top1, labels, {"all": [100 * r["top1"] for r in runs],
+                              "prefill rows": [100 * r["top1_prefill_rows"] for r in runs],
+                              "decode rows": [100 * r["top1_decode_rows"] for r in runs]},
+               rotate=len(runs) > 4)
+    top1.axhline(100 * BAR, color="black", linestyle="--", linewidth=1,
+                 label=f"bar {BAR:.0%}")
+    top1.set_ylim(min([100 * BAR - 2] + [100 * r["top1_decode_rows"] - 1 for r in runs]), 100)
+    plots.finish(top1, title="top-1 agreement with fp32", ylabel="%")
+    plots.bars(cos, labels, {"1 - min cosine": [1 - r["min_cosine"] for r in runs],
+                             "1 - mean cosine": [1 - r["mean_cosine"] for r in runs]},
+               rotate=len(runs) > 4)
+    cos.set_yscale("log")
+    plots.finish(cos, title="logits' distance from fp32 (lower is closer)", ylabel="log")
+    return fig
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     from skippy.mesh.models import requantize, resolve_model
 
@@ -93,7 +126,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    choices=[f for f in WEIGHT_FORMATS if f != "fp32"],
                    help="format to measure against fp32 (repeatable; default all)")
     p.add_argument("--data", default=str(DEFAULT_DATA))
-    p.add_argument("--json", help="also write the results to this path")
+    p.add_argument("--json", help="also write the results to this path (and a plot: the "
+                   "path with .png)")
     args = p.parse_args(argv)
     records = read_corpus(args.data, per_use_case=2)
     formats = args.formats or [f for f in WEIGHT_FORMATS if f != "fp32"]
@@ -111,13 +145,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for fmt in formats:
             r = {"model": Path(path).name, **compare_format(path, fmt, prompts, reference)}
             results.append(r)
-            print(f"{r['model']:<40} {fmt:<6} {r['positions']:>9} {r['top1']:>8.2%} "
-                  f"{r['top1_prefill_rows']:>8.2%} {r['top1_decode_rows']:>8.2%} "
-                  f"{r['min_cosine']:>10.6f} {r['mean_cosine']:>10.6f}  "
-                  f"{'pass' if r['passes'] else 'FAIL'}", flush=True)
+            print(line(r), flush=True)
         reference = None
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    plots.write({"file": args.file, "bar": BAR, "results": results}, args.json,
+                "format_accuracy")
     return results
 
 

@@ -14,6 +14,7 @@
 5. Certify the last stage alone (`skippy certify --stage A..B`: synthetic upstream
    activations, none of the earlier layers built).
 Exit status 1 if a stage's peak is over the limit, the certify fails or no answer came.
+`--json P` also draws P.png: each stage's peak RSS against the limit, and the times.
 
 `--dtype f32 --weight-format fp32` measures the split alone (stages hold what the file
 holds).
@@ -33,6 +34,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from skippy.evals import plots
 
 # The giant: deepseek2-shaped (multi-head latent attention, a dense first layer, then
 # mixture-of-experts layers with shared experts and grouped routing), the shape of today's
@@ -178,6 +181,35 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict):
+    """Each stage actor's peak RSS and RSS after load against the limit (half the model +
+    the allowance), the driver's peak beside them (left); where the time went (right)."""
+    mib = plots.MIB
+    stages = result["stages"]
+    fig, ((mem, time_),) = plots.figure(1, 2, title=(
+        f"a {result['model_bytes'] / 2**30:.2f} GiB {result['arch']} ({result['layers']} "
+        f"layers, {result['dtype']}) served on {len(stages)} stages in "
+        f"{result['weight_format']}: {'PASS' if result['passed'] else 'FAIL'}"))
+    labels = [f"stage {i}\nlayers {a}-{b - 1}" for i, (a, b) in
+              enumerate(s["layers"] for s in stages)] + ["driver"]
+    plots.bars(mem, labels, {
+        "peak RSS": [s["peak_rss"] / mib for s in stages] + [result["driver_peak_rss"] / mib],
+        "RSS after load": [s["rss"] / mib for s in stages] + [0]})
+    mem.axhline(result["limit_bytes"] / mib, color=plots.FAIL, linestyle="--",
+                label=f"stage limit {result['limit_bytes'] / mib:.0f} MiB")
+    mem.axhline(result["model_bytes"] / mib, color="black", linestyle=":",
+                label="the whole model")
+    plots.finish(mem, title="memory per process", ylabel="MiB")
+    cert = result["last_stage_certify"]
+    parts = {"synth": result["synth_s"], "split": result["split_s"], "load": result["load_s"],
+             "chat": result["chat"]["seconds"], "certify last stage": cert["seconds"]}
+    time_.barh(list(parts), list(parts.values()), color=plots.OURS)
+    time_.invert_yaxis()
+    plots.finish(time_, title=f"seconds (certify: {'PASS' if cert['passed'] else 'FAIL'})",
+                 xlabel="s", legend=False)
+    return fig
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.giant_proof",
                                 description=__doc__.split("\n\n")[0])
@@ -188,7 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowance-mib", type=int, default=512)
     p.add_argument("--work", type=Path, default=Path("/tmp/skippy-giant"))
     p.add_argument("--keep", action="store_true", help="keep the source GGUF")
-    p.add_argument("--json", type=Path, help="write the report here too")
+    p.add_argument("--json", type=Path, help="write the report here too (and a plot: the "
+                   "path with .png)")
     return p.parse_args(argv)
 
 
@@ -200,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                  allowance_mib=args.allowance_mib, keep=args.keep,
                  say=Console())  # stderr; bars for the split and the stages' loading
     print(table(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    plots.write(report, args.json, "giant_proof")
     return report
 
 

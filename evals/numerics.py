@@ -7,7 +7,7 @@ For each model: requantize to --format (F16 by default: with Q8_0 llama.cpp also
 quantizes activations), take the last 256 tokens of the first 2 prompts of each use case,
 and compare logits at every position: top-1 agreement and the final-position cosine.
 Then decode a few greedy steps and compare them with a full recompute (not bitwise:
-decode rows run at another shape than prefill rows).
+decode rows run at another shape than prefill rows). `--json P` also draws P.png.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from skippy.evals import plots
 from skippy.evals.reference import LlamaCppReference
 from skippy.stages.runtime import StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
@@ -182,6 +183,39 @@ def decode_vs_recompute(path, ids: list[int], steps: int = 8) -> dict:
             "top1": float((decoded.argmax(-1) == recomputed.argmax(-1)).float().mean())}
 
 
+def line(r: dict) -> str:
+    """One model's figures, as the command prints them."""
+    d = r["decode_vs_recompute"]
+    return (f"{r['model']}: top-1 {r['top1']:.4f} over {r['positions']} positions, "
+            f"min final cosine {r['min_final_cosine']:.7f}, max |dlogit| "
+            f"{r['max_abs_delta']:.3g}; decode vs recompute ({d['steps']} steps): "
+            f"max |d| {d['max_abs_delta']:.3g}, top-1 {d['top1']:.3f}")
+
+
+def plot(result: dict):
+    """Per model, top-1 agreement with llama.cpp at every position and of decode against a
+    full recompute (left); the largest |logit difference| of each, and 1 - the lowest
+    final-position cosine (right)."""
+    runs = result["results"]
+    fig, ((top1, delta),) = plots.figure(1, 2, title=(
+        f"our torch stages vs llama.cpp on the same file ("
+        f"{'as shipped' if result['format'] == 'none' else result['format']})"))
+    labels = [plots.short(r["model"]) for r in runs]
+    plots.bars(top1, labels, {
+        "prefill, every position": [100 * r["top1"] for r in runs],
+        "decode vs recompute": [100 * r["decode_vs_recompute"]["top1"] for r in runs]})
+    top1.set_ylim(min([99.0] + [100 * r["top1"] - 0.5 for r in runs]), 100.05)
+    plots.finish(top1, title="top-1 agreement", ylabel="%")
+    plots.bars(delta, labels, {
+        "max |dlogit| vs llama.cpp": [r["max_abs_delta"] for r in runs],
+        "max |dlogit| decode vs recompute": [r["decode_vs_recompute"]["max_abs_delta"]
+                                             for r in runs],
+        "1 - min final cosine": [max(1 - r["min_final_cosine"], 1e-12) for r in runs]})
+    delta.set_yscale("log")
+    plots.finish(delta, title="how far apart (log)")
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     from skippy.mesh.models import requantize, resolve_model
 
@@ -205,13 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = prompt_ids(LlamaCppReference(path), chosen[0], 128)
         r["decode_vs_recompute"] = decode_vs_recompute(path, ids)
         results.append(r)
-        d = r["decode_vs_recompute"]
-        print(f"{r['model']}: top-1 {r['top1']:.4f} over {r['positions']} positions, "
-              f"min final cosine {r['min_final_cosine']:.7f}, max |dlogit| "
-              f"{r['max_abs_delta']:.3g}; decode vs recompute ({d['steps']} steps): "
-              f"max |d| {d['max_abs_delta']:.3g}, top-1 {d['top1']:.3f}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        print(line(r), flush=True)
+    plots.write({"format": args.format, "results": results}, args.json, "numerics")
     return 0
 
 

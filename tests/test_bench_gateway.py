@@ -11,6 +11,7 @@ import time
 import pytest
 
 from skippy.evals import bench_gateway as bg
+from skippy.evals import plots
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -178,11 +179,11 @@ def gateway(smollm2):
         yield srv
 
 
-def test_every_scenario_runs_against_our_gateway(gateway, smollm2):
+def test_every_scenario_runs_against_our_gateway(gateway, smollm2, tmp_path):
     rs = records({"a": 2, "b": 2})
     work = bg.Workload("smollm2", "The harbour town woke slowly.", repeats=3,
                        file_order=rs, interleaved=bg.interleave(rs),
-                       concurrent=bg.concurrent_messages(2, 2))
+                       concurrent=bg.concurrent_messages(2, 2), sweep=(1,))
     out = bg.run_scenarios(gateway.url, work, ours=True, say=lambda m: None)
     assert set(out) == set(bg.SCENARIOS)
     for name, s in out.items():
@@ -190,9 +191,20 @@ def test_every_scenario_runs_against_our_gateway(gateway, smollm2):
     assert out["repeat"]["n"] == 3 and out["repeat"]["completion_tokens"] == 3
     assert out["file_order"]["ids"] == ["a-0", "a-1", "b-0", "b-1"]
     assert out["interleaved"]["ids"] == ["a-0", "b-0", "a-1", "b-1"]
+    assert out["interleaved"]["tags"] == ["a", "b", "a", "b"]  # each sample's use case
     c = out["concurrent"]
     assert c["requests"] == 4 and c["n"] == 4
     assert 0 < c["completion_tokens"] <= 4 * 16 and c["tokens_per_s"] > 0
+    one, = c["sweep"]  # 1 client first, then the 2 of the scenario
+    assert one["clients"] == 1 and one["requests"] == 2 and one["tokens_per_s"] > 0
+    # the figures as the bench keeps them draw (this server standing in for both sides)
+    servers = {key: {"label": key, "scenarios": out} for key in ("reference",
+                                                                  "ours_1_llama.cpp")}
+    result = {"settings": {"model": "smollm2", "file": str(smollm2),
+                           "requests_per_client": 2}, "servers": servers,
+              "comparisons": bg.comparisons(servers)}
+    png = plots.render(result, tmp_path / "gateway.png", "bench_gateway")
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_failed_requests_are_counted_not_timed(gateway):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from skippy.evals import bench_stage_cache as bench
+from skippy.evals import plots
 
 TINY = bench.Family("lfm2-tiny", "hybrid",
                     shape=bench.Shape("lfm2", layers=3, hidden=256, heads=4, kv_heads=2,
@@ -41,6 +42,11 @@ def test_tiny_hybrid_run_has_every_row_and_exact_answers(smollm2, tmp_path) -> N
             assert tail_only > 0
             assert r["ceiling"] == pytest.approx(r["llama_cpp_ms"] / tail_only)
     assert rows[("changed_tail", "torch")]["ours"]["logits_bitwise"] is True
+    summary = bench.summary([result], repeats=1)
+    assert summary["targets_met"] == all(r["met"] for r in result["rows"]
+                                         if r["met"] is not None)
+    png = plots.render(summary, tmp_path / "stage_cache.png", "bench_stage_cache")
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_rows_and_targets_per_family_kind() -> None:

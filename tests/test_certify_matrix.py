@@ -29,6 +29,8 @@ def test_table_and_json_of_a_passing_and_a_skipped_split(qwen3_f32, tmp_path, ca
         ("qwen3-L6", 2, "int8", True)
     assert {c["name"] for c in ran["checks"]} >= {"split_handoff", "restore_equals_recompute"}
     assert skipped["passed"] is None and "6 layers" in skipped["skipped"]
+    assert data["bench"] == "certify_matrix"
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"  # the pass grid
 
 
 def test_a_failed_check_is_named_with_its_difference_and_exits_1(qwen3_f32, monkeypatch,

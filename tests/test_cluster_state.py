@@ -1,14 +1,16 @@
 """State shared between hosts that really are separate (tests/hosts.py): a conversation
 served by pipeline A on host 1 continues on pipeline B on host 2, whose stage pulls the
 state from host 1 over the stage network (mutual TLS) instead of recomputing it, and
-answers bitwise as a recompute does. The driver is `evals/bench_cluster.py` itself, run
-inside host 1, so the figures in its JSON are the eval's.
+answers bitwise as a recompute does; and when host 2's stage is killed mid-conversation,
+the rebuilt turn answers bitwise too. The driver is `evals/bench_cluster.py` itself, run
+inside host 1, so the figures in its JSON (and its plot) are the eval's.
 
 Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # The `hosts` fixture (tests/conftest.py): pipeline A goes where the plan puts stage 0
 # (the largest host), B and C to the hosts with the most memory left after it.
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
+DATA = Path(os.environ.get("SKIPPY_CORPUS", Path(__file__).resolve().parents[1].parent
+                          / "shared" / "data" / "usecases.jsonl"))
 TOKENS = 1024
 
 
@@ -47,6 +50,10 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     assert row["remote_cached_tokens"] >= TOKENS and row["local_cached_tokens"] >= TOKENS
     assert 0 < row["fetched_bytes"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # Faults: host 2's stage killed mid-conversation; the rebuilt turn answers bitwise
+    faults = result["faults"]
+    assert faults["exact"] and faults["rebuilds"]["fault"] >= 1
+    assert [t["fault"] for t in faults["turns"]] == [False, False, True, False]
     # Dedupe: 6 sessions sharing 512 tokens round-robin over the hosts; the first one on
     # each host computes or pulls the prefix, every later one finds it on its host
     sessions = result["dedupe"]["sessions"]

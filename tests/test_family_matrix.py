@@ -4,6 +4,7 @@ its entries: every family the runtime has, each a file synth can write."""
 from __future__ import annotations
 
 from skippy.evals import family_matrix as fm
+from skippy.evals import plots
 from skippy.stages.synth import SYNTH_ARCHS
 from skippy.topology.families import FAMILIES
 
@@ -23,10 +24,12 @@ def test_markdown_names_payload_certify_speedup_and_bytes():
                         "20.0 | 1.6 | **12.50x** | 3.0 MiB |")
 
 
-def test_plot_is_written(tmp_path):
-    out = tmp_path / "m.json.png"
-    fm.plot([_result("A", "ResidentKv", 1.5), _result("B", "KvRecurrent", 9.0)], out)
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_plot_is_written_next_to_the_json(tmp_path):
+    out = tmp_path / "m.json"
+    png = plots.write({"families": [_result("A", "ResidentKv", 1.5),
+                                    _result("B", "KvRecurrent", 9.0)], "repeats": 1},
+                      out, "family_matrix")
+    assert png == tmp_path / "m.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_every_family_has_an_entry_synth_can_write():

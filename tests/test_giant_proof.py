@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from skippy.evals import plots  # noqa: E402
 from skippy.evals.giant_proof import SMALL, STAGES, layers_for, run, table  # noqa: E402
 from skippy.stages.synth import synth_bytes  # noqa: E402
 
@@ -43,3 +44,5 @@ def test_each_stage_holds_less_than_half_the_model(smollm2, tmp_path):
     for stage in report["stages"]:
         assert stage["peak_rss"] < limit, table(report)
     assert report["passed"]
+    png = plots.render(report, tmp_path / "giant.png", "giant_proof")
+    assert png.read_bytes()[:4] == b"\x89PNG"
