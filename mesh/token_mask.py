@@ -70,16 +70,11 @@ class TokenMask:
         self._matcher.unsafe_compute_mask_ptr(self._words.data_ptr(),
                                               self._words.numel() * 4)
         self._raise_if_failed()
-        return ((self._words.unsqueeze(1) & _BITS) != 0).view(-1)[:self._n]
+        return unpack(self._words, self._n)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` with every token the grammar forbids at -inf (tokens past the
-        vocabulary, an output head's padding, included)."""
-        ok = self.allowed()
-        out = torch.full_like(logits, float("-inf"))
-        n = min(self._n, logits.numel())
-        out[:n] = torch.where(ok[:n], logits[:n], out[:n])
-        return out
+        """`logits` with what the grammar forbids next at -inf (a copy)."""
+        return masked(logits, self.allowed())
 
     def advance(self, token: int) -> None:
         """The token the request produced: the grammar moves past it. A token the grammar
@@ -100,3 +95,18 @@ class TokenMask:
     def _raise_if_failed(self) -> None:
         if self._matcher.is_error():
             raise ConstraintError(" ".join(self._matcher.get_error().split()))
+
+
+def unpack(words: torch.Tensor, n: int) -> torch.Tensor:
+    """A bitmask of int32 words (token i is bit i % 32 of word i // 32, the layout both
+    llguidance and xgrammar write) as a bool row of n tokens."""
+    return ((words.unsqueeze(1) & _BITS) != 0).view(-1)[:n]
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` with every token not `allowed` at -inf, tokens past the
+    vocabulary (an output head's padding) included."""
+    out = torch.full_like(logits, float("-inf"))
+    n = min(allowed.numel(), logits.numel())
+    out[:n] = torch.where(allowed[:n], logits[:n], out[:n])
+    return out
