@@ -5,10 +5,12 @@
     conforms(reply, schema) -> whether the reply is JSON the schema accepts
 
 Each schema is an object whose properties are all required, with no others allowed
-(OpenAI's strict form), drawn from: strings with a maxLength, string enums, bounded
-integers and numbers, booleans, arrays with a maxItems of those, and nested objects (two
-levels at most). Every string and array is bounded, so a constrained reply is finite
-whatever the model prefers. Deterministic in (n, seed): schema i depends only on the
+(OpenAI's strict form), drawn from: strings with a maxLength, string enums, integers
+with a minimum and maximum, numbers with a maximum and a multipleOf, booleans, arrays
+with a maxItems of those, and nested objects (two levels at most). Every value is
+bounded in length, so a constrained reply is finite whatever the model prefers: a number
+without a multipleOf has no bound on its decimals, and greedy SmolLM2 then writes
+`1.0000000…` until max_tokens (2 replies in 44 did, before numbers had one). Deterministic in (n, seed): schema i depends only on the
 seed and i, so the first k of 50 are the same k in a shorter run.
 """
 
@@ -57,8 +59,9 @@ def _scalar(rng: random.Random, kind: str) -> dict:
     if kind == "integer":
         low = rng.randint(-10, 10)
         return {"type": "integer", "minimum": low, "maximum": low + rng.choice((9, 100, 2000))}
-    if kind == "number":
-        return {"type": "number", "minimum": 0, "maximum": rng.choice((1, 100, 1e4))}
+    if kind == "number":  # multipleOf bounds the decimals (see the module docstring)
+        return {"type": "number", "minimum": 0, "maximum": rng.choice((1, 100, 1e4)),
+                "multipleOf": rng.choice((0.01, 0.1, 0.5))}
     return {"type": "boolean"}
 
 
