@@ -314,6 +314,18 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _importable(engine: str) -> bool:
+    """xgrammar is not a dependency (it needs transformers and triton): without it the
+    bench measures llguidance alone and says so."""
+    try:
+        __import__(engine)
+    except ImportError:
+        print(f"{engine} is not installed: not measured (pip install "
+              f"{'xgrammar==0.2.8' if engine == 'xgrammar' else engine})", file=sys.stderr)
+        return False
+    return True
+
+
 def table(results: list[dict], step: dict) -> str:
     lines = [f"SmolLM2 decode step: {step['ms']:.2f} ms (one stage, {step['weight_format']}, "
              f"{step['threads']} threads; {step['median_ms']:.2f} ms median under this "
@@ -349,10 +361,10 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [("smollm2", None), ("gemma3", None)]
     if args.scaling:
         sizes += [("gemma3", n) for n in SCALING]
-    results = []
+    results, engines = [], [e for e in args.engine or list(ENGINES) if _importable(e)]
     for model, size in sizes:
         vocab = Vocab(MODELS[model], size)
-        for name in args.engine or list(ENGINES):
+        for name in engines:
             r = measure(ENGINES[name], vocab, schemas, args.steps)
             results.append({"model": model, **r})
             print(f"{name} on {model} ({vocab.size} tokens): "

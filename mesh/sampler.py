@@ -5,9 +5,13 @@ token's logit; presence_penalty subtracts once from every token already generate
 frequency_penalty once per time it was generated (tokens of this completion, not the
 prompt). They apply before greedy choice too: a biased greedy request is still exact.
 
+A constrained request (mesh/constraint.py) first has every token its grammar forbids
+next set to -inf (mesh/token_mask.py), then biases, penalties and the pick as usual: a
+constrained greedy request is as exact and repeatable as any other.
+
 Log-probabilities, when asked for, are the model's own: log_softmax of the logits as the
-stage computed them, before biases, penalties and temperature (what vLLM reports by
-default). With a compact head (stages/linear.py RescoredHead) the highest 64 logits are
+stage computed them, before the constraint's mask, biases, penalties and temperature (what
+vLLM reports by default). With a compact head (stages/linear.py RescoredHead) the highest 64 logits are
 float32 and the rest carry a small rounding error, which moves the normaliser slightly.
 """
 
