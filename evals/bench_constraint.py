@@ -2,6 +2,7 @@
 
     python -m skippy.evals.bench_constraint [--schemas 10] [--steps 64] [--scaling]
                                             [--conformance 50] [--json PATH|-]
+    python -m skippy.evals.bench_constraint --plot PATH.json     # its PNG again
 
 For each grammar engine and vocabulary (SmolLM2's 49k tokens, Gemma 3's 262k, both read
 from the GGUF by llama.cpp as the stages read it; with --scaling also Gemma's first 16k,
@@ -292,25 +293,34 @@ def conformance(n: int) -> dict:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Per token (left) and per schema compiled (right) against vocabulary size."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for k, name in enumerate(ENGINES):
         rows = sorted((r for r in results if r["engine"] == name), key=lambda r: r["vocab"])
+        if not rows:
+            continue
         x = [r["vocab"] / 1000 for r in rows]
-        ax.plot(x, [r["per_token_cpu_us"]["p50"] for r in rows], "o-", color=f"C{k}",
-                label=f"{name} p50")
-        ax.plot(x, [r["per_token_cpu_us"]["p95"] for r in rows], "^--", color=f"C{k}",
-                alpha=0.6, label=f"{name} p95")
-    ax.set_xlabel("vocabulary (thousands of tokens)")
-    ax.set_ylabel("mask + apply + advance per token (µs of CPU)")
-    ax.set_yscale("log")
-    ax.set_title("Constrained decoding: per-token cost of the mask")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        left.plot(x, [r["per_token_cpu_us"]["p50"] for r in rows], "o-", color=f"C{k}",
+                  label=f"{name} p50")
+        left.plot(x, [r["per_token_cpu_us"]["p95"] for r in rows], "^--", color=f"C{k}",
+                  alpha=0.6, label=f"{name} p95")
+        right.plot(x, [r["compile_ms"] for r in rows], "o-", color=f"C{k}", label=name)
+    left.set_ylabel("mask + apply + advance per token (µs of CPU)")
+    left.set_title("Per token")
+    right.set_ylabel("compiling one JSON schema (ms, median)")
+    right.set_title("Per request")
+    for ax in (left, right):
+        ax.set_xlabel("vocabulary (thousands of tokens)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Constrained decoding: the mask's cost (SmolLM2 49k, Gemma 3 262k and its "
+                 "prefixes)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -356,7 +366,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also run N schemas through the gateway (SmolLM2, greedy)")
     p.add_argument("--json", help="write the results to PATH ('-': stdout) and a PNG next "
                                   "to it")
+    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier --json")
     args = p.parse_args(argv)
+    if args.plot:
+        out = json.loads(Path(args.plot).read_text())
+        plot(out["results"], Path(args.plot).with_suffix(".png"))
+        return out
     schemas = generated_schemas(args.schemas, seed=1)
     sizes = [("smollm2", None), ("gemma3", None)]
     if args.scaling:
