@@ -391,7 +391,9 @@ def test_seeded_choices_differ_from_each_other_and_repeat(client):
     ({"model": "smollm2", "prompt": "hi", "logit_bias": {"5": "up"}}, 400, "logit_bias"),
     ({"model": "smollm2", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "prompt": "hi", "logit_bias": [1]}, 400, "logit_bias"),
-    ({"model": "smollm2", "prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+    ({"model": "smollm2", "prompt": "hi", "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ({"model": "smollm2", "prompt": "hi", "response_format": {"type": "yaml"}}, 400,
      "response_format"),
     ({"model": "smollm2", "prompt": "hi", "response_format": "json"}, 400, "response_format"),
 ])

@@ -21,6 +21,7 @@ from skippy.cache.config import CacheConfig  # noqa: E402
 from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
 from skippy.mesh.control.engine import GenerationRequest, InvalidRequest  # noqa: E402
+from skippy.mesh.constraint import json_object  # noqa: E402
 from skippy.mesh.sampler import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -43,6 +44,10 @@ def _requests(stop: int) -> list[GenerationRequest]:
             temperature=0.7, seed=3, presence_penalty=0.8, frequency_penalty=0.5,
             logit_bias=((stop, 5.0),))),
         GenerationRequest(tuple(p[0]), 12),   # a repeat: its first token from results
+        # constrained: the last stage masks the logits (mesh/token_mask.py)
+        GenerationRequest(tuple(p[5]), 12, SamplingParams(constraint=json_object())),
+        GenerationRequest(tuple(p[6]), 12, SamplingParams(temperature=0.9, seed=11,
+                                                          constraint=json_object())),
     ]
 
 
@@ -78,7 +83,7 @@ def test_in_process_and_ray_stages_answer_alike(local_engine, ray_engine):
     assert got == want
     assert len(want[6]) < 12                       # the stop id ended it
     assert want[5][0][1] is not None               # log-probs came back
-    assert want[-1] == want[0]                     # the repeat is the same answer
+    assert want[8] == want[0]                      # the repeat is the same answer
     assert ray_engine.stats()["rebuilds"] == NO_REBUILDS
 
 
@@ -99,8 +104,10 @@ def test_stage_kills_mid_stream_cost_no_token(ray_engine):
     seed = random.randrange(2**32)
     print(f"stage-kill seed {seed}")
     rng = random.Random(seed)
-    requests = [GenerationRequest(tuple(p), 64, SamplingParams(logprobs=1))
-                for p in PROMPTS]
+    # every other one constrained: a rebuilt request's grammar moves past what it made
+    requests = [GenerationRequest(tuple(p), 64, SamplingParams(
+        logprobs=1, constraint=json_object() if k % 2 else None))
+        for k, p in enumerate(PROMPTS)]
     want = asyncio.run(_all(ray_engine, requests))
     before = list(ray_engine.stats()["rebuilds_by_pipeline"])
     for _ in range(5):
