@@ -52,6 +52,16 @@ def qwen3_f32(smollm2, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_tools(smollm2, tmp_path_factory):
+    """A 2-layer random-weight qwen3 whose chat template knows tools (Hermes/Qwen format,
+    tests/data/hermes_tools.jinja): neither real model's template handles tools."""
+    from skippy.stages.synth import write_synthetic
+    out = tmp_path_factory.mktemp("synth") / "qwen3-tools-L2.gguf"
+    return write_synthetic("qwen3", layers=2, seed=11, out=out, tokenizer_from=smollm2,
+                           chat_template=(REPO / "tests/data/hermes_tools.jinja").read_text())
+
+
+@pytest.fixture(scope="session")
 def corpus() -> list[dict]:
     """The use-case corpus; skipped where absent (a user's fresh clone), but CI sets
     SKIPPY_REQUIRE_CORPUS=1 so that a missing corpus fails there."""

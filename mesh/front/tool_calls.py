@@ -1,0 +1,247 @@
+"""The model's tool calls: the format a chat template uses, and its reply read into
+OpenAI's `tool_calls`, as it streams.
+
+One format so far, Hermes / Qwen (what llama.cpp calls Hermes 2 Pro, and picks for any
+template that mentions `<tool_call>`): each call is
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+after optional content. A template that reads `tools` in another format (Llama 3.1's
+bare JSON, Mistral's [TOOL_CALLS]) is refused rather than half served.
+
+`ToolCallStream` reads the reply as it grows and gives events: content text, or deltas
+of OpenAI's streamed tool calls (the first with index, id, type, name and empty
+arguments, then pieces of the arguments as the model writes them). The whole-reply
+parser is the same stream fed at once, so a streamed reply and a whole one always agree.
+The arguments are the model's own JSON text for them; a call that is not JSON is content,
+as in llama.cpp. Whitespace between content and a call, or between calls, is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Event = tuple[str, object]  # ("content", str) or ("call", OpenAI's tool-call delta dict)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    name: str
+    open: str    # what starts a call, as the model writes it
+    close: str   # what ends it
+
+
+HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")
+FORMATS = (HERMES,)
+
+
+def format_of(template_text: str) -> ToolCallFormat | None:
+    """The tool-call format of a chat template (None: one we cannot read)."""
+    for fmt in FORMATS:
+        if fmt.open in template_text:
+            return fmt
+    return None
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# {"name": "<name>", "arguments": ... : the part of a call that precedes its arguments
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+class ToolCallStream:
+    """Reply text in (`push`, then `finish`), events out (see the module docstring)."""
+
+    def __init__(self, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id):
+        self.fmt, self.new_id = fmt, new_id
+        self.calls = 0           # calls begun
+        self._buf = ""           # text not yet given out
+        self._state = "text"     # text | head (after open) | args | tail (args done)
+        self._depth = 0          # JSON nesting within the arguments
+        self._in_string = self._escaped = False
+        self._after_call = False  # nothing but whitespace since the last call closed
+
+    def push(self, text: str) -> list[Event]:
+        self._buf += text
+        events: list[Event] = []
+        while True:
+            step = getattr(self, f"_{self._state}")(events)
+            if not step:
+                return events
+
+    def finish(self) -> list[Event]:
+        """The reply ended: what was held back, settled."""
+        events: list[Event] = []
+        if self._state == "text":
+            if self._buf and not (self.calls and self._buf.isspace()):
+                events.append(("content", self._buf))
+        elif self._state == "head":
+            call = _whole_call(self._buf.strip())
+            if call is not None:
+                events += self._begin(*call)
+            else:  # not a call after all: the text it was, as in llama.cpp
+                events.append(("content", self.fmt.open + self._buf))
+        self._buf, self._state = "", "text"
+        return events
+
+    # -- states: each consumes what it can and says whether to go on ------------------------
+    def _text(self, events: list[Event]) -> bool:
+        if self._after_call:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            self._after_call = False
+        at = self._buf.find(self.fmt.open)
+        if at >= 0:
+            before = self._buf[:at].rstrip()
+            if before:
+                events.append(("content", before))
+            self._buf, self._state = self._buf[at + len(self.fmt.open):], "head"
+            return True
+        keep = _held(self._buf, self.fmt.open)
+        out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        if out:
+            events.append(("content", out))
+        return False
+
+    def _head(self, events: list[Event]) -> bool:
+        head = _HEAD.match(self._buf)
+        if head is None or not self._buf[head.end():].lstrip():
+            return self._whole_at_close(events)
+        rest = self._buf[head.end():]
+        if rest.lstrip()[0] != "{":  # arguments not an object: read once the call closes
+            return self._whole_at_close(events)
+        events += self._begin(json.loads(head.group(1)), "")
+        self._buf, self._state = rest.lstrip(), "args"
+        self._depth, self._in_string, self._escaped = 0, False, False
+        return True
+
+    def _whole_at_close(self, events: list[Event]) -> bool:
+        """A call we cannot stream: read it whole once it closes."""
+        at = self._buf.find(self.fmt.close)
+        if at < 0:
+            return False
+        call = _whole_call(self._buf[:at].strip())
+        if call is None:
+            events.append(("content", self.fmt.open + self._buf[:at + len(self.fmt.close)]))
+        else:
+            events += self._begin(*call)
+            self._after_call = True
+        self._buf, self._state = self._buf[at + len(self.fmt.close):], "text"
+        return True
+
+    def _args(self, events: list[Event]) -> bool:
+        end = self._scan()
+        piece = self._buf[:end]
+        if piece:
+            events.append(("call", {"index": self.calls - 1,
+                                    "function": {"arguments": piece}}))
+        self._buf = self._buf[end:]
+        if self._depth == 0 and end > 0:
+            self._state = "tail"
+            return True
+        return False
+
+    def _tail(self, events: list[Event]) -> bool:
+        at = self._buf.find(self.fmt.close)
+        if at < 0:
+            return False
+        self._buf, self._state = self._buf[at + len(self.fmt.close):], "text"
+        self._after_call = True
+        return True
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _begin(self, name: str, arguments: str) -> list[Event]:
+        """A call's first delta (and its arguments when known whole)."""
+        index = self.calls
+        self.calls += 1
+        events: list[Event] = [("call", {"index": index, "id": self.new_id(),
+                                         "type": "function",
+                                         "function": {"name": name, "arguments": ""}})]
+        if arguments:
+            events.append(("call", {"index": index, "function": {"arguments": arguments}}))
+        return events
+
+    def _scan(self) -> int:
+        """How much of the buffer belongs to the arguments object: up to and including
+        the brace that closes it, or all of it while it is still open."""
+        for i, ch in enumerate(self._buf):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return len(self._buf)
+
+
+def _held(text: str, marker: str) -> int:
+    """How much of the end of `text` to hold back: a part that could begin `marker`, and
+    whitespace that only a call after it would drop."""
+    keep = 0
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            keep = k
+            break
+    body = text[:len(text) - keep]
+    return keep + len(body) - len(body.rstrip())
+
+
+def _whole_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a complete call body, or None when it is not one.
+    Arguments given as a JSON string are taken as that string, as llama.cpp does."""
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return call["name"], arguments
+
+
+@dataclass
+class ParsedReply:
+    """A whole reply: its content (None when it was only calls) and its tool calls."""
+
+    content: str | None
+    tool_calls: list[dict]
+
+
+def parse_reply(fmt: ToolCallFormat, text: str,
+                new_id: Callable[[], str] = new_call_id) -> ParsedReply:
+    """`text` read at once, as the stream would read it."""
+    stream = ToolCallStream(fmt, new_id)
+    return merge(stream.push(text) + stream.finish())
+
+
+def merge(events: list[Event]) -> ParsedReply:
+    """Events joined into one message: content concatenated, each call's deltas folded."""
+    content, calls = [], []
+    for kind, value in events:
+        if kind == "content":
+            content.append(value)
+        elif "id" in value:
+            calls.append({"id": value["id"], "type": "function",
+                          "function": dict(value["function"])})
+        else:
+            calls[value["index"]]["function"]["arguments"] += value["function"]["arguments"]
+    text = "".join(content)
+    return ParsedReply(text if text or not calls else None, calls)
