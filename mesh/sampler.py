@@ -18,8 +18,14 @@ import random
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from .constraint import Constraint
+
+if TYPE_CHECKING:
+    from .token_mask import TokenMask
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -44,6 +50,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     logprobs: int | None = None  # report the chosen token's log-prob and this many top ones
+    constraint: Constraint | None = None  # the shape the reply must take (mesh/constraint.py)
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -68,13 +75,16 @@ class SamplingParams:
 
 class Sampler:
     """One per request: its generator advances with each sampled token, so a seeded
-    request gives the same tokens every time."""
+    request gives the same tokens every time. A constrained request's `mask`
+    (mesh/token_mask.py) forbids, before every pick, the tokens its grammar does not allow
+    next, and moves past each token picked: the one place a constraint touches sampling."""
 
-    def __init__(self, params: SamplingParams, generated: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, generated: Iterable[int] = (),
+                 mask: TokenMask | None = None):
         """`generated`: tokens the request produced before this sampler took over (a
-        request rebuilt after a stage failed); the penalties count them too, and a seeded
-        generator first moves past the draws they took, so the request goes on as if
-        nothing had failed."""
+        request rebuilt after a stage failed); the penalties count them too, the grammar
+        moves past them, and a seeded generator first moves past the draws they took, so
+        the request goes on as if nothing had failed."""
         self.params = params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator().manual_seed(seed)
@@ -84,12 +94,20 @@ class Sampler:
         self.last: TokenLogprobs | None = None  # the last token's, when params.logprobs
         self._adjusts = bool(params.logit_bias or params.presence_penalty
                              or params.frequency_penalty)
+        if (mask is None) != (params.constraint is None):
+            raise ValueError("a constrained request needs its token mask (and only it)")
+        self.mask = mask
+        for token in generated if mask is not None else ():
+            mask.advance(token)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        token = self._pick(self._adjusted(logits) if self._adjusts else logits)
+        scores = logits if self.mask is None else self.mask.apply(logits)
+        token = self._pick(self._adjusted(scores) if self._adjusts else scores)
+        if self.mask is not None:
+            self.mask.advance(token)
         self.counts[token] += 1
         k = self.params.logprobs
-        if k is not None:
+        if k is not None:  # the model's own log-probs: before the mask, as before biases
             logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
             best = torch.topk(logp, k) if k else None
             top = () if best is None else tuple(

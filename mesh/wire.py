@@ -19,6 +19,7 @@ import torch
 from skippy.proto import stage_pb2
 from skippy.stages.frame import Frame
 
+from .constraint import Constraint
 from .sampler import SamplingParams, TokenLogprobs
 
 # wire dtype -> (proto enum, numpy dtype on the wire)
@@ -95,6 +96,8 @@ def sampling_to_proto(s: SamplingParams, generated: Sequence[int] = ()) -> stage
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.constraint is not None:
+        msg.constraint.kind, msg.constraint.text = s.constraint.kind, s.constraint.text
     return msg
 
 
@@ -104,7 +107,9 @@ def sampling_from_proto(msg: stage_pb2.Sampling) -> SamplingParams:
                           presence_penalty=msg.presence_penalty,
                           frequency_penalty=msg.frequency_penalty,
                           logit_bias=tuple(sorted(msg.logit_bias.items())),
-                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                          constraint=Constraint(msg.constraint.kind, msg.constraint.text)
+                          if msg.HasField("constraint") else None)
 
 
 def token_to_proto(token: int, logprobs: TokenLogprobs | None,

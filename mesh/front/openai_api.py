@@ -1,8 +1,8 @@
 """The OpenAI wire format: request bodies -> our types, our results -> response bodies.
 
-Parsing is strict about what we act on (types, ranges, unsupported options such as echo
-or a JSON response_format) and ignores fields we do not know, as OpenAI-compatible
-servers do. Every mistake is an `ApiError`, which the gateway turns into OpenAI's error
+Parsing is strict about what we act on (types, ranges, unsupported options such as echo;
+a response_format becomes a decoding constraint, mesh/front/response_format.py) and
+ignores fields we do not know, as OpenAI-compatible servers do. Every mistake is an `ApiError`, which the gateway turns into OpenAI's error
 envelope {"error": {"message", "type", "param", "code"}} with its HTTP status.
 
 Numbers must be finite: Python's json reads NaN, Infinity and 1e999, and a NaN
@@ -25,7 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..constraint import Constraint
 from ..sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+from .response_format import ResponseFormatError, response_constraint
 from .tool_choice import ToolSpecError, ToolUse, parse_tools
 
 # max_tokens when the request gives none: what is left of the context, at most this.
@@ -216,14 +218,6 @@ def _unsupported(body: Mapping, chat: bool) -> None:
             raise bad("only best_of = 1 is supported", "best_of")
         if body.get("suffix"):
             raise bad("suffix is not supported by this server", "suffix")
-    # A JSON mode would need constrained decoding; answering with free text instead would
-    # break the client that relies on it.
-    form = body.get("response_format")
-    if form is not None:
-        kind = form.get("type") if isinstance(form, dict) else None
-        if kind != "text":
-            raise bad(f"response_format {kind or form!r} is not supported by this server "
-                      f"(only {{\"type\": \"text\"}})", "response_format")
 
 
 def _logprobs(body: Mapping, chat: bool) -> int | None:
@@ -267,9 +261,17 @@ def _sampling(body: Mapping, logprobs: int | None = None) -> SamplingParams:
     try:  # its own checks: anything the ones above let through is still the client's
         return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
                               logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
-                              logprobs=logprobs, **penalties)
+                              logprobs=logprobs, constraint=_constraint(body), **penalties)
     except ValueError as e:
         raise bad(" ".join(str(e).split())) from None
+
+
+def _constraint(body: Mapping) -> Constraint | None:
+    """What response_format asks the reply to be (mesh/front/response_format.py)."""
+    try:
+        return response_constraint(body.get("response_format"))
+    except ResponseFormatError as e:
+        raise bad(str(e), "response_format") from None
 
 
 def _logit_bias(value: dict | None) -> tuple[tuple[int, float], ...]:

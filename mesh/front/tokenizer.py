@@ -170,6 +170,12 @@ class Tokenizer:
         is_eog = llama_cpp.llama_vocab_is_eog
         return frozenset(i for i in range(self.vocab_size) if is_eog(self._vocab, i))
 
+    @property
+    def llama_vocab(self):
+        """llama.cpp's vocabulary handle (for engines that read it, mesh/token_mask.py);
+        valid until `close`."""
+        return self._vocab
+
     def is_eog(self, token_id: int) -> bool:
         return token_id in self.eog_ids
 

@@ -13,6 +13,7 @@ from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.stage_cache import StageCache
 
+from ..token_mask import Vocabulary
 from .loop import Row, StageLoop
 from .session import LinkDown, StageSession
 from .state_pull import StatePuller
@@ -41,6 +42,9 @@ class StageServer:
         self.fault: Callable[[Row], None] | None = None
         # Pulls state from peer stages (set where the stage network exists).
         self.puller: StatePuller | None = None
+        # The grammar engine's view of the model's tokens: the last stage masks
+        # constrained requests' logits with it (built on the first such request).
+        self.vocabulary = Vocabulary(spec.model_path)
 
     # -- the chain -----------------------------------------------------------------------
     def link_next(self, opener: Callable[[], object] | None) -> None:

@@ -108,6 +108,7 @@ class StageSession:
             self.loop.decoding_changed(-1)
             self.decoding = False
         self._close_down()
+        self.sampler = None  # and a constrained request's grammar state with it
         if self.lane is not None:
             lane, self.lane = self.lane, None
             self.loop.call(self.cache.free_lane, lane, keep_warm=not self.probe)
@@ -250,7 +251,11 @@ class StageSession:
                                   between_chunks=self.loop.run_waiting_rows)
 
     def _new_sampler(self, sampling: pb.Sampling) -> None:
-        self.sampler = Sampler(sampling_from_proto(sampling), sampling.generated)
+        params = sampling_from_proto(sampling)
+        # the grammar compiles here, on the session's thread, not the stage loop's
+        mask = None if params.constraint is None else \
+            self.server.vocabulary.mask(params.constraint)
+        self.sampler = Sampler(params, sampling.generated, mask)
         self.want_logits = sampling.logits
 
     def _sample(self, logits: torch.Tensor, cached_tokens: int = 0) -> pb.Token:

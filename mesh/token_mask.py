@@ -1,0 +1,98 @@
+"""The last stage's side of a constraint (mesh/constraint.py): which tokens may come next.
+
+`Vocabulary` holds the grammar engine's view of one model's tokens, built once per stage
+on the first constrained request (llama.cpp's vocabulary of the stage's own GGUF or
+package: SmolLM2's 49k tokens take ~0.4 s). `TokenMask` is one request's matcher: the
+sampler (mesh/sampler.py) asks it for the allowed tokens before each pick and tells it the
+token picked; it lives as long as the request's sampler and is dropped with it.
+
+The model's end-of-generation ids are the grammar's end: a complete reply allows only
+them, and the request stops there as any reply that ends does (finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from .constraint import Constraint, ConstraintError
+
+_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+class Vocabulary:
+    """The grammar engine's tokenizer for one model, built on first use."""
+
+    def __init__(self, model_path: str | Path):
+        self.model_path = model_path
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._vocab = None  # llama.cpp's, which the engine's tokenizer calls into
+
+    def tokenizer(self):
+        """llguidance's LLTokenizer over this model's vocabulary (built once), whose ends
+        are the end-of-generation ids llama.cpp recognises (the ids the gateway stops on).
+        It calls into llama.cpp's vocabulary, which therefore stays loaded with it."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        from .front.tokenizer import Tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                self._vocab = Tokenizer(self.model_path)
+                ends = sorted(self._vocab.eog_ids) or None
+                self._tokenizer = lltokenizer_from_vocab(self._vocab.llama_vocab, eos_token=ends)
+            return self._tokenizer
+
+    def mask(self, constraint: Constraint) -> TokenMask:
+        return TokenMask(self.tokenizer(), constraint)
+
+
+class TokenMask:
+    """One request's grammar state: `apply` masks a logits row, `advance` moves past the
+    token sampled from it. A grammar that fails to compile raises ConstraintError here."""
+
+    def __init__(self, tokenizer, constraint: Constraint):
+        import llguidance
+        self.constraint = constraint
+        self._matcher = llguidance.LLMatcher(tokenizer, constraint.grammar(), log_level=0)
+        self._raise_if_failed()
+        self._n = tokenizer.vocab_size
+        self._words = torch.zeros((self._n + 31) // 32, dtype=torch.int32)
+
+    def allowed(self) -> torch.Tensor:
+        """A bool row over the vocabulary: True where the grammar allows the token next."""
+        self._matcher.unsafe_compute_mask_ptr(self._words.data_ptr(),
+                                              self._words.numel() * 4)
+        self._raise_if_failed()
+        return ((self._words.unsqueeze(1) & _BITS) != 0).view(-1)[:self._n]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` with every token the grammar forbids at -inf (tokens past the
+        vocabulary, an output head's padding, included)."""
+        ok = self.allowed()
+        out = torch.full_like(logits, float("-inf"))
+        n = min(self._n, logits.numel())
+        out[:n] = torch.where(ok[:n], logits[:n], out[:n])
+        return out
+
+    def advance(self, token: int) -> None:
+        """The token the request produced: the grammar moves past it. A token the grammar
+        forbids (a rebuilt request whose tokens came from elsewhere) is ConstraintError."""
+        if not self._matcher.consume_token(token):
+            self._raise_if_failed()
+            raise ConstraintError(f"token {token} does not fit the constraint")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: only an end-of-generation id may follow."""
+        return self._matcher.is_stopped()
+
+    def reset(self) -> None:
+        """Back to the start of the reply (as if no token had been produced)."""
+        self._matcher.reset()
+
+    def _raise_if_failed(self) -> None:
+        if self._matcher.is_error():
+            raise ConstraintError(" ".join(self._matcher.get_error().split()))
