@@ -22,8 +22,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+
+from ..constraint import Constraint, ConstraintError, check, lark_literal, lark_token, \
+    tool_call
+from .tool_choice import ToolSpecError, ToolUse
 
 Event = tuple[str, object]  # ("content", str) or ("call", OpenAI's tool-call delta dict)
 
@@ -45,6 +49,53 @@ def format_of(template_text: str) -> ToolCallFormat | None:
         if fmt.open in template_text:
             return fmt
     return None
+
+
+def reply_format(template_text: str | None, knows_tools: bool, tools: ToolUse | None,
+                 messages: Iterable[Mapping]) -> ToolCallFormat | None:
+    """The format a chat reply is read in for tool calls (None: it is not: no tools, or
+    tool_choice "none"). ToolSpecError when the request offers tools, or its history holds
+    tool calls or results, and the template cannot show them: a template that ignores
+    `tools` would answer as if there were none, which a client cannot tell from a
+    refusal to call."""
+    history = any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
+                  for m in messages)
+    if tools is None and not history:
+        return None
+    param = "tools" if tools is not None else "messages"
+    if template_text is None or not knows_tools:
+        raise ToolSpecError("this model's chat template has no tool support (it never "
+                            "reads `tools`), so it cannot be offered tools or shown tool "
+                            "calls", param, "tools_not_supported")
+    fmt = format_of(template_text)
+    if fmt is None:
+        raise ToolSpecError("this model's chat template writes tool calls in a format "
+                            "this server cannot read (it reads <tool_call> JSON, as Hermes "
+                            "and Qwen write it)", param, "tools_not_supported")
+    return fmt if tools is not None and tools.parsed else None
+
+
+def call_constraint(fmt: ToolCallFormat, tools: ToolUse,
+                    special_id: Callable[[str], int | None]) -> Constraint:
+    """The constraint that forces a call (tool_choice "required" or a named function) in
+    `fmt`. `special_id(text)`: the id of the vocabulary's special token spelled `text`, or
+    None (a marker that is one special token must be written as that token)."""
+    def marker(text: str, newline_after: bool) -> str:
+        token = special_id(text)
+        if token is None:
+            return lark_literal(text + "\n" if newline_after else "\n" + text)
+        newline = lark_literal("\n")
+        return f"{lark_token(token)} {newline}" if newline_after else \
+            f"{newline} {lark_token(token)}"
+
+    constraint = tool_call(tools.callable_functions(), open=marker(fmt.open, True),
+                           close=marker(fmt.close, False), parallel=tools.parallel)
+    try:
+        check(constraint)
+    except ConstraintError as e:
+        raise ToolSpecError(f"the tools' parameters cannot be used to force a call: {e}",
+                            "tools") from None
+    return constraint
 
 
 def new_call_id() -> str:
@@ -245,3 +296,58 @@ def merge(events: list[Event]) -> ParsedReply:
             calls[value["index"]]["function"]["arguments"] += value["function"]["arguments"]
     text = "".join(content)
     return ParsedReply(text if text or not calls else None, calls)
+
+
+def finish_reason(reason: str, calls: int) -> str:
+    """OpenAI's finish_reason for a reply that made `calls` tool calls: "tool_calls" when
+    it ended by itself after calling, else what ended it."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def whole_reply(fmt: ToolCallFormat | None, text: str, reason: str
+                ) -> tuple[str | None, str, list[dict]]:
+    """(content, finish_reason, tool_calls) of a whole reply; `fmt` None: not read for
+    calls (no tools, or tool_choice "none")."""
+    if fmt is None:
+        return text, reason, []
+    reply = parse_reply(fmt, text)
+    return reply.content, finish_reason(reason, len(reply.tool_calls)), reply.tool_calls
+
+
+class ReplyDeltas:
+    """One streamed choice: its text pieces (with the log-probs of the tokens they came
+    from) in, the stream's deltas out as (content, tool-call delta, log-probs) triples.
+    Without a format every piece passes as it came; with one, log-probs whose text is held
+    back ride with the next delta given out."""
+
+    def __init__(self, fmt: ToolCallFormat | None):
+        self.stream = ToolCallStream(fmt) if fmt is not None else None
+        self._logprobs: list = []
+        self._wanted = False
+
+    def push(self, text: str, logprobs: list | None) -> list[tuple]:
+        if self.stream is None:
+            return [(text, None, logprobs)]
+        return self._out(self.stream.push(text), logprobs)
+
+    def finish(self) -> list[tuple]:
+        if self.stream is None:
+            return []
+        out = self._out(self.stream.finish(), None)
+        if self._logprobs:  # tokens whose text came to nothing (whitespace between calls)
+            out.append(("", None, self._logprobs))
+        return out
+
+    def finish_reason(self, reason: str) -> str:
+        return reason if self.stream is None else finish_reason(reason, self.stream.calls)
+
+    def _out(self, events: list[Event], logprobs: list | None) -> list[tuple]:
+        if logprobs is not None:
+            self._wanted = True
+            self._logprobs += logprobs
+        out = []
+        for kind, value in events:
+            lp = self._logprobs if self._wanted else None
+            self._logprobs = []
+            out.append((value, None, lp) if kind == "content" else (None, value, lp))
+        return out

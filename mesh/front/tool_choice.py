@@ -31,9 +31,9 @@ CHOICES = ("auto", "none", "required")
 class ToolSpecError(ValueError):
     """A bad tools / tool_choice / parallel_tool_calls; `param` names the field."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def bad(message: str, param: str) -> ToolSpecError:
