@@ -184,7 +184,7 @@ class Tokenizer:
         ids = self.encode(text, add_special=False)
         if len(ids) != 1 or self.token_text(ids[0]) != text:
             return None
-        attr = llama_cpp.llama_token_get_attr(self._vocab, ids[0])
+        attr = llama_cpp.llama_vocab_get_attr(self._vocab, ids[0])
         angled = text.startswith("<") and text.endswith(">")
         if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL or (
                 attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and angled):

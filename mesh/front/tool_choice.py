@@ -125,8 +125,10 @@ def _function(tool: Any, i: int) -> dict:
     if params is not None:
         out["parameters"] = _schema(params, i)
     strict = fn.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise bad(f"tools[{i}].function.strict must be a boolean", "tools")
+    if strict is not None:  # a forced call is always strict; the template may read it
+        if not isinstance(strict, bool):
+            raise bad(f"tools[{i}].function.strict must be a boolean", "tools")
+        out["strict"] = strict
     return out
 
 
