@@ -1,34 +1,38 @@
-"""Cut the response schemas our conformance test needs (with every schema they reference)
-out of openai-openapi's openapi.yaml; write them as one JSON document."""
-import json, subprocess, sys
+"""Cut the response schemas tests/test_openai_schema.py needs (with every schema they
+reference) out of openai-openapi's openapi.yaml into one JSON document (see README.md).
+
+    python extract.py <clone of openai/openai-openapi> <commit> <out.json>
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
 import yaml
 
-repo, commit, out = sys.argv[1], sys.argv[2], sys.argv[3]
-text = subprocess.run(["git", "-C", repo, "show", f"{commit}:openapi.yaml"], check=True,
-                      capture_output=True, text=True).stdout
-spec = yaml.safe_load(text)
-schemas = spec["components"]["schemas"]
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
          "CreateCompletionResponse", "ErrorResponse", "ListModelsResponse", "Model"]
-keep, todo = {}, list(ROOTS)
-
-def refs(node):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k == "$ref":
-                yield v.rsplit("/", 1)[1]
-            elif k not in ("x-oaiMeta", "example", "examples"):
-                yield from refs(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from refs(v)
-
+# documentation only: dropped (the keys of a `properties` map are names, always kept)
 DOC_KEYS = ("description", "x-oaiMeta", "example", "examples", "x-stainless-const",
             "title", "deprecated")
 
-def strip(node, names=False):
-    """Drop documentation-only keys (descriptions, examples, x-oai metadata); the keys of
-    a `properties` map are property names, kept whatever they are."""
+
+def refs(node):
+    """The schema names `node` refers to."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref":
+                yield value.rsplit("/", 1)[1]
+            elif key not in DOC_KEYS:
+                yield from refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from refs(value)
+
+
+def strip(node, names: bool = False):
     if isinstance(node, dict):
         if names:
             return {k: strip(v) for k, v in node.items()}
@@ -38,16 +42,27 @@ def strip(node, names=False):
         return [strip(v) for v in node]
     return node
 
-while todo:
-    name = todo.pop()
-    if name in keep:
-        continue
-    keep[name] = schemas[name]
-    todo.extend(refs(schemas[name]))
-doc = {"openapi": spec["openapi"], "x-source": {
-    "repository": "openai/openai-openapi", "path": "openapi.yaml", "commit": commit,
-    "roots": ROOTS}, "components": {"schemas": {k: strip(keep[k]) for k in sorted(keep)}}}
-with open(out, "w") as f:
-    json.dump(doc, f, indent=1, sort_keys=False)
-    f.write("\n")
-print(len(keep), sorted(keep))
+
+def main(repo: str, commit: str, out: str) -> None:
+    text = subprocess.run(["git", "-C", repo, "show", f"{commit}:openapi.yaml"],
+                          check=True, capture_output=True, text=True).stdout
+    spec = yaml.safe_load(text)
+    schemas = spec["components"]["schemas"]
+    keep, todo = {}, list(ROOTS)
+    while todo:
+        name = todo.pop()
+        if name not in keep:
+            keep[name] = schemas[name]
+            todo.extend(refs(schemas[name]))
+    doc = {"openapi": spec["openapi"],
+           "x-source": {"repository": "openai/openai-openapi", "path": "openapi.yaml",
+                        "commit": commit, "roots": ROOTS},
+           "components": {"schemas": {k: strip(keep[k]) for k in sorted(keep)}}}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"{len(keep)} schemas: {', '.join(sorted(keep))}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
