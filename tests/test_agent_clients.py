@@ -19,20 +19,14 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from skippy.cache.config import CacheConfig
-from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.front.gateway import BackgroundServer, create_app
 
 MODEL = "qwen3-tools"
 QUESTION = "How warm is it in Oslo, in celsius?"
 
 
 @pytest.fixture(scope="module")
-def url(qwen3_tools):
-    engine = InProcessEngine(qwen3_tools, 2, cache=CacheConfig(enabled=False),
-                             model_name=MODEL)
-    with BackgroundServer(create_app(engine, api_keys=())) as srv:
-        yield srv.url
+def url(qwen3_tools_url):
+    return qwen3_tools_url
 
 
 # -- LangChain -------------------------------------------------------------------------------------

@@ -16,9 +16,6 @@ import jsonschema
 import openai
 import pytest
 
-from skippy.cache.config import CacheConfig
-from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.front.gateway import BackgroundServer, create_app
 
 MODEL = "qwen3-tools"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -39,11 +36,8 @@ STEP1 = {"model": MODEL, "tools": TOOLS, "tool_choice": "required",
 
 
 @pytest.fixture(scope="module")
-def url(qwen3_tools):
-    engine = InProcessEngine(qwen3_tools, 2, cache=CacheConfig(enabled=False),
-                             model_name=MODEL)
-    with BackgroundServer(create_app(engine, api_keys=())) as srv:
-        yield srv.url
+def url(qwen3_tools_url):
+    return qwen3_tools_url
 
 
 @pytest.fixture(scope="module")
