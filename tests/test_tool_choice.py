@@ -70,6 +70,8 @@ def test_required_and_a_named_function_force_a_call():
      "tool_choice", "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [ADD], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"functions": [{"name": "f"}]}, "functions", "deprecated form of tools"),
+    ({"tools": [ADD], "function_call": "auto"}, "function_call", "send tool_choice"),
 ])
 def test_bad_tool_fields_are_one_line_errors_naming_the_field(body, param, message):
     with pytest.raises(ToolSpecError, match=message) as e:

@@ -151,8 +151,10 @@ class _Gateway:
             try:  # what users typed stays text unless the server trusts its clients
                 return encode_chat(self.template, self.tokenizer, list(parsed.messages),
                                    control_text=self.control_text, tools=tools)
-            except ValueError as e:  # bad messages, or the template refused them
-                raise bad(" ".join(str(e).split()), "messages") from None
+            except ValueError as e:  # bad messages or tools, or the template refused them
+                message = " ".join(str(e).split())
+                raise bad(message, "tools" if message.startswith("tools ") else "messages"
+                          ) from None
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size

@@ -74,6 +74,9 @@ def parse_tools(body: Mapping) -> ToolUse | None:
     shape. tool_choice "auto" or "none" without tools is accepted and means nothing."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
+    for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(old) is not None:  # ignoring them would answer as if no tools
+            raise bad(f"{old} is OpenAI's deprecated form of {new}; send {new}", old)
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is None or tools == []:
