@@ -959,9 +959,7 @@ def write_synthetic(
         raise SynthError(f"seed must be an integer in [0, 2**63), not {seed!r}")
     if rope_freqs and arch != "llama":
         raise SynthError(f"rope_freqs is a llama option, not one of {arch}")
-    tok = _tokenizer_kv(Path(tokenizer_from))
-    if chat_template is not None:
-        tok = {**tok, "tokenizer.chat_template": (chat_template, GGUFValueType.STRING, None)}
+    tok = _tokenizer_kv(Path(tokenizer_from), chat_template)
     dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim,
                          vocab=len(tok["tokenizer.ggml.tokens"][0]))
@@ -1155,11 +1153,15 @@ def _rope_divisors(n: int) -> np.ndarray:
 TokenizerKv = dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]
 
 
-def _tokenizer_kv(path: Path) -> TokenizerKv:
+def _tokenizer_kv(path: Path, chat_template: str | None = None) -> TokenizerKv:
+    """The tokenizer keys of `path`, with `chat_template` instead of its own if given."""
     if not path.is_file():
         raise SynthError(f"tokenizer GGUF not found: {path}")
     st = path.stat()
-    return _read_tokenizer_kv(path.resolve(), st.st_size, st.st_mtime_ns)
+    kv = _read_tokenizer_kv(path.resolve(), st.st_size, st.st_mtime_ns)
+    if chat_template is None:
+        return kv
+    return {**kv, "tokenizer.chat_template": (chat_template, GGUFValueType.STRING, None)}
 
 
 @functools.lru_cache(maxsize=4)
