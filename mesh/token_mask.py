@@ -13,6 +13,7 @@ them, and the request stops there as any reply that ends does (finish_reason "st
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,7 +43,10 @@ class Vocabulary:
             if self._tokenizer is None:
                 self._vocab = Tokenizer(self.model_path)
                 ends = sorted(self._vocab.eog_ids) or None
-                self._tokenizer = lltokenizer_from_vocab(self._vocab.llama_vocab, eos_token=ends)
+                with warnings.catch_warnings():  # it calls a llama.cpp name now deprecated
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._tokenizer = lltokenizer_from_vocab(self._vocab.llama_vocab,
+                                                             eos_token=ends)
             return self._tokenizer
 
     def mask(self, constraint: Constraint) -> TokenMask:
@@ -87,7 +91,7 @@ class TokenMask:
     @property
     def done(self) -> bool:
         """The grammar is complete: only an end-of-generation id may follow."""
-        return self._matcher.is_stopped()
+        return self._matcher.is_stopped() and not self._matcher.is_error()
 
     def reset(self) -> None:
         """Back to the start of the reply (as if no token had been produced)."""
