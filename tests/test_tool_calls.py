@@ -102,7 +102,8 @@ def test_the_stream_gives_the_name_first_then_pieces_of_the_arguments():
 
 REPLIES = st.lists(st.sampled_from([
     CALL, "Sure.", "\n", " ", "<tool_call>", "</tool_call>", '{"name": "x", "arguments": {}}',
-    '"}"', "<tool", "text with } and { braces", "\\", '{"a": "\\"}"}', "é世"]), max_size=8)
+    '"}"', "<tool", "text with } and { braces", "\\", '{"a": "\\"}"}', "é世",
+    '{"name": "a\\x", "arguments": {}}']) | st.text(max_size=4), max_size=8)
 
 
 @settings(max_examples=300, deadline=None)

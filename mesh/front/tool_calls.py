@@ -166,9 +166,10 @@ class ToolCallStream:
         if head is None or not self._buf[head.end():].lstrip():
             return self._whole_at_close(events)
         rest = self._buf[head.end():]
-        if rest.lstrip()[0] != "{":  # arguments not an object: read once the call closes
+        name = _json_string(head.group(1))
+        if rest.lstrip()[0] != "{" or name is None:  # read once the call closes
             return self._whole_at_close(events)
-        events += self._begin(json.loads(head.group(1)), "")
+        events += self._begin(name, "")
         self._buf, self._state = rest.lstrip(), "args"
         self._depth, self._in_string, self._escaped = 0, False, False
         return True
@@ -251,6 +252,14 @@ def _held(text: str, marker: str) -> int:
             break
     body = text[:len(text) - keep]
     return keep + len(body) - len(body.rstrip())
+
+
+def _json_string(literal: str) -> str | None:
+    """A JSON string literal's text; None when its escapes are not JSON's."""
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
 
 
 def _whole_call(body: str) -> tuple[str, str] | None:
