@@ -169,10 +169,10 @@ class _Gateway:
         400 when the request needs tool support that the model's template lacks."""
         if not parsed.chat:
             return None
-        template = self.template
+        text = self.template.text if self.template else None
+        knows_tools = self.template is not None and self.template.knows_tools
         try:
-            return reply_format(template and template.text, bool(template and
-                                template.knows_tools), parsed.tools, parsed.messages)
+            return reply_format(text, knows_tools, parsed.tools, parsed.messages)
         except ToolSpecError as e:
             raise bad(str(e), e.param, e.code) from None
 
