@@ -62,9 +62,19 @@ def cmd_models_synth(args) -> int:
                            heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                            dtype=args.dtype, progress=_say,
                            options=_synth_options(args.set or []), rope_freqs=args.rope_freqs,
-                           variant=args.variant)
+                           variant=args.variant, chat_template=_template_text(args))
     print(path)
     return 0
+
+
+def _template_text(args) -> str | None:
+    if not args.chat_template:
+        return None
+    try:
+        return Path(args.chat_template).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--chat-template: cannot read {args.chat_template}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
 
 
 def _synth_options(pairs: list[str]) -> dict[str, int | float]:
@@ -330,6 +340,9 @@ def _models_parser(sub) -> None:
     syn.add_argument("--rope-freqs", action="store_true",
                      help="llama: a Llama 3 style file (rope base 500000, rope_freqs.weight)")
     syn.add_argument("--variant", help="one of the arch's shapes (gemma4: e4b, a4b)")
+    syn.add_argument("--chat-template", metavar="FILE",
+                     help="Jinja chat template written into the file instead of the "
+                          "tokenizer's (e.g. a tool-aware one)")
     syn.add_argument("--out", help="output path (default: $SKIPPY_HOME/synth/...)")
     syn.add_argument("--tokenizer-from", default="smollm2",
                      help="model whose tokenizer is copied (default: smollm2)")

@@ -938,6 +938,7 @@ def write_synthetic(
     options: Mapping[str, int | float] | None = None,
     rope_freqs: bool = False,
     variant: str | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a random-weight `arch` GGUF with `layers` blocks to `out`; return `out`.
 
@@ -947,7 +948,8 @@ def write_synthetic(
     switches (its ArchSpec.options; e.g. deepseek2's kv_lora_rank). `rope_freqs` (llama
     only) makes a Llama 3 style file: rope base 500000 and a rope_freqs.weight of frequency
     factors. `variant` picks one of the arch's shapes (ArchSpec.variants; default its
-    first). The file appears atomically (written under a temporary name, then renamed),
+    first). `chat_template` replaces the borrowed tokenizer's chat template (Jinja text),
+    e.g. to give a file a tool-aware template. The file appears atomically (written under a temporary name, then renamed),
     so an interrupted write never leaves a loadable stub.
     """
     spec = _spec(arch)
@@ -957,7 +959,7 @@ def write_synthetic(
         raise SynthError(f"seed must be an integer in [0, 2**63), not {seed!r}")
     if rope_freqs and arch != "llama":
         raise SynthError(f"rope_freqs is a llama option, not one of {arch}")
-    tok = _tokenizer_kv(Path(tokenizer_from))
+    tok = _tokenizer_kv(Path(tokenizer_from), chat_template)
     dims = _resolve_dims(spec, layers=layers, hidden=hidden, ff=ff, heads=heads,
                          kv_heads=kv_heads, head_dim=head_dim,
                          vocab=len(tok["tokenizer.ggml.tokens"][0]))
@@ -1151,11 +1153,15 @@ def _rope_divisors(n: int) -> np.ndarray:
 TokenizerKv = dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]
 
 
-def _tokenizer_kv(path: Path) -> TokenizerKv:
+def _tokenizer_kv(path: Path, chat_template: str | None = None) -> TokenizerKv:
+    """The tokenizer keys of `path`, with `chat_template` instead of its own if given."""
     if not path.is_file():
         raise SynthError(f"tokenizer GGUF not found: {path}")
     st = path.stat()
-    return _read_tokenizer_kv(path.resolve(), st.st_size, st.st_mtime_ns)
+    kv = _read_tokenizer_kv(path.resolve(), st.st_size, st.st_mtime_ns)
+    if chat_template is None:
+        return kv
+    return {**kv, "tokenizer.chat_template": (chat_template, GGUFValueType.STRING, None)}
 
 
 @functools.lru_cache(maxsize=4)

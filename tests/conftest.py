@@ -52,6 +52,30 @@ def qwen3_f32(smollm2, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_tools(smollm2, tmp_path_factory):
+    """A 2-layer random-weight qwen3 whose chat template knows tools (Hermes/Qwen format,
+    tests/data/hermes_tools.jinja): neither real model's template handles tools."""
+    from skippy.stages.synth import write_synthetic
+    out = tmp_path_factory.mktemp("synth") / "qwen3-tools-L2.gguf"
+    return write_synthetic("qwen3", layers=2, seed=11, out=out, tokenizer_from=smollm2,
+                           chat_template=(REPO / "tests/data/hermes_tools.jinja").read_text())
+
+
+@pytest.fixture(scope="session")
+def qwen3_tools_url(qwen3_tools):
+    """The gateway (real uvicorn on loopback) over qwen3_tools in 2 stages, served as
+    "qwen3-tools" without cache: the tool-calling client tests share it. Needs a
+    loopback-only network namespace, as every test that starts a server."""
+    from skippy.cache.config import CacheConfig
+    from skippy.mesh.control.local import InProcessEngine
+    from skippy.mesh.front.gateway import BackgroundServer, create_app
+    engine = InProcessEngine(qwen3_tools, 2, cache=CacheConfig(enabled=False),
+                             model_name="qwen3-tools")
+    with BackgroundServer(create_app(engine, api_keys=())) as srv:
+        yield srv.url
+
+
+@pytest.fixture(scope="session")
 def corpus() -> list[dict]:
     """The use-case corpus; skipped where absent (a user's fresh clone), but CI sets
     SKIPPY_REQUIRE_CORPUS=1 so that a missing corpus fails there."""

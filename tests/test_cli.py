@@ -59,6 +59,8 @@ def test_seeded_sampling_repeats(smollm2):
     (("generate",), "PROMPT"),
     (("models", "pull", "nonexistent"), "unknown model"),
     (("models", "synth", "--arch", "nope", "--layers", "2", "--seed", "1"), "nope"),
+    (("models", "synth", "--arch", "qwen3", "--layers", "1", "--seed", "1",
+      "--chat-template", "/no/such/template.jinja"), "--chat-template: cannot read"),
     (("serve", "--stages", "0"), "at least 1"),
     (("serve", "--runtime", "llama.cpp", "--stages", "2"), "--stages 1"),
     (("serve", "--weight-format", "int3"), "weight-format"),

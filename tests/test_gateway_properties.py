@@ -1,8 +1,10 @@
 """Whatever a client sends, the gateway answers in OpenAI's terms: generated bodies shaped
 like OpenAI's (valid, near-valid and broken) against both endpoints over real HTTP get a
 200 or a 4xx in the error envelope (a 503 with Retry-After only over capacity), never a
-500 nor a dropped connection. Real SmolLM2 in 2 stages behind real uvicorn; run inside a
-loopback-only network namespace (see the Makefile)."""
+500 nor a dropped connection, and every body (each streamed chunk too) matches OpenAI's
+published schema (tests/openai_schemas.py). Real SmolLM2 in 2 stages behind real uvicorn,
+and for tool calls (SmolLM2's template has no tool support) a random-weight qwen3 whose
+template has; run inside a loopback-only network namespace (see the Makefile)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from openai_schemas import conforms
 
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
@@ -43,6 +46,58 @@ NOT_NULL = JUNK.filter(lambda v: v is not None)  # null would mean "absent"
 UNIT = st.floats(0, 2, allow_nan=False) | st.sampled_from([0, 1, 1e-40, 1e-300, -0.0])
 
 
+# -- tools and response formats ---------------------------------------------------------------------
+NAMES = st.sampled_from(["get_weather", "add", "f-1"])
+PARAMETERS = st.sampled_from([
+    {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+     "required": ["city"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}},
+    {"type": "object", "properties": {"q": {"type": "string", "maxLength": 4}},
+     "required": ["q"], "additionalProperties": False},
+    {"type": "object", "properties": {}, "additionalProperties": False}])
+# now and then: invalid, one the grammar engine refuses, or unbounded (any object)
+ODD_PARAMETERS = st.sampled_from([{"type": "strin"}, [], {"type": "string", "pattern": "(?<=a)b"},
+                                  {}, {"type": "object"}])
+PLAIN = st.sampled_from(["Hello", "Weather in Paris?", "\u00e9\u4e16", ""]) | st.text(max_size=12)
+
+
+def tool_fields(one_in: int) -> dict:
+    """Strategies for tools, tool_choice and tool turns in the history, each field wrong
+    about once in `one_in` (rarely, where a request holds many of them)."""
+    def ok(good, bad=None):
+        return good_or(good, bad, one_in)
+
+    tool = st.fixed_dictionaries(
+        {"type": ok(st.just("function"), st.sampled_from(["custom", None])),
+         "function": ok(st.fixed_dictionaries(
+             {"name": ok(NAMES, st.text(max_size=70)),
+              "parameters": ok(PARAMETERS, ODD_PARAMETERS | JUNK)},
+             optional={"description": ok(PLAIN, TEXT), "strict": ok(st.booleans())}))})
+    call = st.fixed_dictionaries({"id": ok(st.just("call_1")), "type": st.just("function"),
+                                  "function": ok(st.fixed_dictionaries(
+                                      {"name": ok(NAMES), "arguments": ok(st.sampled_from(
+                                          ['{"city": "Paris"}', "{}", "not json", "[1]"]))}))})
+    turn = st.one_of(
+        st.fixed_dictionaries({"role": st.just("assistant"), "content": ok(st.none() | PLAIN),
+                               "tool_calls": ok(st.lists(call, max_size=2))}),
+        st.fixed_dictionaries({"role": st.just("tool"), "content": ok(PLAIN),
+                               "tool_call_id": ok(st.just("call_1"))}))
+    return {"tools": ok(st.lists(tool, max_size=3, unique_by=lambda t: str(t["function"]))
+                        .filter(bool), NOT_NULL),
+            "tool_choice": ok(st.sampled_from(["auto", "none", "required"]) | NAMES.map(
+                lambda name: {"type": "function", "function": {"name": name}})),
+            "parallel_tool_calls": ok(st.booleans()),
+            "turn": turn}
+
+
+TOOL_FIELDS = tool_fields(12)
+RESPONSE_FORMAT = good_or(st.sampled_from([
+    {"type": "text"}, {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [1, "a"]}}},
+    {"type": "json_schema", "json_schema": {"name": "no name!"}}]))
+
 SAMPLING = {
     "temperature": good_or(UNIT),
     "top_p": good_or(st.floats(0.01, 1) | st.just(1)),
@@ -56,7 +111,10 @@ SAMPLING = {
     "stream": good_or(st.booleans()),
     "stream_options": good_or(st.fixed_dictionaries({"include_usage": st.booleans()})),
     "cache_salt": good_or(st.text(max_size=300)),
-    "response_format": good_or(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
+    "response_format": RESPONSE_FORMAT,
+    "tools": TOOL_FIELDS["tools"],
+    "tool_choice": TOOL_FIELDS["tool_choice"],
+    "parallel_tool_calls": TOOL_FIELDS["parallel_tool_calls"],
     "user": TEXT,
     "n": good_or(st.integers(1, 3), NOT_NULL),
 }
@@ -66,29 +124,41 @@ MESSAGE = st.fixed_dictionaries(
     {"role": good_or(st.sampled_from(["system", "user", "assistant"])),
      "content": good_or(TEXT | st.lists(st.fixed_dictionaries(
          {"type": st.sampled_from(["text", "image_url"]), "text": TEXT}), max_size=2))})
-MESSAGES = good_or(st.lists(MESSAGE, min_size=1, max_size=3), NOT_NULL)
-MODEL = good_or(st.just("smollm2"), SURROGATE | TEXT | NOT_NULL, one_in=6)
+MESSAGES = good_or(st.lists(MESSAGE | TOOL_FIELDS["turn"], min_size=1, max_size=3), NOT_NULL)
+# requests with tools are mostly right: they go deep (rendering, a forced call, parsing)
+RARE = tool_fields(40)
+TOOL_MESSAGES = good_or(st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user"]), "content": PLAIN}) | RARE["turn"],
+    min_size=1, max_size=3), NOT_NULL, one_in=40)
 # always a small limit: no generated request may run to its default of 256 tokens
 MAX_TOKENS = good_or(st.integers(1, 4), st.integers(-3, 0) | st.integers(10**5, 10**9)
                      | NOT_NULL)
 
 
 @st.composite
-def requests(draw) -> tuple[str, bytes, dict]:
+def requests(draw, model: str = "smollm2", tools: bool = False) -> tuple[str, bytes, dict]:
     """(path, raw body, headers): a body shaped like OpenAI's, sometimes with a wrong
-    field, sometimes mangled on the wire or sent without its Content-Type."""
-    chat = draw(st.booleans())
-    body: dict = {"model": draw(MODEL), "max_tokens": draw(MAX_TOKENS)}
+    field, sometimes mangled on the wire or sent without its Content-Type. `tools`:
+    a chat request that offers tools, most of the time."""
+    chat = tools or draw(st.booleans())
+    body: dict = {"model": draw(good_or(st.just(model), SURROGATE | TEXT | NOT_NULL,
+                                        one_in=40 if tools else 6)),
+                  "max_tokens": draw(MAX_TOKENS if not tools else good_or(
+                      st.integers(1, 64), NOT_NULL, 40))}  # a whole call takes ~40 tokens
+    if tools:
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            body[name] = draw(RARE[name])
     if chat:
-        body["messages"] = draw(MESSAGES)
-        if draw(st.booleans()):
+        body["messages"] = draw(TOOL_MESSAGES if tools else MESSAGES)
+        if draw(st.integers(0, 3 if tools else 1)) == 1:
             body["logprobs"] = draw(good_or(st.booleans()))
             body["top_logprobs"] = draw(good_or(st.integers(0, 3)))
     else:
         body["prompt"] = draw(PROMPT)
         if draw(st.booleans()):
             body["logprobs"] = draw(good_or(st.integers(0, 3)))
-    for name in draw(st.sets(st.sampled_from(sorted(SAMPLING)), max_size=6)):
+    fields = sorted(set(SAMPLING) - (set(RARE) if tools else set()))
+    for name in draw(st.sets(st.sampled_from(fields), max_size=3 if tools else 6)):
         body[name] = draw(SAMPLING[name])
     raw = json.dumps(body, allow_nan=True).encode()  # NaN, Infinity; \ud800 escapes
     raw = draw(good_or(st.just(raw), st.sampled_from([raw[: len(raw) // 2], b"[" * 100_000])
@@ -98,12 +168,21 @@ def requests(draw) -> tuple[str, bytes, dict]:
 
 
 # -- the server --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def client(smollm2):
-    engine = InProcessEngine(smollm2, 2, cache=CacheConfig(), model_name="smollm2")
+def serving(path, name: str):
+    engine = InProcessEngine(path, 2, cache=CacheConfig(), model_name=name)
     with BackgroundServer(create_app(engine, api_keys=())) as srv:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             yield c
+
+
+@pytest.fixture(scope="module")
+def client(smollm2):
+    yield from serving(smollm2, "smollm2")
+
+
+@pytest.fixture(scope="module")
+def tools_client(qwen3_tools):
+    yield from serving(qwen3_tools, "qwen3-tools")
 
 
 def outcome(r: httpx.Response) -> str:
@@ -112,15 +191,23 @@ def outcome(r: httpx.Response) -> str:
     return f"{r.status_code} {r.json()['error']['param']}"
 
 
-def check_answer(r: httpx.Response) -> None:
+def check_answer(r: httpx.Response, path: str) -> None:
+    chat = path.endswith("/chat/completions")
     if r.status_code == 200:
         if r.headers["content-type"].startswith("text/event-stream"):
             assert r.text.endswith("data: [DONE]\n\n")
             events = [json.loads(e[6:]) for e in r.text.split("\n\n")[:-2] if e]
             errors = [e["error"] for e in events if "error" in e]
             assert all(e["type"] == "invalid_request_error" for e in errors), errors
+            for e in events:  # completions' chunks have no published schema
+                if "error" in e:
+                    conforms("ErrorResponse", e)
+                elif chat:
+                    conforms("CreateChatCompletionStreamResponse", e)
         else:
             assert r.json()["choices"]
+            conforms("CreateChatCompletionResponse" if chat else "CreateCompletionResponse",
+                     r.json())
         return
     if r.status_code == 503:
         assert int(r.headers["Retry-After"]) >= 1
@@ -128,6 +215,7 @@ def check_answer(r: httpx.Response) -> None:
         assert 400 <= r.status_code < 500, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    conforms("ErrorResponse", r.json())
 
 
 @settings(max_examples=200, deadline=None, database=None,
@@ -137,4 +225,16 @@ def test_any_body_gets_a_200_or_a_4xx_in_the_envelope(client, request):
     path, raw, headers = request
     r = client.post(path, content=raw, headers=headers)  # a dropped connection raises
     event(outcome(r))  # --hypothesis-show-statistics: how the answers spread
-    check_answer(r)
+    check_answer(r, path)
+
+
+@settings(max_examples=80, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=requests(model="qwen3-tools", tools=True))
+def test_any_body_with_tools_gets_a_200_or_a_4xx_in_the_envelope(tools_client, request):
+    path, raw, headers = request
+    r = tools_client.post(path, content=raw, headers=headers)
+    event(outcome(r))
+    if r.status_code == 200 and r.headers["content-type"].startswith("application/json"):
+        event(f"finish_reason {r.json()['choices'][0]['finish_reason']}")
+    check_answer(r, path)

@@ -132,3 +132,20 @@ def test_wrong_api_key_is_an_authentication_error(url):
             c.models.list()
     with openai.OpenAI(base_url=url[1] + "/v1", api_key="sesame", max_retries=0) as c:
         assert [m.id for m in c.models.list()] == ["smollm2"]
+
+
+def test_tools_for_a_template_without_tool_support_are_a_clear_bad_request(client):
+    # SmolLM2's template never reads `tools`: a 200 would answer as if there were none
+    tool = {"type": "function", "function": {"name": "get_weather"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, tools=[tool],
+                                       max_tokens=1)
+    assert (e.value.code, e.value.param) == ("tools_not_supported", "tools")
+    assert "no tool support" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
+            *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert (e.value.code, e.value.param) == ("tools_not_supported", "messages")

@@ -188,3 +188,17 @@ def test_peak_memory_is_about_one_tensor_not_the_model(tmp_path: Path):
           f"peak RSS {rss['after_kib'] / 1024:.0f} MiB (+{growth / 2**20:.0f} MiB during the write)")
     assert file_size > 3 * largest
     assert growth < 2 * largest
+
+
+def test_a_chat_template_replaces_the_borrowed_one(tmp_path: Path, qwen3_f32: Path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools }}"
+    path = write_synthetic("qwen3", layers=1, seed=0, out=tmp_path / "t.gguf",
+                           tokenizer_from=TOKENIZER, chat_template=template)
+    g, borrowed = GGUFFile(path), GGUFFile(qwen3_f32)
+    try:
+        assert g.metadata["tokenizer.chat_template"] == template
+        assert borrowed.metadata["tokenizer.chat_template"] != template  # SmolLM2's
+        assert g.metadata["tokenizer.ggml.model"] == borrowed.metadata["tokenizer.ggml.model"]
+    finally:
+        g.close()
+        borrowed.close()

@@ -16,6 +16,7 @@ exactly one BOS id. Our own Gemma template never writes BOS at all.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,7 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.topology.gguf_file import GGUFFile
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 # Where a template can come from: a GGUF path, an open GGUFFile, a Tokenizer (its file's
 # template, with llama.cpp's own BOS/EOS texts and add_bos flag), or a plain mapping of
@@ -92,12 +93,21 @@ class ChatTemplate:
     add_bos: bool        # the tokenizer prepends BOS: a rendered leading BOS is dropped
     add_eos: bool        # the tokenizer appends EOS: a rendered trailing EOS is dropped
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (validated first); ready for Tokenizer.encode."""
-        return self._render(validate_messages(messages), add_generation_prompt)
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` (validated first); ready for Tokenizer.encode.
+        `tools` (OpenAI's [{type: "function", function: {...}}]) reaches the template as
+        its `tools` variable, as in transformers' apply_chat_template and llama-server."""
+        return self._render(validate_messages(messages), add_generation_prompt, tools)
 
-    def segments(self, messages: list[dict], *,
-                 add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the template reads `tools` at all (SmolLM2's and Gemma's do not: they
+        would drop the tools silently)."""
+        return re.search(r"\btools\b", self.text) is not None
+
+    def segments(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[tuple[str, bool]]:
         """The prompt text for `messages` as (text, from_template) pieces in order: what
         the template wrote, and what the messages said. Tokenized apart (`encode_chat`),
         text a user typed that spells a control token stays text, so chat roles cannot
@@ -107,24 +117,28 @@ class ChatTemplate:
         placeholder (where the contents go) and once for real; the real text must equal
         the first with the contents put in (or, for templates that trim them, the trimmed
         contents). A template that transforms contents otherwise gives no pieces we can
-        trust: then a message that spells a control token is refused (ValueError)."""
+        trust: then a message that spells a control token is refused (ValueError).
+        Contents only: what `tools` and tool calls hold is checked by `encode_chat`."""
         checked = validate_messages(messages)
-        text = self._render(checked, add_generation_prompt)
-        holders = [f"\ue000{i}\ue001" for i in range(len(checked))]
-        skeleton = self._render([dict(m, content=h) for m, h in zip(checked, holders)],
-                                add_generation_prompt)
-        contents = [m["content"] for m in checked]
+        text = self._render(checked, add_generation_prompt, tools)
+        texts = [i for i, m in enumerate(checked) if isinstance(m["content"], str)]
+        holders = {i: f"\ue000{i}\ue001" for i in texts}
+        skeleton = self._render([dict(m, content=holders.get(i, m["content"]))
+                                 for i, m in enumerate(checked)], add_generation_prompt, tools)
+        contents = [checked[i]["content"] for i in texts]
         for fill in (contents, [c.strip() for c in contents]):
-            pieces = _fill(skeleton, holders, fill)
+            pieces = _fill(skeleton, list(holders.values()), fill)
             if pieces is not None and "".join(t for t, _ in pieces) == text:
                 return [(t, ours) for t, ours in pieces if t]
         return [(text, True)]  # encode_chat checks the contents spell no control token
 
-    def _render(self, checked: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, checked: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> str:
+        extra = {} if tools is None else {"tools": tools}
         try:
             text = _compile(self.text).render(
                 messages=checked, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token)
+                bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
@@ -153,21 +167,43 @@ def _fill(skeleton: str, holders: list[str], contents: list[str]
 
 
 def encode_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dict], *,
-                control_text: bool = False) -> list[int]:
-    """The token ids of `messages` rendered by `template`. Control-token spellings in
-    what the messages say are tokenized as plain text unless `control_text` (a trusted
-    client's opt-in); what the template writes is tokenized with its control tokens."""
+                control_text: bool = False, tools: list[dict] | None = None) -> list[int]:
+    """The token ids of `messages` (and `tools`) rendered by `template`. Control-token
+    spellings in what the messages say are tokenized as plain text unless `control_text`
+    (a trusted client's opt-in); what the template writes is tokenized with its control
+    tokens. What the client wrote that the template copies beside its own text (tools,
+    tool calls, tool names and ids) cannot be told apart from it: there a control-token
+    spelling is refused (ValueError)."""
     if control_text:
-        return tokenizer.encode(template.render(messages))
-    pieces = template.segments(messages)
+        return tokenizer.encode(template.render(messages, tools=tools))
+    checked = validate_messages(messages)
+    for where, text in _tool_texts(checked, tools):
+        _refuse_control_text(tokenizer, where, text)
+    pieces = template.segments(messages, tools=tools)
     if len(pieces) == 1 and pieces[0][1]:  # contents could not be told apart
-        for i, m in enumerate(validate_messages(messages)):
-            if tokenizer.encode(m["content"], add_special=False) != \
-                    tokenizer.encode(m["content"], add_special=False, control=False):
-                raise ValueError(f"messages[{i}].content spells a control token, and this "
-                                 f"model's chat template changes message text, so it "
-                                 f"cannot be kept as text")
+        for i, m in enumerate(checked):
+            if isinstance(m["content"], str):
+                _refuse_control_text(tokenizer, f"messages[{i}].content", m["content"],
+                                     "and this model's chat template changes message "
+                                     "text, so it cannot be kept as text")
     return tokenizer.encode_pieces(pieces)
+
+
+def _tool_texts(checked: list[dict], tools: list[dict] | None):
+    """(where, text) for each client text about tools a template may copy verbatim."""
+    if tools:
+        yield "tools", json.dumps(tools, ensure_ascii=False)
+    for i, m in enumerate(checked):
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if key in m:
+                yield f"messages[{i}].{key}", json.dumps(m[key], ensure_ascii=False)
+
+
+def _refuse_control_text(tokenizer: Tokenizer, where: str, text: str,
+                         why: str = "which would be read as the token itself") -> None:
+    if tokenizer.encode(text, add_special=False) != \
+            tokenizer.encode(text, add_special=False, control=False):
+        raise ValueError(f"{where} spells a control token, {why}")
 
 
 def load_chat_template(source: ChatSource) -> ChatTemplate:
@@ -196,9 +232,9 @@ def load_chat_template(source: ChatSource) -> ChatTemplate:
 
 
 def render_chat(source: ChatSource, messages: list[dict], *,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """Apply `source`'s chat template to `messages` (see ChatTemplate.render)."""
-    return load_chat_template(source).render(messages,
+    return load_chat_template(source).render(messages, tools=tools,
                                              add_generation_prompt=add_generation_prompt)
 
 
@@ -211,10 +247,15 @@ def has_chat_template(source: ChatSource) -> bool:
     return True
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """`messages` as plain {role, content} dicts; ValueError (one line) on a bad shape.
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages` as plain dicts for the template; ValueError (one line) on a bad shape.
 
-    Keys other than role and content are accepted and not passed to the template.
+    Each has role and content (a string; None for an assistant turn that only calls
+    tools). A tool result also keeps tool_call_id (and name when given); an assistant
+    turn its tool_calls as [{id, type, function: {name, arguments}}], the arguments
+    decoded from their JSON string into an object where they are one, as templates
+    written for Hugging Face's apply_chat_template expect. Other keys are accepted and
+    not passed to the template.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -231,11 +272,52 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
                              f"(got {role!r})")
         if isinstance(content, list):
             content = _text_parts(content, i)
-        if not isinstance(content, str):
+        calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else None
+        if not isinstance(content, str) and not (calls and content is None):
             what = "missing" if content is None else type(content).__name__
             raise ValueError(f"messages[{i}].content must be a string or a list of text "
                              f"parts (got {what})")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **_tool_keys(m, role, calls, i)})
+    return out
+
+
+def _tool_keys(m: Mapping, role: str, calls: list | None, i: int) -> dict:
+    """What a tool result or a calling assistant turn adds to {role, content}."""
+    if calls:
+        return {"tool_calls": calls}
+    if role != "tool":
+        return {}
+    call_id, name = m.get("tool_call_id"), m.get("name")
+    if not isinstance(call_id, str):
+        raise ValueError(f"messages[{i}].tool_call_id must be a string: a tool message "
+                         f"answers the call with that id")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"messages[{i}].name must be a string")
+    return {"tool_call_id": call_id, **({"name": name} if name else {})}
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict] | None:
+    """An assistant turn's tool_calls, checked, arguments decoded (see validate_messages)."""
+    if calls is None or calls == []:
+        return None
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be an array")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{id, type: "
+                             f"\"function\", function: {{name, arguments}}}} with string "
+                             f"name and arguments")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except (ValueError, RecursionError):
+            arguments = fn["arguments"]  # the template shows it as the client sent it
+        if not isinstance(arguments, dict):
+            arguments = fn["arguments"]
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
 

@@ -66,6 +66,9 @@ from .openai_api import (
 from .result_memo import ResultMemo
 from .status import StatusBoard, add_status_routes
 from .tokenizer import Tokenizer
+from .tool_calls import ReplyDeltas, ToolCallFormat, call_constraint, reply_format, \
+    whole_reply
+from .tool_choice import ToolSpecError
 
 __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 
@@ -98,6 +101,9 @@ class _Gateway:
         self.runs = RunContext(engine, memo, self.metrics, self.tokenizer)
         self.status = StatusBoard(engine, self.metrics, self.runs.in_flight)
         self.created = int(time.time())
+        # system_fingerprint: the split and the weights it serves (a new one means a
+        # seeded request may answer differently)
+        self.fingerprint = "fp_" + engine.info.topology_digest[:12]
         self._probe_ids = tuple(self.tokenizer.encode("Hello") or [0])
         self._ready_at = 0.0
         self._ready_lock = asyncio.Lock()
@@ -141,11 +147,14 @@ class _Gateway:
                 raise bad(f"{self.template_missing}, so chat messages cannot be turned "
                           f"into a prompt; use /v1/completions", "messages",
                           "chat_template_missing")
+            tools = parsed.tools.template_tools if parsed.tools else None
             try:  # what users typed stays text unless the server trusts its clients
                 return encode_chat(self.template, self.tokenizer, list(parsed.messages),
-                                   control_text=self.control_text)
-            except ValueError as e:  # bad messages, or the template refused them
-                raise bad(" ".join(str(e).split()), "messages") from None
+                                   control_text=self.control_text, tools=tools)
+            except ValueError as e:  # bad messages or tools, or the template refused them
+                message = " ".join(str(e).split())
+                raise bad(message, "tools" if message.startswith("tools ") else "messages"
+                          ) from None
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size
@@ -155,17 +164,47 @@ class _Gateway:
                       "prompt")
         return list(prompt)
 
-    def generation_requests(self, parsed: ParsedRequest,
-                            tenant: str = "") -> list[GenerationRequest]:
+    def tool_format(self, parsed: ParsedRequest) -> ToolCallFormat | None:
+        """The format the reply is read in for tool calls (tool_calls.reply_format); a
+        400 when the request needs tool support that the model's template lacks."""
+        if not parsed.chat:
+            return None
+        text = self.template.text if self.template else None
+        knows_tools = self.template is not None and self.template.knows_tools
+        try:
+            return reply_format(text, knows_tools, parsed.tools, parsed.messages)
+        except ToolSpecError as e:
+            raise bad(str(e), e.param, e.code) from None
+
+    def sampling(self, parsed: ParsedRequest, fmt: ToolCallFormat | None):
+        """The request's sampling settings, with the constraint that forces a tool call
+        when tool_choice asks for one."""
+        tools = parsed.tools
+        if fmt is None or not tools.forced:
+            return parsed.sampling
+        if parsed.sampling.constraint is not None:
+            raise bad("response_format constrains the reply's content, and this "
+                      "tool_choice forces a tool call instead: ask for one of them",
+                      "response_format")
+        try:
+            constraint = call_constraint(fmt, tools, self.tokenizer.special_id)
+        except ToolSpecError as e:
+            raise bad(str(e), e.param) from None
+        return dataclasses.replace(parsed.sampling, constraint=constraint)
+
+    def generation_requests(self, parsed: ParsedRequest, tenant: str = "",
+                            fmt: ToolCallFormat | None = None) -> list[GenerationRequest]:
         """One request per choice: each prompt n times, in order. Seeded copies of a
         prompt take seeds seed, seed + 1, ... so their samples differ, repeatably. Their
         cache namespace is the tenant's (the caller's key), then the request's salt.
+        `fmt`: the reply's tool-call format (a forced call is constrained to it).
         Tokenizes: call it off the event loop."""
         vocab = self.tokenizer.vocab_size
         outside = [t for t, _ in parsed.sampling.logit_bias if t >= vocab]
         if outside:
             raise bad(f"logit_bias token id {outside[0]} is outside the vocabulary "
                       f"(0..{vocab - 1})", "logit_bias")
+        parsed = dataclasses.replace(parsed, sampling=self.sampling(parsed, fmt))
         out = []
         for prompt in (None,) if parsed.chat else parsed.prompts:
             first = self.generation_request(parsed, self.prompt_ids(parsed, prompt),
@@ -267,8 +306,9 @@ class _Gateway:
         parsed = parse_request(body, chat=chat)
         self.check_model(parsed.model)
         self.check_choices(parsed)
+        fmt = self.tool_format(parsed)
         # templates and tokenizers take their time on long prompts: off the event loop
-        requests = await asyncio.to_thread(self.generation_requests, parsed, tenant)
+        requests = await asyncio.to_thread(self.generation_requests, parsed, tenant, fmt)
         self.check_tokens(requests)
         release = await self.admit()
         try:
@@ -276,7 +316,7 @@ class _Gateway:
             lanes = await self.engine.reserve(len(requests))
             release = _both(release, lanes)
             requests = [dataclasses.replace(r, admitted=True) for r in requests]
-            return await self._respond(parsed, requests, arrived, release, deadline)
+            return await self._respond(parsed, requests, arrived, release, deadline, fmt)
         except BaseException:
             release()
             raise
@@ -290,10 +330,11 @@ class _Gateway:
                              f"{self.limits.request_timeout_s:g} s", code="timeout")
 
     async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
-                       arrived: float, release: Callable[[], None],
-                       deadline: float) -> Response:
+                       arrived: float, release: Callable[[], None], deadline: float,
+                       fmt: ToolCallFormat | None = None) -> Response:
         """Run the choices and answer; `release` ends the request's slot once the answer
-        is complete (a stream's when its last event is sent or the client left)."""
+        is complete (a stream's when its last event is sent or the client left). `fmt`:
+        the tool-call format replies are read in (None: they are plain content)."""
         runs = [Generation(self.runs, r, parsed.stop, arrived) for r in requests]
 
         async def close() -> None:
@@ -307,10 +348,11 @@ class _Gateway:
             await close()
             raise
         shape = ResponseShape(parsed.chat, self.engine.info.model,
-                              lambda t: self.tokenizer.piece(t, special=True))
+                              lambda t: self.tokenizer.piece(t, special=True),
+                              self.fingerprint)
         usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
         if parsed.stream:
-            events = self._events(runs, shape, usage, parsed.include_usage, deadline)
+            events = self._events(runs, shape, usage, parsed.include_usage, deadline, fmt)
             return _ClosingStream(events, on_close=close, media_type="text/event-stream",
                                   headers={"Cache-Control": "no-cache"})
         pieces: list[list] = [[] for _ in runs]
@@ -319,18 +361,24 @@ class _Gateway:
         finally:
             release()
         wanted = parsed.sampling.logprobs is not None
-        choices = [("".join(t for t, _ in parts), run.outcome.finish_reason,
-                    [e for _, lp in parts for e in lp] if wanted else None)
-                   for run, parts in zip(runs, pieces)]
+        choices = []
+        for run, parts in zip(runs, pieces):
+            content, reason, calls = whole_reply(fmt, "".join(t for t, _ in parts),
+                                                 run.outcome.finish_reason)
+            choices.append((content, reason,
+                            [e for _, lp in parts for e in lp] if wanted else None, calls))
         return JSONResponse(shape.full(choices, usage()))
 
     async def _events(self, runs: list[Generation], shape: ResponseShape,
                       usage: Callable[[], Usage], include_usage: bool,
-                      deadline: float) -> AsyncIterator[bytes]:
-        """The choices' chunks as their texts grow (interleaved, each with its index),
-        a finish chunk per choice, the usage if asked, then [DONE]; an error event
-        instead of the rest once something fails or the deadline passes."""
+                      deadline: float, fmt: ToolCallFormat | None = None
+                      ) -> AsyncIterator[bytes]:
+        """The choices' chunks as their texts grow (interleaved, each with its index;
+        content or tool-call deltas), a finish chunk per choice, the usage if asked, then
+        [DONE]; an error event instead of the rest once something fails or the deadline
+        passes."""
         queue: asyncio.Queue = asyncio.Queue()
+        replies = [ReplyDeltas(fmt) for _ in runs]
         pumps = [asyncio.create_task(pump(i, run, queue)) for i, run in enumerate(runs)]
         try:
             if shape.chat:
@@ -342,13 +390,16 @@ class _Gateway:
                 index, delta, logprobs, end = await self._by(deadline, queue.get())
                 if isinstance(end, BaseException):
                     raise end
-                if end is None:
-                    yield sse(shape.chunk(delta, with_usage_field=include_usage,
-                                          logprobs=logprobs, index=index))
+                ends = end is not None
+                reply = replies[index]
+                for text, call, lp in reply.finish() if ends else reply.push(delta, logprobs):
+                    yield sse(shape.chunk(text, with_usage_field=include_usage,
+                                          logprobs=lp, index=index, tool_call=call))
+                if not ends:
                     continue
                 left -= 1
-                yield sse(shape.chunk(None if shape.chat else "", end, index=index,
-                                      with_usage_field=include_usage))
+                yield sse(shape.chunk(None if shape.chat else "", reply.finish_reason(end),
+                                      index=index, with_usage_field=include_usage))
             if include_usage:
                 yield sse(shape.usage_chunk(usage()))
         except Exception as e:  # noqa: BLE001

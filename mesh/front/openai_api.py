@@ -28,6 +28,7 @@ from typing import Any
 from ..constraint import Constraint
 from ..sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .response_format import ResponseFormatError, response_constraint
+from .tool_choice import ToolSpecError, ToolUse, parse_tools
 
 # max_tokens when the request gives none: what is left of the context, at most this.
 # OpenAI's legacy completions default to 16, which cuts most answers short; 256 answers
@@ -78,6 +79,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     cache_salt: str                           # the client's part of its cache namespace
+    tools: ToolUse | None = None              # chat: the tools offered, and tool_choice
 
     @property
     def choices(self) -> int:
@@ -165,7 +167,15 @@ def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
     return ParsedRequest(chat=chat, model=model, prompts=prompts, messages=messages, n=n,
                          max_tokens=max_tokens, sampling=_sampling(body, _logprobs(body, chat)),
                          stop=_stop(body.get("stop")), stream=stream,
-                         include_usage=stream and include_usage, cache_salt=salt)
+                         include_usage=stream and include_usage, cache_salt=salt,
+                         tools=_tools(body) if chat else None)
+
+
+def _tools(body: Mapping) -> ToolUse | None:
+    try:
+        return parse_tools(body)
+    except ToolSpecError as e:
+        raise bad(str(e), e.param) from None
 
 
 # -- fields ---------------------------------------------------------------------------------
@@ -364,15 +374,20 @@ class ResponseShape:
     """Builds one request's response bodies and stream chunks (same id and timestamp).
     `piece(id)` gives a token's bytes, for log-probability entries."""
 
-    def __init__(self, chat: bool, model: str, piece: Callable[[int], bytes] = bytes):
+    def __init__(self, chat: bool, model: str, piece: Callable[[int], bytes] = bytes,
+                 fingerprint: str | None = None):
         self.chat, self.model, self.piece = chat, model, piece
+        self.fingerprint = fingerprint  # system_fingerprint: the backend's configuration
         self._offset: dict[int, int] = {}  # per choice: text_offset runs on across chunks
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        if self.fingerprint is not None:
+            head["system_fingerprint"] = self.fingerprint
+        return head
 
     def logprobs(self, entries: Logprobs | None, index: int = 0) -> dict | None:
         """OpenAI's logprobs object: chat's `content` list, or completions' parallel
@@ -397,14 +412,18 @@ class ResponseShape:
                 "top_logprobs": [{text(j): lp for j, lp in e.top} for _, e in entries],
                 "text_offset": offsets}
 
-    def full(self, choices: list[tuple[str, str, Logprobs | None]], usage: Usage) -> dict:
-        """The whole response: (text, finish_reason, logprobs) per choice, in order."""
+    def full(self, choices: list[tuple], usage: Usage) -> dict:
+        """The whole response: (text, finish_reason, logprobs) per choice, in order; a
+        chat choice may add its tool calls (OpenAI's tool_calls list) as a fourth item,
+        and then its text may be None."""
         out = []
-        for index, (text, finish_reason, logprobs) in enumerate(choices):
+        for index, (text, finish_reason, logprobs, *calls) in enumerate(choices):
             block = self.logprobs(logprobs, index)
             if self.chat:
-                out.append({"index": index,
-                            "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if calls and calls[0]:
+                    message["tool_calls"] = calls[0]
+                out.append({"index": index, "message": message,
                             "logprobs": block, "finish_reason": finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": block,
@@ -413,9 +432,11 @@ class ResponseShape:
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
               first: bool = False, with_usage_field: bool = False,
-              logprobs: Logprobs | None = None, index: int = 0) -> dict:
+              logprobs: Logprobs | None = None, index: int = 0,
+              tool_call: dict | None = None) -> dict:
         """A stream chunk with a text delta (chat: the first one also carries the role)
-        and, when asked for, the log-probabilities of the tokens it came from."""
+        or a tool call's delta, and, when asked for, the log-probabilities of the tokens
+        it came from."""
         block = self.logprobs(logprobs, index)
         if self.chat:
             delta: dict = {}
@@ -423,6 +444,8 @@ class ResponseShape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_call is not None:
+                delta["tool_calls"] = [tool_call]
             choice = {"index": index, "delta": delta, "logprobs": block,
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}

@@ -176,6 +176,21 @@ class Tokenizer:
         valid until `close`."""
         return self._vocab
 
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text`, or None. Special as the grammar
+        engine (llguidance) reads a llama.cpp vocabulary: a control token, or a
+        user-defined one in angle brackets (Qwen's `<tool_call>`); a grammar must name
+        such a token by id, since it never spells it with ordinary text."""
+        ids = self.encode(text, add_special=False)
+        if len(ids) != 1 or self.token_text(ids[0]) != text:
+            return None
+        attr = llama_cpp.llama_vocab_get_attr(self._vocab, ids[0])
+        angled = text.startswith("<") and text.endswith(">")
+        if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL or (
+                attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED and angled):
+            return ids[0]
+        return None
+
     def is_eog(self, token_id: int) -> bool:
         return token_id in self.eog_ids
 

@@ -1,0 +1,180 @@
+"""A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, validated.
+
+What each tool_choice does here, after llama.cpp's server:
+- "auto" (the default with tools): the tools are rendered by the chat template, the model
+  writes what it likes, and a tool call in its reply is parsed into `tool_calls`.
+- "none": the tools are still rendered (llama-server renders them too: the conversation
+  may hold earlier calls to them), nothing is forced and nothing parsed.
+- "required" / {"type": "function", "function": {"name": ...}}: the reply is constrained
+  to a call (to any of the tools / to that one), arguments matching its parameters.
+
+Only function tools exist here (OpenAI's "custom" tools and "allowed_tools" choice are
+refused). A tool's parameters must be a JSON schema (checked here, so a bad one is a 400
+whatever the choice).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+MAX_TOOLS = 128  # OpenAI's limit
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+CHOICES = ("auto", "none", "required")
+
+
+class ToolSpecError(ValueError):
+    """A bad tools / tool_choice / parallel_tool_calls; `param` names the field."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def bad(message: str, param: str) -> ToolSpecError:
+    return ToolSpecError(message, param)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a chat request offers and what it asks of them."""
+
+    tools: tuple[str, ...]   # each tool as canonical JSON (hashable, the template's input)
+    choice: str              # "auto", "none", "required" or "function"
+    function: str | None     # the function a named choice forces
+    parallel: bool           # more than one call allowed (parallel_tool_calls)
+
+    @property
+    def template_tools(self) -> list[dict]:
+        """The tools as the chat template receives them (OpenAI's shape)."""
+        return [json.loads(t) for t in self.tools]
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    @property
+    def parsed(self) -> bool:
+        """Whether the reply is read for tool calls (not with "none")."""
+        return self.choice != "none"
+
+    def callable_functions(self) -> list[dict]:
+        """The `function` objects a forced call may name."""
+        fns = [t["function"] for t in self.template_tools]
+        return [f for f in fns if f["name"] == self.function] if self.function else fns
+
+
+def parse_tools(body: Mapping) -> ToolUse | None:
+    """The request's tool use, or None when it offers no tools; ToolSpecError on a bad
+    shape. tool_choice "auto" or "none" without tools is accepted and means nothing."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if body.get(old) is not None:  # ignoring them would answer as if no tools
+            raise bad(f"{old} is OpenAI's deprecated form of {new}; send {new}", old)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice is not None and choice not in ("auto", "none"):
+            raise bad("tool_choice needs tools: name the functions the model may call",
+                      "tool_choice")
+        return None
+    canonical = _tools(tools)
+    names = [json.loads(t)["function"]["name"] for t in canonical]
+    kind, function = _choice(choice, names)
+    return ToolUse(canonical, kind, function, True if parallel is None else parallel)
+
+
+def _tools(tools: Any) -> tuple[str, ...]:
+    if not isinstance(tools, list):
+        raise bad("tools must be an array of {type: \"function\", function: {...}}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"tools takes at most {MAX_TOOLS} functions, not {len(tools)}", "tools")
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        fn = _function(tool, i)
+        if fn["name"] in seen:
+            raise bad(f"tools[{i}]: the function name {fn['name']!r} is used twice", "tools")
+        seen.add(fn["name"])
+        out.append(json.dumps({"type": "function", "function": fn}, ensure_ascii=False))
+    return tuple(out)
+
+
+def _function(tool: Any, i: int) -> dict:
+    """tools[i].function checked: name, and description / parameters / strict if given."""
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind != "function":
+        raise bad(f"tools[{i}].type must be \"function\" (got {kind!r}): this server "
+                  f"calls functions only", "tools")
+    fn = tool.get("function")
+    if not isinstance(fn, Mapping):
+        raise bad(f"tools[{i}].function must be an object with a name", "tools")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise bad(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or - "
+                  f"(got {_shown(name)})", "tools")
+    out: dict = {"name": name}
+    description = fn.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad(f"tools[{i}].function.description must be a string", "tools")
+        out["description"] = description
+    params = fn.get("parameters")
+    if params is not None:
+        out["parameters"] = _schema(params, i)
+    strict = fn.get("strict")
+    if strict is not None:  # a forced call is always strict; the template may read it
+        if not isinstance(strict, bool):
+            raise bad(f"tools[{i}].function.strict must be a boolean", "tools")
+        out["strict"] = strict
+    return out
+
+
+def _schema(params: Any, i: int) -> dict:
+    if not isinstance(params, Mapping):
+        raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    try:
+        jsonschema.validators.validator_for(params).check_schema(params)
+    except jsonschema.SchemaError as e:
+        raise bad(f"tools[{i}].function.parameters is not a valid JSON schema: "
+                  f"{_one_line(e.message)}", "tools") from None
+    except RecursionError:
+        raise bad(f"tools[{i}].function.parameters cannot be read as a JSON schema",
+                  "tools") from None
+    return dict(params)
+
+
+def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in CHOICES:
+            raise bad(f"tool_choice must be one of {', '.join(CHOICES)} or "
+                      f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                      f"(got {_shown(choice)})", "tool_choice")
+        return choice, None
+    if not isinstance(choice, Mapping) or choice.get("type") != "function":
+        raise bad("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": "
+                  "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str):
+        raise bad("tool_choice.function.name must be a string", "tool_choice")
+    if name not in names:
+        raise bad(f"tool_choice names the function {_shown(name)}, which is not among "
+                  f"the tools", "tool_choice")
+    return "function", name
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())

@@ -1,0 +1,90 @@
+"""A request's tools, tool_choice and parallel_tool_calls: what is accepted, what each
+choice means, and a one-line error naming the field for everything else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skippy.mesh.front.tool_choice import MAX_TOOLS, ToolSpecError, parse_tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now.", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ADD = {"type": "function", "function": {"name": "add"}}
+
+
+def test_no_tools_is_no_tool_use():
+    assert parse_tools({}) is None
+    assert parse_tools({"tools": []}) is None
+    assert parse_tools({"tools": None, "tool_choice": "none"}) is None
+    assert parse_tools({"tool_choice": "auto"}) is None
+
+
+def test_auto_is_the_default_and_parallel_calls_are_allowed_unless_turned_off():
+    use = parse_tools({"tools": [WEATHER, ADD]})
+    assert (use.choice, use.function, use.parallel) == ("auto", None, True)
+    assert use.parsed and not use.forced
+    assert not parse_tools({"tools": [ADD], "parallel_tool_calls": False}).parallel
+
+
+def test_the_template_gets_the_tools_in_openais_shape():
+    use = parse_tools({"tools": [WEATHER, ADD], "tool_choice": "none"})
+    assert use.template_tools == [WEATHER, ADD]
+    assert not use.parsed and not use.forced
+    assert all(isinstance(t, str) for t in use.tools)  # hashable, canonical JSON
+    hash(use)
+
+
+def test_required_and_a_named_function_force_a_call():
+    required = parse_tools({"tools": [WEATHER, ADD], "tool_choice": "required"})
+    assert required.forced and [f["name"] for f in required.callable_functions()] == [
+        "get_weather", "add"]
+    named = parse_tools({"tools": [WEATHER, ADD], "tool_choice": {
+        "type": "function", "function": {"name": "add"}}})
+    assert named.forced and named.callable_functions() == [{"name": "add"}]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"tools": {"a": 1}}, "tools", "must be an array"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools", "calls functions only"),
+    ({"tools": [{"type": "function"}]}, "tools", r"tools\[0\]\.function must be an object"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "1 to 64"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools", "1 to 64"),
+    ({"tools": [ADD, ADD]}, "tools", "used twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools",
+     "description must be a string"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools",
+     "JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "strin"}}}]}, "tools", "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools",
+     "strict must be a boolean"),
+    ({"tools": [ADD] * (MAX_TOOLS + 1)}, "tools", "at most 128"),
+    ({"tools": [ADD], "tool_choice": "always"}, "tool_choice", "must be one of"),
+    ({"tools": [ADD], "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "must be"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {}}}, "tool_choice",
+     "name must be a string"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "sub"}}},
+     "tool_choice", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [ADD], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    ({"functions": [{"name": "f"}]}, "functions", "deprecated form of tools"),
+    ({"tools": [ADD], "function_call": "auto"}, "function_call", "send tool_choice"),
+])
+def test_bad_tool_fields_are_one_line_errors_naming_the_field(body, param, message):
+    with pytest.raises(ToolSpecError, match=message) as e:
+        parse_tools(body)
+    assert e.value.param == param and "\n" not in str(e.value)
+
+
+def test_a_deeply_nested_schema_is_an_error_not_a_crash():
+    deep: dict = {"type": "object"}
+    for _ in range(3000):
+        deep = {"type": "object", "properties": {"x": deep}}
+    body = json.loads(json.dumps({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]}))
+    body["tools"][0]["function"]["parameters"] = deep
+    with pytest.raises(ToolSpecError, match="cannot be read"):
+        parse_tools(body)
