@@ -42,10 +42,10 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
+from skippy.evals import plots
 from skippy.evals.json_schemas import schemas as generated_schemas
 
 MODELS = {"smollm2": "smollm2", "gemma3": "gemma3-270m"}
@@ -292,14 +292,13 @@ def conformance(n: int) -> dict:
             "wall_s": time.perf_counter() - t0, "rows": rows}
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(result: dict):
     """Per token (left) and per schema compiled (right) against vocabulary size."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, ((left, right),) = plots.figure(1, 2, width=5, title=(
+        "Constrained decoding: the mask's cost (SmolLM2 49k, Gemma 3 262k and its prefixes)"))
     for k, name in enumerate(ENGINES):
-        rows = sorted((r for r in results if r["engine"] == name), key=lambda r: r["vocab"])
+        rows = sorted((r for r in result["results"] if r["engine"] == name),
+                      key=lambda r: r["vocab"])
         if not rows:
             continue
         x = [r["vocab"] / 1000 for r in rows]
@@ -308,20 +307,23 @@ def plot(results: list[dict], path: Path) -> None:
         left.plot(x, [r["per_token_cpu_us"]["p95"] for r in rows], "^--", color=f"C{k}",
                   alpha=0.6, label=f"{name} p95")
         right.plot(x, [r["compile_ms"] for r in rows], "o-", color=f"C{k}", label=name)
-    left.set_ylabel("mask + apply + advance per token (µs of CPU)")
-    left.set_title("Per token")
-    right.set_ylabel("compiling one JSON schema (ms, median)")
-    right.set_title("Per request")
     for ax in (left, right):
-        ax.set_xlabel("vocabulary (thousands of tokens)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Constrained decoding: the mask's cost (SmolLM2 49k, Gemma 3 262k and its "
-                 "prefixes)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        plots.log_y(ax)
+    plots.finish(left, title="Per token", xlabel="vocabulary (thousands of tokens)",
+                 ylabel="mask + apply + advance per token (µs of CPU)")
+    plots.finish(right, title="Per request", xlabel="vocabulary (thousands of tokens)",
+                 ylabel="compiling one JSON schema (ms, median)")
+    return fig
+
+
+def line(r: dict) -> str:
+    """One engine x vocabulary's row of the printed table (without the decode step's share)."""
+    cpu = r["per_token_cpu_us"]
+    return (f"{r['engine']:<11} {r['vocab']:>7} {r['tokenizer_s']:>11.2f} "
+            f"{r['compile_ms']:>10.1f} {r['mask_cpu_us']['p50']:>8.0f} "
+            f"{r['apply_cpu_us']['p50']:>8.0f} {r['advance_cpu_us']['p50']:>7.0f} "
+            f"{cpu['p50']:>6.0f} {cpu['p95']:>6.0f} {r['per_token_us']['p50']:>6.0f} "
+            f"{r['reply_ms']:>8.1f}")
 
 
 def _importable(engine: str) -> bool:
@@ -344,12 +346,7 @@ def table(results: list[dict], step: dict) -> str:
              f"{'mask us':>8} {'apply us':>8} {'advance':>7} {'token':>6} {'p95':>6} "
              f"{'wall':>6} {'reply ms':>8} {'/ step':>7}"]
     for r in results:
-        cpu = r["per_token_cpu_us"]
-        lines.append(f"{r['engine']:<11} {r['vocab']:>7} {r['tokenizer_s']:>11.2f} "
-                     f"{r['compile_ms']:>10.1f} {r['mask_cpu_us']['p50']:>8.0f} "
-                     f"{r['apply_cpu_us']['p50']:>8.0f} {r['advance_cpu_us']['p50']:>7.0f} "
-                     f"{cpu['p50']:>6.0f} {cpu['p95']:>6.0f} {r['per_token_us']['p50']:>6.0f} "
-                     f"{r['reply_ms']:>8.1f} {cpu['p50'] / 1e3 / step['ms']:>6.1%}")
+        lines.append(f"{line(r)} {r['per_token_cpu_us']['p50'] / 1e3 / step['ms']:>6.1%}")
     return "\n".join(lines)
 
 
@@ -365,13 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--conformance", type=int, default=0, metavar="N",
                    help="also run N schemas through the gateway (SmolLM2, greedy)")
     p.add_argument("--json", help="write the results to PATH ('-': stdout) and a PNG next "
-                                  "to it")
-    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier --json")
+                                  "to it (`python -m skippy.evals.plots PATH` draws it again)")
     args = p.parse_args(argv)
-    if args.plot:
-        out = json.loads(Path(args.plot).read_text())
-        plot(out["results"], Path(args.plot).with_suffix(".png"))
-        return out
     schemas = generated_schemas(args.schemas, seed=1)
     sizes = [("smollm2", None), ("gemma3", None)]
     if args.scaling:
@@ -398,11 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         c = out["conformance"] = conformance(args.conformance)
         print(f"conformance: {c['stopped_valid']} of {c['schemas']} replies stopped and "
               f"validate ({c['stopped']} stopped), {c['wall_s']:.0f} s")
-    if args.json == "-":
-        json.dump(out, sys.stdout, indent=2)
-    elif args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
-        plot(results, Path(args.json).with_suffix(".png"))
+    plots.write(out, args.json, "bench_constraint")
     return out
 
 
