@@ -20,7 +20,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -187,3 +189,20 @@ def test_serve_with_defaults_binds_only_loopback(smollm2, tmp_path):
              if PRIVATE in h or h in ("0.0.0.0", "[::]", "*")]
     assert not wrong, ss
     assert all(h in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]") for h in hosts), ss
+
+
+def test_embedded_ray_ignores_a_stale_cluster_file():
+    """A `ray start` cluster killed without `ray stop` leaves ray_current_cluster behind;
+    a plain ray.init would try to join it (and refuse num_cpus). The embedded Ray starts
+    its own whatever the file says."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="sk", dir="/tmp"))  # Ray's socket paths: short
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    code = ("import ray; from skippy.mesh.control.ray_engine import start_ray; "
+            "assert start_ray(num_cpus=1); print(ray.get_runtime_context().gcs_address); "
+            "ray.shutdown()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "RAY_TMPDIR": str(tmp_path)})
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith("127.0.0.1:") and r.stdout.strip() != "127.0.0.1:1"

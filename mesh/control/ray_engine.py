@@ -58,8 +58,11 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
+    # address="local": always a new embedded Ray. Without it ray.init joins whatever
+    # cluster /tmp/ray/ray_current_cluster names, even one whose processes were killed.
     with _loopback_node():
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 2, include_dashboard=False,
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
+                 include_dashboard=False,
                  object_store_memory=100 * 2**20, log_to_driver=False,
                  _node_ip_address=LOOPBACK)
     return True
