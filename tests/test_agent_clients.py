@@ -19,6 +19,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from tool_schemas import ADD, WEATHER
+
 
 MODEL = "qwen3-tools"
 QUESTION = "How warm is it in Oslo, in celsius?"
@@ -86,12 +88,6 @@ def test_langchain_agent_calls_a_tool_and_answers(chat_model, lc_tools, streamed
 
 
 # -- LiteLLM ---------------------------------------------------------------------------------------
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
-ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                      "b": {"type": "integer", "minimum": 0, "maximum": 999}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "parameters": ADD}}]
 

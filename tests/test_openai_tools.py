@@ -16,14 +16,10 @@ import jsonschema
 import openai
 import pytest
 
+from tool_schemas import ADD, WEATHER
+
 
 MODEL = "qwen3-tools"
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
-ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
-       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                      "b": {"type": "integer", "minimum": 0, "maximum": 999}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
                                            "description": "The weather in a city now."}},
          {"type": "function", "function": {"name": "add", "parameters": ADD,
