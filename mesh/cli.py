@@ -57,12 +57,15 @@ def cmd_models_synth(args) -> int:
         f"{'-' + args.variant if args.variant else ''}"
         f"-L{args.layers}-s{args.seed}-{args.dtype}.gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
-    path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
-                           tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
-                           heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                           dtype=args.dtype, progress=_say,
-                           options=_synth_options(args.set or []), rope_freqs=args.rope_freqs,
-                           variant=args.variant, chat_template=_template_text(args))
+    from .progress import progress_bar
+    with progress_bar(None, f"synth {out.name}", "B") as bar:
+        path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
+                               tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
+                               heads=args.heads, kv_heads=args.kv_heads,
+                               head_dim=args.head_dim, dtype=args.dtype, progress=bar.to,
+                               options=_synth_options(args.set or []),
+                               rope_freqs=args.rope_freqs, variant=args.variant,
+                               chat_template=_template_text(args))
     print(path)
     return 0
 
@@ -140,15 +143,16 @@ def cmd_certify(args) -> int:
     if args.runtime == "llama.cpp" and args.stages != 1:
         raise UsageError("the llama.cpp runtime serves a whole model: use --stages 1")
     # certify() refuses a format the runtime lacks (StageError: one line, exit 2)
+    from .progress import progress_bar
+    model = resolve_model(args.model)
     if args.stage is not None:
         from skippy.stages.certify_range import certify_range, parse_range
         if args.runtime != "torch":
             raise UsageError("--stage certifies a torch stage: drop --runtime llama.cpp")
-        report = certify_range(resolve_model(args.model), *parse_range(args.stage),
-                               weight_format=args.weight_format)
+        with progress_bar(None, f"certify {model.name} {args.stage}", "step") as bar:
+            report = certify_range(model, *parse_range(args.stage),
+                                   weight_format=args.weight_format, progress=bar.to)
     else:
-        from .progress import progress_bar
-        model = resolve_model(args.model)
         with progress_bar(None, f"certify {model.name}", "step") as bar:
             report = certify(model, args.stages, args.runtime,
                              weight_format=args.weight_format, progress=bar.to)

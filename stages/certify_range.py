@@ -23,6 +23,7 @@ from skippy.cache.blocks import BlockStore
 from skippy.cache.payload import PayloadKind
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
+from skippy.topology.tally import Progress, Tally
 
 from .certify import (CHUNK, REFERENCE_FORMAT, STEPS, Check, Report, _check_weight_format,
                       max_abs_diff, state_bytes, through_store)
@@ -111,9 +112,12 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[bool, float]:
     return same, max(max_abs_diff(x, y) for x, y in zip(a, b))
 
 
-def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FORMAT) -> Report:
+def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FORMAT,
+                  progress: Progress | None = None) -> Report:
     """Every check on layers [start, end) of `path` (a GGUF or a package: only that
-    range's parts are opened), fed synthetic upstream activations."""
+    range's parts are opened), fed synthetic upstream activations. `progress(done, total)`
+    hears the steps done: the cold run, the split (when the range has 2 layers or more),
+    the restores, the whole-state round trip."""
     _check_weight_format("torch", weight_format)
     f = open_model(path)
     cfg = ModelConfig.from_gguf(f)
@@ -124,7 +128,9 @@ def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FOR
     n = 3 * CHUNK + 21
     up = _Upstream(cfg, start == 0, n + STEPS)
     stages = _stages(path, cfg, [start, end], weight_format)
+    steps = Tally(4 if end - start > 1 else 3, progress)
     cold, _ = _run(stages, [s.alloc_lane() for s in stages], up, n)
+    steps.add()
     if end - start > 1:
         mid = (start + end) // 2
         two = _stages(path, cfg, [start, mid, end], weight_format)
@@ -132,9 +138,12 @@ def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FOR
         same, d = _same(cold, got)
         report.checks.append(Check("split_handoff", same, f"cut at {mid}, f32 wire: outputs "
                                    f"bitwise {same}; max |d| {d:.2e}", d))
+        steps.add()
     store = BlockStore()
     report.checks += _restore(stages, up, n, store, cold)
+    steps.add()
     report.checks += _full_state(stages, up, n, store, cold)
+    steps.add()
     return report
 
 

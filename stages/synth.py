@@ -24,6 +24,7 @@ from pathlib import Path
 import blake3
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from skippy.topology.tally import Progress, Tally
 
 # Bumped whenever the values a given (arch, sizes, seed) produce change, so a file's
 # provenance says which generator made it.
@@ -934,7 +935,7 @@ def write_synthetic(
     kv_heads: int | None = None,
     head_dim: int | None = None,
     dtype: str = "f32",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     options: Mapping[str, int | float] | None = None,
     rope_freqs: bool = False,
     variant: str | None = None,
@@ -949,7 +950,8 @@ def write_synthetic(
     only) makes a Llama 3 style file: rope base 500000 and a rope_freqs.weight of frequency
     factors. `variant` picks one of the arch's shapes (ArchSpec.variants; default its
     first). `chat_template` replaces the borrowed tokenizer's chat template (Jinja text),
-    e.g. to give a file a tool-aware template. The file appears atomically (written under a temporary name, then renamed),
+    e.g. to give a file a tool-aware template. `progress(done, total)` hears the tensor
+    bytes written so far. The file appears atomically (written under a temporary name, then renamed),
     so an interrupted write never leaves a loadable stub.
     """
     spec = _spec(arch)
@@ -1029,19 +1031,19 @@ def _add_metadata(writer: GGUFWriter, arch: str, layers: int, seed: int, file_ty
 
 
 def _add_tensors(writer: GGUFWriter, tensors: list[TensorSpec], seed: int, np_dtype,
-                 progress: Callable[[str], None] | None) -> None:
+                 progress: Progress | None) -> None:
     """Header, metadata and tensor infos, then each tensor's random data in turn."""
     stored = [np.float32 if len(t.shape) == 1 or t.always_f32 else np_dtype for t in tensors]
-    for t, dt in zip(tensors, stored):
-        nbytes = int(np.prod(t.shape)) * np.dtype(dt).itemsize
+    sizes = [int(np.prod(t.shape)) * np.dtype(dt).itemsize for t, dt in zip(tensors, stored)]
+    for t, dt, nbytes in zip(tensors, stored, sizes):
         writer.add_tensor_info(t.name, t.shape, np.dtype(dt), nbytes)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for i, (t, dt) in enumerate(zip(tensors, stored)):
-        if progress is not None:
-            progress(f"[{i + 1}/{len(tensors)}] {t.name} {'x'.join(map(str, t.shape))}")
+    written = Tally(sum(sizes), progress)
+    for t, dt, nbytes in zip(tensors, stored, sizes):
         writer.write_tensor_data(_generate(t, seed, dt))
+        written.add(nbytes)
 
 
 def _resolve_dims(spec: ArchSpec, *, layers: int, vocab: int, **given: int | None) -> Dims:

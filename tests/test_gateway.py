@@ -249,7 +249,7 @@ def test_metrics_cover_requests_latency_tokens_and_stage_caches(client):
                    "skippy_gateway_results_hits_total",
                    'skippy_engine_rebuilds_total{cause="evicted"} 0.0',
                    'skippy_engine_rebuilds_total{cause="fault"} 0.0',
-                   "skippy_engine_lanes_in_use", 'skippy_stage_restore_failures{stage="0"}',
+                   "skippy_engine_lanes_in_use", 'skippy_stage_restore_failures_total{stage="0"}',
                    'skippy_node_physical_bytes{node="local"}',
                    'skippy_node_fetched_bytes{node="local"}'):
         assert needle in text, needle

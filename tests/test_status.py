@@ -60,11 +60,12 @@ def test_node_bytes_count_resident_state_and_a_shared_disk_tier_once():
 class ScriptedEngine:
     """Figures the test sets, in the shape the engines report them."""
 
-    def __init__(self):
+    def __init__(self, pipelines: int = 1):
         self.info = EngineInfo(model="m", path="m.gguf", n_ctx=64, n_stages=2,
                                topology_digest="d" * 64, lanes=4,
-                               extra={"runtime": "torch", "pipelines": 1})
+                               extra={"runtime": "torch", "pipelines": pipelines})
         self.rows = [0, 0]
+        self.pipelines = pipelines
 
     def stats(self) -> dict:
         stages = [{"counters": {"lookups": 3, "hits": 1, "misses": 2, "hit_tokens": 64,
@@ -72,21 +73,28 @@ class ScriptedEngine:
                    "layers": [i * 2, i * 2 + 2], "weight_format": "int4",
                    "lanes_busy": 1, "lanes_free": 3, "lanes_warm": 0, "sessions": 1,
                    "queue_rows": 0, "queue_prefills": 0, "prefill_rows": 64,
-                   "decode_rows": self.rows[i]} for i in range(2)]
-        plan = {"nodes": [{"name": "n1", "memory": 2**30, "cpus": 2}],
-                "stages": [{"pipeline": 0, "stage": i, "node": "n1",
+                   "decode_rows": self.rows[i], "seconds": {"prefill": 0.5, "decode": 0.25},
+                   "steps": {"prefill": 1, "decode": 3}, "restore_failures": 0}
+                  for i in range(2)]
+        # figures are summed over pipelines stage by stage; the plan has a row per stage
+        # of every pipeline, each on a node of its own
+        plan = {"nodes": [{"name": f"n{r}", "memory": 2**30, "cpus": 2}
+                          for r in range(self.pipelines)],
+                "stages": [{"pipeline": r, "stage": i, "node": f"n{r}",
                             "layers": [i * 2, i * 2 + 2], "weight_bytes": 10, "kv_bytes": 5,
-                            "overhead_bytes": 0, "total_bytes": 15} for i in range(2)]}
+                            "overhead_bytes": 0, "total_bytes": 15}
+                           for r in range(self.pipelines) for i in range(2)]}
         return {"stages": stages, "plan": plan, "rebuilds": {"fault": 0, "evicted": 0},
-                "nodes": {"n1": {"resident_bytes": 2048, "physical_bytes": 0}},
+                "nodes": {f"n{r}": {"resident_bytes": 2048, "physical_bytes": 0}
+                          for r in range(self.pipelines)},
                 "admission": {"lanes": 4, "in_use": 1, "waiting": 0, "refused": 0}}
 
     def status(self) -> dict:
         return {"serving": True, "detail": ""}
 
 
-def board(clock):
-    engine = ScriptedEngine()
+def board(clock, pipelines: int = 1):
+    engine = ScriptedEngine(pipelines)
     memo = CacheStats("results", 0, 0, 0, 0, 0, {"hits": 0, "misses": 0})
     metrics = GatewayMetrics(engine.stats, lambda: memo,
                              lambda: {"in_use": 0, "waiting": 0, "refused": 0})
@@ -126,6 +134,34 @@ def test_every_figure_is_the_metric_it_names():
     assert [(a["status"], a["total"]["v"]) for a in body["errors"]["answers"]] == \
         [(200, 3.0), (400, 1.0)]
     assert body["plan"]["stages"][0]["weight_format"] == "int4"
+
+
+def test_a_stages_growing_counts_are_counters_and_its_levels_gauges():
+    _, metrics, _ = board(lambda: 100.0)
+    text = metrics.render().decode()
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    for name in ("skippy_stage_prefill_rows", "skippy_stage_decode_rows",
+                 "skippy_stage_restore_failures", "skippy_stage_compute_seconds",
+                 "skippy_stage_steps", "skippy_stage_cache_hits"):
+        assert types[f"{name}_total"] == "counter", name
+    for name in ("skippy_stage_lanes_busy", "skippy_stage_queue_rows",
+                 "skippy_stage_cache_resident_bytes"):
+        assert types[name] == "gauge", name
+    values = exported(metrics)
+    assert values['skippy_stage_compute_seconds_total{kind="decode",stage="1"}'] == 0.25
+    assert values['skippy_stage_steps_total{kind="prefill",stage="0"}'] == 1
+
+
+def test_two_pipelines_show_every_stage_of_each_in_the_plan():
+    _, _, status = board(lambda: 100.0, pipelines=2)
+    body = status.snapshot()
+    assert body["pipelines"] == 2
+    assert [(r["pipeline"], r["stage"], r["node"], r["weight_format"])
+            for r in body["plan"]["stages"]] == [
+        (0, 0, "n0", "int4"), (0, 1, "n0", "int4"), (1, 0, "n1", "int4"), (1, 1, "n1", "int4")]
+    assert [n["name"] for n in body["plan"]["nodes"]] == ["n0", "n1"]
+    assert [n["node"] for n in body["nodes"]] == ["n0", "n1"]
+    assert len(body["stages"]) == 2  # live figures: per stage, over both pipelines
 
 
 def test_rates_come_from_two_readings_of_the_row_counters():

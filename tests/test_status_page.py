@@ -25,6 +25,7 @@ from skippy.mesh.front.gateway import BackgroundServer, create_app
 
 KEY = "status-page-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+OTHER = {"Authorization": "Bearer another-tenant-key"}  # a second tenant
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 WIDTH = 390  # a phone's viewport, in CSS pixels
 OUT = Path(os.environ.get("SKIPPY_TEST_OUT", Path(__file__).parent / "out"))
@@ -35,7 +36,7 @@ FIGURES = "return [...document.querySelectorAll('[data-metric]')].map(e => " \
 @pytest.fixture(scope="module")
 def server(smollm2):
     engine = InProcessEngine(smollm2, 2, cache=CacheConfig(), model_name="smollm2")
-    with BackgroundServer(create_app(engine, api_keys=(KEY,))) as srv:
+    with BackgroundServer(create_app(engine, api_keys=(KEY, "another-tenant-key"))) as srv:
         yield srv
     asyncio.run(engine.close())
 
@@ -78,6 +79,23 @@ def test_the_page_is_public_and_its_data_follows_the_key_rule(server):
         for k in ("lanes_busy", "lanes_free", "queue_rows", "queue_prefills",
                   "prefill_rows", "decode_rows"):
             assert stage[k]["m"] in metrics, k
+
+
+def test_a_tenant_sees_only_its_own_requests_in_flight(server):
+    body = {"model": "smollm2", "prompt": "Count from one to a hundred: one, two,",
+            "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as r:
+        lines = r.iter_lines()
+        next(lines)  # the run has its first token: it is in flight
+        theirs = httpx.get(f"{server.url}/status.json", headers=OTHER).json()
+        mine = httpx.get(f"{server.url}/status.json", headers=AUTH).json()
+        for _ in lines:
+            pass
+    # runs only leave the list: one in `mine` was in flight when `theirs` was read
+    assert len(mine["requests"]) == 1 and mine["requests"][0]["prompt_tokens"] > 5
+    assert theirs["requests"] == []
+    assert theirs["stages"] and theirs["plan"] == mine["plan"]  # the mesh is everyone's
 
 
 # -- a real browser ---------------------------------------------------------------------------
@@ -190,7 +208,7 @@ def test_the_page_shows_the_stages_moves_and_matches_metrics(server, browser):
     open_page(d, server.url)
     assert d.find_element("id", "key").is_displayed() is False
     no_sideways_scroll(d)
-    decode = 'skippy_stage_decode_rows{stage="1"}'
+    decode = 'skippy_stage_decode_rows_total{stage="1"}'
     busy = ['skippy_stage_lanes_busy{stage="0"}', 'skippy_stage_lanes_busy{stage="1"}']
     before = page_value(d, decode)
     assert before is not None

@@ -112,11 +112,15 @@ def test_llama_has_no_qk_norms_and_llama_cpp_runs_it(tmp_path: Path):
 
 def test_sizes_can_be_overridden(tmp_path: Path):
     # A qwen3-like shape where heads * head_dim != hidden, as in the real Qwen3 checkpoints.
-    lines: list[str] = []
+    told: list[tuple[int, int]] = []
     path = write_synthetic("qwen3", layers=1, seed=0, out=tmp_path / "w.gguf", tokenizer_from=TOKENIZER,
-                           hidden=128, ff=256, heads=4, kv_heads=1, head_dim=64, progress=lines.append)
-    assert len(lines) == 1 + 11 + 2 and "token_embd.weight" in lines[0]
+                           hidden=128, ff=256, heads=4, kv_heads=1, head_dim=64,
+                           progress=lambda done, total: told.append((done, total)))
     f = GGUFFile(path)
+    # bytes written, from (0, total) to (total, total), once per tensor
+    total = sum(t.nbytes for t in f.tensors.values())
+    assert told[0] == (0, total) and told[-1] == (total, total)
+    assert len(told) == 1 + len(f.tensors)
     assert f.tensors["blk.0.attn_q.weight"].shape == (128, 256)
     assert f.tensors["blk.0.attn_k.weight"].shape == (128, 64)
     f.close()

@@ -316,7 +316,8 @@ class _Gateway:
             lanes = await self.engine.reserve(len(requests))
             release = _both(release, lanes)
             requests = [dataclasses.replace(r, admitted=True) for r in requests]
-            return await self._respond(parsed, requests, arrived, release, deadline, fmt)
+            return await self._respond(parsed, requests, arrived, release, deadline, fmt,
+                                       tenant)
         except BaseException:
             release()
             raise
@@ -331,11 +332,12 @@ class _Gateway:
 
     async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
                        arrived: float, release: Callable[[], None], deadline: float,
-                       fmt: ToolCallFormat | None = None) -> Response:
+                       fmt: ToolCallFormat | None = None, tenant: str = "") -> Response:
         """Run the choices and answer; `release` ends the request's slot once the answer
         is complete (a stream's when its last event is sent or the client left). `fmt`:
-        the tool-call format replies are read in (None: they are plain content)."""
-        runs = [Generation(self.runs, r, parsed.stop, arrived) for r in requests]
+        the tool-call format replies are read in (None: they are plain content); `tenant`:
+        the caller's, whose status page lists these runs."""
+        runs = [Generation(self.runs, r, parsed.stop, arrived, tenant) for r in requests]
 
         async def close() -> None:
             for run in runs:

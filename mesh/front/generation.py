@@ -46,8 +46,9 @@ class Generation:
     """One choice's run (see the module docstring)."""
 
     def __init__(self, ctx: RunContext, request: GenerationRequest, stops: tuple[str, ...],
-                 arrived: float):
+                 arrived: float, tenant: str = ""):
         self.ctx, self.request, self.stops, self.arrived = ctx, request, stops, arrived
+        self.tenant = tenant  # whose status page lists it
         self.outcome = Outcome(Usage(len(request.tokens)))
         self.key = memo_key(request, ctx.engine.info.topology_digest)
         self.known: KnownRun | None = None

@@ -1,5 +1,7 @@
 """The runs going on now, for the status page: each choice's run from its start to its
-close, read as it goes (age, tokens, time to first token, decode speed)."""
+close, read as it goes (age, tokens, time to first token, decode speed). Each caller sees
+its own tenant's runs only: another tenant's list would tell when and how much it asks,
+and how much of it was cached (the total running is the admission gauge)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from typing import Protocol
 
 
 class _Run(Protocol):
+    tenant: str  # the caller's key's tag ("" on a server without keys)
+
     def figures(self, now: float) -> dict: ...
 
 
@@ -29,8 +33,10 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def snapshot(self) -> list[dict]:
-        """Every run now, oldest first, with its number (counted from 1 per gateway)."""
+    def snapshot(self, tenant: str) -> list[dict]:
+        """`tenant`'s runs now, oldest first, with their numbers (counted from 1 per
+        gateway, over every tenant)."""
         now = time.perf_counter()
-        return [{"id": n, **run.figures(now)} for n, run in sorted(self._runs.values(),
-                                                                    key=lambda e: e[0])]
+        return [{"id": n, **run.figures(now)}
+                for n, run in sorted(self._runs.values(), key=lambda e: e[0])
+                if run.tenant == tenant]

@@ -5,8 +5,10 @@ Gateway figures are recorded as requests go (requests by endpoint and status, ti
 first token, tokens, decode speed); its admission (requests running, waiting, refused)
 is read at scrape time. Stage figures are read from `engine.stats()` at
 scrape time: each stage's cache counters, bytes and hits by kind (the shape
-`StageCache.stats()` gives), its block store, and any other number a stage reports
-(e.g. latencies from the Ray engine) as a gauge named after its key.
+`StageCache.stats()` gives), its block store, the counts its loop and cache only ever
+add to (rows computed, seconds and steps by kind, failed restores) as counters, and any
+other number a stage reports (e.g. latencies from the Ray engine) as a gauge named after
+its key.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 _CACHE_BYTES = ("entries", "resident_bytes", "reserved_bytes", "evictable_bytes")
-_KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", *_CACHE_BYTES}
+# A stage's counts that only ever grow (the loop's rows, the cache's failed restores...):
+# counters, so rate() and increase() read them right across a restart.
+_STAGE_COUNTS = ("prefill_rows", "decode_rows", "restore_failures", "leases_expired",
+                 "exports", "adopted")
+_BY_KIND = {"seconds": ("skippy_stage_compute_seconds", "Seconds a stage spent computing"),
+            "steps": ("skippy_stage_steps", "Runtime calls a stage made")}
+_KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", *_CACHE_BYTES,
+          *_STAGE_COUNTS, *_BY_KIND}
 
 
 class GatewayMetrics:
@@ -106,8 +115,9 @@ def stage_families(stats: dict, memo: CacheStats) -> Iterator[Metric]:
 
 
 def _stage_figures(i: str, stage: dict, family) -> None:
-    """One stage's figures: cache counters, hits by kind, cache bytes, its block store,
-    and any other number it reports as a gauge named after its key."""
+    """One stage's figures: cache counters, hits by kind, cache bytes, its counts (rows,
+    seconds and steps by kind, failed restores), its block store, and any other number it
+    reports as a gauge named after its key."""
     label = [i]
     for k, v in (stage.get("counters") or {}).items():
         family(CounterMetricFamily, f"skippy_stage_cache_{k}",
@@ -121,6 +131,14 @@ def _stage_figures(i: str, stage: dict, family) -> None:
             family(GaugeMetricFamily, f"skippy_stage_cache_{k}",
                    f"Stage cache {k.replace('_', ' ')}", ["stage"]
                    ).add_metric(label, stage[k])
+    for k in _STAGE_COUNTS:
+        if isinstance(stage.get(k), (int, float)):
+            family(CounterMetricFamily, f"skippy_stage_{k}",
+                   f"Stage count: {k.replace('_', ' ')}", ["stage"]).add_metric(label, stage[k])
+    for key, (name, doc) in _BY_KIND.items():
+        for kind, v in (stage.get(key) or {}).items():
+            family(CounterMetricFamily, name, f"{doc}, by kind (prefill, decode)",
+                   ["stage", "kind"]).add_metric([i, str(kind)], v)
     for k, v in _numbers(stage.get("blocks") or {}):
         family(GaugeMetricFamily, f"skippy_stage_block_store_{k}",
                f"Stage block store: {k}", ["stage"]).add_metric(label, v)

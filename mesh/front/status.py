@@ -25,11 +25,12 @@ from collections.abc import Iterable
 from functools import cache
 from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client.core import Metric
 
 from ..control.engine import Engine
+from .edge import TENANT
 from .in_flight import InFlight
 from .metrics import GatewayMetrics
 
@@ -38,7 +39,8 @@ RECENT_WINDOW_S = 300.0  # "recent" errors: within about the last this many seco
 _HISTORY = 1000          # readings kept at most
 _EVERY_S = 0.5           # a reading is kept at most this often (several pages may poll)
 # The series rates and recent counts are taken from: all a reading keeps.
-_TRACKED = ("skippy_stage_prefill_rows", "skippy_stage_decode_rows", "skippy_requests_total")
+_TRACKED = ("skippy_stage_prefill_rows_total", "skippy_stage_decode_rows_total",
+            "skippy_requests_total")
 # Answers the page lists: the API's, and any endpoint's errors (not the 200s of its own
 # polling or of scrapes, which move every second).
 _API = ("/v1/",)
@@ -156,8 +158,8 @@ class StatusBoard:
             row = {"stage": i, "layers": stage.get("layers"),
                    "weight_format": stage.get("weight_format"),
                    **{k: own(k) for k in ("lanes_busy", "lanes_free", "lanes_warm",
-                                          "sessions", "queue_rows", "queue_prefills",
-                                          "prefill_rows", "decode_rows")},
+                                          "sessions", "queue_rows", "queue_prefills")},
+                   **{k: own(f"{k}_total") for k in ("prefill_rows", "decode_rows")},
                    "cache": _stage_cache(label, series)}
             for kind in ("prefill", "decode"):
                 row[f"{kind}_rows_per_s"] = _rate(row[f"{kind}_rows"], before, t)
@@ -184,7 +186,7 @@ class StatusBoard:
         other["refused"] = series.fig("skippy_gateway_requests_refused_total")
         for i in range(len(stats.get("stages") or [])):
             for k in ("restore_failures", "leases_expired"):
-                other[f"stage{i}_{k}"] = series.fig(f"skippy_stage_{k}", stage=str(i))
+                other[f"stage{i}_{k}"] = series.fig(f"skippy_stage_{k}_total", stage=str(i))
         return {"window_s": None if before is None else round(t - before[0], 1),
                 "answers": answers, "other": other}
 
@@ -271,9 +273,9 @@ def add_status_routes(app: FastAPI, board: StatusBoard) -> None:
             "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"})
 
     @app.get("/status.json")
-    async def status_json():
+    async def status_json(request: Request):
         body = await asyncio.to_thread(board.snapshot)
         # read on the event loop, where runs change; after the counters, so a first token
-        # they count is in this list too
-        body["requests"] = board.in_flight.snapshot()
+        # they count is in this list too. The caller's own runs only (mesh/front/in_flight.py)
+        body["requests"] = board.in_flight.snapshot(request.scope.get(TENANT, ""))
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
