@@ -28,7 +28,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000)
 _CACHE_BYTES = ("entries", "resident_bytes", "reserved_bytes", "evictable_bytes")
 # A stage's counts that only ever grow (the loop's rows, the cache's failed restores...):
-# counters, so rate() and increase() read them right across a restart.
+# typed as counters (with _total), as Prometheus tooling expects of what rate() reads.
 _STAGE_COUNTS = ("prefill_rows", "decode_rows", "restore_failures", "leases_expired",
                  "exports", "adopted")
 _BY_KIND = {"seconds": ("skippy_stage_compute_seconds", "Seconds a stage spent computing"),
