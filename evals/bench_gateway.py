@@ -26,6 +26,13 @@ at its fastest. Run it in a loopback-only namespace:
     unshare -n bash -c 'ip link set lo up; RAY_AUTH_MODE=disabled \\
         .venv/bin/python -m skippy.evals.bench_gateway --json gateway.json'
 
+Servers run one after another, so a machine whose speed drifts (seen here: llama.cpp's
+own one-token decode at 9.0 ms, then 15 ms twenty minutes later, nothing else running)
+puts that drift into the ratios. Before each server and once at the end, with no server
+up, the bench times a fixed piece of llama.cpp work in-process (`machine_speed`: one-token
+decodes on the same file, the reference's own kernels) and prints each reading beside the
+table, with their spread.
+
 Servers listen on free loopback ports and are always killed (their whole process group)
 when the bench ends, also on Ctrl-C or an error. `--json P` also draws P.png: speedup per
 scenario and per corpus use case, and tokens/s by concurrent clients.
@@ -275,6 +282,9 @@ def table(result: dict) -> str:
         lines += ["", "servers that failed: " + "; ".join(failed)]
     lines.append(f"load average before/after: {result['loadavg_before']} / "
                  f"{result['loadavg_after']} (2 cores: above ~1 the figures are noisy)")
+    speed = speed_line(result)
+    if speed:
+        lines.append(speed)
     return "\n".join(lines)
 
 
@@ -638,6 +648,45 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
 
 
 # -- the benchmark ------------------------------------------------------------------------------
+SPEED_TOKENS = 32  # one-token decodes timed by machine_speed, after a 32-token prompt
+
+
+def machine_speed(path: Path, tokens: int = SPEED_TOKENS) -> float:
+    """llama.cpp's in-process ms per one-token decode on `path` (2 threads, flash
+    attention), the median of `tokens`: how fast this machine is right now."""
+    import llama_cpp
+
+    from skippy.evals.reference import _quiet_stderr
+    with _quiet_stderr():
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=THREADS,
+                              n_threads_batch=THREADS, flash_attn=True, verbose=False)
+    try:
+        llm.eval(list(range(100, 132)))
+        samples = []
+        for _ in range(tokens):
+            t = time.perf_counter()
+            llm.eval([42])
+            samples.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(samples)
+    finally:
+        llm.close()
+
+
+def speed_line(result: dict) -> str | None:
+    """The machine-speed readings taken before each server and at the end, and their
+    spread (max / min): a spread well over 1 is drift in every ratio between servers."""
+    readings = [(srv["label"], srv["machine_ms"]) for srv in result["servers"].values()
+                if srv.get("machine_ms")]
+    if result.get("machine_ms_after"):
+        readings.append(("at the end", result["machine_ms_after"]))
+    if not readings:
+        return None
+    values = [v for _, v in readings]
+    return ("machine speed (llama.cpp in-process one-token decode, ms) before each server: "
+            + " · ".join(f"{label} {v:.1f}" for label, v in readings)
+            + f"; spread {max(values) / min(values):.2f}x")
+
+
 def loadavg() -> str:
     """The 1, 5 and 15 minute load averages: on 2 cores, above ~1 the figures are noisy."""
     try:
@@ -704,8 +753,10 @@ def bench(args) -> dict:
             command += args.ours_args
         server = ServerProcess(command, f"http://{HOST}:{port}", cfg.ready_path,
                                {**env, **dict(args.ours_env if cfg.ours else args.reference_env)})
-        entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command}
-        say(f"[{cfg.label}] starting on port {port} ...")
+        entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command,
+                                               "machine_ms": machine_speed(path)}
+        say(f"[{cfg.label}] starting on port {port} (machine speed {entry['machine_ms']:.1f} "
+            f"ms/token) ...")
         try:
             entry["start_s"] = server.start()
             say(f"[{cfg.label}] ready in {entry['start_s']:.1f} s")
@@ -717,6 +768,7 @@ def bench(args) -> dict:
         finally:
             server.stop()
     result["loadavg_after"] = loadavg()
+    result["machine_ms_after"] = machine_speed(path)
     result["comparisons"] = comparisons(result["servers"])
     result["targets"] = {c.key: c.targets for c in OURS if c.targets}
     return result

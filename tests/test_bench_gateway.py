@@ -129,6 +129,18 @@ def test_table_shows_every_row_with_target_and_verdict():
     assert " NO" in text and "yes" in text and "5.0x" in text
     assert "100.0/s" in text and "40.0/s" in text
     assert "ours_2_torch: the server was not ready" in text
+    assert "machine speed" not in text  # a result from before the readings existed
+    servers["reference"].update(label="llama.cpp server", machine_ms=9.0)
+    servers["ours_1_llama.cpp"].update(label="ours 1 stage llama.cpp", machine_ms=13.5)
+    result["machine_ms_after"] = 10.0
+    assert bg.table(result).endswith(
+        "before each server: llama.cpp server 9.0 · ours 1 stage llama.cpp 13.5 · "
+        "at the end 10.0; spread 1.50x")
+
+
+def test_machine_speed_times_llama_cpp_decodes(smollm2):
+    ms = bg.machine_speed(smollm2, tokens=4)
+    assert 0.1 < ms < 1000
 
 
 # -- servers ----------------------------------------------------------------------------------------
