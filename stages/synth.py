@@ -951,9 +951,8 @@ def write_synthetic(
     factors. `variant` picks one of the arch's shapes (ArchSpec.variants; default its
     first). `chat_template` replaces the borrowed tokenizer's chat template (Jinja text),
     e.g. to give a file a tool-aware template. `progress(done, total)` hears the tensor
-    bytes written so far. The file appears atomically (written under a temporary name, then renamed),
-    so an interrupted write never leaves a loadable stub.
-    """
+    bytes written. The file appears atomically (written under a temporary name, then
+    renamed), so an interrupted write never leaves a loadable stub."""
     spec = _spec(arch)
     if dtype not in _DTYPES:
         raise SynthError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
