@@ -216,7 +216,8 @@ def test_only_thread_invariant_runtimes_burst(smollm2):
         assert rt.thread_invariant == (fmt != "fp32")
     torch.set_num_threads(2)
     assert torch.equal(rows["int4", 1], rows["int4", 2])
-    assert not torch.equal(rows["fp32", 1], rows["fp32", 2])
+    # fp32 rows may or may not move with the thread count, by CPU (they do on AVX-512
+    # machines, not on an AVX2-only EPYC): not promised, so fp32 never bursts
     fp32 = StageServer(StageSpec(str(smollm2), 0, 30, 0, 1, n_ctx=512, threads=1),
                         CacheConfig(), policy="disabled", burst_threads=2)
     assert fp32.loop._burst is None
