@@ -652,24 +652,17 @@ SPEED_TOKENS = 32  # one-token decodes timed by machine_speed, after a 32-token 
 
 
 def machine_speed(path: Path, tokens: int = SPEED_TOKENS) -> float:
-    """llama.cpp's in-process ms per one-token decode on `path` (2 threads, flash
-    attention), the median of `tokens`: how fast this machine is right now."""
-    import llama_cpp
+    """llama.cpp's in-process ms per one-token decode on `path` (bench_runtime's llama.cpp
+    side: 2 threads, flash attention), the median of `tokens`: how fast this machine is
+    right now."""
+    from skippy.evals.bench_runtime import LlamaCpp
 
-    from skippy.evals.reference import _quiet_stderr
-    with _quiet_stderr():
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=THREADS,
-                              n_threads_batch=THREADS, flash_attn=True, verbose=False)
+    side = LlamaCpp(path, THREADS, n_ctx=256)
     try:
-        llm.eval(list(range(100, 132)))
-        samples = []
-        for _ in range(tokens):
-            t = time.perf_counter()
-            llm.eval([42])
-            samples.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(samples)
+        side.prefill(list(range(100, 132)))
+        return statistics.median(side.decode([42] * tokens)) * 1e3
     finally:
-        llm.close()
+        side.close()
 
 
 def speed_line(result: dict) -> str | None:
