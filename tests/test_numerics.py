@@ -16,14 +16,14 @@ def report(result: dict) -> dict:
 
 
 def test_smollm2_matches_llama_cpp_on_f16(smollm2_f16, corpus):
-    r = report(compare_on_corpus(smollm2_f16, first_of_each_use_case(corpus)))
+    r = report(compare_on_corpus(smollm2_f16, first_of_each_use_case(corpus, 1)))
     assert r["top1"] >= 0.99
     assert r["min_final_cosine"] >= 0.9999
 
 
 @pytest.mark.slow
 def test_gemma3_matches_llama_cpp_on_f16(gemma3_f16, corpus):
-    r = report(compare_on_corpus(gemma3_f16, first_of_each_use_case(corpus)))
+    r = report(compare_on_corpus(gemma3_f16, first_of_each_use_case(corpus, 1)))
     assert r["top1"] >= 0.99
     assert r["min_final_cosine"] >= 0.9999
 
