@@ -17,13 +17,13 @@ from skippy.mesh.stage.part_fetch import PartError, PartFetcher, Progress
 from skippy.mesh.stage.part_service import PartsServicer, serve_parts
 from skippy.mesh.stage.security import ClusterCredentials, new_secret
 from skippy.mesh.stage.stage_parts import PartSource, local_package
-from skippy.topology.model_package import Manifest, PartEntry
+from skippy.topology.model_package import PackageManifest, PartEntry
 
 DIGEST = "ab" * 32
 SIZE = 3 * BLOCK_SIZE + 12345   # four blocks, the last short
 
 
-def _package(folder: Path, files: dict[str, bytes]) -> Manifest:
+def _package(folder: Path, files: dict[str, bytes]) -> PackageManifest:
     """A package folder: a manifest listing `files` (no tensors: the fetcher moves bytes)."""
     folder.mkdir(parents=True, exist_ok=True)
     parts = []
@@ -31,7 +31,7 @@ def _package(folder: Path, files: dict[str, bytes]) -> Manifest:
         (folder / name).write_bytes(data)
         parts.append(PartEntry(name.removesuffix(".gguf"), name, "layer", i, len(data),
                                blake3(data).hexdigest(), ()))
-    manifest = Manifest(DIGEST, "llama", None, len(files), False, (), tuple(parts))
+    manifest = PackageManifest(DIGEST, "llama", None, len(files), False, (), tuple(parts))
     (folder / "manifest.json").write_text(manifest.to_json())
     return manifest
 

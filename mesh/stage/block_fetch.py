@@ -16,7 +16,7 @@ import grpc
 from blake3 import blake3
 
 from skippy.cache.blocks import BlockStore
-from skippy.cache.payload import IncompatiblePayload, Manifest
+from skippy.cache.payload import IncompatiblePayload, PayloadManifest
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
@@ -52,7 +52,7 @@ class BlockPeer:
         self._metadata = credentials.metadata
 
     def export(self, tokens: list[int], limit: int, after: int,
-               namespace: str = "") -> Manifest | None:
+               namespace: str = "") -> PayloadManifest | None:
         """The peer's payload for the longest prefix of `tokens` it holds (longer than
         `after`, at most `limit`); None when it holds nothing longer or answers with
         something that is not a manifest. Raises ConnectionError when it cannot be
@@ -66,7 +66,7 @@ class BlockPeer:
         if not reply.manifest:
             return None
         try:
-            return Manifest.from_bytes(reply.manifest)
+            return PayloadManifest.from_bytes(reply.manifest)
         except IncompatiblePayload:
             return None
 

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from skippy.topology.model_package import MANIFEST, Manifest, PackageError, PartEntry, check_part
+from skippy.topology.model_package import (MANIFEST, PackageError, PackageManifest, PartEntry,
+                                           check_part)
 
 from .part_fetch import PartError, PartFetcher, Progress
 from .part_store import package_home
@@ -38,7 +39,7 @@ class PartSource:
 
 def local_package(source: PartSource, credentials: StageCredentials) -> str:
     """A folder of this node that holds the stage's parts, fetching them if need be."""
-    manifest = Manifest.from_json(source.manifest, "the head's manifest")
+    manifest = PackageManifest.from_json(source.manifest, "the head's manifest")
     parts = [p for p in manifest.parts if p.file in source.files]
     if len(parts) != len(set(source.files)):
         raise PackageError("the manifest does not list every part the stage reads")
@@ -85,11 +86,11 @@ def _locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _has_all(folder: Path, manifest: Manifest, parts: list[PartEntry]) -> bool:
+def _has_all(folder: Path, manifest: PackageManifest, parts: list[PartEntry]) -> bool:
     """Whether `folder` holds this model's package with every part at its size (the
     stage checks each part's BLAKE3 as it opens it)."""
     try:
-        if Manifest.load(folder).model_digest != manifest.model_digest:
+        if PackageManifest.load(folder).model_digest != manifest.model_digest:
             return False
     except PackageError:
         return False
