@@ -18,8 +18,8 @@ from skippy.mesh.control.driver import drive
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_pipeline import GrpcStageLink
 from skippy.mesh.stage import security
-from skippy.mesh.stage.grpc_service import (channel_options, grpc_opener, message_limit,
-                                            start_server)
+from skippy.mesh.stage.channels import channel_options
+from skippy.mesh.stage.grpc_service import grpc_opener, message_limit, start_server
 from skippy.mesh.stage.security import (ClusterCredentials, SecretError, StageCredentials,
                                         load_secret, new_secret, tls_wanted)
 from skippy.mesh.stage.server import StageServer

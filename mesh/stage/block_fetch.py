@@ -20,6 +20,7 @@ from skippy.cache.payload import IncompatiblePayload, PayloadManifest
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
+from .channels import channel_options
 from .security import StageCredentials
 
 ATTEMPTS = 2       # a block that arrives damaged is asked for once more
@@ -45,7 +46,6 @@ class BlockPeer:
     """The stage of another node, asked for blocks over one channel."""
 
     def __init__(self, address: str, credentials: StageCredentials, max_message: int):
-        from .grpc_service import channel_options
         self.address = address
         self._channel = credentials.channel(address, channel_options(max_message))
         self._stub = stage_pb2_grpc.StageStub(self._channel)

@@ -26,7 +26,7 @@ from skippy.proto import parts_pb2_grpc
 from skippy.topology.model_package import PackageError, PartEntry
 from skippy.topology.package_part import hash_fd, read_at
 
-from .grpc_service import channel_options
+from .channels import channel_options
 from .part_service import MAX_MESSAGE
 from .security import StageCredentials
 
