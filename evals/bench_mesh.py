@@ -167,7 +167,7 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
     """One engine at a time: per-token decode time for each stage count."""
     from skippy.mesh.front.chat import render_chat
     from skippy.mesh.control.ray_engine import RayEngine
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     tokens = tok.encode(render_chat(path, [{"role": "user", "content": PROMPT}]))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from skippy.evals.reference import LlamaCppReference
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 
 PROMPT = "The three most useful things to know about the Moon are"
 

@@ -65,7 +65,7 @@ from .openai_api import (
 )
 from .result_memo import ResultMemo
 from .status import StatusBoard, add_status_routes
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 from .tool_calls import ReplyDeltas, ToolCallFormat, call_constraint, reply_format, \
     whole_reply
 from .tool_choice import ToolSpecError

@@ -22,7 +22,7 @@ from .metrics import GatewayMetrics
 from .openai_api import Logprobs, TokenUsage
 from .result_memo import KnownRun, ResultMemo, memo_key
 from .stop_text import StopText
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
