@@ -26,6 +26,7 @@ import pytest
 from skippy.mesh import progress as progress_mod
 from skippy.mesh.models import KNOWN_MODELS
 from skippy.mesh.progress import Console, progress_bar
+from skippy.topology.tally import Tally
 
 TIMEOUT_S = 300
 
@@ -92,6 +93,21 @@ def test_a_log_hears_each_tenth_once_and_never_a_carriage_return():
     assert len(lines) == 10, lines
     assert lines[0].startswith("copy:  10% ") and lines[-1].startswith("copy: 100% "), lines
     assert all("B/s" in ln and "\r" not in ln for ln in lines)
+
+
+def test_a_step_counting_with_a_tally_reaches_the_bar_from_its_start():
+    calls: list[tuple[int, int]] = []
+    lines: list[str] = []
+    with progress_bar(None, "hash", "B", say=lines.append) as bar:
+        hashed = Tally(100, lambda done, total: (calls.append((done, total)),
+                                                bar.to(done, total)))
+        for _ in range(4):
+            hashed.add(25)
+    assert calls == [(0, 100), (25, 100), (50, 100), (75, 100), (100, 100)]
+    assert bar.n == 100 and lines[-1].startswith("hash: 100% "), lines
+    quiet = Tally(3, None)  # no callback: it counts for no one
+    quiet.add(2)
+    assert (quiet.done, quiet.total) == (2, 3)
 
 
 def test_a_total_said_later_and_a_note_reach_the_line():

@@ -20,8 +20,10 @@ from pathlib import Path
 
 from skippy.topology.model_package import (MANIFEST, PackageError, PackageManifest, PartEntry,
                                            check_part)
+from skippy.topology.tally import Tally
 
-from .part_fetch import PartError, PartFetcher, Progress
+from ..progress import progress_bar
+from .part_fetch import PartError, PartFetcher
 from .part_store import package_home
 from .security import StageCredentials
 
@@ -53,22 +55,25 @@ def local_package(source: PartSource, credentials: StageCredentials) -> str:
         return str(home)
     if not source.holders:
         raise PartError(f"{len(wanted)} part(s) of this stage are on no node that serves them")
-    progress = Progress(sum(p.size for p in wanted))
-    log.info("fetching %d part(s), %.1f MiB, into %s from %s", len(wanted),
-             progress.total / 2**20, home, ", ".join(source.holders))
+    total = sum(p.size for p in wanted)
+    log.info("fetching %d part(s), %.1f MiB, into %s from %s", len(wanted), total / 2**20,
+             home, ", ".join(source.holders))
     fetcher = PartFetcher(source.holders, credentials, manifest.model_digest)
     received = damaged = resumed = 0
+    start = time.monotonic()
     try:
-        for part in wanted:
-            with _locked(home / f".{part.file}.lock"):
-                if _verified(home, part):  # another stage of this node fetched it
-                    continue
-                got = fetcher.fetch(part, home, progress)
-            received += got.bytes
-            damaged, resumed = damaged + got.damaged, resumed + got.resumed
+        with progress_bar(total, "parts", "B", say=log.info) as bar:
+            fetched = Tally(total, bar.to)
+            for part in wanted:
+                with _locked(home / f".{part.file}.lock"):
+                    if _verified(home, part):  # another stage of this node fetched it
+                        continue
+                    got = fetcher.fetch(part, home, fetched)
+                received += got.bytes
+                damaged, resumed = damaged + got.damaged, resumed + got.resumed
     finally:
         fetcher.close()
-    seconds = time.monotonic() - progress.start
+    seconds = time.monotonic() - start
     log.info("fetched %d part(s): %d bytes received (%d kept from an earlier fetch) in "
              "%.2f s, %.1f MiB/s, %d damaged block(s) fetched again", len(wanted), received,
              resumed, seconds, received / 2**20 / max(seconds, 1e-9), damaged)
