@@ -14,7 +14,6 @@ import pty
 import select
 import struct
 import subprocess
-import sys
 import termios
 import threading
 import time
@@ -27,6 +26,7 @@ from skippy.mesh import progress as progress_mod
 from skippy.mesh.models import KNOWN_MODELS
 from skippy.mesh.progress import Console, progress_bar
 from skippy.topology.tally import Tally
+from skippy_cli import COMMAND, skippy
 
 TIMEOUT_S = 300
 
@@ -36,7 +36,7 @@ def on_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     exit code and everything it wrote there."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "skippy.mesh.cli", *args],
+    proc = subprocess.Popen([*COMMAND, *args],
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
                             env={**os.environ, **env})
     os.close(slave)
@@ -59,13 +59,6 @@ def on_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str]:
         os.close(master)
         if proc.poll() is None:
             proc.kill()
-
-
-def in_a_log(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run `skippy ARGS` with pipes for stdout and stderr, as CI does."""
-    return subprocess.run([sys.executable, "-m", "skippy.mesh.cli", *args],
-                          capture_output=True, text=True, timeout=TIMEOUT_S,
-                          stdin=subprocess.DEVNULL, env={**os.environ, **env})
 
 
 def assert_a_bar(out: str, desc: str, unit: str) -> None:
@@ -159,7 +152,8 @@ def test_split_on_a_terminal_draws_a_bar(smollm2, tmp_path):
 
 
 def test_split_in_a_log_says_plain_lines(smollm2, tmp_path):
-    r = in_a_log(["package", "split", str(smollm2), "--out", str(tmp_path / "p")], {})
+    r = skippy("package", "split", str(smollm2), "--out", str(tmp_path / "p"),
+               timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr
     assert_plain_lines(r.stderr, f"split {smollm2.name}")
     assert "33 parts" in r.stdout and "\r" not in r.stdout
@@ -221,7 +215,8 @@ def test_pull_on_a_terminal_draws_download_and_check_bars(index, tmp_path):
 
 
 def test_pull_in_a_log_says_plain_lines(index, tmp_path):
-    r = in_a_log(["models", "pull", "smollm2"], _pull_env(index, tmp_path))
+    r = skippy("models", "pull", "smollm2", env={**os.environ, **_pull_env(index, tmp_path)},
+               timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr
     assert_plain_lines(r.stderr, KNOWN_MODELS["smollm2"].parts[0][0])
     assert_plain_lines(r.stderr, "smollm2: extract, sha256")
