@@ -25,7 +25,7 @@ class AdmissionStats:
     tracked: int             # keys in the sightings table now
 
 
-class Admission:
+class PrefixAdmission:
     """Counts sightings of prefix identity digests and admits a prefix on its
     `admit_after`-th sighting (and on every later one). The sightings table holds at most
     `max_tracked` keys; beyond that the least recently seen key is forgotten first, so a

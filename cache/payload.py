@@ -58,7 +58,7 @@ class IncompatiblePayload(Exception):
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class PayloadTensor:
     """One tensor's place in the payload.
 
     Token tensors: `shape` is one token's row shape, `nbytes` one row's bytes, and
@@ -75,15 +75,15 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class PayloadManifest:
     """What a payload holds and which blocks, in order, hold its bytes."""
 
     kind: PayloadKind
     identity: bytes                                   # prefix identity digest (§5.1)
     identity_fields: Mapping[str, Any] = field(hash=False)
     n_tokens: int
-    token_tensors: tuple[TensorSpec, ...]
-    fixed_tensors: tuple[TensorSpec, ...]
+    token_tensors: tuple[PayloadTensor, ...]
+    fixed_tensors: tuple[PayloadTensor, ...]
     page_tokens: int      # tokens per page; 0 when there are no token bytes
     page_stride: int      # bytes a full page occupies, padding included
     total_bytes: int
@@ -106,7 +106,7 @@ class Manifest:
         }, use_bin_type=True)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> Manifest:
+    def from_bytes(cls, raw: bytes) -> PayloadManifest:
         """Strict parse: anything but a well-formed, self-consistent manifest of this format
         version raises `IncompatiblePayload`."""
         try:
@@ -158,7 +158,7 @@ class Manifest:
 
 def encode_payload(kind: PayloadKind, identity: bytes, identity_fields: Mapping[str, Any],
                    token_tensors: Mapping[str, np.ndarray], fixed_tensors: Mapping[str, np.ndarray],
-                   n_tokens: int, store: BlockStore) -> Manifest:
+                   n_tokens: int, store: BlockStore) -> PayloadManifest:
     """Lay the state out token-page-major, put its blocks in `store`, return the manifest.
 
     Each block put adds one reference, owned by the returned manifest until
@@ -202,11 +202,11 @@ def encode_payload(kind: PayloadKind, identity: bytes, identity_fields: Mapping[
         for h in hashes:
             store.release(h)
         raise
-    return Manifest(kind, identity, fields, n_tokens, token_specs, fixed_specs,
+    return PayloadManifest(kind, identity, fields, n_tokens, token_specs, fixed_specs,
                     page_tokens, page_stride, total, tuple(hashes))
 
 
-def decode_payload(manifest: Manifest, store: BlockStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def decode_payload(manifest: PayloadManifest, store: BlockStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Read every block (each verified by the store) and rebuild the arrays bitwise.
 
     Returns (token_tensors, fixed_tensors), fresh writable arrays keyed by name. Raises
@@ -240,7 +240,7 @@ def decode_payload(manifest: Manifest, store: BlockStore) -> tuple[dict[str, np.
     return tokens, fixed
 
 
-def release_payload(manifest: Manifest, store: BlockStore) -> None:
+def release_payload(manifest: PayloadManifest, store: BlockStore) -> None:
     """Drop the manifest's reference on each of its blocks; a block is freed when the last
     payload using it goes. Releases every block even if one fails, then re-raises."""
     error = None
@@ -260,7 +260,7 @@ def _layout(token_rows: list[tuple[str, str, tuple[int, ...]]],
     token_specs, row_bytes = [], 0
     for name, dtype, shape in token_rows:
         nbytes = _nbytes(name, dtype, shape)
-        token_specs.append(TensorSpec(name, dtype, tuple(shape), row_bytes, nbytes))
+        token_specs.append(PayloadTensor(name, dtype, tuple(shape), row_bytes, nbytes))
         row_bytes += nbytes
     if row_bytes == 0:
         page_tokens, page_stride = 0, 0
@@ -275,7 +275,7 @@ def _layout(token_rows: list[tuple[str, str, tuple[int, ...]]],
     fixed_specs = []
     for name, dtype, shape in fixed:
         nbytes = _nbytes(name, dtype, shape)
-        fixed_specs.append(TensorSpec(name, dtype, tuple(shape), total, nbytes))
+        fixed_specs.append(PayloadTensor(name, dtype, tuple(shape), total, nbytes))
         total += nbytes
     return tuple(token_specs), tuple(fixed_specs), page_tokens, page_stride, total
 
@@ -310,18 +310,18 @@ def _check_kind(kind: PayloadKind, tokens, fixed, error: type[Exception]) -> Non
         raise error("a KvRecurrent payload needs its recurrent state")
 
 
-def _spec_to_list(spec: TensorSpec) -> list:
+def _spec_to_list(spec: PayloadTensor) -> list:
     return [spec.name, spec.dtype, list(spec.shape), spec.offset, spec.nbytes]
 
 
-def _parse_specs(value: Any, what: str) -> tuple[TensorSpec, ...]:
+def _parse_specs(value: Any, what: str) -> tuple[PayloadTensor, ...]:
     specs = []
     for item in _expect_list(value, what):
         if not (isinstance(item, list) and len(item) == 5 and isinstance(item[0], str)
                 and isinstance(item[1], str)):
             raise IncompatiblePayload(f"{what}: malformed entry {item!r}")
         shape = tuple(_expect_count(d, f"{what} shape") for d in _expect_list(item[2], f"{what} shape"))
-        specs.append(TensorSpec(item[0], item[1], shape, _expect_count(item[3], what),
+        specs.append(PayloadTensor(item[0], item[1], shape, _expect_count(item[3], what),
                                 _expect_count(item[4], what)))
     names = [s.name for s in specs]
     if names != sorted(set(names)):

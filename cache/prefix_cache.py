@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .admission import Admission
+from .admission import PrefixAdmission
 from .config import CacheConfig
 from .identity import prefix_digest
 from .index import PrefixIndex, Query
@@ -46,7 +46,7 @@ class Reservation:
 class PrefixCache:
     def __init__(self, *, block: int, max_entries: int, max_bytes: int,
                  max_tokens: int | None = None, kind: str = "ResidentKv",
-                 whole_entry: bool = False, admission: Admission | None = None,
+                 whole_entry: bool = False, admission: PrefixAdmission | None = None,
                  hash_fn=None):
         """block: the reuse granularity in tokens (the config's stride). whole_entry:
         an entry serves only queries that contain all its tokens (snapshots taken at
@@ -67,7 +67,7 @@ class PrefixCache:
         return cls(block=config.stride, max_entries=config.max_entries,
                    max_bytes=config.max_bytes, max_tokens=config.max_tokens_per_entry,
                    kind=kind, whole_entry=whole_entry,
-                   admission=Admission(config.admit_after))
+                   admission=PrefixAdmission(config.admit_after))
 
     # -- reading ---------------------------------------------------------------------------
     def lookup(self, stage: bytes, tokens: Sequence[int], *, max_len: int | None = None,

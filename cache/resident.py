@@ -31,7 +31,7 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Usage:
+class ResidentUsage:
     entries: int
     resident_bytes: int    # committed entries
     reserved_bytes: int    # reserved, not yet committed
@@ -130,7 +130,7 @@ class ResidentLru:
     def lru_order(self) -> list[int]:
         return list(self._slots)
 
-    def usage(self) -> Usage:
+    def usage(self) -> ResidentUsage:
         resident = reserved = evictable = pinned = 0
         for s in self._slots.values():
             if s.committed:
@@ -141,7 +141,7 @@ class ResidentLru:
                     pinned += 1
             else:
                 reserved += s.nbytes
-        return Usage(len(self._slots), resident, reserved, evictable, pinned)
+        return ResidentUsage(len(self._slots), resident, reserved, evictable, pinned)
 
     def _drop(self, entry_id: int) -> None:
         s = self._slots.pop(entry_id)

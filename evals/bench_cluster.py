@@ -49,9 +49,9 @@ from skippy.cache.config import CacheConfig
 from skippy.evals import plots
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_engine import RayEngine
-from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.mesh.models import pull
 from skippy.mesh.progress import tracked
+from skippy.mesh.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"

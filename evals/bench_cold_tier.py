@@ -30,9 +30,9 @@ from skippy.cache.config import CacheConfig
 from skippy.evals import plots
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_engine import RayEngine
-from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.mesh.models import pull
 from skippy.mesh.progress import Console, tracked
+from skippy.mesh.tokenizer import Tokenizer
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 

@@ -59,7 +59,7 @@ class Vocab:
     end-of-generation ids, and llama.cpp's vocabulary (for llguidance's tokenizer)."""
 
     def __init__(self, spec: str, size: int | None = None):
-        from skippy.mesh.front.tokenizer import Tokenizer
+        from skippy.mesh.tokenizer import Tokenizer
         from skippy.mesh.models import resolve_model
         self.tokenizer = Tokenizer(resolve_model(spec))
         n = self.tokenizer.vocab_size

@@ -700,7 +700,7 @@ def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
                    requests: int) -> tuple[Workload, dict]:
     from skippy.evals.numerics import read_corpus
     from skippy.mesh.front.chat import load_chat_template
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     template = load_chat_template(tok)

@@ -93,7 +93,8 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
     """Per-hop round trips (ms) for each frame shape, gRPC vs Ray, into one actor."""
     import ray
 
-    from skippy.mesh.stage.grpc_service import GrpcLink, channel_options
+    from skippy.mesh.stage.channels import channel_options
+    from skippy.mesh.stage.grpc_service import GrpcLink
     from skippy.mesh.stage.security import StageCredentials, new_secret
     from skippy.mesh.wire import frame_to_proto
     from skippy.proto import stage_pb2 as pb
@@ -166,7 +167,7 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
     """One engine at a time: per-token decode time for each stage count."""
     from skippy.mesh.front.chat import render_chat
     from skippy.mesh.control.ray_engine import RayEngine
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
 
     tok = Tokenizer(path)
     tokens = tok.encode(render_chat(path, [{"role": "user", "content": PROMPT}]))

@@ -58,7 +58,7 @@ def cache_pair(path, stages: int, config: CacheConfig, **options):
 
 def compare(path, records: list[dict], stages: int, cap: int = 512,
             config: CacheConfig | None = None, runtime: str = "torch") -> dict:
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(path)
     config = config or CacheConfig()
     off, on = cache_pair(path, stages, config, wire_dtype="f16", n_ctx=cap + 64,

@@ -100,7 +100,7 @@ def plot(result: dict):
 
 def main(argv: list[str] | None = None) -> int:
     from skippy.mesh.models import resolve_model
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
 
     p = argparse.ArgumentParser(prog="python -m skippy.evals.wire_accuracy")
     p.add_argument("--model", default="smollm2")

@@ -105,7 +105,7 @@ def cmd_generate(args) -> int:
     from .control.engine import GenerationRequest
     from .models import resolve_model
     from .sampler import SamplingParams
-    from .front.tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")

@@ -7,8 +7,9 @@ anything else that takes a line (a Console on a pipe, a logger's method, a test'
 `list.append`) gets plain lines: one at each tenth of the work and at least one every
 `EVERY_S` seconds, never a carriage return, so a CI log reads one line per event.
 
-Code below mesh/ (stages/, topology/) never imports this: it reports through a plain
-`(done, total)` callback, which `Bar.to` is.
+The step itself never imports this: it counts with topology/tally.py's `Tally` into a
+plain `(done, total)` callback, which `Bar.to` is (stages/ and topology/ cannot import
+mesh/; a stage fetching its parts, mesh/stage/part_fetch.py, counts the same way).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The last stage's side of a constraint (mesh/constraint.py): which tokens may come next.
 
 `Vocabulary` holds the grammar engine's view of one model's tokens, built once per stage
-on the first constrained request (llama.cpp's vocabulary of the stage's own GGUF or
-package: SmolLM2's 49k tokens take ~0.4 s). `TokenMask` is one request's matcher: the
+on the first constrained request from the `VocabularyView` its caller's loader returns
+(the stage server's: llama.cpp's vocabulary of the stage's own GGUF or package, SmolLM2's
+49k tokens in ~0.4 s). `TokenMask` is one request's matcher: the
 sampler (mesh/sampler.py) asks it for the allowed tokens before each pick and tells it the
 token picked; it lives as long as the request's sampler and is dropped with it.
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from pathlib import Path
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,14 +26,26 @@ from .constraint import Constraint, ConstraintError
 _NEG = np.float32(-np.inf)
 
 
-class Vocabulary:
-    """The grammar engine's tokenizer for one model, built on first use."""
+class VocabularyView(Protocol):
+    """What the grammar engine reads of one model's vocabulary (mesh/tokenizer.py's
+    `Tokenizer` is one): llama.cpp's vocabulary handle and the end-of-generation ids."""
 
-    def __init__(self, model_path: str | Path):
-        self.model_path = model_path
+    @property
+    def llama_vocab(self) -> object: ...
+
+    @property
+    def eog_ids(self) -> frozenset[int]: ...
+
+
+class Vocabulary:
+    """The grammar engine's tokenizer for one model, built on first use from the view
+    `load` returns (called once)."""
+
+    def __init__(self, load: Callable[[], VocabularyView]):
+        self._load = load
         self._lock = threading.Lock()
         self._tokenizer = None
-        self._vocab = None  # llama.cpp's, which the engine's tokenizer calls into
+        self._vocab: VocabularyView | None = None  # the engine's tokenizer calls into it
 
     def tokenizer(self):
         """llguidance's LLTokenizer over this model's vocabulary (built once), whose ends
@@ -39,10 +53,9 @@ class Vocabulary:
         It calls into llama.cpp's vocabulary, which therefore stays loaded with it."""
         from llguidance.llamacpp import lltokenizer_from_vocab
 
-        from .front.tokenizer import Tokenizer
         with self._lock:
             if self._tokenizer is None:
-                self._vocab = Tokenizer(self.model_path)
+                self._vocab = self._load()
                 ends = sorted(self._vocab.eog_ids) or None
                 with warnings.catch_warnings():  # it calls a llama.cpp name now deprecated
                     warnings.simplefilter("ignore", DeprecationWarning)

@@ -25,7 +25,7 @@ import torch
 
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.identity import prefix_digest
-from skippy.cache.payload import (Manifest, PayloadKind, decode_payload, encode_payload,
+from skippy.cache.payload import (PayloadManifest, PayloadKind, decode_payload, encode_payload,
                                   release_payload)
 from skippy.cache.prefix_cache import Hit, PrefixCache
 
@@ -76,7 +76,7 @@ class CachePolicy:
         """The payload kind this policy stores `state` as."""
         return PayloadKind.ResidentKv
 
-    def export(self, hit: Hit, length: int, identity: bytes) -> Manifest:
+    def export(self, hit: Hit, length: int, identity: bytes) -> PayloadManifest:
         """The hit's state for [0, length) as a payload in the store, for a peer stage
         to import; the caller owns one reference on each of its blocks."""
         raise KeyError(f"no state for entry {hit.entry_id}")
@@ -123,7 +123,7 @@ class ResidentLanes(CachePolicy):
     def restore(self, lane, hit, start) -> None:
         self.runtime.copy_lane(self.holders[hit.entry_id], lane, start)
 
-    def export(self, hit, length, identity) -> Manifest:
+    def export(self, hit, length, identity) -> PayloadManifest:
         state = self.runtime.export_state(self.holders[hit.entry_id], length)
         return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store)
 
@@ -177,7 +177,7 @@ class _Payloads(CachePolicy):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.manifests: dict[int, Manifest] = {}
+        self.manifests: dict[int, PayloadManifest] = {}
 
     def restore(self, lane, hit, start) -> None:
         state = decode_state(self.manifests[hit.entry_id], self.store)
@@ -212,7 +212,7 @@ class _Payloads(CachePolicy):
     def _state_of(self, entry_id, n_tokens) -> LaneState:
         return decode_state(self.manifests[entry_id], self.store)
 
-    def export(self, hit, length, identity) -> Manifest:
+    def export(self, hit, length, identity) -> PayloadManifest:
         manifest = self.manifests[hit.entry_id]
         if manifest.n_tokens == length:  # as stored: the caller's references, no copy
             for h in manifest.blocks:
@@ -268,7 +268,7 @@ def policy_class(name: str, runtime: StageRuntime, enabled: bool = True) -> type
 
 # -- state as payloads: what an entry stores, and what travels between nodes ----------------
 def encode_state(state: LaneState, kind: PayloadKind, identity: bytes, stage_index: int,
-                 store: BlockStore) -> Manifest:
+                 store: BlockStore) -> PayloadManifest:
     """The state as a payload in `store` (its blocks hold one reference each)."""
     token_arrays = {f"k.{i:04d}": t.numpy() for i, t in enumerate(state.keys)}
     token_arrays.update({f"v.{i:04d}": t.numpy() for i, t in enumerate(state.values)})
@@ -278,7 +278,7 @@ def encode_state(state: LaneState, kind: PayloadKind, identity: bytes, stage_ind
                           token_arrays, fixed, state.n_tokens, store)
 
 
-def decode_state(manifest: Manifest, store: BlockStore) -> LaneState:
+def decode_state(manifest: PayloadManifest, store: BlockStore) -> LaneState:
     """The state a payload holds, every block verified by the store."""
     token_arrays, fixed = decode_payload(manifest, store)
     keys = [torch.from_numpy(np.array(token_arrays[k])) for k in sorted(token_arrays)

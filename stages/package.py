@@ -23,7 +23,7 @@ import blake3
 from skippy.topology.families import FAMILIES
 from skippy.topology.gguf_file import GGUF_MAGIC, GGUFFile, TensorInfo
 from skippy.topology.model_package import (EMBEDDINGS, LAYER, MANIFEST, OUTPUT, SHARED,
-                                           Manifest, PackageError, PartEntry)
+                                           PackageManifest, PackageError, PartEntry)
 from skippy.topology.tally import Progress, Tally
 from skippy.topology.planner import gguf_model_digest
 
@@ -65,7 +65,7 @@ def source_files(model: str | Path) -> list[Path]:
 
 
 def split_package(model: str | Path, out_dir: str | Path,
-                  progress: Progress | None = None) -> Manifest:
+                  progress: Progress | None = None) -> PackageManifest:
     """Write `model` (a GGUF file or split set) as a package in `out_dir` (new or empty);
     return its manifest. `progress(done, total)` hears the tensor bytes copied so far."""
     out = Path(out_dir)
@@ -102,7 +102,7 @@ def split_package(model: str | Path, out_dir: str | Path,
                                            copied)
             entries.append(PartEntry(part.name, part.file, part.role, part.layer, size,
                                      digest_hex, tuple(t for _, t in part.tensors)))
-        manifest = Manifest(model_digest=digest, architecture=arch,
+        manifest = PackageManifest(model_digest=digest, architecture=arch,
                             family=family.name if family else None, n_layers=n_layers,
                             tied_head="output.weight" not in names,
                             source=tuple(p.name for p in files), parts=tuple(entries))

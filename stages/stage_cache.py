@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from skippy.cache.activation import ActivationCache
-from skippy.cache.admission import Admission
+from skippy.cache.admission import PrefixAdmission
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
 from skippy.cache.identity import StageKey, page_id, prefix_digest, prefix_digests
-from skippy.cache.payload import IncompatiblePayload, Manifest, release_payload
+from skippy.cache.payload import IncompatiblePayload, PayloadManifest, release_payload
 from skippy.cache.prefix_cache import Hit, PrefixCache
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
@@ -105,7 +105,7 @@ class StageCache:
                                     max_bytes=config.max_bytes,
                                     max_tokens=config.max_tokens_per_entry, kind=cls.name,
                                     whole_entry=cls.whole_entry)
-        self.admission = Admission(config.admit_after)
+        self.admission = PrefixAdmission(config.admit_after)
         # Every policy's state can travel between nodes as payloads, so every stage has a
         # store: entries live there for payload policies, shared payloads for all.
         self.store = store if store is not None else BlockStore(config.block_store_max_bytes)
@@ -133,7 +133,8 @@ class StageCache:
             if not runtime.spec.is_last and config.activation_max_bytes else None
         self._width = runtime.cfg.hidden if self.frames is not None else 0  # frame row width
         self._scopes: dict[str, bytes] = {"": self.stage}
-        self._shared: dict[bytes, Manifest] = {}  # prefix identity -> payload, oldest first
+        # prefix identity -> payload, oldest first
+        self._shared: dict[bytes, PayloadManifest] = {}
         self.exports = self.adopted = 0
 
     # -- lanes -----------------------------------------------------------------------------
@@ -397,7 +398,7 @@ class StageCache:
 
     # -- state shared with peer stages (other pipelines, other nodes) ----------------------
     def export(self, tokens: Sequence[int], limit: int, after: int, *,
-               namespace: str = "") -> Manifest | None:
+               namespace: str = "") -> PayloadManifest | None:
         """This stage's state for the longest prefix of `tokens` it holds, longer than
         `after` and at most `limit` tokens (a stride multiple), as a payload in the store
         that stays there for the asker to fetch; None when it holds nothing longer."""
@@ -443,7 +444,7 @@ class StageCache:
                 best = (lane, cut)
         return best
 
-    def adopt(self, tokens: Sequence[int], manifest: Manifest, *,
+    def adopt(self, tokens: Sequence[int], manifest: PayloadManifest, *,
               namespace: str = "") -> bool:
         """Take a payload pulled from a peer stage (its blocks already in the store, one
         reference each, which pass to this cache) as an entry for its prefix. False,
@@ -466,7 +467,7 @@ class StageCache:
         self._share(manifest)
         return True
 
-    def _share(self, manifest: Manifest) -> Manifest:
+    def _share(self, manifest: PayloadManifest) -> PayloadManifest:
         """Keep a payload (and the references it holds) as the newest shared one."""
         old = self._shared.pop(manifest.identity, None)
         if old is not None and old is not manifest:

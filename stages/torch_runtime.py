@@ -71,7 +71,7 @@ class TorchStageRuntime(StageRuntime):
         if spec.threads:
             torch.set_num_threads(spec.threads)
         # One thread or two compute the same bits in every format but fp32, whose
-        # F.linear splits its sums by thread (tests/test_stage_service.py checks both).
+        # F.linear splits its sums by thread (tests/test_grpc_service.py checks both).
         self.thread_invariant = spec.weight_format != "fp32"
         self.spec, self.cfg = spec, cfg
         self.n_ctx = min(spec.n_ctx, cfg.context_length)

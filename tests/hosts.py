@@ -252,7 +252,7 @@ def greedy_chat(url: str, model: Path, ranges: Sequence[tuple[int, int]], questi
     from skippy.cache.config import CacheConfig
     from skippy.mesh.control.local import InProcessEngine
     from skippy.mesh.front.chat import render_chat
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
     messages = [{"role": "user", "content": question}]
     client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
     got = client.chat.completions.create(model="smollm2", messages=messages,

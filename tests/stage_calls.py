@@ -1,11 +1,16 @@
-"""A greedy request at one stage server, call by call, as the driver makes it."""
+"""Calls at one stage, as the driver makes them: a greedy request at a stage server, a
+Session stream over gRPC, and the stage's figures once its sessions have ended."""
 
 from __future__ import annotations
+
+import queue
+import time
 
 import torch
 
 from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
+from skippy.proto import stage_pb2_grpc
 
 
 def run(server: StageServer, tokens: list[int], peers=(), namespace="", n=3):
@@ -25,3 +30,19 @@ def run(server: StageServer, tokens: list[int], peers=(), namespace="", n=3):
         return cached, ids, rows
     finally:
         session.close()
+
+
+def session_stream(channel, calls: queue.Queue, metadata, timeout: float | None = None):
+    """The replies of a Session stream at the stage behind `channel`, fed the calls put in
+    `calls` (None ends the stream), each carrying `metadata` (the cluster's token)."""
+    return stage_pb2_grpc.StageStub(channel).Session(iter(calls.get, None), metadata=metadata,
+                                                     timeout=timeout)
+
+
+def settled(server: StageServer, within_s: float = 10.0) -> dict:
+    """The stage's figures once every session has ended (a server ends a stream on its
+    own time, after the caller's last call), or after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while server.stats()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.stats()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy.cache.admission import Admission, AdmissionStats
+from skippy.cache.admission import PrefixAdmission, AdmissionStats
 
 
 def key(i: int) -> bytes:
@@ -17,7 +17,7 @@ def key(i: int) -> bytes:
 
 
 def test_stream_of_one_off_prompts_admits_nothing_and_stays_bounded():
-    adm = Admission(admit_after=2, max_tracked=1024)
+    adm = PrefixAdmission(admit_after=2, max_tracked=1024)
     assert not any(adm.observe(key(i)) for i in range(10_000))
     s = adm.stats()
     assert s == AdmissionStats(observed=10_000, admitted=0, rejected_unseen=10_000,
@@ -25,7 +25,7 @@ def test_stream_of_one_off_prompts_admits_nothing_and_stays_bounded():
 
 
 def test_prefix_is_admitted_on_its_second_sighting():
-    adm = Admission(admit_after=2)
+    adm = PrefixAdmission(admit_after=2)
     assert adm.observe(b"stem") is False
     assert adm.observe(b"other") is False
     assert adm.observe(b"stem") is True
@@ -34,18 +34,18 @@ def test_prefix_is_admitted_on_its_second_sighting():
 
 
 def test_admit_after_one_admits_on_first_sight():
-    adm = Admission(admit_after=1)
+    adm = PrefixAdmission(admit_after=1)
     assert adm.observe(b"a") is True
     assert adm.stats().rejected_unseen == 0
 
 
 def test_admit_after_three():
-    adm = Admission(admit_after=3)
+    adm = PrefixAdmission(admit_after=3)
     assert [adm.observe(b"k") for _ in range(4)] == [False, False, True, True]
 
 
 def test_least_recently_seen_key_is_forgotten_first():
-    adm = Admission(admit_after=2, max_tracked=2)
+    adm = PrefixAdmission(admit_after=2, max_tracked=2)
     adm.observe(b"a")
     adm.observe(b"b")
     adm.observe(b"a")          # refreshes a (and admits it)
@@ -55,7 +55,7 @@ def test_least_recently_seen_key_is_forgotten_first():
 
 
 def test_forget_makes_a_key_earn_admission_again():
-    adm = Admission(admit_after=2)
+    adm = PrefixAdmission(admit_after=2)
     adm.observe(b"k")
     adm.observe(b"k")
     adm.forget(b"k")
@@ -65,7 +65,7 @@ def test_forget_makes_a_key_earn_admission_again():
 
 
 def test_entry_larger_than_the_budget_bypasses():
-    adm = Admission()
+    adm = PrefixAdmission()
     assert adm.admits_size(100, 100)
     assert adm.admits_size(0, 100)
     assert not adm.admits_size(101, 100)
@@ -76,21 +76,21 @@ def test_entry_larger_than_the_budget_bypasses():
 @pytest.mark.parametrize("kwargs", [{"admit_after": 0}, {"max_tracked": 0}])
 def test_invalid_parameters(kwargs):
     with pytest.raises(ValueError):
-        Admission(**kwargs)
+        PrefixAdmission(**kwargs)
 
 
 def test_negative_sizes_are_a_bug():
     with pytest.raises(ValueError):
-        Admission().admits_size(-1, 10)
+        PrefixAdmission().admits_size(-1, 10)
 
 
 def test_stats_are_a_frozen_value():
     with pytest.raises(AttributeError):
-        Admission().stats().admitted = 1  # type: ignore[misc]
+        PrefixAdmission().stats().admitted = 1  # type: ignore[misc]
 
 
 def test_concurrent_sightings_are_all_counted():
-    adm = Admission(admit_after=2)
+    adm = PrefixAdmission(admit_after=2)
     keys = [key(i) for i in range(200)]
 
     def run():
@@ -114,7 +114,7 @@ ops = st.lists(st.tuples(st.sampled_from(["observe", "forget"]), st.integers(0, 
 @given(ops=ops, admit_after=st.integers(1, 4))
 @settings(max_examples=200, deadline=None)
 def test_matches_a_plain_counter_within_the_tracked_cap(ops, admit_after):
-    adm = Admission(admit_after=admit_after, max_tracked=16)  # >= the 16 possible keys
+    adm = PrefixAdmission(admit_after=admit_after, max_tracked=16)  # >= the 16 possible keys
     seen: Counter[int] = Counter()
     for op, i in ops:
         if op == "forget":
@@ -132,7 +132,7 @@ def test_matches_a_plain_counter_within_the_tracked_cap(ops, admit_after):
        cap=st.integers(1, 8))
 @settings(max_examples=200, deadline=None)
 def test_matches_a_brute_force_lru_beyond_the_cap(ops, admit_after, cap):
-    adm = Admission(admit_after=admit_after, max_tracked=cap)
+    adm = PrefixAdmission(admit_after=admit_after, max_tracked=cap)
     lru: OrderedDict[int, int] = OrderedDict()
     for i in ops:
         count = lru.pop(i, 0) + 1

@@ -58,7 +58,7 @@ def test_repeat_prompt_encodes_to_the_asked_length_with_a_toy_vocabulary():
 
 
 def test_repeat_prompt_with_the_real_vocabulary(smollm2):
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(smollm2)
     text, n = bg.repeat_prompt("The harbour town woke slowly; gulls argued. " * 3,
                                tok.encode, tok.decode)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from skippy.cache.activation import ActivationCache, activation_key
-from skippy.cache.admission import Admission
+from skippy.cache.admission import PrefixAdmission
 from skippy.cache.blocks import BlockError, BlockStore, StoreFull
 from skippy.cache.payload import (
     PayloadKind,
@@ -113,7 +113,7 @@ class Ledger:
 def test_prefix_cache_accounts_for_every_entry_under_concurrency(whole_entry, hash_fn, admit):
     cache = PrefixCache(block=BLOCK, max_entries=MAX_ENTRIES, max_bytes=MAX_BYTES,
                         max_tokens=MAX_TOKENS, whole_entry=whole_entry, hash_fn=hash_fn,
-                        admission=Admission(admit_after=2) if admit else None)
+                        admission=PrefixAdmission(admit_after=2) if admit else None)
     led = Ledger()
     ids_seen: list[int] = []
 

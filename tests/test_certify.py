@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ from skippy.stages import certify as certify_mod
 from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.stages.runtime import StageError
+from skippy_cli import skippy
 
 # SmolLM2 (shipped, Q4_1: int4 keeps the file's blocks) and the synthetic families at their
 # test sizes; Gemma 3 (a 262k-row fp32 head in every stage build) only in `make test`.
@@ -71,16 +69,15 @@ def test_a_state_that_changes_in_transit_fails(qwen3_f32, monkeypatch):
 
 
 def test_cli_json_and_exit_codes(qwen3_f32):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "skippy.mesh.cli", "certify", *a],  # noqa: E731
-                                    capture_output=True, text=True, timeout=600,
-                                    env=os.environ.copy())
-    ok = run("--model", str(qwen3_f32), "--stages", "2", "--weight-format", "bf16", "--json")
+    ok = skippy("certify", "--model", str(qwen3_f32), "--stages", "2", "--weight-format", "bf16",
+                "--json")
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
     assert data["passed"] is True and data["stages"] == 2 and data["weight_format"] == "bf16"
-    bad = run("--model", str(qwen3_f32), "--stages", "2", "--runtime", "llama.cpp")
+    bad = skippy("certify", "--model", str(qwen3_f32), "--stages", "2", "--runtime", "llama.cpp")
     assert bad.returncode == 2 and "stages 1" in bad.stderr and "Traceback" not in bad.stderr
-    bad = run("--model", str(qwen3_f32), "--runtime", "llama.cpp", "--weight-format", "int4")
+    bad = skippy("certify", "--model", str(qwen3_f32), "--runtime", "llama.cpp",
+                 "--weight-format", "int4")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.count("\n") == 1 and "torch runtime" in bad.stderr
 

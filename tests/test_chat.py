@@ -11,7 +11,7 @@ from skippy.mesh.front.chat import (GEMMA_TURNS, ChatTemplateError, ChatTemplate
                                    encode_chat, has_chat_template, load_chat_template,
                                    render_chat, validate_messages)
 from skippy.mesh.models import pull
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 from skippy.topology.gguf_file import GGUFFile
 
 SYSTEM_USER = [{"role": "system", "content": "You are terse."},

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
 from skippy.evals.reference import LlamaCppReference
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
+from skippy_cli import skippy
 
 PROMPT = "The three most useful things to know about the Moon are"
-
-
-def skippy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skippy.mesh.cli", *args],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
 
 
 def test_generate_three_stages_matches_llama_cpp_greedy(smollm2_f16):

@@ -13,9 +13,9 @@ from skippy.mesh.constraint import (Constraint, ConstraintError, check, json_obj
                                     json_schema, lark, lark_literal, lark_token, tool_call)
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.front.result_memo import memo_key
-from skippy.mesh.front.tokenizer import Tokenizer
 from skippy.mesh.sampler import Sampler, SamplingParams
 from skippy.mesh.token_mask import Vocabulary
+from skippy.mesh.tokenizer import Tokenizer
 from skippy.mesh.wire import sampling_from_proto, sampling_to_proto
 
 PERSON = {"type": "object",
@@ -36,8 +36,8 @@ def tok(smollm2):
 
 
 @pytest.fixture(scope="module")
-def vocab(smollm2):
-    return Vocabulary(smollm2)
+def vocab(tok):
+    return Vocabulary(lambda: tok)
 
 
 def ids(tok, text):
@@ -87,6 +87,14 @@ def test_the_constraint_travels_in_the_sampling_settings():
 
 
 # -- the mask's life cycle ----------------------------------------------------------------
+def test_the_vocabulary_view_is_loaded_once_on_the_first_mask(tok):
+    loads = []
+    vocab = Vocabulary(lambda: loads.append(1) or tok)
+    assert loads == []  # a stage that never sees a constraint never reads its vocabulary
+    first, second = vocab.mask(json_object()), vocab.mask(json_schema(PERSON))
+    assert loads == [1] and not first.done and not second.done
+
+
 def test_a_mask_allows_what_the_schema_allows_then_only_the_end(vocab, tok):
     mask, taken = walk(vocab, tok, json_schema(PERSON), '{"name": "Ann", "age": 41}')
     assert taken == len(ids(tok, '{"name": "Ann", "age": 41}'))

@@ -17,7 +17,7 @@ from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.front.disconnect import ClientGone, unless_client_leaves
 from skippy.mesh.front.gateway import BackgroundServer, create_app
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def long(smollm2) -> dict:

@@ -20,7 +20,7 @@ from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.control.engine import EngineBusy, EngineError, EngineInfo, Step
 from skippy.mesh.front.gateway import BackgroundServer, create_app
 from skippy.mesh.front.limits import GatewayLimits
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 
 GREEDY = {"model": "smollm2", "temperature": 0}
 JSON = {"Content-Type": "application/json"}

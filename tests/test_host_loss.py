@@ -57,7 +57,7 @@ def fault_free(model, ranges, questions) -> list[str]:
     from skippy.cache.config import CacheConfig
     from skippy.mesh.control.local import InProcessEngine
     from skippy.mesh.front.chat import render_chat
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(model)
     local = InProcessEngine(model, ranges=list(ranges), n_ctx=CTX, weight_format="int4",
                             cache=CacheConfig(enabled=False))

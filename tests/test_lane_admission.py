@@ -8,13 +8,13 @@ import threading
 
 import pytest
 
-from skippy.mesh.control.admission import Admission
+from skippy.mesh.control.admission import LaneAdmission
 from skippy.mesh.control.engine import EngineBusy
 
 
 def test_a_request_takes_all_its_lanes_at_once_and_waits_in_line():
     async def run():
-        a = Admission(8, wait_s=5)
+        a = LaneAdmission(8, wait_s=5)
         await a.acquire(6)
         order = []
 
@@ -34,7 +34,7 @@ def test_a_request_takes_all_its_lanes_at_once_and_waits_in_line():
 
 def test_a_full_line_or_a_long_wait_is_busy_with_retry_after():
     async def run():
-        a = Admission(2, queue=1, wait_s=0.1)
+        a = LaneAdmission(2, queue=1, wait_s=0.1)
         await a.acquire(2)
         waiter = asyncio.create_task(a.acquire())
         await asyncio.sleep(0.01)
@@ -50,7 +50,7 @@ def test_a_full_line_or_a_long_wait_is_busy_with_retry_after():
 
 
 def test_a_cancelled_waiter_leaves_the_line_and_lanes_pass_across_event_loops():
-    a = Admission(1, wait_s=5)
+    a = LaneAdmission(1, wait_s=5)
     asyncio.run(a.acquire())
     got = threading.Event()
 

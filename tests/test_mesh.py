@@ -21,7 +21,7 @@ from skippy.mesh.front.chat import render_chat  # noqa: E402
 from skippy.mesh.front.gateway import BackgroundServer, create_app  # noqa: E402
 from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
-from skippy.mesh.front.tokenizer import Tokenizer  # noqa: E402
+from skippy.mesh.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

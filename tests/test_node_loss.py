@@ -15,7 +15,7 @@ import ray
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.control.ray_engine import RayEngine
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 PROMPT = "The history of the printing press begins"

@@ -12,7 +12,7 @@ from skippy.cache.config import CacheConfig
 from skippy.mesh.front.chat import render_chat
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.front.gateway import BackgroundServer, create_app
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are brief."},
             {"role": "user", "content": "Name a color."}]

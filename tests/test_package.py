@@ -200,8 +200,8 @@ def test_split_gguf_set_packs_like_the_single_file(smollm2, qwen3_f32, tmp_path)
 
 
 def test_layers_present_counts_parts_at_their_size_of_this_model(smollm2_pkg, tmp_path):
-    from skippy.topology.model_package import Manifest, layers_present
-    digest = Manifest.load(smollm2_pkg).model_digest
+    from skippy.topology.model_package import PackageManifest, layers_present
+    digest = PackageManifest.load(smollm2_pkg).model_digest
     assert layers_present(smollm2_pkg, digest) == frozenset(range(30))
     pkg = _copy_package(smollm2_pkg, tmp_path / "some")
     (pkg / "layer-003.gguf").unlink()

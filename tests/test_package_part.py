@@ -170,9 +170,9 @@ def test_a_part_replaced_while_it_is_checked_is_refused(tiny, tmp_path, monkeypa
 
 
 def test_check_part_sizes_and_hashes_one_open_file(tiny, tmp_path):
-    from skippy.topology.model_package import Manifest
+    from skippy.topology.model_package import PackageManifest
     _, pkg = tiny
-    entry = Manifest.load(pkg).part("layer-000")
+    entry = PackageManifest.load(pkg).part("layer-000")
     check_part(pkg, entry)
     (pkg / LAYER0).unlink()
     (pkg / LAYER0).mkdir()

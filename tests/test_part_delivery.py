@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 
 from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes,  # noqa: E402
                    serving)
-from skippy.topology.model_package import Manifest  # noqa: E402
+from skippy.topology.model_package import PackageManifest  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,7 +44,8 @@ def serve_log(hosts, package):
         yield log.read_text()
 
 
-def own_parts(manifest: Manifest, start: int, end: int, first: bool, last: bool) -> set[str]:
+def own_parts(manifest: PackageManifest, start: int, end: int, first: bool, last: bool
+              ) -> set[str]:
     """The part files a stage reads, by the package's layout (topology/model_package.py):
     shared always, its layers, embeddings at the first stage (and the last of a tied model),
     output at the last."""
@@ -66,7 +67,7 @@ def fetch_lines(host) -> list[tuple[int, ...]]:
 
 
 def test_each_host_fetches_exactly_its_own_parts(hosts, package, serve_log):
-    manifest = Manifest.load(package)
+    manifest = PackageManifest.load(package)
     nodes = ray_nodes(f"{hosts[0].ip}:{RAY_PORT}")
     stages = planned(serve_log)
     for i, (host, (start, end, node)) in enumerate(zip(hosts, stages)):

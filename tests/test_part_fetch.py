@@ -13,17 +13,19 @@ import pytest
 from blake3 import blake3
 
 from skippy.cache.blocks import BLOCK_SIZE
-from skippy.mesh.stage.part_fetch import PartError, PartFetcher, Progress
+from skippy.mesh.progress import progress_bar
+from skippy.mesh.stage.part_fetch import PartError, PartFetcher
 from skippy.mesh.stage.part_service import PartsServicer, serve_parts
 from skippy.mesh.stage.security import ClusterCredentials, new_secret
 from skippy.mesh.stage.stage_parts import PartSource, local_package
-from skippy.topology.model_package import Manifest, PartEntry
+from skippy.topology.model_package import PackageManifest, PartEntry
+from skippy.topology.tally import Tally
 
 DIGEST = "ab" * 32
 SIZE = 3 * BLOCK_SIZE + 12345   # four blocks, the last short
 
 
-def _package(folder: Path, files: dict[str, bytes]) -> Manifest:
+def _package(folder: Path, files: dict[str, bytes]) -> PackageManifest:
     """A package folder: a manifest listing `files` (no tensors: the fetcher moves bytes)."""
     folder.mkdir(parents=True, exist_ok=True)
     parts = []
@@ -31,7 +33,7 @@ def _package(folder: Path, files: dict[str, bytes]) -> Manifest:
         (folder / name).write_bytes(data)
         parts.append(PartEntry(name.removesuffix(".gguf"), name, "layer", i, len(data),
                                blake3(data).hexdigest(), ()))
-    manifest = Manifest(DIGEST, "llama", None, len(files), False, (), tuple(parts))
+    manifest = PackageManifest(DIGEST, "llama", None, len(files), False, (), tuple(parts))
     (folder / "manifest.json").write_text(manifest.to_json())
     return manifest
 
@@ -91,14 +93,16 @@ def test_a_part_arrives_whole_in_verified_blocks(holder, cluster, tmp_path):
     start, manifest, data = holder
     servicer, address = start()
     fetcher = _fetcher(cluster, address)
-    progress = Progress(SIZE)
-    got = fetcher.fetch(manifest.parts[0], tmp_path / "here", progress)
+    lines: list[str] = []
+    with progress_bar(SIZE, "parts", "B", say=lines.append) as bar:
+        got = fetcher.fetch(manifest.parts[0], tmp_path / "here", Tally(SIZE, bar.to))
     fetcher.close()
     assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
     assert (got.bytes, got.damaged, got.resumed) == (SIZE, 0, 0)
-    assert servicer.served == SIZE and progress.done == SIZE
+    assert servicer.served == SIZE and bar.n == SIZE
     assert sorted(p.name for p in (tmp_path / "here").iterdir()) == ["layer-000.gguf"]
-    assert "MiB/s" in progress.line() and "ETA" in progress.line()
+    assert lines[-1].startswith("parts: 100% ") and "B/s" in lines[-1], lines
+    assert "<" in lines[-1], lines  # tqdm's elapsed<remaining: the ETA
 
 
 def test_a_block_damaged_in_transit_is_detected_and_fetched_again(holder, cluster, tmp_path):

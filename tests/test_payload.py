@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy.cache.blocks import BLOCK_SIZE, BlockError, BlockStore, CorruptBlock, MissingBlock, StoreFull
-from skippy.cache.payload import (FORMAT_VERSION, IncompatiblePayload, Manifest, PayloadKind,
+from skippy.cache.payload import (FORMAT_VERSION, IncompatiblePayload, PayloadManifest, PayloadKind,
                                   decode_payload, encode_payload, release_payload)
 
 IDENTITY = bytes(range(32))
@@ -84,7 +84,7 @@ def test_round_trip_is_bitwise_for_any_layout(seed, n_tokens, token_specs, fixed
     got_tokens, got_fixed = decode_payload(m, store)
     assert_bitwise_equal(got_tokens, tokens)
     assert_bitwise_equal(got_fixed, fixed)
-    assert Manifest.from_bytes(m.to_bytes()) == m
+    assert PayloadManifest.from_bytes(m.to_bytes()) == m
     release_payload(m, store)
     assert store.stats().physical_bytes == 0
 
@@ -264,7 +264,7 @@ def small_manifest():
 
 def test_manifest_round_trips_through_msgpack():
     m = small_manifest()
-    back = Manifest.from_bytes(m.to_bytes())
+    back = PayloadManifest.from_bytes(m.to_bytes())
     assert back == m and back.format_version == FORMAT_VERSION
     assert back.kind is PayloadKind.KvRecurrent
     assert back.identity_fields["tokens"] == [1, 2, 3]
@@ -317,14 +317,14 @@ def set_item(index, value):
 ])
 def test_manifest_parse_rejects_anything_but_a_consistent_manifest(changes):
     with pytest.raises(IncompatiblePayload):
-        Manifest.from_bytes(tampered(small_manifest(), **changes))
+        PayloadManifest.from_bytes(tampered(small_manifest(), **changes))
 
 
 @pytest.mark.parametrize("raw", [b"", b"\xc1", b"not msgpack at all", msgpack.packb([1, 2]),
                                  msgpack.packb({1: 2}), small_manifest().to_bytes()[:-3]])
 def test_manifest_parse_rejects_bytes_that_are_not_a_manifest(raw):
     with pytest.raises(IncompatiblePayload):
-        Manifest.from_bytes(raw)
+        PayloadManifest.from_bytes(raw)
 
 
 # --- encode arguments ---------------------------------------------------------------------
@@ -349,5 +349,5 @@ def test_recurrent_only_payload_keeps_its_token_count_without_token_bytes():
     store = BlockStore()
     m = encode_payload(PayloadKind.RecurrentOnly, IDENTITY, FIELDS, {}, fixed, 512, store)
     assert (m.n_tokens, m.page_tokens, m.total_bytes) == (512, 0, 128)
-    assert Manifest.from_bytes(m.to_bytes()) == m
+    assert PayloadManifest.from_bytes(m.to_bytes()) == m
     assert_bitwise_equal(decode_payload(m, store)[1], fixed)

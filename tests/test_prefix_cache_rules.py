@@ -1,6 +1,6 @@
 """The prefix cache's rules, one example each (the oracle test covers the space)."""
 
-from skippy.cache.admission import Admission
+from skippy.cache.admission import PrefixAdmission
 from skippy.cache.prefix_cache import PrefixCache
 
 S = b"stage"
@@ -74,7 +74,7 @@ def test_entry_larger_than_the_budget_bypasses():
 
 
 def test_one_off_prompts_are_never_captured():
-    c = cache(admission=Admission(admit_after=2))
+    c = cache(admission=PrefixAdmission(admit_after=2))
     for i in range(50):
         assert c.reserve(S, [i] * 64, 10) is None
     assert c.stats().entries == 0 and c.stats().counters["not_admitted"] == 50

@@ -14,7 +14,6 @@ import pty
 import select
 import struct
 import subprocess
-import sys
 import termios
 import threading
 import time
@@ -26,6 +25,8 @@ import pytest
 from skippy.mesh import progress as progress_mod
 from skippy.mesh.models import KNOWN_MODELS
 from skippy.mesh.progress import Console, progress_bar
+from skippy.topology.tally import Tally
+from skippy_cli import COMMAND, skippy
 
 TIMEOUT_S = 300
 
@@ -35,7 +36,7 @@ def on_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     exit code and everything it wrote there."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "skippy.mesh.cli", *args],
+    proc = subprocess.Popen([*COMMAND, *args],
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
                             env={**os.environ, **env})
     os.close(slave)
@@ -58,13 +59,6 @@ def on_terminal(args: list[str], env: dict[str, str]) -> tuple[int, str]:
         os.close(master)
         if proc.poll() is None:
             proc.kill()
-
-
-def in_a_log(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run `skippy ARGS` with pipes for stdout and stderr, as CI does."""
-    return subprocess.run([sys.executable, "-m", "skippy.mesh.cli", *args],
-                          capture_output=True, text=True, timeout=TIMEOUT_S,
-                          stdin=subprocess.DEVNULL, env={**os.environ, **env})
 
 
 def assert_a_bar(out: str, desc: str, unit: str) -> None:
@@ -92,6 +86,21 @@ def test_a_log_hears_each_tenth_once_and_never_a_carriage_return():
     assert len(lines) == 10, lines
     assert lines[0].startswith("copy:  10% ") and lines[-1].startswith("copy: 100% "), lines
     assert all("B/s" in ln and "\r" not in ln for ln in lines)
+
+
+def test_a_step_counting_with_a_tally_reaches_the_bar_from_its_start():
+    calls: list[tuple[int, int]] = []
+    lines: list[str] = []
+    with progress_bar(None, "hash", "B", say=lines.append) as bar:
+        hashed = Tally(100, lambda done, total: (calls.append((done, total)),
+                                                bar.to(done, total)))
+        for _ in range(4):
+            hashed.add(25)
+    assert calls == [(0, 100), (25, 100), (50, 100), (75, 100), (100, 100)]
+    assert bar.n == 100 and lines[-1].startswith("hash: 100% "), lines
+    quiet = Tally(3, None)  # no callback: it counts for no one
+    quiet.add(2)
+    assert (quiet.done, quiet.total) == (2, 3)
 
 
 def test_a_total_said_later_and_a_note_reach_the_line():
@@ -143,7 +152,8 @@ def test_split_on_a_terminal_draws_a_bar(smollm2, tmp_path):
 
 
 def test_split_in_a_log_says_plain_lines(smollm2, tmp_path):
-    r = in_a_log(["package", "split", str(smollm2), "--out", str(tmp_path / "p")], {})
+    r = skippy("package", "split", str(smollm2), "--out", str(tmp_path / "p"),
+               timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr
     assert_plain_lines(r.stderr, f"split {smollm2.name}")
     assert "33 parts" in r.stdout and "\r" not in r.stdout
@@ -205,7 +215,8 @@ def test_pull_on_a_terminal_draws_download_and_check_bars(index, tmp_path):
 
 
 def test_pull_in_a_log_says_plain_lines(index, tmp_path):
-    r = in_a_log(["models", "pull", "smollm2"], _pull_env(index, tmp_path))
+    r = skippy("models", "pull", "smollm2", env={**os.environ, **_pull_env(index, tmp_path)},
+               timeout=TIMEOUT_S)
     assert r.returncode == 0, r.stderr
     assert_plain_lines(r.stderr, KNOWN_MODELS["smollm2"].parts[0][0])
     assert_plain_lines(r.stderr, "smollm2: extract, sha256")

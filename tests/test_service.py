@@ -33,11 +33,11 @@ from skippy.mesh.cli import main
 from skippy.mesh.service import (ServiceState, alive, current, describe, duration, probe_url,
                                   process_start, stop)
 from skippy.mesh.supervisor import LogFile, RestartPolicy
+from skippy_cli import skippy
 
 pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[1]
-SKIPPY = [sys.executable, "-m", "skippy.mesh.cli"]
 
 
 # -- the restart policy, and what status makes of a state -----------------------------------------
@@ -128,11 +128,6 @@ def env_of(home: Path, **more: str) -> dict[str, str]:
     return base | {"HOME": str(home), "SKIPPY_HOME": str(home / "skippy-home")} | more
 
 
-def skippy(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*SKIPPY, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @contextlib.contextmanager
 def skippy_home(env: dict):
     """mesh.service's functions, called here, on the service of `env`."""
@@ -151,7 +146,8 @@ def run_cli(env: dict, capsys, *args: str) -> tuple[int, str, str]:
 
 def test_options_serve_refuses_are_not_restarted(home, capsys):
     env = env_of(home)
-    r = skippy(env, "service", "start", "--wait", "60", "--", "--stages", "0", "--port", "1")
+    r = skippy("service", "start", "--wait", "60", "--", "--stages", "0", "--port", "1",
+               env=env, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "refused its options (exit code 2)" in r.stderr
     assert "--stages must be at least 1, not 0" in r.stderr  # the log's last line
@@ -447,7 +443,7 @@ def test_a_killed_gateway_comes_back(service):
 
 def test_status_says_pid_url_uptime_and_log(service):
     s = service.status()
-    r = skippy(service.env, "status")
+    r = skippy("status", env=service.env, timeout=120)
     assert r.returncode == 0, r.stderr
     rows = dict(line.split(None, 1) for line in r.stdout.splitlines())
     assert rows["gateway"] == "running, /health: ok"
@@ -459,7 +455,7 @@ def test_status_says_pid_url_uptime_and_log(service):
 
 def test_stop_ends_the_gateway_and_its_supervisor(service):
     s = service.status()
-    r = skippy(service.env, "service", "stop")
+    r = skippy("service", "stop", env=service.env, timeout=120)
     assert r.returncode == 0 and f"gateway stopped (pid {s['gateway_pid']})" in r.stderr
     for pid in (s["gateway_pid"], s["supervisor_pid"]):
         assert not Path(f"/proc/{pid}").exists() or \

@@ -30,17 +30,12 @@ import pytest
 from skippy.mesh.stage import security
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
+from skippy_cli import skippy
 
 pytestmark = pytest.mark.timeout(900)
 
 PROMPT = [1] + [(i * 29) % 30000 + 50 for i in range(90)]
 PRIVATE = "10.77.0.1"
-
-
-def skippy(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "skippy.mesh.cli", *args],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("content, message", [(None, "cannot read"), ("\n", "is empty")])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import time
 
 import grpc
 import pytest
@@ -18,8 +17,8 @@ from skippy.mesh.control.driver import drive
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_pipeline import GrpcStageLink
 from skippy.mesh.stage import security
-from skippy.mesh.stage.grpc_service import (channel_options, grpc_opener, message_limit,
-                                            start_server)
+from skippy.mesh.stage.channels import channel_options
+from skippy.mesh.stage.grpc_service import grpc_opener, message_limit, start_server
 from skippy.mesh.stage.security import (ClusterCredentials, SecretError, StageCredentials,
                                         load_secret, new_secret, tls_wanted)
 from skippy.mesh.stage.server import StageServer
@@ -28,6 +27,7 @@ from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 from skippy.stages.frame import Frame
 from skippy.stages.runtime import StageSpec
+from stage_calls import session_stream, settled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,8 +94,7 @@ def stage(smollm2, cluster):
 def first_token(channel: grpc.Channel, metadata) -> pb.Token:
     """Plan and prefill PROMPT in one session: the first token (raises grpc.RpcError)."""
     q: queue.Queue = queue.Queue()
-    replies = stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None), metadata=metadata,
-                                                        timeout=120)
+    replies = session_stream(channel, q, metadata, timeout=120)
     try:
         q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPT, limit=len(PROMPT) - 1)))
         start = next(replies).plan.start
@@ -104,14 +103,6 @@ def first_token(channel: grpc.Channel, metadata) -> pb.Token:
         return next(replies).token
     finally:
         q.put(None)
-
-
-def settled(service: StageServer) -> dict:
-    """The stage's figures once every session has ended."""
-    deadline = time.monotonic() + 10
-    while service.stats()["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return service.stats()
 
 
 class Opened:

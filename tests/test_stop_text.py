@@ -55,7 +55,7 @@ def test_empty_stop_string_is_refused():
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2):
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
     return Tokenizer(smollm2)
 
 

@@ -12,7 +12,7 @@ import llama_cpp
 import pytest
 
 from skippy.mesh.models import pull
-from skippy.mesh.front.tokenizer import TextStream, Tokenizer, TokenizerError
+from skippy.mesh.tokenizer import TextStream, Tokenizer, TokenizerError
 
 SAMPLES = [
     "Hello, world!",

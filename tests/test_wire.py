@@ -106,7 +106,7 @@ PROMPTS = [
                    "91.3 % top-1 vs the f32 wire on SmolLM2, 2 stages (needs 99 %)")
 def test_q8_wire_keeps_top1_on_smollm2_two_stages(smollm2):
     from skippy.evals.wire_accuracy import ACCEPT_TOP1, compare_wire
-    from skippy.mesh.front.tokenizer import Tokenizer
+    from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(smollm2)
     r = compare_wire(smollm2, [tok.encode(p) for p in PROMPTS], "q8", stages=2)
     assert r["top1"] >= ACCEPT_TOP1, r

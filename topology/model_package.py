@@ -60,7 +60,7 @@ class PartEntry:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class PackageManifest:
     model_digest: str
     architecture: str
     family: str | None
@@ -88,7 +88,7 @@ class Manifest:
         }, indent=1) + "\n"
 
     @classmethod
-    def load(cls, directory: Path) -> Manifest:
+    def load(cls, directory: Path) -> PackageManifest:
         """The manifest of the package in `directory`; raises PackageError if it is missing,
         malformed, of another version, or names a part file outside the directory."""
         path = directory / MANIFEST
@@ -97,7 +97,7 @@ class Manifest:
         return cls.from_json(path.read_text(), path)
 
     @classmethod
-    def from_json(cls, text: str, path: str | Path = MANIFEST) -> Manifest:
+    def from_json(cls, text: str, path: str | Path = MANIFEST) -> PackageManifest:
         """A manifest from its text (`path` names it in errors), checked as `load` does:
         a manifest may travel between nodes."""
         try:
@@ -199,13 +199,13 @@ def check_part(directory: Path, part: PartEntry,
 
 
 def verify_package(directory: str | Path, progress: Progress | None = None,
-                   *, held_only: bool = False) -> Manifest:
+                   *, held_only: bool = False) -> PackageManifest:
     """Check every part's size and BLAKE3; raise PackageError naming the first bad one.
     `held_only`: parts absent here are skipped (a cluster's nodes fetch them from a node
     that holds them), but for the shared part, which the metadata and tokenizer come from.
     `progress(done, total)` hears the bytes hashed so far."""
     directory = Path(directory)
-    manifest = Manifest.load(directory)
+    manifest = PackageManifest.load(directory)
     parts = [p for p in manifest.parts
              if not held_only or p.role == SHARED or (directory / p.file).exists()]
     hashed = Tally(sum(p.size for p in parts), progress)
@@ -220,7 +220,7 @@ def layers_present(directory: str | Path, model_digest: str) -> frozenset[int]:
     as it opens it."""
     directory = Path(directory)
     try:
-        manifest = Manifest.load(directory)
+        manifest = PackageManifest.load(directory)
     except PackageError:
         return frozenset()
     if manifest.model_digest != model_digest:
@@ -240,7 +240,7 @@ class ModelPackage:
 
     def __init__(self, directory: str | Path, *, verify: bool = True):
         self.path = Path(directory)
-        self.manifest = Manifest.load(self.path)
+        self.manifest = PackageManifest.load(self.path)
         self.model_digest = self.manifest.model_digest
         self._verify = verify
         self._open: dict[str, OpenPart] = {}
@@ -320,5 +320,5 @@ def metadata_gguf(path: str | Path) -> Path:
     package's shared part (for tools that need a file, such as llama.cpp's vocabulary)."""
     path = Path(path)
     if path.is_dir():
-        return path / Manifest.load(path).part(SHARED).file
+        return path / PackageManifest.load(path).part(SHARED).file
     return path

@@ -1,8 +1,9 @@
 """Work done out of a known total, told to a `progress(done, total)` callback.
 
-How long steps below mesh/ (a package split or verify, certify's checks) report progress
-without knowing how it is shown: mesh/progress.py draws the bar, and its `Bar.to` is such
-a callback.
+The one way a long step (a package split or verify, certify's checks, a stage fetching its
+parts) reports progress without knowing how it is shown: it counts with a `Tally`, and the
+caller passes the callback. mesh/progress.py shows it (a bar, or plain lines in a log);
+its `Bar.to` is such a callback. Here, below mesh/, so topology/ and stages/ can count.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class _Waiter:
     future: asyncio.Future = field(default=None)
 
 
-class Admission:
+class LaneAdmission:
     def __init__(self, lanes: int, *, queue: int | None = None,
                  wait_s: float = QUEUE_WAIT_S):
         if lanes < 1:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 from .engine import EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
-from .admission import Admission
+from .admission import LaneAdmission
 from .driver import Pipeline, drive
 
 
@@ -20,7 +20,7 @@ class PipelinesEngine:
     def _serve(self, pipelines: list[Pipeline], lanes: int, stride: int) -> None:
         self.pipes = pipelines
         self.router = Router(len(pipelines), stride)
-        self.admission = Admission(lanes * len(pipelines))
+        self.admission = LaneAdmission(lanes * len(pipelines))
         # requests rebuilt, by cause: a stage fault, or state evicted before its restore
         self.rebuilds: Counter[str] = Counter({"fault": 0, "evicted": 0})
         self.rebuilds_by_pipeline = [0] * len(pipelines)

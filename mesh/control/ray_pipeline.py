@@ -20,7 +20,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.grpc_service import channel_options
+from ..stage.channels import channel_options
 from ..stage.security import StageCredentials
 from .driver import StageFault
 

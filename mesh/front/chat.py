@@ -28,7 +28,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from skippy.mesh.front.tokenizer import Tokenizer
+from skippy.mesh.tokenizer import Tokenizer
 from skippy.topology.gguf_file import GGUFFile
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from .. import tracing
 from .chat import ChatTemplate, ChatTemplateMissing, encode_chat, load_chat_template
-from ..control.admission import Admission
+from ..control.admission import LaneAdmission
 from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from .edge import TENANT, ApiKeys, Edge, cache_namespace, is_loopback, keys_for_bind, \
@@ -57,7 +57,7 @@ from .openai_api import (
     ApiError,
     ParsedRequest,
     ResponseShape,
-    Usage,
+    TokenUsage,
     bad,
     parse_json,
     parse_request,
@@ -65,7 +65,7 @@ from .openai_api import (
 )
 from .result_memo import ResultMemo
 from .status import StatusBoard, add_status_routes
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 from .tool_calls import ReplyDeltas, ToolCallFormat, call_constraint, reply_format, \
     whole_reply
 from .tool_choice import ToolSpecError
@@ -89,7 +89,7 @@ class _Gateway:
         self.engine, self.limits, self.memo = engine, limits, memo
         self.control_text = control_text
         n = limits.max_concurrent_requests
-        self.slots = Admission(n, queue=n, wait_s=limits.queue_timeout_s)
+        self.slots = LaneAdmission(n, queue=n, wait_s=limits.queue_timeout_s)
         self.tokenizer = Tokenizer(engine.info.path)
         self.template: ChatTemplate | None = None
         self.template_missing = ""
@@ -372,7 +372,7 @@ class _Gateway:
         return JSONResponse(shape.full(choices, usage()))
 
     async def _events(self, runs: list[Generation], shape: ResponseShape,
-                      usage: Callable[[], Usage], include_usage: bool,
+                      usage: Callable[[], TokenUsage], include_usage: bool,
                       deadline: float, fmt: ToolCallFormat | None = None
                       ) -> AsyncIterator[bytes]:
         """The choices' chunks as their texts grow (interleaved, each with its index;

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from ..control.engine import Engine, GenerationRequest, Step
 from .in_flight import InFlight
 from .metrics import GatewayMetrics
-from .openai_api import Logprobs, Usage
+from .openai_api import Logprobs, TokenUsage
 from .result_memo import KnownRun, ResultMemo, memo_key
 from .stop_text import StopText
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RunContext:
 
 @dataclass
 class Outcome:
-    usage: Usage
+    usage: TokenUsage
     finish_reason: str = "length"
 
 
@@ -49,7 +49,7 @@ class Generation:
                  arrived: float, tenant: str = ""):
         self.ctx, self.request, self.stops, self.arrived = ctx, request, stops, arrived
         self.tenant = tenant  # whose status page lists it
-        self.outcome = Outcome(Usage(len(request.tokens)))
+        self.outcome = Outcome(TokenUsage(len(request.tokens)))
         self.key = memo_key(request, ctx.engine.info.topology_digest)
         self.known: KnownRun | None = None
         self._replay: tuple[int, ...] | None = None
@@ -200,10 +200,10 @@ async def pump(index: int, run: Generation, queue: asyncio.Queue) -> None:
         await queue.put((index, None, None, e))
 
 
-def total_usage(runs: list[Generation], n: int) -> Usage:
+def total_usage(runs: list[Generation], n: int) -> TokenUsage:
     """The usage of a response's choices: each prompt counted once (its n copies share
     it), the completion tokens of every choice."""
     firsts = [r.outcome.usage for r in runs[::n]]
-    return Usage(sum(u.prompt_tokens for u in firsts),
+    return TokenUsage(sum(u.prompt_tokens for u in firsts),
                  sum(r.outcome.usage.completion_tokens for r in runs),
                  sum(u.cached_tokens for u in firsts))

@@ -354,7 +354,7 @@ def _messages(value: Any) -> tuple[dict, ...]:
 
 # -- responses --------------------------------------------------------------------------------
 @dataclass
-class Usage:
+class TokenUsage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -412,7 +412,7 @@ class ResponseShape:
                 "top_logprobs": [{text(j): lp for j, lp in e.top} for _, e in entries],
                 "text_offset": offsets}
 
-    def full(self, choices: list[tuple], usage: Usage) -> dict:
+    def full(self, choices: list[tuple], usage: TokenUsage) -> dict:
         """The whole response: (text, finish_reason, logprobs) per choice, in order; a
         chat choice may add its tool calls (OpenAI's tool_calls list) as a fourth item,
         and then its text may be None."""
@@ -457,7 +457,7 @@ class ResponseShape:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, usage: Usage) -> dict:
+    def usage_chunk(self, usage: TokenUsage) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage.as_dict()}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 class StopStrings:

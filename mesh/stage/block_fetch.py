@@ -16,10 +16,11 @@ import grpc
 from blake3 import blake3
 
 from skippy.cache.blocks import BlockStore
-from skippy.cache.payload import IncompatiblePayload, Manifest
+from skippy.cache.payload import IncompatiblePayload, PayloadManifest
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
+from .channels import channel_options
 from .security import StageCredentials
 
 ATTEMPTS = 2       # a block that arrives damaged is asked for once more
@@ -45,14 +46,13 @@ class BlockPeer:
     """The stage of another node, asked for blocks over one channel."""
 
     def __init__(self, address: str, credentials: StageCredentials, max_message: int):
-        from .grpc_service import channel_options
         self.address = address
         self._channel = credentials.channel(address, channel_options(max_message))
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._metadata = credentials.metadata
 
     def export(self, tokens: list[int], limit: int, after: int,
-               namespace: str = "") -> Manifest | None:
+               namespace: str = "") -> PayloadManifest | None:
         """The peer's payload for the longest prefix of `tokens` it holds (longer than
         `after`, at most `limit`); None when it holds nothing longer or answers with
         something that is not a manifest. Raises ConnectionError when it cannot be
@@ -66,7 +66,7 @@ class BlockPeer:
         if not reply.manifest:
             return None
         try:
-            return Manifest.from_bytes(reply.manifest)
+            return PayloadManifest.from_bytes(reply.manifest)
         except IncompatiblePayload:
             return None
 

@@ -1,9 +1,9 @@
 """A stage over gRPC: the servicer, the server, and a stage's link to the next one.
 
 A `Session` stream is one request's life at this stage (mesh/stage/session.py). Channels
-carry keepalive pings, so a peer that vanished (a node lost) ends its streams instead of
-leaving them hanging; message sizes are capped at the largest message the model's stages
-exchange (`message_limit`). Every call carries the cluster's token and, between nodes,
+carry keepalive pings (mesh/stage/channels.py), so a peer that vanished (a node lost) ends
+its streams instead of leaving them hanging; message sizes are capped at the largest
+message the model's stages exchange (`message_limit`). Every call carries the cluster's token and, between nodes,
 runs over mutual TLS (mesh/stage/security.py).
 """
 
@@ -21,6 +21,7 @@ from skippy.proto import stage_pb2_grpc
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
+from .channels import channel_options
 from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
@@ -47,17 +48,6 @@ def message_limit(model_path: str, n_ctx: int, wire_dtype: str) -> int:
     prefill = n * row + 2 * n * 5  # a token id is a varint of at most 5 bytes
     # gRPC's limits are int32: a longer prompt of a wider model does not fit one message
     return min(max(prefill, cfg.vocab * 4, BLOCK_SIZE) + HEADROOM, 2**31 - 1)
-
-
-def channel_options(max_message: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message),
-        ("grpc.max_receive_message_length", max_message),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +24,9 @@ from skippy.proto import parts_pb2 as pb
 from skippy.proto import parts_pb2_grpc
 from skippy.topology.model_package import PackageError, PartEntry
 from skippy.topology.package_part import hash_fd, read_at
+from skippy.topology.tally import Tally
 
-from .grpc_service import channel_options
+from .channels import channel_options
 from .part_service import MAX_MESSAGE
 from .security import StageCredentials
 
@@ -39,32 +39,6 @@ _HASH = 32          # bytes of one block hash in <part>.blocks
 
 class PartError(PackageError):
     """A part could not be fetched whole and verified from any holder."""
-
-
-class Progress:
-    """Bytes fetched so far, said in the log at most once a second: MiB, MiB/s, ETA."""
-
-    def __init__(self, total: int, say: Callable[[str], None] = log.info, every_s: float = 1.0):
-        self.total, self.done, self.say, self.every_s = total, 0, say, every_s
-        self.start = self._last = time.monotonic()
-
-    def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= self.every_s:
-            self._last = now
-            self.say(self.line())
-
-    @property
-    def rate(self) -> float:
-        """Bytes per second since the start."""
-        return self.done / max(time.monotonic() - self.start, 1e-9)
-
-    def line(self) -> str:
-        rate = self.rate
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        return (f"parts: {self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB, "
-                f"{rate / 2**20:.1f} MiB/s, ETA {eta:.0f} s")
 
 
 @dataclass
@@ -85,9 +59,10 @@ class PartFetcher:
         self._channels = [(a, credentials.channel(a, channel_options(MAX_MESSAGE)))
                           for a in holders]
 
-    def fetch(self, part: PartEntry, into: Path, progress: Progress | None = None) -> Fetched:
+    def fetch(self, part: PartEntry, into: Path, progress: Tally | None = None) -> Fetched:
         """`part` into `into/part.file`, whole and matching the manifest's BLAKE3; raises
-        PartError if no holder gives it so (a wrong whole part is removed, not kept)."""
+        PartError if no holder gives it so (a wrong whole part is removed, not kept).
+        `progress` counts the bytes as they arrive (those kept from an earlier fetch too)."""
         out = Fetched()
         partial = _Partial(into, part)
         why = "no holder was asked"
@@ -111,7 +86,7 @@ class PartFetcher:
             partial.close()
         raise PartError(f"part {part.file}: {why}")
 
-    def _from(self, stub, partial: _Partial, out: Fetched, progress: Progress | None) -> None:
+    def _from(self, stub, partial: _Partial, out: Fetched, progress: Tally | None) -> None:
         """Blocks from one holder until the part is complete; a damaged block is asked for
         again (from itself on), up to ATTEMPTS times."""
         tries = 0

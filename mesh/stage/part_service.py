@@ -24,7 +24,7 @@ from skippy.proto import parts_pb2 as pb
 from skippy.proto import parts_pb2_grpc
 from skippy.topology.package_part import PackageError, open_part_file, read_at
 
-from .grpc_service import channel_options
+from .channels import channel_options
 from .part_store import holding_dir
 from .security import SecretCheck, StageCredentials
 

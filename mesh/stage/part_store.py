@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from skippy.topology.model_package import (Manifest, PackageError, PartEntry,
+from skippy.topology.model_package import (PackageManifest, PackageError, PartEntry,
                                            layers_present)
 
 from ..models import model_home
@@ -50,7 +50,7 @@ def holding_dir(path: str | Path, model_digest: str, file: str) -> tuple[Path, P
     as that folder's manifest lists it; None if neither does."""
     for folder in package_dirs(path, model_digest):
         try:
-            manifest = Manifest.load(folder)
+            manifest = PackageManifest.load(folder)
         except PackageError:
             continue
         if manifest.model_digest != model_digest:

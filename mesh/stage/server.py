@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
@@ -14,6 +15,7 @@ from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.stage_cache import StageCache
 
 from ..token_mask import Vocabulary
+from ..tokenizer import Tokenizer
 from .loop import Row, StageLoop
 from .session import LinkDown, StageSession
 from .state_pull import StatePuller
@@ -44,7 +46,7 @@ class StageServer:
         self.puller: StatePuller | None = None
         # The grammar engine's view of the model's tokens: the last stage masks
         # constrained requests' logits with it (built on the first such request).
-        self.vocabulary = Vocabulary(spec.model_path)
+        self.vocabulary = Vocabulary(partial(Tokenizer, spec.model_path))
 
     # -- the chain -----------------------------------------------------------------------
     def link_next(self, opener: Callable[[], object] | None) -> None:

@@ -18,9 +18,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from skippy.topology.model_package import MANIFEST, Manifest, PackageError, PartEntry, check_part
+from skippy.topology.model_package import (MANIFEST, PackageError, PackageManifest, PartEntry,
+                                           check_part)
+from skippy.topology.tally import Tally
 
-from .part_fetch import PartError, PartFetcher, Progress
+from ..progress import progress_bar
+from .part_fetch import PartError, PartFetcher
 from .part_store import package_home
 from .security import StageCredentials
 
@@ -38,7 +41,7 @@ class PartSource:
 
 def local_package(source: PartSource, credentials: StageCredentials) -> str:
     """A folder of this node that holds the stage's parts, fetching them if need be."""
-    manifest = Manifest.from_json(source.manifest, "the head's manifest")
+    manifest = PackageManifest.from_json(source.manifest, "the head's manifest")
     parts = [p for p in manifest.parts if p.file in source.files]
     if len(parts) != len(set(source.files)):
         raise PackageError("the manifest does not list every part the stage reads")
@@ -52,22 +55,25 @@ def local_package(source: PartSource, credentials: StageCredentials) -> str:
         return str(home)
     if not source.holders:
         raise PartError(f"{len(wanted)} part(s) of this stage are on no node that serves them")
-    progress = Progress(sum(p.size for p in wanted))
-    log.info("fetching %d part(s), %.1f MiB, into %s from %s", len(wanted),
-             progress.total / 2**20, home, ", ".join(source.holders))
+    total = sum(p.size for p in wanted)
+    log.info("fetching %d part(s), %.1f MiB, into %s from %s", len(wanted), total / 2**20,
+             home, ", ".join(source.holders))
     fetcher = PartFetcher(source.holders, credentials, manifest.model_digest)
     received = damaged = resumed = 0
+    start = time.monotonic()
     try:
-        for part in wanted:
-            with _locked(home / f".{part.file}.lock"):
-                if _verified(home, part):  # another stage of this node fetched it
-                    continue
-                got = fetcher.fetch(part, home, progress)
-            received += got.bytes
-            damaged, resumed = damaged + got.damaged, resumed + got.resumed
+        with progress_bar(total, "parts", "B", say=log.info) as bar:
+            fetched = Tally(total, bar.to)
+            for part in wanted:
+                with _locked(home / f".{part.file}.lock"):
+                    if _verified(home, part):  # another stage of this node fetched it
+                        continue
+                    got = fetcher.fetch(part, home, fetched)
+                received += got.bytes
+                damaged, resumed = damaged + got.damaged, resumed + got.resumed
     finally:
         fetcher.close()
-    seconds = time.monotonic() - progress.start
+    seconds = time.monotonic() - start
     log.info("fetched %d part(s): %d bytes received (%d kept from an earlier fetch) in "
              "%.2f s, %.1f MiB/s, %d damaged block(s) fetched again", len(wanted), received,
              resumed, seconds, received / 2**20 / max(seconds, 1e-9), damaged)
@@ -85,11 +91,11 @@ def _locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _has_all(folder: Path, manifest: Manifest, parts: list[PartEntry]) -> bool:
+def _has_all(folder: Path, manifest: PackageManifest, parts: list[PartEntry]) -> bool:
     """Whether `folder` holds this model's package with every part at its size (the
     stage checks each part's BLAKE3 as it opens it)."""
     try:
-        if Manifest.load(folder).model_digest != manifest.model_digest:
+        if PackageManifest.load(folder).model_digest != manifest.model_digest:
             return False
     except PackageError:
         return False

@@ -1,4 +1,6 @@
-"""Token ids for a GGUF model, from llama.cpp's own vocabulary code.
+"""Token ids for a GGUF model, from llama.cpp's own vocabulary code: the gateway's
+(mesh/front/) to tokenize requests, and the last stage's, whose grammar engine reads the
+same vocabulary (mesh/token_mask.py).
 
 We do not reimplement BPE/SPM: `llama_cpp.Llama(path, vocab_only=True)` loads only the
 vocabulary (no weights, well under a second for the shipped models) and gives exactly the

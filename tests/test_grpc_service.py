@@ -15,8 +15,8 @@ from skippy.mesh.stage.grpc_service import start_server
 from skippy.mesh.stage.security import StageCredentials, new_secret
 from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
-from skippy.proto import stage_pb2_grpc
 from skippy.stages.runtime import StageSpec
+from stage_calls import session_stream, settled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,16 +34,10 @@ def stage(smollm2):
     server.stop(None)
 
 
-def _stream(channel, q: queue.Queue):
-    """A Session stream fed from `q`, carrying the cluster's token."""
-    return stage_pb2_grpc.StageStub(channel).Session(iter(q.get, None), metadata=CREDS.metadata)
-
-
 def session(address: str, tokens: list[int], steps: int) -> list[int]:
     with grpc.insecure_channel(address) as channel:
-        stub = stage_pb2_grpc.StageStub(channel)
         q: queue.Queue = queue.Queue()
-        replies = stub.Session(iter(q.get, None), metadata=CREDS.metadata)
+        replies = session_stream(channel, q, CREDS.metadata)
         q.put(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=0)))
         start = next(replies).plan.start
         q.put(pb.StageCall(prefill=pb.Prefill(tokens=tokens, start=start)))
@@ -71,19 +65,16 @@ def test_concurrent_sessions_batch_their_decode_rows_and_match_alone(stage, smol
     assert [got[i] for i in range(len(PROMPTS))] == want
     s = service.stats()
     assert s["decode_rows"] > s["steps"]["decode"]   # some steps ran several lanes at once
-    deadline = time.monotonic() + 10                 # the server ends streams on its own time
-    while service.stats()["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert service.stats()["sessions"] == 0          # every lane freed
+    assert settled(service)["sessions"] == 0         # every lane freed
 
 
 def test_a_bad_call_is_an_error_reply_not_a_dead_stream(stage):
     _, address = stage
     with grpc.insecure_channel(address) as channel:
-        stub = stage_pb2_grpc.StageStub(channel)
-        replies = stub.Session(iter([pb.StageCall(decode=pb.Decode(token=5))]),
-                               metadata=CREDS.metadata)
-        reply = next(replies)
+        q: queue.Queue = queue.Queue()
+        q.put(pb.StageCall(decode=pb.Decode(token=5)))
+        reply = next(session_stream(channel, q, CREDS.metadata))
+        q.put(None)
         assert reply.WhichOneof("result") == "error"
 
 
@@ -102,7 +93,7 @@ def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smo
     def decoder():
         with grpc.insecure_channel(address) as channel:
             q: queue.Queue = queue.Queue()
-            replies = _stream(channel, q)
+            replies = session_stream(channel, q, CREDS.metadata)
             q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPTS[0], limit=0)))
             start = next(replies).plan.start
             q.put(pb.StageCall(prefill=pb.Prefill(tokens=PROMPTS[0], start=start)))
@@ -120,7 +111,7 @@ def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smo
         time.sleep(0.05)  # the decoder is streaming
         with grpc.insecure_channel(address) as channel:
             q: queue.Queue = queue.Queue()
-            replies = _stream(channel, q)
+            replies = session_stream(channel, q, CREDS.metadata)
             q.put(pb.StageCall(prefill=pb.Prefill(tokens=long_prompt, start=0, probe=True)))
             window["start"] = time.monotonic()
             assert next(replies).WhichOneof("result") == "token"
@@ -141,7 +132,7 @@ def first_token(address: str, tokens: list[int], probe: bool = False) -> tuple[i
     """(first token, prompt tokens the stage did not compute) of one plan + prefill."""
     with grpc.insecure_channel(address) as channel:
         q: queue.Queue = queue.Queue()
-        replies = _stream(channel, q)
+        replies = session_stream(channel, q, CREDS.metadata)
         limit = (len(tokens) - 1) // 64 * 64
         q.put(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=limit, probe=probe)))
         start = next(replies).plan.start
@@ -158,18 +149,12 @@ def test_a_follow_up_continues_in_the_warm_lane_of_the_last_request(stage):
     first = [1] + [(i * 61) % 30000 + 50 for i in range(200)]
     follow = first + [7, 8, 9]
     assert first_token(address, first)[1] == 0
-    _wait_idle(service)  # the server ends the stream, and leaves the lane warm, on its time
+    settled(service)  # the server ends the stream, and leaves the lane warm, on its time
     token, cached = first_token(address, follow)
     assert cached == 192                       # three 64-row chunks, nothing copied
     assert first_token(address, follow, probe=True) == (token, 0)
-    _wait_idle(service)
+    settled(service)
     assert service.cache.stats()["prefix"]["entries"] == 0  # no prefix entry for it
-
-
-def _wait_idle(service: StageServer) -> None:
-    deadline = time.monotonic() + 10
-    while service.stats()["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _torch_threads(service: StageServer) -> int:
@@ -229,14 +214,11 @@ def test_an_idle_session_is_closed_and_its_lane_freed(stage, monkeypatch):
     service, address = stage
     with grpc.insecure_channel(address) as channel:
         q: queue.Queue = queue.Queue()
-        replies = _stream(channel, q)
+        replies = session_stream(channel, q, CREDS.metadata)
         q.put(pb.StageCall(plan=pb.Plan(tokens=PROMPTS[0], limit=0)))
         assert next(replies).WhichOneof("result") == "plan"   # it holds a lane now
         with pytest.raises(grpc.RpcError) as e:
             next(replies)                                     # and then says nothing
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         q.put(None)
-    deadline = time.monotonic() + 10
-    while service.stats()["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert service.stats()["sessions"] == 0
+    assert settled(service)["sessions"] == 0

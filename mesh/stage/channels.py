@@ -1,0 +1,22 @@
+"""The options of every gRPC channel and server between stages and their callers.
+
+Messages are capped at the largest one the two ends exchange (the caller passes it), and
+keepalive pings run even on idle channels, so a peer that vanished (a node lost) ends its
+streams instead of leaving them hanging. The stage service, the block and part fetchers
+and the driver's links all take their options here.
+"""
+
+from __future__ import annotations
+
+
+def channel_options(max_message: int) -> list[tuple[str, int]]:
+    """gRPC options for a channel or server whose messages are at most `max_message`
+    bytes, with keepalive pings every 20 s (a silent peer is dropped 10 s later)."""
+    return [
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
