@@ -66,6 +66,7 @@ from skippy.mesh.progress import Console, tracked
 from skippy.stages.linear import WEIGHT_FORMATS, kernels
 from skippy.stages.qkernel import cpu_flags, cpu_name
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
+from skippy.topology.families import LLAMA
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -108,7 +109,7 @@ class SynthModel:
 # llama-1.5b: 24 x 60.8 M in the blocks + 2 x 100.7 M for the embedding and the untied
 # head = 1.66 B parameters (1.56 B without the embedding table, which decode reads a row of).
 SYNTH_MODELS = {
-    "llama-1.5b": SynthModel("llama", layers=24, hidden=2048, ff=8192, heads=32, kv_heads=8),
+    "llama-1.5b": SynthModel(LLAMA.name, layers=24, hidden=2048, ff=8192, heads=32, kv_heads=8),
 }
 
 

@@ -85,33 +85,22 @@ class Shape:
     ff: int = 4096
     dtype: str = "f16"
     seed: int = 1
-    rope_freqs: bool = False  # llama: Llama 3 rope frequency factors (synth --rope-freqs)
-    variant: str | None = None  # one of the arch's synth variants (None: its default)
+    # the arch's other synth knobs (stages/synth_table.py), e.g. (("variant", "a4b"),)
+    settings: tuple[tuple[str, object], ...] = ()
 
     def file_name(self) -> str:
         from skippy.stages.synth import SYNTH_VERSION
-        arch = (self.arch + ("-ropefreqs" if self.rope_freqs else "")
-                + (f"-{self.variant}" if self.variant else ""))
+        from skippy.stages.synth_table import knob_suffix
+        arch = self.arch + knob_suffix(self.settings)
         return (f"bench-{arch}-L{self.layers}-h{self.hidden}-a{self.heads}"
                 f"-kv{self.kv_heads}-ff{self.ff}-{self.dtype}-s{self.seed}-v{SYNTH_VERSION}.gguf")
 
     def describe(self) -> str:
+        from skippy.stages.synth import synth_description
         text = (f"synthesized {self.arch}: {self.layers} layers, hidden {self.hidden}, "
                 f"{self.heads} heads (kv {self.kv_heads}), ff {self.ff}, {self.dtype} weights")
-        if self.arch == "falcon-h1":
-            from skippy.stages.synth import FALCON_H1_SSM as s
-            text += (f", Mamba2 d_inner {s['d_inner']}, {s['heads']} SSM heads, "
-                     f"d_state {s['d_state']}, {s['groups']} groups (fixed by stages.synth)")
-        if self.arch == "lfm2":
-            from skippy.stages.synth import lfm2_is_attention_layer
-            n_attn = sum(lfm2_is_attention_layer(i) for i in range(self.layers))
-            text += f", {self.layers - n_attn} short-conv + {n_attn} attention layers"
-        if self.arch == "qwen3next":
-            from skippy.stages.synth import QWEN3NEXT as s, qwen3next_is_attention_layer
-            n_attn = sum(qwen3next_is_attention_layer(i) for i in range(self.layers))
-            text += (f", {self.layers - n_attn} gated DeltaNet + {n_attn} gated attention "
-                     f"layers, {s['experts']} experts ({s['used']} used) + a shared one")
-        return text
+        extra = synth_description(self.arch, self.layers, **dict(self.settings))
+        return text + (f", {extra}" if extra else "")
 
 
 @dataclass(frozen=True)
@@ -134,18 +123,24 @@ class Family:
             write_synthetic(s.arch, layers=s.layers, seed=s.seed, out=out,
                             tokenizer_from=resolve_model("smollm2"), hidden=s.hidden,
                             ff=s.ff, heads=s.heads, kv_heads=s.kv_heads, dtype=s.dtype,
-                            rope_freqs=s.rope_freqs, variant=s.variant)
+                            **dict(s.settings))
         return out
 
     def describe(self) -> str:
         return self.shape.describe() if self.shape else f"shipped model {self.model}"
 
 
+def _hybrids() -> dict[str, Family]:
+    """The registry's hybrid families with a synthetic table, at the bench's shape."""
+    from skippy.topology.families import FAMILIES
+    return {name: Family(name, "hybrid", shape=Shape(name)) for name, fam in FAMILIES.items()
+            if fam.cache_policy == "KvRecurrent" and fam.synth is not None}
+
+
 FAMILIES = {
     "smollm2": Family("smollm2", "dense", model="smollm2"),
     "gemma3-270m": Family("gemma3-270m", "dense", model="gemma3-270m"),
-    "lfm2": Family("lfm2", "hybrid", shape=Shape("lfm2")),
-    "falcon-h1": Family("falcon-h1", "hybrid", shape=Shape("falcon-h1")),
+    **_hybrids(),
 }
 
 

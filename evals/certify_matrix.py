@@ -4,22 +4,19 @@ every format the torch runtime holds weights in?
     python -m skippy.evals.certify_matrix [--model smollm2 ...] [--stages 1 --stages 2 ...]
         [--weight-format fp32 ...] [--json PATH|-]
 
-Defaults: the shipped models smollm2 and gemma3-270m, and qwen3, lfm2 and falcon-h1
-synthesized by stages.synth at the sizes the tests use (tests/conftest.py: hidden 256,
-6/6/4 layers, f32 weights, SmolLM2's tokenizer), kept under `model_home()/synth` so
-reruns are free; splits 1, 2 and 3; every format in stages/linear.py WEIGHT_FORMATS.
-`--model` also takes anything `skippy certify --model` does (a name we hold, a .gguf).
-One row per model × stages × format: each check PASS/FAIL (`-` where it does not apply:
-split_handoff at 1 stage), the diagnostics (roundtrip_state_matches: a re-export byte-
-identical or not; recurrent_only: the family's state, KV or KV+recurrent) and the
-seconds taken; each failed check's detail (with its max |d|) follows the table. Rows go
-to stderr as they finish, the whole table to stdout at the end (stderr with `--json -`).
-A split the model cannot take (more stages than layers) is a skipped row. Exit code 1
-when a check failed, 2 when a model is missing. `--json P` also draws P.png: a pass grid,
-model x split by format.
-
-Also by default, issue 19's dense families gemma2, olmo, olmo2, glm4 and llama3 (llama
-with rope_freqs), synthesized at 4 layers as tests/test_family_<name>.py writes them.
+Defaults: the shipped models smollm2 and gemma3-270m, and every synthetic file the family
+registry names (topology/families.py: each family's SynthCase, at its synthetic table's
+sizes with the case's knobs, f32 weights, SmolLM2's tokenizer: the files the family tests
+read), kept under `model_home()/synth` so reruns are free; splits 1, 2 and 3; every
+format in stages/linear.py WEIGHT_FORMATS. `--model` also takes anything `skippy certify
+--model` does (a name we hold, a .gguf). One row per model × stages × format: each check
+PASS/FAIL (`-` where it does not apply: split_handoff at 1 stage), the diagnostics
+(roundtrip_state_matches: a re-export byte-identical or not; recurrent_only: the family's
+state, KV or KV+recurrent) and the seconds taken; each failed check's detail (with its
+max |d|) follows the table. Rows go to stderr as they finish, the whole table to stdout at
+the end (stderr with `--json -`). A split the model cannot take (more stages than layers)
+is a skipped row. Exit code 1 when a check failed, 2 when a model is missing. `--json P`
+also draws P.png: a pass grid, model x split by format.
 
 A synthetic f32 file has no 4-bit blocks, so its int4 matrices run as int8 (the rule in
 stages/linear.py); the shipped files keep their own blocks.
@@ -33,67 +30,44 @@ import time
 from pathlib import Path
 
 from skippy.evals import plots
-from skippy.evals.bench_stage_cache import Family, Shape
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
+from skippy.topology.families import SynthCase, synth_case, synth_cases
 from skippy.topology.planner import PlanError
 
-
-def _test_shape(arch: str, **options) -> Shape:
-    """The dense families' shape in their tests/test_family_<name>.py (synth defaults)."""
-    return Shape(arch, layers=4, hidden=256, heads=4, kv_heads=2, ff=768, dtype="f32", seed=7,
-                 **options)
-
-
-# The synthetic shapes and seeds of tests/conftest.py's fixtures (stages.synth defaults).
-MODELS = {
-    "smollm2": Family("smollm2", "dense", model="smollm2"),
-    "gemma3-270m": Family("gemma3-270m", "dense", model="gemma3-270m"),
-    "qwen3": Family("qwen3", "dense", shape=Shape("qwen3", layers=6, hidden=256, heads=4,
-                                                  kv_heads=2, ff=768, dtype="f32", seed=7)),
-    "lfm2": Family("lfm2", "hybrid", shape=Shape("lfm2", layers=6, hidden=256, heads=4,
-                                                 kv_heads=2, ff=768, dtype="f32", seed=3)),
-    "falcon-h1": Family("falcon-h1", "hybrid",
-                        shape=Shape("falcon-h1", layers=4, hidden=256, heads=4, kv_heads=2,
-                                    ff=512, dtype="f32", seed=7)),
-    # the E4B-like and A4B-like shapes of tests/test_family_gemma4.py
-    "gemma4": Family("gemma4", "dense", shape=Shape("gemma4", layers=6, hidden=256, heads=4,
-                                                    kv_heads=2, ff=512, dtype="f32", seed=5)),
-    "gemma4-a4b": Family("gemma4-a4b", "dense",
-                         shape=Shape("gemma4", layers=6, hidden=256, heads=4, kv_heads=2,
-                                     ff=512, dtype="f32", seed=9, variant="a4b")),
-    # tests/test_family_deepseek2.py's file, the synth's deepseek2 defaults: MLA (kv_lora
-    # 128 + rope 16, YaRN), 1 dense layer, then 16 experts (4 used, grouped) + 1 shared
-    "deepseek2": Family("deepseek2", "dense",
-                        shape=Shape("deepseek2", layers=4, hidden=256, heads=8, kv_heads=1,
-                                    ff=512, dtype="f32", seed=5)),
-    # tests/test_family_qwen3moe.py and test_family_minimax_m2.py: 8 experts of width ff
-    "qwen3moe": Family("qwen3moe", "dense",
-                       shape=Shape("qwen3moe", layers=4, hidden=256, heads=4, kv_heads=2,
-                                   ff=128, dtype="f32", seed=7)),
-    "minimax-m2": Family("minimax-m2", "dense",
-                         shape=Shape("minimax-m2", layers=4, hidden=256, heads=4, kv_heads=2,
-                                     ff=128, dtype="f32", seed=7)),
-    # tests/test_family_qwen3next.py's shape: DeltaNet and gated attention, MoE FFN
-    "qwen3next": Family("qwen3next", "hybrid",
-                        shape=Shape("qwen3next", layers=6, hidden=256, heads=4, kv_heads=2,
-                                    ff=128, dtype="f32", seed=5)),
-    "gemma2": Family("gemma2", "dense", shape=_test_shape("gemma2")),
-    "olmo": Family("olmo", "dense", shape=_test_shape("olmo")),
-    "olmo2": Family("olmo2", "dense", shape=_test_shape("olmo2")),
-    "glm4": Family("glm4", "dense", shape=_test_shape("glm4")),
-    "llama3": Family("llama3", "dense", shape=_test_shape("llama", rope_freqs=True)),
-}
+SHIPPED = ("smollm2", "gemma3-270m")  # the catalogue's real checkpoints (mesh/models.py)
 SPLITS = (1, 2, 3)
 CHECKS = ("split_handoff", "restore_equals_recompute", "repeated_hits", "full_state")
 
 
+def default_models() -> list[str]:
+    """The default rows' models: the shipped ones, then every synthetic file the registry
+    names (asked when called, so a family registered later is listed)."""
+    return [*SHIPPED, *(case.name for _, case in synth_cases())]
+
+
+def synth_path(arch: str, case: SynthCase, synth_dir: Path | None = None) -> Path:
+    """The registry case's file, written on first use (the same arguments give the same
+    bytes, so an existing file is the same file)."""
+    from skippy.mesh.models import model_home, resolve_model
+    from skippy.stages.synth import synth_file_name, write_synthetic
+    folder = Path(synth_dir) if synth_dir is not None else model_home() / "synth"
+    settings = dict(case.settings)
+    out = folder / synth_file_name(arch, layers=case.layers, seed=case.seed, **settings)
+    if not out.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_synthetic(arch, layers=case.layers, seed=case.seed, out=out,
+                        tokenizer_from=resolve_model("smollm2"), **settings)
+    return out
+
+
 def model_path(name: str, synth_dir: Path | None = None) -> Path:
-    """A default model's file (synthesized on first use), else `skippy certify --model`'s."""
-    if name in MODELS:
-        return MODELS[name].path(synth_dir)
+    """A registry case's file (synthesized on first use), else `skippy certify --model`'s."""
     from skippy.mesh.models import resolve_model
+    if name not in SHIPPED and name in {c.name for _, c in synth_cases()}:
+        fam, case = synth_case(name)
+        return synth_path(fam.name, case, synth_dir)
     return resolve_model(name)
 
 
@@ -103,6 +77,7 @@ def run(models: list[str], splits: list[int], formats: list[str],
     done; each row is the certify report as a dict plus name, seconds and skipped (a
     reason, or None)."""
     paths = {name: model_path(name, synth_dir) for name in models}  # a missing one: now
+    default = set(default_models())
     say(HEADER)
     rows, started = [], time.perf_counter()
     cells = [(spec, path, n, fmt) for spec, path in paths.items() for n in splits
@@ -115,7 +90,7 @@ def run(models: list[str], splits: list[int], formats: list[str],
         except PlanError as e:  # more stages than the model has layers
             row = {"model": str(path), "stages": n, "runtime": "torch",
                    "weight_format": fmt, "passed": None, "checks": [], "skipped": str(e)}
-        row.update(name=spec if spec in MODELS else path.stem,
+        row.update(name=spec if spec in default else path.stem,
                    seconds=time.perf_counter() - t)
         rows.append(row)
         say(format_row(row))
@@ -207,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m skippy.evals.certify_matrix")
     p.add_argument("--model", action="append",
-                   help=f"repeatable; default: {', '.join(MODELS)}")
+                   help=f"repeatable; default: {', '.join(default_models())}")
     p.add_argument("--stages", type=int, action="append",
                    help=f"repeatable; default: {', '.join(map(str, SPLITS))}")
     p.add_argument("--weight-format", action="append", dest="formats", choices=WEIGHT_FORMATS,
@@ -217,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     progress = Console()  # rows as they are done; a bar on a terminal
     try:
-        result = run(args.model or list(MODELS), args.stages or list(SPLITS),
+        result = run(args.model or default_models(), args.stages or list(SPLITS),
                      args.formats or list(WEIGHT_FORMATS), say=progress)
     except ModelError as e:  # e.g. a shipped model not pulled yet
         print(f"certify_matrix: {e}", file=sys.stderr)

@@ -11,9 +11,10 @@ stage against llama.cpp's warm slot — exact_repeat (the same prompt again) and
 changed_tail (the prefix with a new 16-token tail) — and the bytes of the prefix's state
 as the cache holds it (measured: the exported state's tensors).
 
-The shipped models are real (smollm2, gemma3-270m); every other family is a random-weight
-file written by stages.synth at a shape big enough that compute, not call overhead, is
-what is timed (see MATRIX), kept under `model_home()/synth` so reruns are free. Every
+The shipped models are real (smollm2, gemma3-270m); every other row is a synthetic file
+the family registry names (topology/families.py, SynthCase) written by stages.synth at a
+shape big enough that compute, not call overhead, is what is timed (BASE, with the case's
+`bench` sizes and its knobs), kept under `model_home()/synth` so reruns are free. Every
 timed answer of ours is checked against an uncached one (bench_stage_cache raises when a
 next token differs).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from skippy.evals import plots
 from skippy.evals.bench_stage_cache import PREFIX, TAIL, Family, Shape, bench
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
+from skippy.topology.families import synth_cases
 
 CERTIFY_FORMATS = ("fp32", "int4")
 ROWS = ("exact_repeat", "changed_tail")
@@ -41,34 +43,23 @@ ROWS = ("exact_repeat", "changed_tail")
 class Entry:
     family: Family
     label: str                 # the family as the specification's table names it
-    synth: dict = field(default_factory=dict)  # extra stages.synth arguments
 
 
-def _synth(arch: str, kind: str = "dense", **shape) -> Family:
-    base = dict(layers=8, hidden=512, heads=8, kv_heads=4, ff=1536, dtype="f16", seed=1)
-    return Family(arch, kind, shape=Shape(arch, **{**base, **shape}))
+# The bench shape of every synthetic row (a case's `bench` changes some sizes).
+BASE = dict(layers=8, hidden=512, heads=8, kv_heads=4, ff=1536, dtype="f16", seed=1)
+SHIPPED = {"smollm2": "Llama (SmolLM2-135M)", "gemma3-270m": "Gemma3 (270M)"}
 
 
-MATRIX: dict[str, Entry] = {
-    "smollm2": Entry(Family("smollm2", "dense", model="smollm2"), "Llama (SmolLM2-135M)"),
-    "gemma3-270m": Entry(Family("gemma3-270m", "dense", model="gemma3-270m"),
-                         "Gemma3 (270M)"),
-    "qwen3": Entry(_synth("qwen3"), "Qwen3 dense"),
-    "lfm2": Entry(_synth("lfm2", "hybrid"), "LFM2"),
-    "falcon-h1": Entry(_synth("falcon-h1", "hybrid"), "Falcon-H1"),
-    "qwen3next": Entry(_synth("qwen3next", "hybrid", ff=512), "Qwen3Next"),
-    # MoE archs: --ff is each expert's width (deepseek2: the dense layer's, experts ff / 4)
-    "qwen3moe": Entry(_synth("qwen3moe", ff=512), "Qwen3-MoE"),
-    "minimax-m2": Entry(_synth("minimax-m2", ff=512), "MiniMax-M2"),
-    "deepseek2": Entry(_synth("deepseek2", kv_heads=1), "DeepSeek2 / GLM-4.7 Flash (MLA)"),
-    "llama3": Entry(_synth("llama", rope_freqs=True), "Llama 3 (rope_freqs)"),
-    "gemma2": Entry(_synth("gemma2"), "Gemma2"),
-    "gemma4": Entry(_synth("gemma4"), "Gemma4 E4B"),
-    "gemma4-a4b": Entry(_synth("gemma4", variant="a4b"), "Gemma4 A4B"),
-    "olmo": Entry(_synth("olmo"), "OLMo"),
-    "olmo2": Entry(_synth("olmo2"), "OLMo2"),
-    "glm4": Entry(_synth("glm4"), "GLM4"),
-}
+def matrix() -> dict[str, Entry]:
+    """Every row: the shipped models, then each synthetic file the registry names (asked
+    when called, so a family registered later is listed)."""
+    out = {name: Entry(Family(name, "dense", model=name), label)
+           for name, label in SHIPPED.items()}
+    for fam, case in synth_cases():
+        kind = "hybrid" if fam.cache_policy == "KvRecurrent" else "dense"
+        shape = Shape(fam.name, **{**BASE, **dict(case.bench)}, settings=case.settings)
+        out[case.name] = Entry(Family(fam.name, kind, shape=shape), case.label)
+    return out
 
 
 def cache_bytes(path: Path, prefix: int = PREFIX) -> int:
@@ -83,7 +74,7 @@ def cache_bytes(path: Path, prefix: int = PREFIX) -> int:
 
 
 def run_family(name: str, repeats: int, say=print) -> dict:
-    entry = MATRIX[name]
+    entry = matrix()[name]
     fam = entry.family
     path = fam.path()
     checks = {}
@@ -148,7 +139,7 @@ def plot(result: dict):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.family_matrix")
-    p.add_argument("--family", action="append", choices=sorted(MATRIX),
+    p.add_argument("--family", action="append", choices=sorted(matrix()),
                    help="repeatable; default: every family")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", help="write the results to PATH (and its plot: PATH with .png)")
@@ -157,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     say = Console()  # on stderr; a bar of the families done on a terminal
     started = time.perf_counter()
     families = [run_family(name, args.repeats, say)
-                for name in tracked(args.family or list(MATRIX), "family_matrix", "family")]
+                for name in tracked(args.family or list(matrix()), "family_matrix", "family")]
     table = markdown(families)
     print(table)
     for f in families:

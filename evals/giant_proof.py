@@ -36,15 +36,16 @@ import urllib.request
 from pathlib import Path
 
 from skippy.evals import plots
+from skippy.topology.families import DEEPSEEK2
 
 # The giant: deepseek2-shaped (multi-head latent attention, a dense first layer, then
 # mixture-of-experts layers with shared experts and grouped routing), the shape of today's
 # giant models. CI runs the same path on SMALL (about 300 MB).
 # DeepSeek-V3's attention sizes at head_dim 128 (kv_lora 512, q_lora 1536, rope 64); 64
 # experts of width 512 per layer, 6 used, in 8 groups of which 4 are searched, 1 shared.
-GIANT = {"arch": "deepseek2", "dims": {"hidden": 1024, "ff": 2048, "heads": 8, "kv_heads": 1},
+GIANT = {"arch": DEEPSEEK2.name, "dims": {"hidden": 1024, "ff": 2048, "heads": 8, "kv_heads": 1},
          "options": {"experts": 64, "experts_used": 6, "expert_groups": 8, "groups_used": 4}}
-SMALL = {"arch": "deepseek2", "dims": {"hidden": 512, "ff": 256, "heads": 8, "kv_heads": 1},
+SMALL = {"arch": DEEPSEEK2.name, "dims": {"hidden": 512, "ff": 256, "heads": 8, "kv_heads": 1},
          "options": {}}
 STAGES = 3
 CHAT = {"messages": [{"role": "user", "content": "Hello, giant!"}],
@@ -65,7 +66,7 @@ def layers_for(size: float, shape: dict, vocab: int, dtype: str) -> int:
 
     def total(layers: int) -> int:
         return synth_bytes(shape["arch"], layers=layers, vocab=vocab, dtype=dtype,
-                           options=shape["options"], **shape["dims"])
+                           **shape["options"], **shape["dims"])
     per_layer = total(STAGES + 1) - total(STAGES)
     return max(STAGES, STAGES + round((size - total(STAGES)) / per_layer))
 
@@ -91,7 +92,7 @@ def run(size_gib: float, work: Path, *, shape: dict = GIANT, dtype: str = "f16",
         say(f"synth: {arch}, {layers} layers, {dtype}, {shape['dims']} {shape['options']} "
             f"-> {gguf}")
         write_synthetic(arch, layers=layers, seed=1, out=gguf, tokenizer_from=tokenizer,
-                        dtype=dtype, options=shape["options"], **shape["dims"])
+                        dtype=dtype, **shape["options"], **shape["dims"])
     model_bytes = gguf.stat().st_size
     synth_s = time.monotonic() - t
     if pkg.exists():

@@ -49,23 +49,18 @@ def cmd_models_list(args) -> int:
 
 
 def cmd_models_synth(args) -> int:
-    from skippy.stages.synth import write_synthetic
+    from skippy.stages.synth import synth_file_name, write_synthetic
     from .models import model_home, resolve_model
     tokenizer = resolve_model(args.tokenizer_from)
-    out = Path(args.out) if args.out else (
-        model_home() / "synth" / f"{args.arch}{'-ropefreqs' if args.rope_freqs else ''}"
-        f"{'-' + args.variant if args.variant else ''}"
-        f"-L{args.layers}-s{args.seed}-{args.dtype}.gguf")
+    knobs = _synth_knobs(args)
+    out = Path(args.out) if args.out else model_home() / "synth" / synth_file_name(
+        args.arch, layers=args.layers, seed=args.seed, dtype=args.dtype, **knobs)
     out.parent.mkdir(parents=True, exist_ok=True)
     from .progress import progress_bar
     with progress_bar(None, f"synth {out.name}", "B") as bar:
         path = write_synthetic(args.arch, layers=args.layers, seed=args.seed, out=out,
-                               tokenizer_from=tokenizer, hidden=args.hidden, ff=args.ff,
-                               heads=args.heads, kv_heads=args.kv_heads,
-                               head_dim=args.head_dim, dtype=args.dtype, progress=bar.to,
-                               options=_synth_options(args.set or []),
-                               rope_freqs=args.rope_freqs, variant=args.variant,
-                               chat_template=_template_text(args))
+                               tokenizer_from=tokenizer, dtype=args.dtype, progress=bar.to,
+                               chat_template=_template_text(args), **knobs)
     print(path)
     return 0
 
@@ -80,19 +75,22 @@ def _template_text(args) -> str | None:
                          f"{getattr(e, 'strerror', None) or e}") from None
 
 
-def _synth_options(pairs: list[str]) -> dict[str, int | float]:
-    """--set KEY=VALUE pairs: an int where VALUE reads as one, else a float."""
+def _synth_knobs(args) -> dict[str, object]:
+    """The arch's knobs: each --set KEY=VALUE (text, typed by the arch's table when the
+    file is written), with the size flags, --rope-freqs and --variant as short forms."""
     from skippy.stages.synth import SynthError
-    out: dict[str, int | float] = {}
-    for pair in pairs:
+    out: dict[str, object] = {k: v for k in SYNTH_FLAGS
+                              if (v := getattr(args, k)) is not None and v is not False}
+    for pair in args.set or []:
         key, sep, value = pair.partition("=")
-        try:
-            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
-        except ValueError:
-            sep = ""
         if not sep or not key:
-            raise SynthError(f"--set takes KEY=NUMBER, not {pair!r}")
+            raise SynthError(f"--set takes KEY=VALUE, not {pair!r}")
+        out[key] = value
     return out
+
+
+# Flags that set a synth knob of the same name (stages/synth_table.py SynthTable.knobs).
+SYNTH_FLAGS = ("hidden", "ff", "heads", "kv_heads", "head_dim", "rope_freqs", "variant")
 
 
 # -- generate -----------------------------------------------------------------------------
@@ -330,7 +328,8 @@ def _models_parser(sub) -> None:
     lst = msub.add_parser("list", help="models on this machine")
     lst.set_defaults(run=cmd_models_list)
     syn = msub.add_parser("synth", help="write a random-weight GGUF of another family")
-    syn.add_argument("--arch", required=True)
+    from skippy.topology.families import synth_archs
+    syn.add_argument("--arch", required=True, choices=synth_archs())
     syn.add_argument("--layers", type=int, required=True)
     syn.add_argument("--seed", type=int, required=True)
     syn.add_argument("--hidden", type=int)
@@ -340,10 +339,11 @@ def _models_parser(sub) -> None:
     syn.add_argument("--head-dim", type=int)
     syn.add_argument("--dtype", choices=("f32", "f16"), default="f32")
     syn.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="an option of the arch (e.g. deepseek2: kv_lora_rank=512); repeatable")
+                     help="a knob of the arch's table (a size, an option such as "
+                          "kv_lora_rank=512, rope_freqs=1, variant=a4b); repeatable")
     syn.add_argument("--rope-freqs", action="store_true",
-                     help="llama: a Llama 3 style file (rope base 500000, rope_freqs.weight)")
-    syn.add_argument("--variant", help="one of the arch's shapes (gemma4: e4b, a4b)")
+                     help="short for --set rope_freqs=1 (a Llama 3 style file)")
+    syn.add_argument("--variant", help="short for --set variant=NAME")
     syn.add_argument("--chat-template", metavar="FILE",
                      help="Jinja chat template written into the file instead of the "
                           "tokenizer's (e.g. a tool-aware one)")

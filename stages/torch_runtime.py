@@ -9,6 +9,7 @@ prefix, so exports, copies and prefill starts are limited to those lengths (and 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,6 @@ from skippy.topology.model_package import open_model
 
 from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
-from .gemma4 import build_layers as build_gemma4_layers
 from .kv import LaneKv
 from .layers import Rope
 from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
@@ -123,8 +123,10 @@ class TorchStageRuntime(StageRuntime):
         # the hidden row ([hidden | x0]) and their token ids (stages/gemma4.py)
         self.per_layer = None
         self.side_width = cfg.frame_width - cfg.hidden
-        if cfg.family.layer == "gemma4":
-            self.layers, self.attn_layers, self.per_layer = build_gemma4_layers(
+        if cfg.family.graph is not None:  # a family with a graph of its own (Gemma 4)
+            module, name = cfg.family.graph
+            build = getattr(importlib.import_module(module), name)
+            self.layers, self.attn_layers, self.per_layer = build(
                 cfg, t, spec.layer_start, spec.layer_end, spec.weight_format)
             self.recurrent = False
             return

@@ -9,6 +9,7 @@ import pytest
 
 from skippy.evals import certify_matrix as matrix
 from skippy.stages import certify as certify_mod
+from skippy.topology.families import synth_cases
 
 
 def test_table_and_json_of_a_passing_and_a_skipped_split(qwen3_f32, tmp_path, capsys):
@@ -61,8 +62,9 @@ def test_synthetic_families_are_the_test_models(family, fixture, tmp_path, reque
 
 
 def test_defaults_cover_every_family_split_and_format():
-    assert list(matrix.MODELS)[:5] == ["smollm2", "gemma3-270m", "qwen3", "lfm2", "falcon-h1"]
-    assert {"qwen3moe", "minimax-m2"} <= set(matrix.MODELS)  # issue 19's families
-    assert {"gemma2", "olmo", "olmo2", "glm4", "llama3"} <= set(matrix.MODELS)
-    assert {"gemma4", "gemma4-a4b"} <= set(matrix.MODELS)
+    models = matrix.default_models()
+    assert models[:2] == ["smollm2", "gemma3-270m"]
+    assert models[2:] == [case.name for _, case in synth_cases()]
+    assert {"qwen3", "lfm2", "falcon-h1", "qwen3moe", "minimax-m2", "gemma2", "olmo", "olmo2",
+            "glm4", "llama3", "gemma4", "gemma4-a4b", "deepseek2", "qwen3next"} <= set(models)
     assert matrix.SPLITS == (1, 2, 3)

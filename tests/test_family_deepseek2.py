@@ -1,7 +1,7 @@
 """deepseek2 (DeepSeek-V2/V3/R1, GLM-4.7-Flash): multi-head latent attention with YaRN rope,
 a leading dense layer, then DeepSeek-V3-style MoE layers (sigmoid routing with the
 exp_probs_b selection bias, grouped, normalised and scaled weights, a shared expert);
-through the family bar (tests/family_checks.py), the MoE exactness checks
+beside the family bar (tests/test_family_bar.py): the MoE exactness checks
 (tests/moe_checks.py), and the lane state MLA keeps: one latent row of kv_lora_rank + n_rot
 floats per token and layer, never per-head K and V."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from family_checks import check_agreement, check_certify
+from family_checks import case_file
 from moe_checks import (check_lanes_alone_equal_together, check_padding_rows_not_routed,
                         check_threads_do_not_change_bits)
 from skippy.evals.numerics import family_agreement, whole_model
@@ -30,8 +30,7 @@ CHUNK = 32
 def deepseek2_f32(smollm2, tmp_path_factory):
     """4 layers of MLA (q low-rank path, absorbed attn_k_b / attn_v_b, YaRN): 1 dense FFN,
     then 3 MoE layers of 16 experts of width 128 (4 used, 2 of 4 groups) and a shared one."""
-    out = tmp_path_factory.mktemp("synth") / "deepseek2-L4.gguf"
-    return write_synthetic("deepseek2", layers=LAYERS, seed=5, out=out, tokenizer_from=smollm2)
+    return case_file("deepseek2", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +40,13 @@ def deepseek2_lite_kv_b(smollm2, tmp_path_factory):
     loader requires)."""
     out = tmp_path_factory.mktemp("synth") / "deepseek2-lite-kvb.gguf"
     return write_synthetic("deepseek2", layers=2, seed=6, out=out, tokenizer_from=smollm2,
-                           options={"q_lora_rank": 0, "kv_b": 1, "yarn_factor": 0,
-                                    "experts": 0})
-
-
-def test_follows_llama_cpp_teacher_forced(deepseek2_f32):
-    check_agreement(deepseek2_f32, "deepseek2")
+                           q_lora_rank=0, kv_b=1, yarn_factor=0, experts=0)
 
 
 def test_direct_queries_and_unsplit_kv_b_follow_llama_cpp(deepseek2_lite_kv_b):
     r = family_agreement(deepseek2_lite_kv_b, n_prompts=1, length=128, steps=4)
     print(f"\ndeepseek2 attn_q + attn_kv_b: max |dlogit| {r['max_abs_delta']:.2e}")
     assert r["top1_where_clear"] and r["max_abs_delta"] <= 1e-3, r
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(deepseek2_f32, fmt):
-    check_certify(deepseek2_f32, 2, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
@@ -119,10 +108,10 @@ def test_leading_dense_layer_then_moe_layers(deepseek2_f32):
 
 
 def test_synth_options_are_the_archs_own(smollm2, tmp_path):
-    with pytest.raises(SynthError, match="no option kv_lora"):
+    with pytest.raises(SynthError, match="deepseek2 has no knob kv_lora "):
         write_synthetic("deepseek2", layers=1, seed=1, out=tmp_path / "a.gguf",
-                        tokenizer_from=smollm2, options={"kv_lora": 64})
-    with pytest.raises(SynthError, match="options: none"):
+                        tokenizer_from=smollm2, kv_lora=64)
+    with pytest.raises(SynthError, match="qwen3 has no knob kv_lora_rank"):
         write_synthetic("qwen3", layers=1, seed=1, out=tmp_path / "b.gguf",
-                        tokenizer_from=smollm2, options={"kv_lora_rank": 64})
+                        tokenizer_from=smollm2, kv_lora_rank=64)
     assert not list(tmp_path.iterdir())

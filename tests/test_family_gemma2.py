@@ -10,14 +10,11 @@ import types
 import pytest
 import torch
 
-from dense_family_checks import (PROMPT, check_lanes_independent, check_matrix_makes_this_file,
-                                 check_resume_is_bitwise_cold, runtime)
-from family_checks import check_agreement, check_certify
+from family_checks import PROMPT, case_file, runtime
 from skippy.stages.layers import attend, causal_mask
 from skippy.stages.linear import Int8Blocks, RescoredHead
 from skippy.stages.softcap import attend_capped, soft_cap
-from skippy.stages.synth import (GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP, GEMMA2_WINDOW,
-                                 write_synthetic)
+from skippy.stages.synth_dense import GEMMA2_ATTN_CAP, GEMMA2_FINAL_CAP, GEMMA2_WINDOW
 from skippy.topology.families import family_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -27,8 +24,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def gemma2_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "gemma2-L4.gguf"
-    return write_synthetic("gemma2", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2)
+    return case_file("gemma2", tmp_path_factory)
 
 
 def test_config_reads_caps_window_and_the_sliding_layers(gemma2_f32):
@@ -81,24 +77,6 @@ def test_capping_a_rescored_head_keeps_its_top_logits_exact():
     top = capped.topk(head.top, dim=1).indices
     assert torch.equal(top.sort(1).values, exact.topk(head.top, dim=1).indices.sort(1).values)
     assert torch.allclose(capped.gather(1, top), exact.gather(1, top), rtol=0, atol=1e-6)
-
-
-def test_follows_llama_cpp_teacher_forced(gemma2_f32):
-    check_agreement(gemma2_f32, "gemma2")
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(gemma2_f32, fmt):
-    check_certify(gemma2_f32, 2, fmt)
-
-
-def test_decode_lanes_are_independent_and_resume_is_bitwise(gemma2_f32):
-    check_lanes_independent(gemma2_f32, "int8")
-    check_resume_is_bitwise_cold(gemma2_f32)
-
-
-def test_certify_matrix_runs_this_file(gemma2_f32, tmp_path):
-    check_matrix_makes_this_file("gemma2", gemma2_f32, tmp_path)
 
 
 def test_capped_decode_in_the_kernel_follows_the_torch_path(gemma2_f32):

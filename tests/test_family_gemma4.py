@@ -19,7 +19,8 @@ from moe_checks import check_lanes_alone_equal_together, check_threads_do_not_ch
 from skippy.stages.layers import gelu_f16 as gelu
 from skippy.stages.gemma4 import Gemma4MoeFfn
 from skippy.stages.runtime import StageError, StageSpec
-from skippy.stages.synth import GEMMA4, SynthError, write_synthetic
+from skippy.stages.synth import SynthError, write_synthetic
+from skippy.stages.synth_gemma4 import GEMMA4
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig

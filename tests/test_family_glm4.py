@@ -8,11 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
-                                 check_resume_is_bitwise_cold, runtime)
-from family_checks import check_agreement, check_certify
+from family_checks import case_file, runtime
 from skippy.stages.ffn import FusedUpFfn
-from skippy.stages.synth import glm4_fused_qkv, write_synthetic
+from skippy.stages.synth_dense import glm4_fused_qkv
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 
@@ -21,8 +19,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def glm4_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "glm4-L4.gguf"
-    return write_synthetic("glm4", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2)
+    return case_file("glm4", tmp_path_factory)
 
 
 def test_file_stores_qkv_both_ways_and_a_double_width_up(glm4_f32):
@@ -54,21 +51,3 @@ def test_fused_up_is_gate_then_up(glm4_f32):
     both = ffn.gate_up(h)
     gate, up = both[:, :rt.cfg.ff], both[:, rt.cfg.ff:]
     assert torch.equal(ffn(h, []), ffn.down(F.silu(gate) * up))
-
-
-def test_follows_llama_cpp_teacher_forced(glm4_f32):
-    check_agreement(glm4_f32, "glm4")
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(glm4_f32, fmt):
-    check_certify(glm4_f32, 2, fmt)
-
-
-def test_decode_lanes_are_independent_and_resume_is_bitwise(glm4_f32):
-    check_lanes_independent(glm4_f32, "int8")
-    check_resume_is_bitwise_cold(glm4_f32)
-
-
-def test_certify_matrix_runs_this_file(glm4_f32, tmp_path):
-    check_matrix_makes_this_file("glm4", glm4_f32, tmp_path)

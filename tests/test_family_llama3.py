@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
-                                 check_resume_is_bitwise_cold, runtime)
-from family_checks import check_agreement, check_certify
+from family_checks import case_file, runtime
 from skippy.stages.layers import Rope
 from skippy.stages.runtime import StageSpec
-from skippy.stages.synth import LLAMA3_ROPE, SynthError, llama3_rope_factors, write_synthetic
+from skippy.stages.synth import SynthError, write_synthetic
+from skippy.stages.synth_dense import LLAMA3_ROPE, llama3_rope_factors
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -27,9 +26,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def llama3_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "llama3-L4.gguf"
-    return write_synthetic("llama", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2,
-                           rope_freqs=True)
+    return case_file("llama3", tmp_path_factory)
 
 
 def test_file_has_the_factors_and_llama3_base(llama3_f32):
@@ -44,7 +41,7 @@ def test_file_has_the_factors_and_llama3_base(llama3_f32):
 
 
 def test_only_llama_takes_rope_freqs(smollm2, tmp_path):
-    with pytest.raises(SynthError, match="rope_freqs is a llama option"):
+    with pytest.raises(SynthError, match="qwen3 has no knob rope_freqs"):
         write_synthetic("qwen3", layers=1, seed=0, out=tmp_path / "x.gguf",
                         tokenizer_from=smollm2, rope_freqs=True)
 
@@ -69,20 +66,6 @@ def test_every_stage_rotates_by_the_factors(llama3_f32):
     assert torch.equal(later.factors, factors)
 
 
-def test_follows_llama_cpp_teacher_forced(llama3_f32):
-    check_agreement(llama3_f32, "llama3")
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(llama3_f32, fmt):
-    check_certify(llama3_f32, 2, fmt)
-
-
-def test_decode_lanes_are_independent_and_resume_is_bitwise(llama3_f32):
-    check_lanes_independent(llama3_f32, "int8")
-    check_resume_is_bitwise_cold(llama3_f32)
-
-
 def test_the_cli_writes_it(tmp_path, smollm2):
     out = tmp_path / "l3.gguf"
     r = subprocess.run([sys.executable, "-m", "skippy.mesh.cli", "models", "synth", "--arch",
@@ -93,7 +76,3 @@ def test_the_cli_writes_it(tmp_path, smollm2):
     f = GGUFFile(out)
     assert f.arch_key("rope.freq_base") == 500000.0 and "rope_freqs.weight" in f.tensors
     f.close()
-
-
-def test_certify_matrix_runs_this_file(llama3_f32, tmp_path):
-    check_matrix_makes_this_file("llama3", llama3_f32, tmp_path)

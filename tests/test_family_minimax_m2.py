@@ -1,13 +1,13 @@
 """minimax-m2: whole-projection Q/K norms, partial rope, and a mixture of experts chosen
 by sigmoid scores plus a selection bias (exp_probs_b) that does not enter the weights;
-through the family bar and the MoE exactness checks (tests/moe_checks.py)."""
+beside the family bar (tests/test_family_bar.py): the MoE exactness checks (tests/moe_checks.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from family_checks import check_agreement, check_certify
+from family_checks import case_file
 from moe_checks import (check_lanes_alone_equal_together, check_padding_rows_not_routed,
                         check_threads_do_not_change_bits, whole)
 
@@ -16,18 +16,7 @@ from moe_checks import (check_lanes_alone_equal_together, check_padding_rows_not
 def minimax_m2_f32(smollm2, tmp_path_factory):
     """A 4-layer random-weight MiniMax-M2: 8 experts of width 128, 2 used per token, rope
     over half of each 64-wide head."""
-    from skippy.stages.synth import write_synthetic
-    out = tmp_path_factory.mktemp("synth") / "minimax-m2-L4.gguf"
-    return write_synthetic("minimax-m2", layers=4, seed=7, out=out, tokenizer_from=smollm2)
-
-
-def test_follows_llama_cpp_teacher_forced(minimax_m2_f32):
-    check_agreement(minimax_m2_f32, "minimax-m2")
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(minimax_m2_f32, fmt):
-    check_certify(minimax_m2_f32, 2, fmt)
+    return case_file("minimax-m2", tmp_path_factory)
 
 
 def test_config_as_llama_cpp_reads_it(minimax_m2_f32):
@@ -58,12 +47,6 @@ def test_lane_logits_alone_equal_beside_other_lanes(minimax_m2_f32, fmt):
 
 def test_padding_rows_are_not_routed(minimax_m2_f32):
     check_padding_rows_not_routed(minimax_m2_f32)
-
-
-def test_certify_matrix_synthesizes_this_model(minimax_m2_f32, tmp_path):
-    from skippy.evals import certify_matrix as matrix
-    made = matrix.model_path("minimax-m2", synth_dir=tmp_path)
-    assert made.read_bytes() == minimax_m2_f32.read_bytes()
 
 
 def test_integer_formats_do_not_depend_on_threads(minimax_m2_f32):

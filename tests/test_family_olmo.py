@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dense_family_checks import (check_lanes_independent, check_matrix_makes_this_file,
-                                 check_resume_is_bitwise_cold, runtime)
-from family_checks import check_agreement, check_certify
+from family_checks import case_file, runtime
 from skippy.stages.norms import layer_norm
-from skippy.stages.synth import OLMO_CLAMP_KQV, write_synthetic
+from skippy.stages.synth_dense import OLMO_CLAMP_KQV
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 
@@ -19,8 +17,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def olmo_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "olmo-L4.gguf"
-    return write_synthetic("olmo", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2)
+    return case_file("olmo", tmp_path_factory)
 
 
 def test_file_has_no_norm_weights_and_config_reads_clamp_and_eps(olmo_f32):
@@ -49,21 +46,3 @@ def test_q_k_v_are_clamped(olmo_f32):
     raw, y = qkv.linear(h), qkv(h)
     assert raw.abs().max() > OLMO_CLAMP_KQV and y.abs().max() == OLMO_CLAMP_KQV
     assert torch.equal(y, raw.clamp(-OLMO_CLAMP_KQV, OLMO_CLAMP_KQV))
-
-
-def test_follows_llama_cpp_teacher_forced(olmo_f32):
-    check_agreement(olmo_f32, "olmo")
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(olmo_f32, fmt):
-    check_certify(olmo_f32, 2, fmt)
-
-
-def test_decode_lanes_are_independent_and_resume_is_bitwise(olmo_f32):
-    check_lanes_independent(olmo_f32, "int8")
-    check_resume_is_bitwise_cold(olmo_f32)
-
-
-def test_certify_matrix_runs_this_file(olmo_f32, tmp_path):
-    check_matrix_makes_this_file("olmo", olmo_f32, tmp_path)

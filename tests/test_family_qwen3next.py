@@ -1,19 +1,20 @@
 """Qwen3-Next: gated DeltaNet layers beside gated attention layers, a MoE FFN with a
-sigmoid-gated shared expert, end to end on a synthetic GGUF (issue 19's family bar, and
-the family's own checks: layer pattern, state layout, padding and neighbouring lanes)."""
+sigmoid-gated shared expert, on a synthetic GGUF: the family's own checks (layer pattern,
+state layout, the older ssm_in layout) beside the family bar (tests/test_family_bar.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from family_checks import check_agreement, check_certify
-from skippy.evals.numerics import greedy_logits, margin_agreement, whole_model
+from family_checks import CHUNK, PROMPT, case_file
+from skippy.evals.numerics import margin_agreement, whole_model
 from skippy.evals.reference import LlamaCppReference
-from skippy.stages import synth
+from skippy.stages import synth_hybrid
 from skippy.stages.runtime import StageSpec
-from skippy.stages.synth import QWEN3NEXT, write_synthetic
+from skippy.stages.synth import write_synthetic
+from skippy.stages.synth_hybrid import QWEN3NEXT
+from skippy.stages.synth_table import TensorSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.families import family_for
 from skippy.topology.gguf_file import GGUFFile
@@ -22,16 +23,13 @@ from skippy.topology.planner import ModelFacts
 
 LAYERS = 6  # d d a d d a
 DELTANET = {0, 1, 3, 4}
-PROMPT = [(i * 7919) % 40000 + 100 for i in range(150)]  # 128 + a padded last chunk of 22
-CHUNK = 32
 S = QWEN3NEXT
 CONV_DIM = (2 * S["k_heads"] + S["v_heads"]) * S["head"]
 
 
 @pytest.fixture(scope="module")
 def qwen3next_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "qwen3next-L6.gguf"
-    return write_synthetic("qwen3next", layers=LAYERS, seed=5, out=out, tokenizer_from=smollm2)
+    return case_file("qwen3next", tmp_path_factory)
 
 
 # -- the family and its file ------------------------------------------------------------------
@@ -110,39 +108,22 @@ def _frame(rt: TorchStageRuntime, n: int):
 
 
 # -- llama.cpp as the reference ---------------------------------------------------------------
-def test_follows_llama_cpp_teacher_forced(qwen3next_f32):
-    check_agreement(qwen3next_f32, "qwen3next")
-
-
-def test_padding_rows_never_enter_the_state(qwen3next_f32):
-    """150 prompt rows in chunks of 32 (22 real rows and 10 padding in the last), then 16
-    greedy steps: llama.cpp ran no padding, so any padding row in the state would show."""
-    rt = whole_model(qwen3next_f32, chunk=CHUNK)
-    lane = rt.alloc_lane()
-    ours = greedy_logits(rt, lane, rt.prefill(lane, torch.tensor(PROMPT)).logits, 16)
-    theirs = LlamaCppReference(qwen3next_f32, n_ctx=512).greedy_logits(PROMPT, 16)
-    delta = float(np.abs(ours.numpy() - theirs).max())
-    print(f"\nqwen3next decode after a padded chunk: max |dlogit| {delta:.2e}")
-    assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
-    assert delta <= 1e-3
-
-
 def _legacy_deltanet(b: str, d) -> list:
     """A DeltaNet layer as older converters wrote it: one ssm_in for q, k, v and z."""
     s = QWEN3NEXT
     specs = [x for x in _MODERN(b, d) if not x.name.endswith(("attn_qkv.weight",
                                                                "attn_gate.weight"))]
     rows = 2 * (s["k_heads"] + s["v_heads"]) * s["head"]
-    return [synth.TensorSpec(f"{b}.ssm_in.weight", (rows, d.hidden), "proj"), *specs]
+    return [TensorSpec(f"{b}.ssm_in.weight", (rows, d.hidden), "proj"), *specs]
 
 
-_MODERN = synth._qwen3next_deltanet
+_MODERN = synth_hybrid._qwen3next_deltanet
 
 
 def test_older_files_with_one_ssm_in_projection_follow_llama_cpp(smollm2, tmp_path,
                                                                   monkeypatch):
     """ssm_in's rows run per key head [q, k, v, z]; we reorder them once at load."""
-    monkeypatch.setattr(synth, "_qwen3next_deltanet", _legacy_deltanet)
+    monkeypatch.setattr(synth_hybrid, "_qwen3next_deltanet", _legacy_deltanet)
     path = write_synthetic("qwen3next", layers=3, seed=11, out=tmp_path / "legacy.gguf",
                            tokenizer_from=smollm2)
     assert "blk.0.ssm_in.weight" in GGUFFile(path).tensors
@@ -150,25 +131,3 @@ def test_older_files_with_one_ssm_in_projection_follow_llama_cpp(smollm2, tmp_pa
                          [PROMPT])
     print(f"\nqwen3next ssm_in layout: {r}")
     assert r["top1_where_clear"] and r["max_abs_delta"] <= 1e-3
-
-
-# -- exactness --------------------------------------------------------------------------------
-def test_decode_state_of_a_lane_does_not_depend_on_other_lanes(qwen3next_f32):
-    rt = whole_model(qwen3next_f32, chunk=CHUNK, lane_batch=4)
-    lanes = [rt.alloc_lane() for _ in range(3)]
-    for i, lane in enumerate(lanes):
-        rt.prefill(lane, torch.tensor(PROMPT[: 40 + 10 * i]), logits="none")
-    alone = rt.alloc_lane()
-    rt.prefill(alone, torch.tensor(PROMPT[:40]), logits="none")
-    for step in range(3):  # the batch is padded to 4 rows: padding must touch no lane
-        together = rt.decode([(lane, torch.tensor(42 + step)) for lane in lanes])
-        solo = rt.decode([(alone, torch.tensor(42 + step))])
-        assert torch.equal(together[0].logits, solo[0].logits)
-    a, b = rt.export_state(lanes[0], 43).fixed, rt.export_state(alone, 43).fixed
-    assert sorted(a) == sorted(f"{k}.{i}" for i in DELTANET for k in ("conv", "ssm"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_certify_two_stages(qwen3next_f32, fmt):
-    check_certify(qwen3next_f32, 2, fmt)

@@ -23,9 +23,9 @@ ALLOWANCE_MIB = 512
 def test_layers_for_reaches_the_asked_size(dtype):
     layers = layers_for(300e6, SMALL, 49152, dtype)
     size = synth_bytes(SMALL["arch"], layers=layers, vocab=49152, dtype=dtype,
-                       options=SMALL["options"], **SMALL["dims"])
+                       **SMALL["options"], **SMALL["dims"])
     per_layer = size - synth_bytes(SMALL["arch"], layers=layers - 1, vocab=49152, dtype=dtype,
-                                   options=SMALL["options"], **SMALL["dims"])
+                                   **SMALL["options"], **SMALL["dims"])
     assert abs(size - 300e6) <= per_layer
 
 

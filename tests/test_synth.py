@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy.stages.synth import SYNTH_ARCHS, SynthError, synth_defaults, write_synthetic
+from skippy.stages.synth import SynthError, synth_table, write_synthetic
 from skippy.topology.gguf_file import GGUFFile
 
 _TOKENIZER_CANDIDATES = [
@@ -62,7 +63,7 @@ def test_same_seed_gives_byte_identical_file_and_other_seed_differs(tmp_path: Pa
 
 def test_metadata_readable_by_gguf_file(qwen3_f32: Path):
     f = GGUFFile(qwen3_f32)
-    d = synth_defaults("qwen3")
+    d = synth_table("qwen3").sizes
     assert f.architecture == "qwen3"
     assert f.arch_key("block_count") == 3
     assert f.arch_key("embedding_length") == d["hidden"]
@@ -100,7 +101,7 @@ def test_llama_has_no_qk_norms_and_llama_cpp_runs_it(tmp_path: Path):
     path = write_synthetic("llama", layers=2, seed=7, out=tmp_path / "llama.gguf",
                            tokenizer_from=TOKENIZER, dtype="f16")
     f = GGUFFile(path)
-    d = synth_defaults("llama")
+    d = synth_table("llama").sizes
     assert f.architecture == "llama" and f.arch_key("block_count") == 2
     assert f.arch_key("rope.dimension_count") == d["hidden"] // d["heads"]
     assert f.arch_key("context_length") == 8192
@@ -130,7 +131,7 @@ def test_sizes_can_be_overridden(tmp_path: Path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        # the known archs listed (issue 19 adds more: the list is not pinned here)
+        # the registry's archs listed (the list is not pinned here)
         ({"arch": "gpt17"}, r"unknown synthetic arch 'gpt17'; known: (\S+, )*qwen3(, \S+)*$"),
         ({"layers": 0}, "layers must be a positive integer"),
         ({"heads": 4, "kv_heads": 3}, "must be a multiple of kv_heads"),
@@ -150,11 +151,29 @@ def test_bad_input_raises_synth_error(tmp_path: Path, kwargs: dict, message: str
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_registry():
-    assert "qwen3" in SYNTH_ARCHS
-    assert synth_defaults("qwen3")["hidden"] == 256
-    with pytest.raises(SynthError):
-        synth_defaults("nope")
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kv_lora_rank": 4}, "qwen3 has no knob kv_lora_rank (knobs: hidden, ff, heads, "),
+    ({"hidden": "wide"}, "qwen3 knob hidden takes an integer >= 1, not 'wide'"),
+    ({"heads": 0}, "qwen3 knob heads takes an integer >= 1, not 0"),
+])
+def test_a_knob_is_checked_against_the_archs_table(tmp_path, settings, message):
+    with pytest.raises(SynthError, match=re.escape(message)) as err:
+        write_synthetic("qwen3", layers=1, seed=0, out=tmp_path / "x.gguf",
+                        tokenizer_from=TOKENIZER, **settings)
+    assert "\n" not in str(err.value) and not list(tmp_path.iterdir())
+
+
+def test_two_runs_that_differ_in_a_knob_or_a_size_write_two_files(tmp_path, monkeypatch):
+    from skippy.mesh.cli import main
+    monkeypatch.setenv("SKIPPY_HOME", str(tmp_path))
+    base = ["models", "synth", "--arch", "qwen3", "--layers", "1", "--seed", "2",
+            "--tokenizer-from", str(TOKENIZER), "--hidden", "64", "--heads", "2",
+            "--kv-heads", "1", "--ff", "64"]
+    for extra in ([], ["--set", "ff=96"], ["--set", "ff=128"], ["--hidden", "128"]):
+        assert main(base + extra) == 0
+    names = sorted(p.name for p in (tmp_path / "synth").iterdir())
+    assert names == [f"qwen3-L1-s2-f32-hidden{h}-ff{ff}-heads2-kv_heads1.gguf"
+                     for h, ff in ((128, 64), (64, 128), (64, 64), (64, 96))]
 
 
 # Peak RSS is read from /proc (VmHWM, reset through clear_refs) rather than getrusage:

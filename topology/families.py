@@ -1,9 +1,14 @@
-"""Model families: every per-family quirk lives in this one table.
+"""The family registry: one entry per `general.architecture` we run, and the only place
+that names one.
 
-The torch runtime has one decoder layer; a family only switches its options (and, for
-hybrid families, which token mixer a layer uses). Constants that llama.cpp hard-codes
-instead of reading from the GGUF (Gemma 3's local rope base and its 5-local:1-global
-pattern) are recorded here, next to the family they belong to.
+An entry carries everything about its family but the graph: the options of the shared
+decoder layer (or, for a family with a graph of its own, the module that builds it,
+imported lazily), its cache policy, its cut rules, the synthetic tensor table and knobs
+stages/synth.py writes its files from, and the files the certify and family matrices run.
+Constants that llama.cpp hard-codes instead of reading from the GGUF (Gemma 3's local rope
+base and its 5-local:1-global pattern) are recorded here, next to the family they belong
+to. Adding a family is one module (or none, where it composes the shared pieces) and one
+entry; the CLI, the evals and the tests enumerate FAMILIES.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .gguf_file import GGUFFile
-    from .model_config import ModelConfig
+
+# A family's cut rule and query scale read the model's config (topology/model_config.py's
+# ModelConfig, which reads its Family from here: typed loosely so neither imports the other).
+Config = Any
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,20 @@ class MoeRules:
     # what a missing gating key means (None: an error), or how the file decides it
     gating_default: str | Callable[[GGUFFile], str] | None = None
     reads_scale: bool = False          # `expert_weights_scale` read (else no scale)
+
+
+@dataclass(frozen=True)
+class SynthCase:
+    """One synthetic file of a family that the matrices run and the family tests read:
+    evals/certify_matrix.py writes it at the table's sizes with these knobs,
+    evals/family_matrix.py at its bench shape (changed by `bench`)."""
+
+    name: str                  # the row's name (the family's, or the family and its knobs)
+    label: str                 # the family as the specification's table names it
+    layers: int
+    seed: int
+    settings: tuple[tuple[str, int | float | bool | str], ...] = ()  # synth knobs
+    bench: tuple[tuple[str, int], ...] = ()  # family_matrix's sizes apart from its base
 
 
 @dataclass(frozen=True)
@@ -63,10 +85,14 @@ class Family:
     # Cut rule: layer groups [a, b) that must stay in one stage, from the model's config
     # (e.g. a shared-KV producer and the layers that read its KV). The planner never puts a
     # stage boundary inside a group. None: any cut between layers is allowed.
-    keep_together: Callable[[ModelConfig], Iterable[tuple[int, int]]] | None = None
-    # "decoder": stages/transformer.py's DecoderLayer; "gemma4": stages/gemma4.py builds the
-    # layers (value norm, shared KV, per-layer embeddings, its own MoE block).
-    layer: str = "decoder"
+    keep_together: Callable[[Config], Iterable[tuple[int, int]]] | None = None
+    # (module, function) that builds a stage's layers where the family has a graph of its
+    # own (Gemma 4: value norm, shared KV, per-layer embeddings, its own MoE block); None:
+    # stages/transformer.py's DecoderLayer with the options above.
+    graph: tuple[str, str] | None = None
+    # Per-layer window pattern, head sizes, shared-KV layers and per-layer embedding width
+    # are read from the GGUF (Gemma 4's keys).
+    per_layer_keys: bool = False
     # Tensors outside the layers that every stage loads when the file has them (beside
     # rope_freqs, which every family's stages load): per-layer embedding tables a stage
     # reads its layers' columns of.
@@ -83,7 +109,7 @@ class Family:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     # The factor Q.K is scaled by, from the config; None: 1 / sqrt(head_dim).
-    query_scale: Callable[[ModelConfig], float] | None = None
+    query_scale: Callable[[Config], float] | None = None
     sliding_window_default: int = 0  # the window when the GGUF names none (Gemma 2: 4096)
     swa_rope_scale: bool = False     # sliding-window layers keep the global rope scale
     # sliding-window layers take rope.freq_base_swa as base when given (Gemma 2, Gemma 4)
@@ -98,6 +124,11 @@ class Family:
     qk_norm_span: str = "head"
     clamp_kqv: bool = False    # reads attention.clamp_kqv: Q, K, V clamped to [-c, c] (OLMo)
     ffn_up_fused: bool = False  # ffn_up holds gate then up rows, no ffn_gate (GLM-4)
+    # (module, name) of the family's synthetic table (stages/synth_table.SynthTable), looked
+    # up lazily; None: no synthetic files (a family we hold real checkpoints of).
+    synth: tuple[str, str] | None = None
+    # The synthetic files the matrices run and the family tests read.
+    cases: tuple[SynthCase, ...] = ()
 
     def is_swa_layer(self, layer: int, sliding_window: int) -> bool:
         if self.swa_pattern <= 0 or sliding_window <= 0:
@@ -105,7 +136,7 @@ class Family:
         return layer % self.swa_pattern < self.swa_pattern - 1
 
 
-def gemma4_shared_kv_groups(cfg: ModelConfig) -> list[tuple[int, int]]:
+def gemma4_shared_kv_groups(cfg: Config) -> list[tuple[int, int]]:
     """Gemma 4's cut rule: a layer that reuses another layer's KV stays with it, so the
     layers from the first one read that way to the last layer are one group."""
     sources = [cfg.kv_source(i) for i in range(cfg.n_layers) if not cfg.has_kv(i)]
@@ -119,9 +150,17 @@ def _deepseek2_gating(f: GGUFFile) -> str:
     return "sigmoid" if trunk in (47, 48) and vocab == 154880 else "softmax"
 
 
+# The modules of the synthetic tables (stages/synth_*.py).
+DENSE, MOE, HYBRID, GEMMA4 = ("skippy.stages.synth_dense", "skippy.stages.synth_moe",
+                              "skippy.stages.synth_hybrid", "skippy.stages.synth_gemma4")
+
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", rope_style="norm", activation="silu"),
-    "qwen3": Family("qwen3", rope_style="neox", activation="silu", qk_norm=True),
+    "llama": Family("llama", rope_style="norm", activation="silu",
+                    synth=(DENSE, "LLAMA_TABLE"),
+                    cases=(SynthCase("llama3", "Llama 3 (rope_freqs)", 4, 7,
+                                     settings=(("rope_freqs", True),)),)),
+    "qwen3": Family("qwen3", rope_style="neox", activation="silu", qk_norm=True,
+                    synth=(DENSE, "QWEN3_TABLE"), cases=(SynthCase("qwen3", "Qwen3 dense", 6, 7),)),
     # llama.cpp: swa pattern 6, local rope base 10000 (llama-model.cpp, LLM_ARCH_GEMMA3).
     "gemma3": Family("gemma3", rope_style="neox", activation="gelu_tanh", qk_norm=True,
                      post_norms=True, embed_scale=True, swa_pattern=6, rope_base_swa=10000.0),
@@ -129,14 +168,16 @@ FAMILIES: dict[str, Family] = {
     # as token_embd_norm (LLM_TENSOR_OUTPUT_NORM_LFM2); NEOX rope (llama_model_rope_type).
     "lfm2": Family("lfm2", rope_style="neox", activation="silu", qk_norm=True,
                    cache_policy="KvRecurrent", recurrent_mixer="shortconv",
-                   output_norm="token_embd_norm.weight"),
+                   output_norm="token_embd_norm.weight",
+                   synth=(HYBRID, "LFM2_TABLE"), cases=(SynthCase("lfm2", "LFM2", 6, 3),)),
     # llama.cpp (models/falcon-h1.cpp): attention and build_mamba2_layer both read
     # rms_norm(x, attn_norm); attn_out + ssm_out + x, then the FFN. llama.cpp reads no muP
     # multiplier keys and applies none at runtime (a converter must fold them). NEOX rope
     # (llama_model_rope_type); the pre-FFN norm is loaded as "blk.N.ffn_norm" (no ".weight").
     "falcon-h1": Family("falcon-h1", rope_style="neox", activation="silu",
                         cache_policy="KvRecurrent", recurrent_mixer="mamba2_parallel",
-                        ffn_norm="ffn_norm"),
+                        ffn_norm="ffn_norm", synth=(HYBRID, "FALCON_H1_TABLE"),
+                        cases=(SynthCase("falcon-h1", "Falcon-H1", 4, 7),)),
     # llama.cpp (models/gemma4.cpp): the window pattern and SWA head size are GGUF keys
     # (ModelConfig reads them), as are the sliding layers' rope base (10000 when absent)
     # and the final soft cap (30 when absent); attention scale 1 (q and k are normed);
@@ -148,29 +189,42 @@ FAMILIES: dict[str, Family] = {
                      post_norms=True, embed_scale=True, rope_base_swa=10000.0,
                      swa_rope_base_key=True, final_softcap=30.0, query_scale=lambda c: 1.0,
                      moe=MoeRules(norm_weights=True, gating="softmax"),
-                     keep_together=gemma4_shared_kv_groups, layer="gemma4",
+                     keep_together=gemma4_shared_kv_groups,
+                     graph=("skippy.stages.gemma4", "build_layers"), per_layer_keys=True,
                      stage_tensors=("per_layer_token_embd.weight",
                                     "per_layer_model_proj.weight",
                                     "per_layer_proj_norm.weight"),
                      layer_sliced=("per_layer_token_embd.weight",
-                                   "per_layer_model_proj.weight")),
+                                   "per_layer_model_proj.weight"),
+                     synth=(GEMMA4, "GEMMA4_TABLE"),
+                     cases=(SynthCase("gemma4", "Gemma4 E4B", 6, 5),
+                            SynthCase("gemma4-a4b", "Gemma4 A4B", 6, 9,
+                                      settings=(("variant", "a4b"),)))),
     # llama.cpp (models/deepseek2.cpp): DeepSeek-V2/V3/R1 and GLM-4.7-Flash GGUFs; NORM rope
     # (llama_model_rope_type) on the rotated tails of queries and of the shared key.
     # MoE: gating, weight norm and scale from their keys; a file without a gating key is
     # softmax-routed, but sigmoid for GLM-4.7-Flash (47 trunk layers, or 48, and its vocab).
     "deepseek2": Family("deepseek2", rope_style="norm", activation="silu", attention="mla",
                         moe=MoeRules(norm_weights=None, gating=None, reads_scale=True,
-                                     gating_default=_deepseek2_gating)),
+                                     gating_default=_deepseek2_gating),
+                        synth=(MOE, "DEEPSEEK2_TABLE"),
+                        cases=(SynthCase("deepseek2", "DeepSeek2 / GLM-4.7 Flash (MLA)", 4, 5,
+                                         bench=(("kv_heads", 1),)),)),
     # llama.cpp (models/qwen3moe.cpp): softmax routing, chosen weights normalised, no scale
     # key read; NEOX rope.
     "qwen3moe": Family("qwen3moe", rope_style="neox", activation="silu", qk_norm=True,
-                       moe=MoeRules(norm_weights=True, gating="softmax")),
+                       moe=MoeRules(norm_weights=True, gating="softmax"),
+                       synth=(MOE, "QWEN3MOE_TABLE"),
+                       cases=(SynthCase("qwen3moe", "Qwen3-MoE", 4, 7, bench=(("ff", 512),)),)),
     # llama.cpp (models/minimax-m2.cpp): Q and K normed over the whole projection before
     # rope, partial rope (rope.dimension_count of the head), sigmoid routing from
     # expert_gating_func with exp_probs_b choosing, chosen weights normalised; NEOX rope.
     "minimax-m2": Family("minimax-m2", rope_style="neox", activation="silu",
                          qk_norm=True, qk_norm_span="projection",
-                         moe=MoeRules(norm_weights=True, gating=None)),
+                         moe=MoeRules(norm_weights=True, gating=None),
+                         synth=(MOE, "MINIMAX_M2_TABLE"),
+                         cases=(SynthCase("minimax-m2", "MiniMax-M2", 4, 7,
+                                          bench=(("ff", 512),)),)),
     # llama.cpp (models/qwen3next.cpp): DeltaNet or gated attention by layer
     # (ModelConfig.deltanet_layers); the pre-FFN norm is post_attention_norm; NEOX rope
     # (llama_model_rope_type), partial where rope.dimension_count < key_length. MoE:
@@ -180,7 +234,9 @@ FAMILIES: dict[str, Family] = {
                         attn_output_gate=True, cache_policy="KvRecurrent",
                         recurrent_mixer="gated_deltanet",
                         ffn_norm="post_attention_norm.weight",
-                        moe=MoeRules(norm_weights=True, gating="softmax")),
+                        moe=MoeRules(norm_weights=True, gating="softmax"),
+                        synth=(HYBRID, "QWEN3NEXT_TABLE"),
+                        cases=(SynthCase("qwen3next", "Qwen3Next", 6, 5, bench=(("ff", 512),)),)),
     # llama.cpp (models/gemma2.cpp): every even layer slides (pattern 2, window 4096 unless
     # the GGUF says), and sliding layers keep the global rope scale; Q is scaled by
     # 1/sqrt(head_dim) but for the 27B (46 layers): 1/sqrt(hidden / heads); caps 50 and 30.
@@ -189,21 +245,25 @@ FAMILIES: dict[str, Family] = {
                      swa_rope_scale=True, swa_rope_base_key=True, attn_softcap=50.0,
                      final_softcap=30.0,
                      query_scale=lambda c: 1.0 / math.sqrt(
-                         c.hidden // c.n_heads if c.n_layers == 46 else c.head_dim)),
+                         c.hidden // c.n_heads if c.n_layers == 46 else c.head_dim),
+                     synth=(DENSE, "GEMMA2_TABLE"), cases=(SynthCase("gemma2", "Gemma2", 4, 7),)),
     # llama.cpp (models/olmo.cpp): weightless LayerNorms (LLM_NORM) before attention, FFN
     # and head; Q, K and V clamped when attention.clamp_kqv is set.
     "olmo": Family("olmo", rope_style="norm", activation="silu", norm="layer",
-                   output_norm=None, clamp_kqv=True),
+                   output_norm=None, clamp_kqv=True, synth=(DENSE, "OLMO_TABLE"),
+                   cases=(SynthCase("olmo", "OLMo", 4, 7),)),
     # llama.cpp (models/olmo2.cpp): no pre-norms; RMSNorm of the whole Q and K projections,
     # then of the attention and FFN outputs. A windowed file (OLMo 3) slides 3 of 4 layers,
     # rotated at the global base (the graph reads no rope.freq_base_swa) and scale 1.
     "olmo2": Family("olmo2", rope_style="neox", activation="silu", qk_norm=True,
                     qk_norm_span="projection", post_norms=True, pre_norms=False,
-                    swa_pattern=4),
+                    swa_pattern=4, synth=(DENSE, "OLMO2_TABLE"),
+                    cases=(SynthCase("olmo2", "OLMo2", 4, 7),)),
     # llama.cpp (models/glm4.cpp): four norms per layer like Gemma's, partial rope over the
     # first rope.dimension_count dims (NORM style), SwiGLU over a fused up projection.
     "glm4": Family("glm4", rope_style="norm", activation="silu", post_norms=True,
-                   ffn_up_fused=True),
+                   ffn_up_fused=True, synth=(DENSE, "GLM4_TABLE"),
+                   cases=(SynthCase("glm4", "GLM4", 4, 7),)),
 }
 
 
@@ -218,3 +278,26 @@ def family_for(architecture: str) -> Family:
         known = ", ".join(sorted(FAMILIES))
         raise UnsupportedFamily(
             f"architecture '{architecture}' is not supported (supported: {known})") from None
+
+
+def synth_archs() -> tuple[str, ...]:
+    """The registered families that have a synthetic table."""
+    return tuple(sorted(name for name, fam in FAMILIES.items() if fam.synth is not None))
+
+
+def synth_cases() -> list[tuple[Family, SynthCase]]:
+    """Every synthetic file the registry names, with its family, in registry order."""
+    return [(fam, case) for fam in FAMILIES.values() for case in fam.cases]
+
+
+def synth_case(name: str) -> tuple[Family, SynthCase]:
+    """The registry's synthetic file `name` (a SynthCase name) and its family."""
+    for fam, case in synth_cases():
+        if case.name == name:
+            return fam, case
+    known = ", ".join(c.name for _, c in synth_cases())
+    raise UnsupportedFamily(f"no synthetic file {name!r} (known: {known})")
+
+
+# Families that code outside the registry names (the shipped models', the giant's).
+LLAMA, GEMMA3, DEEPSEEK2 = (FAMILIES[name] for name in ("llama", "gemma3", "deepseek2"))

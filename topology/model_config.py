@@ -130,7 +130,7 @@ class ModelConfig:
             ssm = deltanet_fields(f, n_layers)
         sliding_window = int(f.arch_key("attention.sliding_window",
                                         family.sliding_window_default) or 0)
-        gemma4 = _gemma4_keys(f, n_layers) if family.layer == "gemma4" else {}
+        gemma4 = _gemma4_keys(f, n_layers) if family.per_layer_keys else {}
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
             raise ValueError(f"{arch}: sliding-window attention is not supported for this family")

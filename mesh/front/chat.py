@@ -29,6 +29,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.families import GEMMA3
 from skippy.topology.gguf_file import GGUFFile
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -74,7 +75,7 @@ GEMMA_TURNS = (
     "{%- endif -%}\n"
 )
 
-FAMILY_TEMPLATES: dict[str, str] = {"gemma3": GEMMA_TURNS}
+FAMILY_TEMPLATES: dict[str, str] = {GEMMA3.name: GEMMA_TURNS}
 
 # llama.cpp's default for `tokenizer.ggml.add_bos_token` when the key is absent, by
 # tokenizer model (llama-vocab.cpp); only used for plain metadata, a Tokenizer knows.

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from family_checks import case_file
 from skippy.evals.numerics import greedy_logits, margin_agreement, split_logits
 from skippy.evals.reference import LlamaCppReference
 from skippy.mesh.control.local import InProcessEngine
@@ -29,8 +30,7 @@ TEXT = ("The short convolution keeps the last few inputs of every channel, while
 
 @pytest.fixture(scope="module")
 def lfm2_f32(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "lfm2-L6.gguf"
-    return write_synthetic("lfm2", layers=LAYERS, seed=7, out=out, tokenizer_from=smollm2)
+    return case_file("lfm2", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_synthetic_file_marks_conv_layers_by_zero_kv_heads(lfm2_f32, smollm2, tm
     cfg = ModelConfig.from_gguf(f)
     assert cfg.conv_layers == {0, 1, 3, 4} and cfg.conv_l_cache == 3 and cfg.n_kv_heads == 2
     f.close()
-    again = write_synthetic("lfm2", layers=LAYERS, seed=7, out=tmp_path / "again.gguf",
+    again = write_synthetic("lfm2", layers=LAYERS, seed=3, out=tmp_path / "again.gguf",
                             tokenizer_from=smollm2)
     assert again.read_bytes() == lfm2_f32.read_bytes()
 
