@@ -176,7 +176,7 @@ def bench_split(path: Path, stage_counts: tuple[int, ...], runs: int, n_tokens: 
     for n in tracked(stage_counts, "split", "engine", say=say):
         say(f"  RayEngine({path.name}, {n}) ...")
         t = time.perf_counter()
-        engine = RayEngine(path, n, runtime="torch", n_ctx=n_ctx, weight_format=weight_format,
+        engine = RayEngine(path, n, n_ctx=n_ctx, weight_format=weight_format,
                            progress=lambda m: None)
         load_s = time.perf_counter() - t
         try:

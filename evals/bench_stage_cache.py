@@ -58,11 +58,12 @@ from skippy.evals.reference import _quiet_stderr
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.chain import StageChain
+from skippy.stages.runtime_kind import RUNTIMES as RUNTIME_KINDS, runtime_kind
 
 PREFIX, LONG_PREFIX, TAIL = 128, 1024, 16
 THREADS = 2
 N_CTX = 2048  # room for the long prefix + tail on both sides
-RUNTIMES = ("torch", "llama.cpp")
+RUNTIMES = tuple(RUNTIME_KINDS)  # our runtimes, by name
 # The prefill chunk C: a tail shorter than C is padded to C rows (DESIGN.md §5.3), so
 # the changed-tail rows cost a C-row prefill. The serving default unless --chunk says.
 CHUNK = CacheConfig().chunk
@@ -192,10 +193,11 @@ def ours(path: Path, runtime: str, rows: list[Row], repeats: int,
          chunk: int = CHUNK) -> dict[str, dict]:
     """Per row: timed warm hits of our cached pipeline, each checked against an uncached
     answer. Raises ExactnessError when a next token differs."""
+    kind = runtime_kind(runtime)
     engine = InProcessEngine(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
-                             runtime=runtime, cache=CacheConfig(admit_after=1, chunk=chunk))
+                             runtime=kind, cache=CacheConfig(admit_after=1, chunk=chunk))
     pipe = StageChain(path, 1, wire_dtype="f16", n_ctx=N_CTX, threads=THREADS,
-                         runtime=runtime, chunk=chunk)  # the uncached references
+                         runtime=kind, chunk=chunk)  # the uncached references
     torch.set_num_threads(THREADS)
 
     def one(ids: list[int]) -> tuple[float, torch.Tensor, int]:

@@ -58,11 +58,12 @@ def cache_pair(path, stages: int, config: CacheConfig, **options):
 
 def compare(path, records: list[dict], stages: int, cap: int = 512,
             config: CacheConfig | None = None, runtime: str = "torch") -> dict:
+    from skippy.stages.runtime_kind import runtime_kind
     from skippy.mesh.tokenizer import Tokenizer
     tok = Tokenizer(path)
     config = config or CacheConfig()
     off, on = cache_pair(path, stages, config, wire_dtype="f16", n_ctx=cap + 64,
-                         runtime=runtime)
+                         runtime=runtime_kind(runtime))
     rows, t_on, t_off = [], 0.0, 0.0
     for r in records:
         ids = prompt_ids(tok, path, r, cap)
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.cache_exactness")
     p.add_argument("--model", action="append")
     p.add_argument("--stages", type=int, action="append")
-    p.add_argument("--runtime", choices=("torch", "llama.cpp"), default="torch",
+    from skippy.stages.runtime_kind import RUNTIMES
+    p.add_argument("--runtime", choices=tuple(RUNTIMES), default="torch",
                    help="stage runtime (llama.cpp: one stage)")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--per-use-case", type=int, default=1000)

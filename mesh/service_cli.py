@@ -8,6 +8,8 @@ import shlex
 import sys
 
 from . import service
+from .serve_cli import gateway_options, parse_serve_args
+from .usage import UsageError
 
 NO_SERVICE = "no gateway service runs (start one: skippy service start -- <serve options>)"
 
@@ -20,12 +22,9 @@ def serve_url(serve_args: list[str]) -> str:
     """The URL `skippy serve SERVE_ARGS` listens on, once they pass serve's own checks
     (flags, port, bind without keys, key file, model): a mistake is reported here, in
     one line, not later in a log."""
-    from .cli import UsageError, _gateway_options, build_parser
     from .models import resolve_model
-    args = build_parser().parse_args(["serve", *serve_args])
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port must be in 1..65535, not {args.port}")
-    _gateway_options(args, secret="")
+    args = parse_serve_args(serve_args)
+    gateway_options(args, secret="")
     resolve_model(args.package or args.model)
     host = f"[{args.host}]" if ":" in args.host else args.host
     return f"http://{host}:{args.port}"
@@ -56,7 +55,6 @@ def cmd_service_stop(_args) -> int:
 
 
 def cmd_service_restart(args) -> int:
-    from .cli import UsageError
     state = service.current()
     if state is None:
         raise UsageError(NO_SERVICE.replace("runs", "to restart"))

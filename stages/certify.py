@@ -2,13 +2,13 @@
 
 What `skippy certify` runs (the CLI resolves the model and prints the report):
 
-    skippy certify --model M --stages N [--runtime torch|llama.cpp]
+    skippy certify --model M --stages N [--runtime NAME]
         [--weight-format fp32|bf16|int8|...] [--json]
 
 Every check runs in one weight format (stages/linear.py WEIGHT_FORMATS; fp32 by
 default) on every stage and on the unsplit reference alike: a format changes the
-arithmetic, never whether a hand-off is exact. Only the torch runtime has formats; the
-llama.cpp runtime computes with the file's own weights.
+arithmetic, never whether a hand-off is exact. A runtime with no formats of its own
+(llama.cpp) computes with the file's own weights.
 
 Checks (pass/fail):
 - split_handoff: N stages with the f32 wire give the unsplit model's logits bitwise
@@ -35,9 +35,8 @@ import torch
 
 from skippy.cache.blocks import BlockStore
 from skippy.cache.payload import PayloadKind, decode_payload, encode_payload
-from skippy.stages.factory import make_runtime
-from skippy.stages.linear import WEIGHT_FORMATS
-from skippy.stages.runtime import LaneState, StageError, StageRuntime, StageSpec
+from skippy.stages.runtime import LaneState, StageRuntime, StageSpec
+from skippy.stages.runtime_kind import REFERENCE_FORMAT, TORCH, RuntimeKind
 from skippy.topology.capabilities import capability_for
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -47,7 +46,6 @@ from skippy.topology.tally import Progress, Tally
 
 STEPS = 16
 CHUNK = 64
-REFERENCE_FORMAT = "fp32"  # a StageSpec's own default: the reference arithmetic
 
 
 @dataclass
@@ -62,8 +60,8 @@ class Check:
 class Report:
     model: str
     stages: int
-    runtime: str
-    weight_format: str | None  # None: the llama.cpp runtime (the file's own weights)
+    runtime: str               # its name
+    weight_format: str | None  # None: a runtime computing with the file's own weights
     checks: list[Check] = field(default_factory=list)
 
     @property
@@ -87,14 +85,14 @@ class Report:
 
 
 # -- building stages ------------------------------------------------------------------------
-def build(path, n_stages: int, runtime: str, wire: str,
+def build(path, n_stages: int, runtime: RuntimeKind, wire: str,
           weight_format: str = REFERENCE_FORMAT) -> list[StageRuntime]:
     cfg = ModelConfig.from_gguf(GGUFFile(path))
     ranges = even_ranges(cfg.n_layers, n_stages, cfg.cut_groups())
     specs = [StageSpec(str(path), a, b, i, n_stages, wire, n_ctx=1024, chunk=CHUNK,
                        weight_format=weight_format)
              for i, (a, b) in enumerate(ranges)]
-    return [make_runtime(s, runtime) for s in specs]
+    return [runtime.make(s) for s in specs]
 
 
 def prefill(stages, lanes, ids, start=0, snapshots=()):
@@ -167,15 +165,16 @@ def state_bytes(state: LaneState) -> bytes:
 
 
 # -- the checks -----------------------------------------------------------------------------
-def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | None = None,
-            weight_format: str = REFERENCE_FORMAT,
+def certify(path, n_stages: int, runtime: RuntimeKind = TORCH,
+            prompt: list[int] | None = None, weight_format: str = REFERENCE_FORMAT,
             progress: Progress | None = None) -> Report:
     """Run every check on `path` cut into `n_stages` even stages whose weights are held
-    in `weight_format` (torch runtime only). Raises StageError for a format the runtime
-    does not have. `progress(done, total)` hears the steps done: the cold run, then each
-    group of checks."""
-    _check_weight_format(runtime, weight_format)
-    report = Report(str(path), n_stages, runtime, weight_format if runtime == "torch" else None)
+    in `weight_format` (a runtime with formats of its own). Raises StageError for a
+    format or a split the runtime does not have. `progress(done, total)` hears the steps
+    done: the cold run, then each group of checks."""
+    runtime.check_weight_format(weight_format)
+    runtime.stages(n_stages)
+    report = Report(str(path), n_stages, runtime.name, runtime.held_format(weight_format))
     steps = Tally(4 if n_stages > 1 else 3, progress)
     ids = prompt or [(i * 7919) % 30000 + 50 for i in range(3 * CHUNK + 21)]
     stages = build(path, n_stages, runtime, "f32", weight_format)
@@ -195,16 +194,7 @@ def certify(path, n_stages: int, runtime: str = "torch", prompt: list[int] | Non
     return report
 
 
-def _check_weight_format(runtime: str, weight_format: str) -> None:
-    if weight_format not in WEIGHT_FORMATS:
-        raise StageError(f"weight format must be one of {', '.join(WEIGHT_FORMATS)}, "
-                         f"not {weight_format!r}")
-    if runtime != "torch" and weight_format != REFERENCE_FORMAT:
-        raise StageError(f"the {runtime} runtime has no weight formats (it computes with "
-                         f"the file's own weights): {weight_format!r} is for the torch runtime")
-
-
-def _split_handoff(path, n_stages: int, runtime: str, weight_format: str, ids: list[int],
+def _split_handoff(path, n_stages: int, runtime: RuntimeKind, weight_format: str, ids: list[int],
                    split: torch.Tensor) -> Check:
     """The f32-wire split's logits (`split`) against the unsplit model's, and an f16-wire
     split's greedy run against the same reference."""

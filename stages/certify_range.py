@@ -25,11 +25,11 @@ from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 from skippy.topology.tally import Progress, Tally
 
-from .certify import (CHUNK, REFERENCE_FORMAT, STEPS, Check, Report, _check_weight_format,
+from .certify import (CHUNK, STEPS, Check, Report,
                       max_abs_diff, state_bytes, through_store)
-from .factory import make_runtime
 from .frame import to_wire
 from .runtime import StageError, StageSpec
+from .runtime_kind import REFERENCE_FORMAT, TORCH, RuntimeKind
 
 SEED = 19
 
@@ -67,15 +67,16 @@ class _Upstream:
         return to_wire(start, rows, "f32")
 
 
-def _stages(path, cfg: ModelConfig, cuts: list[int], weight_format: str):
+def _stages(path, cfg: ModelConfig, cuts: list[int], weight_format: str,
+            runtime: RuntimeKind):
     """Runtimes for consecutive ranges between `cuts`, numbered as inside the whole model
     (a stage ending at the last layer is a last stage: it computes logits)."""
     last = cuts[-1] == cfg.n_layers
     n = len(cuts) - 1
     total = (cuts[0] > 0) + n + (not last)
     first_index = int(cuts[0] > 0)
-    return [make_runtime(StageSpec(str(path), a, b, first_index + i, total, "f32", n_ctx=1024,
-                                   chunk=CHUNK, weight_format=weight_format), "torch")
+    return [runtime.make(StageSpec(str(path), a, b, first_index + i, total, "f32", n_ctx=1024,
+                                   chunk=CHUNK, weight_format=weight_format))
             for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
 
 
@@ -113,27 +114,30 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[bool, float]:
 
 
 def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FORMAT,
-                  progress: Progress | None = None) -> Report:
+                  progress: Progress | None = None, runtime: RuntimeKind = TORCH) -> Report:
     """Every check on layers [start, end) of `path` (a GGUF or a package: only that
     range's parts are opened), fed synthetic upstream activations. `progress(done, total)`
     hears the steps done: the cold run, the split (when the range has 2 layers or more),
     the restores, the whole-state round trip."""
-    _check_weight_format("torch", weight_format)
+    if not runtime.layer_ranges:
+        raise StageError(f"the {runtime.name} runtime serves a whole model: --stage "
+                         "certifies one layer range alone")
+    runtime.check_weight_format(weight_format)
     f = open_model(path)
     cfg = ModelConfig.from_gguf(f)
     f.close()
     start, end = parse_range(f"{start}..{end}", cfg.n_layers)
-    report = Report(f"{path} layers {start}..{end} alone (synthetic upstream)", 1, "torch",
-                    weight_format)
+    report = Report(f"{path} layers {start}..{end} alone (synthetic upstream)", 1, runtime.name,
+                    runtime.held_format(weight_format))
     n = 3 * CHUNK + 21
     up = _Upstream(cfg, start == 0, n + STEPS)
-    stages = _stages(path, cfg, [start, end], weight_format)
+    stages = _stages(path, cfg, [start, end], weight_format, runtime)
     steps = Tally(4 if end - start > 1 else 3, progress)
     cold, _ = _run(stages, [s.alloc_lane() for s in stages], up, n)
     steps.add()
     if end - start > 1:
         mid = (start + end) // 2
-        two = _stages(path, cfg, [start, mid, end], weight_format)
+        two = _stages(path, cfg, [start, mid, end], weight_format, runtime)
         got, _ = _run(two, [s.alloc_lane() for s in two], up, n)
         same, d = _same(cold, got)
         report.checks.append(Check("split_handoff", same, f"cut at {mid}, f32 wire: outputs "

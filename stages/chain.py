@@ -13,20 +13,20 @@ from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 from skippy.topology.planner import even_ranges
 
-from .factory import make_runtime
 from .runtime import StageOutput, StageSpec
+from .runtime_kind import TORCH, RuntimeKind
 
 
 class StageChain:
     def __init__(self, model_path: str | Path, n_stages: int, *, wire_dtype: str = "f16",
-                 runtime: str = "torch", **spec_options):
+                 runtime: RuntimeKind = TORCH, **spec_options):
         f = open_model(model_path)
         self.config = ModelConfig.from_gguf(f)
         f.close()
         ranges = even_ranges(self.config.n_layers, n_stages, self.config.cut_groups())
         self.stages = [
-            make_runtime(StageSpec(str(model_path), a, b, i, n_stages, wire_dtype,
-                                   **spec_options), runtime)
+            runtime.make(StageSpec(str(model_path), a, b, i, n_stages, wire_dtype,
+                                   **spec_options))
             for i, (a, b) in enumerate(ranges)
         ]
         self.n_ctx = self.stages[0].n_ctx

@@ -1,18 +1,11 @@
-"""Choosing a stage runtime by name: the one place that knows both."""
+"""Making a stage runtime from its descriptor (stages/runtime_kind.py)."""
 
 from __future__ import annotations
 
-from .runtime import StageError, StageRuntime, StageSpec
+from .runtime import StageRuntime, StageSpec
+from .runtime_kind import TORCH, RuntimeKind
 
-RUNTIMES = ("torch", "llama.cpp")
 
-
-def make_runtime(spec: StageSpec, kind: str = "torch") -> StageRuntime:
-    """A runtime for `spec`. llama.cpp serves only a whole model (one stage)."""
-    if kind == "torch":
-        from .torch_runtime import TorchStageRuntime
-        return TorchStageRuntime(spec)
-    if kind == "llama.cpp":
-        from .llamacpp_runtime import LlamaCppStageRuntime
-        return LlamaCppStageRuntime(spec)
-    raise StageError(f"unknown runtime {kind!r} (choose from {', '.join(RUNTIMES)})")
+def make_runtime(spec: StageSpec, kind: RuntimeKind = TORCH) -> StageRuntime:
+    """A runtime of `kind` for `spec`. llama.cpp serves only a whole model (one stage)."""
+    return kind.make(spec)

@@ -53,6 +53,7 @@ import torch
 
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_package import is_package
+from skippy.topology.planner import DEFAULT_LANES
 
 from .frame import Frame
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
@@ -164,7 +165,7 @@ class LlamaCppStageRuntime(StageRuntime):
     # state bytes anyway: cache entries live as payloads, not as lanes.
     lane_entries = False
 
-    def __init__(self, spec: StageSpec, *, max_lanes: int = 8):
+    def __init__(self, spec: StageSpec, *, max_lanes: int = DEFAULT_LANES):
         if is_package(spec.model_path):
             raise StageError("the llama.cpp runtime serves a .gguf file, not a package")
         f = GGUFFile(spec.model_path)

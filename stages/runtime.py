@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skippy.topology.planner import DEFAULT_N_CTX
+
 from .frame import Frame
 
 
@@ -41,7 +43,7 @@ class StageSpec:
     stage_index: int = 0
     n_stages: int = 1
     wire_dtype: str = "f16"
-    n_ctx: int = 8192
+    n_ctx: int = DEFAULT_N_CTX
     chunk: int = 64          # prefill chunk C; reuse boundaries are multiples of it
     # Decode batch B: decode always runs exactly B rows (padded). 1 by default: fp32
     # F.linear at M=1 takes the GEMV path, faster per row than small GEMMs (evals/README.md).

@@ -13,6 +13,7 @@ from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.stages.runtime import StageError
 from skippy_cli import skippy
+from skippy.stages.runtime_kind import LLAMA_CPP
 
 # SmolLM2 (shipped, Q4_1: int4 keeps the file's blocks) and the synthetic families at their
 # test sizes; Gemma 3 (a 262k-row fp32 head in every stage build) only in `make test`.
@@ -38,14 +39,14 @@ def test_certify_passes_in_every_weight_format(model, stages, weight_format, req
 
 @pytest.mark.parametrize("model", ["smollm2", "lfm2_f32", "falcon_h1_f32"])
 def test_certify_passes_on_the_llama_cpp_runtime(model, request):
-    report = certify(request.getfixturevalue(model), 1, "llama.cpp")
+    report = certify(request.getfixturevalue(model), 1, LLAMA_CPP)
     assert report.passed, report.table()
     assert report.weight_format is None and "the file's weights" in report.table()
 
 
 def test_a_weight_format_the_runtime_lacks_is_refused_before_loading():
     with pytest.raises(StageError, match="no weight formats"):
-        certify("no-such.gguf", 1, "llama.cpp", weight_format="int4")
+        certify("no-such.gguf", 1, LLAMA_CPP, weight_format="int4")
     with pytest.raises(StageError, match="must be one of"):
         certify("no-such.gguf", 1, weight_format="fp8")
     assert build_parser().parse_args(["certify"]).weight_format == "fp32"

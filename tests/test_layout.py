@@ -96,3 +96,13 @@ def test_mesh_imports_point_one_way():
                    for p in sources(sub) for m in imported_modules(p, "mesh")
                    if any(m.startswith(f"skippy.mesh.{b}") for b in banned))
     assert not wrong, wrong
+
+
+def test_the_command_line_modules_import_one_way():
+    """cli -> service_cli -> serve_cli -> usage: no command module imports one above it."""
+    order = ["cli", "service_cli", "serve_cli", "usage"]
+    wrong = sorted(f"mesh/{low}.py: {m}" for i, low in enumerate(order)
+                   for m in imported_modules(ROOT / "mesh" / f"{low}.py", "mesh")
+                   for up in order[:i]
+                   if m == f"skippy.mesh.{up}" or m.startswith(f"skippy.mesh.{up}."))
+    assert not wrong, wrong

@@ -151,6 +151,32 @@ def test_more_stages_than_nodes_share_a_node():
     assert_contiguous(p, 12)
 
 
+def test_on_one_node_the_split_is_even_whatever_its_memory():
+    """Stages sharing one node share its memory: it cannot weigh them against each other,
+    so an in-process engine and an embedded Ray plan the same split anywhere."""
+    model = facts(n_layers=30, first=150 * MiB, last=50 * MiB)
+    for mib in (5000, 9000, 64000):
+        p = toy_plan([node("local", mib)], model=model, stages=4)
+        assert p.ranges == even_ranges(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    with pytest.raises(PlanError, match="exactly 4"):
+        toy_plan([node("local", 3500)], model=model, stages=4)  # stage 0 holds 950 of 875
+
+
+def test_a_callers_ranges_are_planned_as_given():
+    nodes = [node("a", 2000), node("b", 800)]
+    p = toy_plan(nodes, ranges=[(0, 10), (10, 12)])
+    assert p.ranges == [(0, 10), (10, 12)] and [s.node.name for s in p.stages] == ["a", "b"]
+    assert p.digest == topology_digest("m" * 64, [(0, 10), (10, 12)], "f16")
+    assert [s.weight_bytes for s in p.stages] == [1000 * MiB, 200 * MiB]
+    with pytest.raises(PlanError, match="exactly 2"):  # 1000 MiB of layers on 800 MiB
+        toy_plan(nodes, ranges=[(0, 2), (2, 12)])
+    for bad in ([(0, 5), (6, 12)], [(0, 12), (12, 12)], [(0, 5)], []):
+        with pytest.raises(PlanError, match="contiguous"):
+            toy_plan(nodes, ranges=bad)
+    with pytest.raises(PlanError, match="keeps in one stage"):
+        toy_plan(nodes, model=facts(keep=[(4, 8)]), ranges=[(0, 6), (6, 12)])
+
+
 def test_overhead_is_counted_per_stage():
     p = plan(facts(), [node("a", 1300)], overhead_bytes=64 * MiB)
     assert p.stages[0].total_bytes == 1200 * MiB + 64 * MiB

@@ -8,7 +8,9 @@ package parts get the stages holding most of those layers (the cut stays as memo
 sets it). The plan's digest names the split (model, ranges, wire dtype) and nothing
 about where it runs, so caches keyed by it survive restarts and re-placement.
 
-`even_ranges()` is the plain equal split, for callers that do not plan by memory.
+On one node memory cannot weigh stages against each other: there the stages are the
+plain equal split (`even_ranges()`), the same wherever the plan is made. A caller that has
+chosen its own split passes its ranges; the plan then sizes and places those.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ RUNTIME_KV_BYTES = 4
 # activation buffers for a prefill chunk, allocator slack.
 STAGE_OVERHEAD_BYTES = 512 * MiB
 
+# The defaults of everything that plans, builds or serves stages: a request's context, and
+# a pipeline's lane budget (requests it runs at once: 8 clients still decode together).
 DEFAULT_N_CTX = 8192
-DEFAULT_LANES = 4
+DEFAULT_LANES = 8
 
 
 class PlanError(ValueError):
@@ -373,16 +377,19 @@ def check_cuts(ranges: Sequence[tuple[int, int]], groups: Iterable[tuple[int, in
 
 def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16",
          n_ctx: int = DEFAULT_N_CTX, lanes: int = DEFAULT_LANES, max_stages: int | None = None,
-         stages: int | None = None, overhead_bytes: int = STAGE_OVERHEAD_BYTES) -> Plan:
+         stages: int | None = None, ranges: Sequence[tuple[int, int]] | None = None,
+         overhead_bytes: int = STAGE_OVERHEAD_BYTES) -> Plan:
     """Place `model` on `nodes`.
 
     Without `stages`: the fewest stages (at most `max_stages`, at most one per node) whose
     every stage fits its node, on the nodes with the most memory. With `stages`: exactly
     that many; when there are more stages than nodes, a node's memory is shared by the
     stages it holds. Ranges are contiguous, at least one layer each, sized in proportion
-    to node memory (minimising sum(load^2 / capacity)), with no cut inside a
-    keep-together group. The node order, and so the ranges and digest, depend only on
-    node memories, never on names or input order. Raises PlanError saying why it cannot.
+    to node memory (minimising sum(load^2 / capacity)) — on a single node, even — with no
+    cut inside a keep-together group. With `ranges`: exactly those (contiguous, covering
+    every layer), placed and checked as a split of the planner's own. The node order, and
+    so the ranges and digest, depend only on node memories, never on names or input
+    order. Raises PlanError saying why it cannot.
     """
     if not nodes:
         raise PlanError("no nodes to place the model on")
@@ -394,6 +401,9 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
     cuts = _allowed_cuts(model)
     # Memory first; lower latency, then name, only choose among equal memories.
     ranked = sorted(nodes, key=lambda n: (-n.memory, n.latency_ms or 0.0, n.name))
+    if ranges is not None:
+        _check_cover(ranges, model.n_layers)
+        stages = len(ranges)
     if stages is not None:
         if stages < 1:
             raise PlanError(f"stages must be at least 1, not {stages}")
@@ -412,14 +422,37 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
                 - (model.first_bytes if i == 0 else 0)
                 - (model.last_bytes if i == k - 1 else 0)
                 for i, (_, share) in enumerate(slots)]
-        ranges = _split(costs, caps, cuts)
-        if ranges is not None:
+        split = _ranges_for(model, costs, caps, cuts, ranges, len(ranked) == 1)
+        if split is not None:
             need = [sum(costs[a:b]) + share - cap
-                    for (a, b), (_, share), cap in zip(ranges, slots, caps)]
-            slots = _near_parts(model, slots, ranges, need)
-            return _build(model, slots, ranges, wire_dtype, n_ctx, lanes, overhead_bytes)
+                    for (a, b), (_, share), cap in zip(split, slots, caps)]
+            slots = _near_parts(model, slots, split, need)
+            return _build(model, slots, split, wire_dtype, n_ctx, lanes, overhead_bytes)
     raise PlanError(_why_not(model, ranked, costs, tries[-1], stages is not None,
                              overhead_bytes, n_ctx, lanes))
+
+
+def _ranges_for(model: ModelFacts, costs: list[int], caps: list[int], cuts: list[bool],
+                given: Sequence[tuple[int, int]] | None,
+                one_node: bool) -> list[tuple[int, int]] | None:
+    """The split into len(caps) stages, or None if it does not fit: the caller's ranges,
+    the even split on one node, else the memory-proportional one."""
+    if given is None and not one_node:
+        return _split(costs, caps, cuts)
+    split = list(given) if given is not None else \
+        even_ranges(model.n_layers, len(caps), model.keep_together)
+    check_cuts(split, model.keep_together)
+    fits = all(sum(costs[a:b]) <= cap for (a, b), cap in zip(split, caps))
+    return split if fits else None
+
+
+def _check_cover(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:
+    """PlanError unless `ranges` are contiguous, non-empty, and cover [0, n_layers)."""
+    ends = [0] + [b for _, b in ranges]
+    if not ranges or any(a != ends[i] or b <= a for i, (a, b) in enumerate(ranges)) \
+            or ends[-1] != n_layers:
+        raise PlanError(f"layer ranges {list(ranges)} must be contiguous, each at least "
+                        f"one layer, and cover the model's {n_layers} layers")
 
 
 def _allowed_cuts(model: ModelFacts) -> list[bool]:

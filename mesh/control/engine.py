@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from skippy.topology.planner import DEFAULT_LANES
+
 from ..sampler import SamplingParams, TokenLogprobs
 
 
@@ -59,7 +61,7 @@ class EngineInfo:
     n_ctx: int                       # context a request may fill: prompt + max_tokens
     n_stages: int
     topology_digest: str             # stable identity of the split (planner)
-    lanes: int = 8                   # lane budget of one pipeline: the most choices (`n`)
+    lanes: int = DEFAULT_LANES       # lane budget of one pipeline: the most choices (`n`)
                                      # one request may ask for
     extra: dict = field(default_factory=dict)
 

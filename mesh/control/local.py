@@ -6,8 +6,8 @@ engine test the served path."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
+import sys
 import threading
 import weakref
 from concurrent import futures
@@ -15,19 +15,15 @@ from pathlib import Path
 
 from skippy.cache.config import CacheConfig
 from skippy.proto import stage_pb2 as pb
-from skippy.stages.runtime import StageSpec
-from skippy.topology.capabilities import capability_for
-from skippy.topology.model_config import ModelConfig
-from skippy.topology.model_package import open_model
-from skippy.stages.linear import held_bytes
-from skippy.topology.planner import ModelFacts, PlanError, even_ranges, gguf_model_digest, \
-    local_node, stage_bytes, topology_digest
+from skippy.stages.runtime_kind import REFERENCE_FORMAT, TORCH, RuntimeKind
+from skippy.topology.planner import DEFAULT_LANES, DEFAULT_N_CTX, NodeSpec, PlanError, \
+    local_node
 
-from .engine import EngineInfo, GenerationRequest, Step
+from .engine import GenerationRequest, Step
 from ..stage.server import StageServer
-from .pipelines import PipelinesEngine, node_figures, plan_figures
+from .pipelines import PipelinesEngine, node_figures
+from .served_model import ServedModel
 
-DEFAULT_LANES = 8
 # Sessions block a thread while their stage computes; the default executor's few
 # threads would cap how many rows a decode step can gather.
 _SESSIONS = futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="session")
@@ -85,34 +81,29 @@ class InProcessPipeline:
 
 class InProcessEngine(PipelinesEngine):
     def __init__(self, model_path: str | Path, n_stages: int = 1, *,
-                 cache: CacheConfig | None = None, runtime: str = "torch",
+                 cache: CacheConfig | None = None, runtime: RuntimeKind = TORCH,
                  wire_dtype: str = "f16", model_name: str | None = None,
                  ranges: list[tuple[int, int]] | None = None, lanes: int = DEFAULT_LANES,
+                 n_ctx: int = DEFAULT_N_CTX, weight_format: str = REFERENCE_FORMAT,
                  policy: str | None = None, **spec_options):
-        """`policy` overrides the family's cache policy (tests of the payload path on a
-        dense model)."""
-        path = Path(model_path)
-        f = open_model(path)
-        config, policy = ModelConfig.from_gguf(f), policy or capability_for(f).policy
-        model_digest = gguf_model_digest(f)
-        f.close()
+        """The plan the Ray engine would make on one node, this machine (`ranges`: exactly
+        those). `policy` overrides the family's cache policy (tests of the payload path on
+        a dense model); `spec_options` are the stages' other StageSpec fields."""
         self.cache = cache or CacheConfig()
+        # Stages in this process need no process of their own: no per-stage overhead.
+        self.model = ServedModel.open(model_path, runtime, lambda _digest: [_this_machine()],
+                                      stages=n_stages, ranges=ranges, wire_dtype=wire_dtype,
+                                      n_ctx=n_ctx, lanes=lanes, weight_format=weight_format,
+                                      policy=policy, overhead_bytes=0)
         spec_options.setdefault("chunk", self.cache.chunk)
-        ranges = ranges or even_ranges(config.n_layers, n_stages, config.cut_groups())
-        n, split = len(ranges), topology_digest(model_digest, ranges, wire_dtype)
-        servers = [StageServer(StageSpec(str(path), a, b, i, n, wire_dtype,
-                                         topology_digest=split, **spec_options),
-                               self.cache, policy, runtime)
-                   for i, (a, b) in enumerate(ranges)]
+        servers = [StageServer(self.model.spec(i, **spec_options), self.cache,
+                               self.model.policy, runtime)
+                   for i in range(len(self.model.plan.stages))]
         self.servers = servers
         # Loop threads hold their stages: they end with the engine (or its close).
         self._stop = weakref.finalize(self, _stop_loops, servers)
         self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
-        self._plan = _plan(path, model_digest, servers, runtime, lanes)
-        self.info = EngineInfo(model=model_name or path.stem, path=str(path),
-                               n_ctx=servers[0].runtime.n_ctx, n_stages=n,
-                               topology_digest=split, lanes=lanes,
-                               extra={"runtime": runtime, "policy": policy, "pipelines": 1})
+        self.info = self.model.info(model_name, lanes, pipelines=1)
 
     def complete(self, tokens, max_tokens: int, **fields) -> list[Step]:
         """A request's steps, run to the end from synchronous code (tests, the CLI)."""
@@ -124,30 +115,21 @@ class InProcessEngine(PipelinesEngine):
 
     def stats(self) -> dict:
         stages = self._with_free_lanes([s.stats() for s in self.servers])
+        plan = self.model.figures(1, lambda _r, i: self.model.plan.stages[i].node.name)
         return {"stages": stages, "nodes": node_figures(("local", s) for s in stages),
-                "plan": self._plan, **self._figures()}
+                "plan": plan, **self._figures()}
 
     async def close(self) -> None:
         self._stop()
 
 
-def _plan(path: Path, model_digest: str, servers: list[StageServer], runtime: str,
-          lanes: int) -> dict:
-    """The stages on this machine and the memory each reserves (the planner's figures
-    for these ranges: weights in the stages' format, KV for the lane budget)."""
-    spec = servers[0].spec
-    held = None if runtime != "torch" else \
-        functools.partial(held_bytes, spec.weight_format)
-    facts = ModelFacts.from_gguf(path, tensor_bytes=held, model_digest=model_digest)
-    ranges = [(s.spec.layer_start, s.spec.layer_end) for s in servers]
-    sizes = stage_bytes(facts, ranges, n_ctx=servers[0].runtime.n_ctx, lanes=lanes)
+def _this_machine() -> NodeSpec:
+    """This machine as the plan's one node; where its free memory cannot be read (no
+    /proc/meminfo), one that refuses nothing."""
     try:
-        node = local_node()
-        here = (node.name, node.memory, node.cpus)
+        return local_node()
     except PlanError:
-        here = ("local", None, os.cpu_count())
-    return plan_figures([here], [(0, i, "local", a, b, w, kv, 0)
-                                 for i, ((a, b), (w, kv)) in enumerate(zip(ranges, sizes))])
+        return NodeSpec("local", sys.maxsize, os.cpu_count() or 1)
 
 
 def _stop_loops(servers: list[StageServer]) -> None:

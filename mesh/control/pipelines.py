@@ -1,6 +1,7 @@
 """What both engines share: admission, the router over pipelines, the one driver, and the
-figures about them. An engine differs only in how it builds its pipelines: stage objects
-in this process (mesh/control/local.py) or stage actors on Ray (mesh/control/ray_engine.py).
+figures about them. Both build from one plan (mesh/control/served_model.py) and differ only
+in where its stages live: objects in this process (mesh/control/local.py) or actors on Ray
+(mesh/control/ray_engine.py).
 """
 
 from __future__ import annotations
@@ -122,15 +123,3 @@ def node_figures(stages: Iterable[tuple[str, dict]]) -> dict[str, dict]:
         figures["saved_bytes"] = figures["logical_bytes"] - figures["physical_bytes"]
     return nodes
 
-
-def plan_figures(nodes: Iterable[tuple[str, int | None, int | None]],
-                 stages: Iterable[tuple[int, int, str, int, int, int, int, int]]) -> dict:
-    """The plan as the status page shows it: nodes as (name, memory bytes, cpus), stages
-    as (pipeline, stage, node, first layer, end layer, and the bytes the plan reserves:
-    weights, KV and state of the lane budget, overhead)."""
-    return {"nodes": [{"name": name, "memory": memory, "cpus": cpus}
-                      for name, memory, cpus in nodes],
-            "stages": [{"pipeline": r, "stage": i, "node": node, "layers": [a, b],
-                        "weight_bytes": w, "kv_bytes": kv, "overhead_bytes": o,
-                        "total_bytes": w + kv + o}
-                       for r, i, node, a, b, w, kv, o in stages]}

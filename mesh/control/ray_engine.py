@@ -22,25 +22,23 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from skippy.cache.config import CacheConfig, format_bytes
-from skippy.stages.linear import held_bytes
 from skippy.stages.runtime import StageSpec
-from skippy.topology.capabilities import capability_for
-from skippy.topology.model_package import is_package, open_model
-from skippy.topology.planner import ModelFacts, NodeSpec, Plan, StagePlan, plan
+from skippy.stages.runtime_kind import REFERENCE_FORMAT, TORCH, RuntimeKind
+from skippy.topology.model_package import is_package
+from skippy.topology.planner import DEFAULT_LANES, DEFAULT_N_CTX, NodeSpec, Plan, StagePlan
 
 from .. import tracing
 from ..progress import progress_bar
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
-from .engine import EngineInfo
 from .part_sources import PartSources
-from .pipelines import PipelinesEngine, node_figures, plan_figures
+from .pipelines import PipelinesEngine, node_figures
 from .ray_pipeline import ACTOR_START_TIMEOUT, RayPipeline
+from .served_model import ServedModel
 
 log = logging.getLogger(__name__)
 
-RESTARTS = 3       # Ray restarts a stage actor this many times; then the engine re-creates it
-DEFAULT_LANES = 8  # a pipeline's lane budget: 8 clients still decode together
+RESTARTS = 3  # Ray restarts a stage actor this many times; then the engine re-creates it
 # OpenMP's idle workers spin this many times before they sleep (libgomp's default is
 # about 300,000): a bursting stage's idle workers otherwise spin through the next stage's
 # step on the same cores (evals/README.md, "two stages on one node").
@@ -137,19 +135,25 @@ def cluster_nodes(model: Path | None = None, model_digest: str = "") -> list[Nod
 @dataclasses.dataclass
 class _Launch:
     """How to start each stage's actor: what a re-created actor needs again."""
-    path: Path
-    plan: Plan
+    model: ServedModel
     cache: CacheConfig
-    policy: str
-    runtime: str
     pipelines: int
     restarts: int
-    options: dict  # wire_dtype, n_ctx, threads, lane_batch, weight_format
+    threads: int | None  # None: the cores of the node, shared by its stages
+    lane_batch: int
     credentials: ClusterCredentials  # issues each actor its own
     host: str | None  # where stage servers listen (None: Ray's address of their node)
     parts: PartSources | None = None  # serving a package: where stages get their parts
     # (pipeline, stage) -> the node its actor was put on
     placed: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.model.path
+
+    @property
+    def plan(self) -> Plan:
+        return self.model.plan
 
     def node_for(self, r: int, i: int) -> str:
         """Where pipeline r's stage i goes: the node it is on while that is alive. The
@@ -205,13 +209,9 @@ class _Launch:
         them computing in turn, so each may then take its pipeline's cores there."""
         sharing = Counter(s.node.name for s in self.plan.stages)[st.node.name]
         share = max(1, st.node.cpus // (sharing * self.pipelines))
-        o = self.options
-        spec = StageSpec(str(self.path), st.start, st.end, st.index, len(self.plan.stages),
-                         o["wire_dtype"], n_ctx=o["n_ctx"], chunk=self.cache.chunk,
-                         threads=o["threads"] or share, lane_batch=o["lane_batch"],
-                         weight_format=o["weight_format"],
-                         topology_digest=self.plan.digest)
-        return spec, None if o["threads"] else share * sharing
+        spec = self.model.spec(st.index, chunk=self.cache.chunk,
+                               threads=self.threads or share, lane_batch=self.lane_batch)
+        return spec, None if self.threads else share * sharing
 
     def parts_for(self, spec: StageSpec):
         """Serving a package: the stage's parts and where to fetch those its node lacks."""
@@ -231,7 +231,7 @@ class _Launch:
                                                                soft=False),
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
-        ).remote(spec, self.cache, self.policy, self.runtime, self.host, burst,
+        ).remote(spec, self.cache, self.model.policy, self.model.runtime, self.host, burst,
                   credentials=self.credentials.issue(), parts=self.parts_for(spec),
                   traces=tracing.exporting_to())  # stages trace where the driver does
 
@@ -240,29 +240,29 @@ class RayEngine(PipelinesEngine):
     def __init__(self, model_path: str | Path, n_stages: int | None = None, *,
                  pipelines: int = 1, model_name: str | None = None,
                  address: str | None = None, cache: CacheConfig | None = None,
-                 runtime: str = "torch", wire_dtype: str = "f16", n_ctx: int = 8192,
-                 threads: int | None = None, weight_format: str = "fp32",
-                 lane_batch: int = 1, lanes: int = DEFAULT_LANES, restarts: int = RESTARTS,
-                 secret: str | None = None, stage_tls: str = "auto",
-                 progress: Callable[[str], None] = log.info):
+                 runtime: RuntimeKind = TORCH, wire_dtype: str = "f16",
+                 n_ctx: int = DEFAULT_N_CTX, threads: int | None = None,
+                 weight_format: str = REFERENCE_FORMAT, lane_batch: int = 1,
+                 lanes: int = DEFAULT_LANES, ranges: list[tuple[int, int]] | None = None,
+                 restarts: int = RESTARTS, secret: str | None = None,
+                 stage_tls: str = "auto", progress: Callable[[str], None] = log.info):
         """`secret`: what every stage call must carry (default: a new random one);
         `stage_tls`: auto (on when the cluster has more than one node), on, off."""
         _check_options(pipelines, stage_tls)
-        path = Path(model_path)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
-        f = open_model(path)
-        policy = capability_for(f).policy
-        f.close()
-        held = None if runtime != "torch" else functools.partial(held_bytes, weight_format)
-        facts = ModelFacts.from_gguf(path, tensor_bytes=held)
-        n_ctx = min(n_ctx, facts.context_length or n_ctx)
         # Every pipeline uses the same plan: the same ranges compute the same numbers, so
         # one topology digest names them all (the gateway's exact results rely on it).
-        nodes = cluster_nodes(path, facts.model_digest)
-        self.plan: Plan = plan(facts, nodes, wire_dtype=wire_dtype, n_ctx=n_ctx,
-                               stages=n_stages, lanes=lanes * pipelines)
-        n = len(self.plan.stages)
+        nodes: list[NodeSpec] = []  # the alive nodes that can hold the model
+
+        def held_by(model_digest: str) -> list[NodeSpec]:
+            nodes[:] = cluster_nodes(Path(model_path), model_digest)
+            return nodes
+        self.model = ServedModel.open(
+            model_path, runtime, held_by, stages=n_stages, ranges=ranges,
+            wire_dtype=wire_dtype, n_ctx=n_ctx, lanes=lanes * pipelines,
+            weight_format=weight_format)
+        self.plan, path, n = self.model.plan, self.model.path, len(self.model.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")
         # One node: no stage traffic leaves the host, so it stays on loopback in the clear.
@@ -272,14 +272,12 @@ class RayEngine(PipelinesEngine):
         progress(_caches_line(self.cache))
         progress(f"stage network: {'mutual TLS' if self.stage_tls else 'plain TCP'} on "
                  f"{host or 'each node address'}, calls carry the cluster secret")
-        self._launch = _Launch(path, self.plan, self.cache, policy, runtime, pipelines, restarts,
-                               dict(wire_dtype=wire_dtype, n_ctx=n_ctx, threads=threads,
-                                    lane_batch=lane_batch, weight_format=weight_format),
-                               cluster, host)
+        self._launch = _Launch(self.model, self.cache, pipelines, restarts, threads,
+                               lane_batch, cluster, host)
         for st in self.plan.stages:
             progress(_placement(st, path))
         driver = cluster.issue()
-        limit = message_limit(str(path), n_ctx, wire_dtype)
+        limit = message_limit(str(path), self.plan.n_ctx, wire_dtype)
         self.pipelines = [RayPipeline(functools.partial(self._launch.actor, r), n,
                                       credentials=driver, max_message=limit)
                           for r in range(pipelines)]
@@ -289,11 +287,8 @@ class RayEngine(PipelinesEngine):
         for i, how in enumerate(ray.get([a.compute.remote() for a in self.actors], timeout=60)):
             progress(f"stage {i} computes with {how}")
         self._serve(self.pipelines, lanes, self.cache.stride)
-        self.info = EngineInfo(model=model_name or path.stem, path=str(path), n_ctx=n_ctx,
-                               n_stages=n, topology_digest=self.plan.digest, lanes=lanes,
-                               extra={"runtime": runtime, "policy": policy,
-                                      "pipelines": pipelines, "weight_format": weight_format,
-                                      "lane_batch": lane_batch})
+        self.info = self.model.info(model_name, lanes, pipelines=pipelines,
+                                    weight_format=weight_format, lane_batch=lane_batch)
 
     @property
     def actors(self) -> list:
@@ -323,16 +318,9 @@ class RayEngine(PipelinesEngine):
                 "nodes": self._by_node(per), "plan": self._plan_figures(), **self._figures()}
 
     def _plan_figures(self) -> dict:
-        """The plan's stages where they run now (a lost node's stages move), and the
-        plan's nodes with their memory and cores."""
-        planned = {st.node.name[:12]: st.node for st in self.plan.stages}
-        rows = [(r, st.index, self._launch.placed.get((r, st.index), st.node.name)[:12],
-                 st.start, st.end, st.weight_bytes, st.kv_bytes, st.overhead_bytes)
-                for r in range(len(self.pipelines)) for st in self.plan.stages]
-        names = dict.fromkeys(node for _, _, node, *_ in rows)
-        return plan_figures([(n, planned[n].memory if n in planned else None,
-                              planned[n].cpus if n in planned else None) for n in names],
-                            rows)
+        """The plan's stages where they run now (a lost node's stages move)."""
+        return self.model.figures(len(self.pipelines), lambda r, i: self._launch.placed.get(
+            (r, i), self.plan.stages[i].node.name))
 
     def _by_node(self, per: list[list[dict]]) -> dict[str, dict]:
         return node_figures((self._launch.placed.get((r, i), "")[:12], s)

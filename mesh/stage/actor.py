@@ -11,6 +11,7 @@ import ray
 
 from skippy.cache.config import CacheConfig
 from skippy.stages.runtime import StageSpec
+from skippy.stages.runtime_kind import TORCH, RuntimeKind
 
 from .. import tracing
 from .grpc_service import grpc_opener, message_limit, start_server
@@ -23,8 +24,9 @@ from .state_pull import StatePuller
 
 @ray.remote
 class StageActor:
-    def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str, runtime: str = "torch",
-                 host: str | None = None, burst_threads: int | None = None, *,
+    def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str,
+                 runtime: RuntimeKind = TORCH, host: str | None = None,
+                 burst_threads: int | None = None, *,
                  credentials: StageCredentials, parts: PartSource | None = None,
                  traces: str | None = None):
         """Serves on `host` (default: Ray's address of this node), taking calls that carry

@@ -12,6 +12,7 @@ from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
 from skippy.stages.factory import make_runtime
 from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.runtime_kind import TORCH, RuntimeKind
 from skippy.stages.stage_cache import StageCache
 
 from ..token_mask import Vocabulary
@@ -23,7 +24,7 @@ from .state_pull import StatePuller
 
 class StageServer:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str,
-                 runtime: str = "torch", *, burst_threads: int | None = None,
+                 runtime: RuntimeKind = TORCH, *, burst_threads: int | None = None,
                  store: BlockStore | None = None, cold_store: BlockStore | None = None):
         """`store`: where this stage's state blocks live (default: its own, in memory;
         a stage actor shares its node's, mesh/stage/node_store.py); `cold_store`: the
