@@ -1,4 +1,4 @@
-"""What every family must pass, written once: tests/test_families.py runs these over the
+"""What every family must pass, written once: tests/test_family_bar.py runs these over the
 registry's synthetic files (topology/families.py, SynthCase), and a family's own test file
 reads the same file through `case_file`."""
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from skippy.evals import certify_matrix
 from skippy.evals.numerics import family_agreement, greedy_logits, whole_model
 from skippy.evals.reference import LlamaCppReference
 from skippy.stages.certify import certify
-from skippy.stages.runtime import StageSpec
+from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -68,25 +69,55 @@ def check_lanes_independent(path, weight_format: str = "fp32") -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def check_resume_is_bitwise_cold(path, weight_format: str = "fp32") -> None:
-    """State saved at every chunk boundary by another prompt that shares only that
-    prefix, restored, and run on: the same prefill rows and decode logits as cold."""
+def check_resume_is_bitwise_cold(path, weight_format: str = "fp32") -> dict:
+    """State saved at every chunk boundary, by the prompt itself and by another prompt that
+    shares only that prefix, restored and run on: the same prefill rows and decode logits
+    as cold. A hybrid exports only at its snapshots, so each prefill asks for them. Returns
+    the cold prompt's snapshots, for a family's own checks of what they hold."""
     rt = runtime(path, weight_format=weight_format)
+    bounds = tuple(range(CHUNK, len(PROMPT), CHUNK))
     cold = rt.alloc_lane()
-    all_cold = rt.prefill(cold, torch.tensor(PROMPT), logits="all").logits
-    cold_steps = [rt.decode([(cold, torch.tensor(t))])[0].logits for t in (7, 8, 9)]
-    for b in range(CHUNK, len(PROMPT), CHUNK):
+    out = rt.prefill(cold, torch.tensor(PROMPT), logits="all", snapshots=bounds)
+    assert sorted(out.snapshots) == list(bounds)
+    cold_run = greedy_logits(rt, cold, out.logits[-1], 4)
+    for b in bounds:
         other = rt.alloc_lane()
-        rt.prefill(other, torch.tensor(PROMPT[:b] + [5] * 40), logits="none")
-        state = rt.export_state(other, b)
+        shared = rt.prefill(other, torch.tensor(PROMPT[:b] + [5] * 40), logits="none",
+                            snapshots=(b,)).snapshots[b]
         rt.free_lane(other)
-        lane = rt.alloc_lane()
-        rt.import_state(lane, state)
-        rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
-        assert torch.equal(rows, all_cold[b:]), f"prefill rows differ after resuming at {b}"
-        for t, want in zip((7, 8, 9), cold_steps):
-            assert torch.equal(rt.decode([(lane, torch.tensor(t))])[0].logits, want)
-        rt.free_lane(lane)
+        for state in (out.snapshots[b], shared):
+            assert state.n_tokens == b
+            lane = rt.alloc_lane()
+            rt.import_state(lane, state)
+            assert rt.prefill_boundary(lane) == b
+            rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
+            assert torch.equal(rows, out.logits[b:]), f"prefill rows differ after resuming at {b}"
+            assert torch.equal(greedy_logits(rt, lane, rows[-1], 4), cold_run), \
+                f"decode differs after resuming at {b}"
+            rt.free_lane(lane)
+    return out.snapshots
+
+
+def check_export_only_at_snapshots(path) -> None:
+    """A hybrid's state exists at its length, its snapshots and 0, nowhere else: no export,
+    copy or restart between them."""
+    rt = runtime(path)
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.tensor(PROMPT), logits="none", snapshots=(64,))
+    for n in (150, 64, 0):
+        assert rt.export_state(lane, n).n_tokens == n
+    for n in (32, 96, 100, 149):
+        with pytest.raises(StageError):
+            rt.export_state(lane, n)
+    other = rt.alloc_lane()
+    with pytest.raises(StageError):
+        rt.copy_lane(lane, other, 96)
+    rt.copy_lane(lane, other, 64)
+    assert rt.lane_length(other) == 64
+    # the lane cannot roll back to 32 or 96 (no state there), but it can restart at 64
+    assert rt.prefill_boundary(lane) == 64
+    with pytest.raises(StageError):
+        rt.prefill(lane, torch.tensor(PROMPT[32:]), start=32)
 
 
 def check_decode_after_padded_prefill(path, name: str) -> None:

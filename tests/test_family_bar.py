@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from family_checks import (case_file, check_agreement, check_certify,
-                           check_decode_after_padded_prefill, check_lanes_independent,
-                           check_resume_is_bitwise_cold)
+                           check_decode_after_padded_prefill, check_export_only_at_snapshots,
+                           check_lanes_independent, check_resume_is_bitwise_cold)
 from skippy.topology.families import synth_cases
 
 # tests/test_family_gemma4.py runs the bar on gemma4's two files itself (its A4B checks
@@ -48,6 +48,12 @@ def test_hybrid_decode_after_a_padded_chunk_follows_llama_cpp(files, name):
 @pytest.mark.parametrize("name", HYBRID)
 def test_hybrid_lane_state_does_not_depend_on_other_lanes(files, name):
     check_lanes_independent(files(name))
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_resume_from_a_snapshot_is_bitwise_and_state_exists_only_there(files, name):
+    check_resume_is_bitwise_cold(files(name))
+    check_export_only_at_snapshots(files(name))
 
 
 @pytest.mark.parametrize("name", DENSE)
