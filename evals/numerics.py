@@ -67,13 +67,15 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-def compare_on_corpus(path, records: list[dict]) -> dict:
+def compare_on_corpus(path, records: list[dict], window: int = WINDOW) -> dict:
+    """Every position's logits of each record's last `window` prompt tokens, ours against
+    llama.cpp's."""
     ref = LlamaCppReference(path)
     rt = whole_model(path)
     agree = total = 0
     final_cos, max_delta = [], 0.0
     for record in records:
-        ids = prompt_ids(ref, record)
+        ids = prompt_ids(ref, record, window)
         expected = ref.logits(ids)
         lane = rt.alloc_lane()
         got = rt.prefill(lane, torch.tensor(ids), logits="all").logits.numpy()

@@ -1,4 +1,6 @@
-"""Our torch stages against llama.cpp, logits at every position, on the same GGUF."""
+"""Our torch stages against llama.cpp, logits at every position, on the same GGUF: the
+first prompt of each use case, its last 128 tokens (two per use case at 256:
+`python -m skippy.evals.numerics`)."""
 
 from __future__ import annotations
 
@@ -10,20 +12,23 @@ from skippy.evals.numerics import (compare_on_corpus, first_of_each_use_case, ma
 from skippy.evals.reference import LlamaCppReference
 
 
+WINDOW = 128
+
+
 def report(result: dict) -> dict:
     print(f"\n{result}")
     return result
 
 
 def test_smollm2_matches_llama_cpp_on_f16(smollm2_f16, corpus):
-    r = report(compare_on_corpus(smollm2_f16, first_of_each_use_case(corpus, 1)))
+    r = report(compare_on_corpus(smollm2_f16, first_of_each_use_case(corpus, 1), WINDOW))
     assert r["top1"] >= 0.99
     assert r["min_final_cosine"] >= 0.9999
 
 
 @pytest.mark.slow
 def test_gemma3_matches_llama_cpp_on_f16(gemma3_f16, corpus):
-    r = report(compare_on_corpus(gemma3_f16, first_of_each_use_case(corpus, 1)))
+    r = report(compare_on_corpus(gemma3_f16, first_of_each_use_case(corpus, 1), WINDOW))
     assert r["top1"] >= 0.99
     assert r["min_final_cosine"] >= 0.9999
 
