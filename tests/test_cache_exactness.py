@@ -1,5 +1,6 @@
-"""Cache on vs off on the corpus: the first 2 records of each use case, capped at 256
-tokens (the full set: `python -m skippy.evals.cache_exactness`)."""
+"""Cache on vs off on the corpus: the first 2 records of each use case, their first 192
+tokens (hits at the 64- and 128-token chunk boundaries of shared prefixes; the full set:
+`python -m skippy.evals.cache_exactness`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from skippy.evals.numerics import first_of_each_use_case
 
 
 def check(path, corpus, stages):
-    r = compare(path, first_of_each_use_case(corpus, 2), stages, cap=256)
+    r = compare(path, first_of_each_use_case(corpus, 2), stages, cap=192)
     bad = [x["id"] for x in r["rows"] if not (x["same_tokens"] and x["bitwise_logits"])]
     print(f"\n{r['model']} x{stages}: reused {r['reused_tokens']}/{r['prompt_tokens']} tokens")
     assert not bad, f"cache on differs from cache off for {bad}"
