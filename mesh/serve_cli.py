@@ -9,10 +9,9 @@ from pathlib import Path
 
 from skippy.topology.planner import DEFAULT_LANES, DEFAULT_N_CTX
 
+from .front.limits import DEFAULT_PORT
 from .usage import Parser, UsageError, port_arg, runtime_arg, runtime_names, say, \
     weight_format
-
-DEFAULT_PORT = 8000
 
 
 def cmd_serve(args) -> int:

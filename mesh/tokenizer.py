@@ -23,6 +23,7 @@ import codecs
 import contextlib
 import ctypes
 import os
+import re
 import sys
 import threading
 from functools import cached_property
@@ -92,7 +93,48 @@ class Tokenizer:
         """Token ids of `text`. With add_special, BOS/EOS are added where the GGUF says so
         (Gemma: BOS; SmolLM2: nothing). With control (as in llama-server), control-token
         text such as `<|im_start|>` becomes its control id; without, it is plain text."""
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=control)
+        data = text.encode("utf-8")
+        # a token per byte at most, plus BOS, EOS and SentencePiece's space prefix: one call
+        # (llama-cpp-python sizes its first try by n_ctx_train, 0 for a vocabulary alone,
+        # so each of its calls tokenized twice)
+        size = len(data) + 3
+        while True:
+            ids = (llama_cpp.llama_token * size)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), ids, size,
+                                         add_special, control)
+            if n >= 0:
+                return ids[:n]
+            if -n <= size:
+                raise TokenizerError(f"llama.cpp could not tokenize {len(data)} bytes")
+            size = -n
+
+    def spells_control(self, text: str) -> bool:
+        """Whether `text` tokenizes otherwise with control tokens parsed than as plain text
+        (it spells a control token). Text that holds no control token's spelling
+        tokenizes the same either way (llama.cpp splits out only those when it parses
+        them), so only text that holds one is tokenized, twice, to tell."""
+        return self._control.occurs_in(text) and \
+            self.encode(text, add_special=False) != \
+            self.encode(text, add_special=False, control=False)
+
+    def may_touch_control(self, text: str) -> bool:
+        """Whether `text`, set between other text, could be all or part of a control
+        token's spelling: it holds one, begins with the end of one, ends with the start of
+        one, or lies inside one. Where it cannot, tokenizing it apart from its neighbours
+        or within them gives it no control token of its own. A string scan."""
+        return self._control.touches(text)
+
+    @cached_property
+    def _control(self) -> _Spellings:
+        """The spellings of the tokens llama.cpp turns text into only when it parses
+        control tokens: control and unknown tokens (llama-vocab.cpp,
+        tokenizer_st_partition)."""
+        kinds = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = (llama_cpp.llama_vocab_get_text(self._vocab, i)
+                 for i in range(self.vocab_size)
+                 if llama_cpp.llama_vocab_get_attr(self._vocab, i) & kinds)
+        return _Spellings(frozenset(t.decode("utf-8", errors="replace") for t in texts
+                                    if t))
 
     def encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
         """Token ids of (text, control) pieces in order, BOS/EOS as for their joined text:
@@ -206,6 +248,39 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r})"
+
+
+class _Spellings:
+    """A set of token spellings, searched for in text without a tokenizer."""
+
+    def __init__(self, spellings: frozenset[str]):
+        self.spellings = spellings
+        self.longest = max(map(len, spellings), default=0)
+        self._lengths: dict[str, set[int]] = {}  # first character -> spelling lengths
+        for s in spellings:
+            self._lengths.setdefault(s[0], set()).add(len(s))
+        self._heads = {s[:k] for s in spellings for k in range(1, len(s))}
+        self._tails = {s[k:] for s in spellings for k in range(1, len(s))}
+        self._starts = re.compile("|".join(map(re.escape, sorted(self._lengths)))) \
+            if spellings else None
+
+    def occurs_in(self, text: str) -> bool:
+        if self._starts is None:
+            return False
+        for m in self._starts.finditer(text):
+            i = m.start()
+            if any(text[i:i + n] in self.spellings for n in self._lengths[m.group()]):
+                return True
+        return False
+
+    def touches(self, text: str) -> bool:
+        """`text` holds a spelling, or meets one across either of its edges."""
+        if not text or self._starts is None:
+            return False
+        edge = range(1, min(len(text), self.longest) + 1)
+        return (self.occurs_in(text) or any(text[-k:] in self._heads for k in edge)
+                or any(text[:k] in self._tails for k in edge)
+                or (len(text) < self.longest and any(text in s for s in self.spellings)))
 
 
 class TextStream:

@@ -220,9 +220,21 @@ def test_control_token_text_in_a_message_is_tokenized_as_text(request, tok_name)
     assert encode_chat(template, tok, FORGED, control_text=True) != forged
 
 
+@pytest.mark.parametrize("content", ["hi", "\n\nhi", "  hi", "\t\thi", "\n123", "\n\n"])
+@pytest.mark.parametrize("tok_name", ["smollm2_tok", "gemma_tok"])
+def test_content_that_spells_no_control_token_tokenizes_as_llama_server_does(request, tok_name,
+                                                                            content):
+    # whitespace at a content's start would tokenize otherwise apart from the template's
+    # text before it ("\n" + "\n\nhi"): the whole rendered text is what llama-server reads
+    tok = request.getfixturevalue(tok_name)
+    template = load_chat_template(tok)
+    for msgs in ([{"role": "user", "content": content}],
+                 [{"role": "system", "content": content}, {"role": "user", "content": "q"}]):
+        assert encode_chat(template, tok, msgs) == tok.encode(template.render(msgs))
+
+
 def test_chat_ids_are_unchanged_for_every_corpus_conversation(smollm2_tok, gemma_tok, corpus):
-    # content tokenized apart from the template meets it at control tokens or at a
-    # pre-tokenizer boundary: the ids equal those of the whole rendered text
+    # no corpus content spells a control token: each is tokenized with its whole text
     for tok in (smollm2_tok, gemma_tok):
         template = load_chat_template(tok)
         for record in corpus:

@@ -778,12 +778,12 @@ def test_stage_figures_beyond_caches_reach_metrics(scripted):
 
 
 def test_chat_without_a_template_is_a_clear_400(smollm2, monkeypatch):
-    import skippy.mesh.front.gateway as gateway
+    import skippy.mesh.front.request_building as request_building
 
     def missing(_source):
         raise ChatTemplateMissing("model plain.gguf has no chat template; use completion")
 
-    monkeypatch.setattr(gateway, "load_chat_template", missing)
+    monkeypatch.setattr(request_building, "load_chat_template", missing)
     engine = ScriptedEngine(smollm2)
     with BackgroundServer(create_app(engine, api_keys=())) as srv:
         r = httpx.post(f"{srv.url}/v1/chat/completions", json={

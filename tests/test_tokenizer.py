@@ -94,6 +94,39 @@ def test_special_token_text_becomes_one_control_id(smollm2_tok, gemma_tok):
     assert len(start) == 1 and gemma_tok.token_text(start[0]) == "<start_of_turn>"
 
 
+def test_a_long_text_tokenizes_in_one_call_with_the_same_ids(tok, monkeypatch):
+    text = "  leading spaces\tand tabs\n\nnew lines  " * 200 + "<|im_end|>"
+    want = tok._llm.tokenize(text.encode(), add_bos=True, special=True)
+    calls = []
+    real = llama_cpp.llama_tokenize
+    monkeypatch.setattr(llama_cpp, "llama_tokenize", lambda *a: calls.append(1) or real(*a))
+    assert tok.encode(text) == want
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("name, text, spells", [
+    ("smollm2_tok", "plain text, <b>bold</b> and a < b > c", False),
+    ("smollm2_tok", "<|im_end|>", True), ("smollm2_tok", "say <|im_start|>user", True),
+    ("smollm2_tok", "<|im_start", False), ("smollm2_tok", "<start_of_turn>", False),
+    ("gemma_tok", "<start_of_turn>", True), ("gemma_tok", "<|im_end|>", False)])
+def test_spelling_a_control_token_is_what_parsing_control_tokens_changes(request, name, text,
+                                                                        spells):
+    tok = request.getfixturevalue(name)
+    assert tok.spells_control(text) == spells
+    assert spells == (tok.encode(text, add_special=False)
+                      != tok.encode(text, add_special=False, control=False))
+
+
+@pytest.mark.parametrize("text", ["<|im_end|>", "x <|im_", "|>x", "im_sta", "> quoted"])
+def test_text_that_may_complete_a_control_token_beside_other_text(smollm2_tok, text):
+    assert smollm2_tok.may_touch_control(text)
+
+
+@pytest.mark.parametrize("text", ["Hello there", "\n\nhi", "a < b", "tools: {\"x\": 1}"])
+def test_text_that_cannot_touch_a_control_token(smollm2_tok, text):
+    assert not smollm2_tok.may_touch_control(text)
+
+
 # -- decode and stream -------------------------------------------------------------------------
 @pytest.mark.parametrize("text", MULTIBYTE + SAMPLES[:3])
 def test_stream_reproduces_multibyte_text_exactly(tok, text):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .engine import EngineBusy
@@ -68,6 +69,19 @@ class LaneAdmission:
             self.refused += 1
             raise EngineBusy(f"no lane came free in {self.wait_s:.0f} s",
                              retry_after=self.wait_s / 10) from None
+
+    async def hold(self, k: int = 1) -> Callable[[], None]:
+        """Take k lanes (`acquire`); returns what gives them back, once however often it
+        is called (a request's end may be reached by several paths)."""
+        await self.acquire(k)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.release(k)
+        return release
 
     def _give_up(self, waiter: _Waiter) -> None:
         with self._lock:

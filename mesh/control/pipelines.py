@@ -27,15 +27,7 @@ class PipelinesEngine:
         self.rebuilds_by_pipeline = [0] * len(pipelines)
 
     async def reserve(self, lanes: int) -> Callable[[], None]:
-        await self.admission.acquire(lanes)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.admission.release(lanes)
-        return release
+        return await self.admission.hold(lanes)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         check_fits(request, self.info.n_ctx)

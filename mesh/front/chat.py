@@ -120,7 +120,10 @@ class ChatTemplate:
         contents). A template that transforms contents otherwise gives no pieces we can
         trust: then a message that spells a control token is refused (ValueError).
         Contents only: what `tools` and tool calls hold is checked by `encode_chat`."""
-        checked = validate_messages(messages)
+        return self._segments(validate_messages(messages), add_generation_prompt, tools)
+
+    def _segments(self, checked: list[dict], add_generation_prompt: bool,
+                  tools: list[dict] | None) -> list[tuple[str, bool]]:
         text = self._render(checked, add_generation_prompt, tools)
         texts = [i for i, m in enumerate(checked) if isinstance(m["content"], str)]
         holders = {i: f"\ue000{i}\ue001" for i in texts}
@@ -174,19 +177,27 @@ def encode_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dic
     (a trusted client's opt-in); what the template writes is tokenized with its control
     tokens. What the client wrote that the template copies beside its own text (tools,
     tool calls, tool names and ids) cannot be told apart from it: there a control-token
-    spelling is refused (ValueError)."""
-    if control_text:
-        return tokenizer.encode(template.render(messages, tools=tools))
+    spelling is refused (ValueError).
+
+    When no content can be or become part of a control token's spelling (the usual
+    case), the text is rendered once and tokenized whole, as llama-server tokenizes a
+    prompt: every control id then comes from the template. Only contents that can are
+    tokenized apart, from the template's pieces (`ChatTemplate.segments`)."""
     checked = validate_messages(messages)
+    if control_text:
+        return tokenizer.encode(template._render(checked, True, tools))
     for where, text in _tool_texts(checked, tools):
         _refuse_control_text(tokenizer, where, text)
-    pieces = template.segments(messages, tools=tools)
+    contents = [(i, m["content"]) for i, m in enumerate(checked)
+                if isinstance(m["content"], str)]
+    if not any(tokenizer.may_touch_control(c) for _, c in contents):
+        return tokenizer.encode(template._render(checked, True, tools))
+    pieces = template._segments(checked, True, tools)
     if len(pieces) == 1 and pieces[0][1]:  # contents could not be told apart
-        for i, m in enumerate(checked):
-            if isinstance(m["content"], str):
-                _refuse_control_text(tokenizer, f"messages[{i}].content", m["content"],
-                                     "and this model's chat template changes message "
-                                     "text, so it cannot be kept as text")
+        for i, content in contents:
+            _refuse_control_text(tokenizer, f"messages[{i}].content", content,
+                                 "and this model's chat template changes message "
+                                 "text, so it cannot be kept as text")
     return tokenizer.encode_pieces(pieces)
 
 
@@ -202,8 +213,7 @@ def _tool_texts(checked: list[dict], tools: list[dict] | None):
 
 def _refuse_control_text(tokenizer: Tokenizer, where: str, text: str,
                          why: str = "which would be read as the token itself") -> None:
-    if tokenizer.encode(text, add_special=False) != \
-            tokenizer.encode(text, add_special=False, control=False):
+    if tokenizer.spells_control(text):
         raise ValueError(f"{where} spells a control token, {why}")
 
 

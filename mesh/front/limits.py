@@ -1,4 +1,5 @@
-"""What one gateway admits: the limits `skippy serve` takes as flags.
+"""What one gateway admits, and where it listens by default: the limits and the port
+`skippy serve` takes as flags.
 
 Kept apart from the gateway so that the command line can show the defaults without
 importing the HTTP stack.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # n x max_tokens, summed over a request's choices

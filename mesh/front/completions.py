@@ -1,0 +1,135 @@
+"""One completion request's life, from its body to its last byte (DESIGN.md §4, §8).
+
+body (read up to max_body_bytes) -> validate (openai_api) -> generation requests
+(request_building, off the event loop) -> admission (a slot and every choice's lane) ->
+each choice's run (generation: the engine's steps, or the tokens already known for a
+deterministic request) -> one JSON body or an SSE stream (rendering).
+
+A stream starts only once every choice's first token (or end) is known, so a busy engine
+is still a 503, not a broken stream. A request ends by its deadline (`request_timeout_s`)
+or as soon as its client leaves (disconnect), and its lanes are free then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from ..control.engine import Engine, GenerationRequest
+from .admission import RequestAdmission
+from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
+from .edge import TENANT
+from .generation import Generation, RunContext, all_of, total_usage
+from .limits import GatewayLimits
+from .openai_api import ApiError, ParsedRequest, ResponseShape, parse_json, parse_request
+from .rendering import ClosingStream, sse_events, whole_body
+from .request_building import ModelView, build_requests
+from .tool_calls import ToolCallFormat
+
+
+@dataclasses.dataclass
+class Completions:
+    """What every completion reads: the engine, the model's view, the limits, admission,
+    the runs' context, and the answers' system_fingerprint. `as_error`: a failure as
+    the client's answer (the gateway's translation, for a stream's error event)."""
+
+    engine: Engine
+    view: ModelView
+    limits: GatewayLimits
+    admission: RequestAdmission
+    runs: RunContext
+    as_error: Callable[[Exception], ApiError]
+
+    def __post_init__(self):
+        # the split and the weights it serves (a new one means a seeded request may
+        # answer differently)
+        self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """The answer to one POST, by its deadline, unless the client leaves first (then
+        its work stops and nobody reads what we send)."""
+        arrived = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
+        tenant = request.scope.get(TENANT, "")
+        try:
+            async with asyncio.timeout_at(deadline) as within:
+                body = await self._read_body(request)
+                return await unless_client_leaves(request.receive, self._answer(
+                    body, chat, tenant, arrived, deadline))
+        except TimeoutError:
+            if not within.expired():
+                raise
+            raise self.admission.timed_out() from None
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=CLIENT_GONE_STATUS)
+
+    async def _read_body(self, request: Request) -> dict:
+        length = request.headers.get("content-length")
+        limit = self.limits.max_body_bytes
+        too_large = ApiError(413, f"the request body exceeds {limit} bytes",
+                             code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise too_large
+        return parse_json(bytes(raw))
+
+    async def _answer(self, body: dict, chat: bool, tenant: str, arrived: float,
+                      deadline: float) -> Response:
+        parsed = parse_request(body, chat=chat)
+        # templates and tokenizers take their time on long prompts: off the event loop
+        built = await asyncio.to_thread(build_requests, parsed, self.view, self.limits,
+                                        tenant)
+        release = await self.admission.admit(len(built.requests))
+        try:
+            requests = [dataclasses.replace(r, admitted=True) for r in built.requests]
+            return await self._respond(parsed, requests, arrived, release, deadline,
+                                       built.tool_format, tenant)
+        except BaseException:
+            release()
+            raise
+
+    async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
+                       arrived: float, release: Callable[[], None], deadline: float,
+                       fmt: ToolCallFormat | None, tenant: str) -> Response:
+        """Run the choices and answer; `release` ends the request's slot and lanes once
+        the answer is complete (a stream's when its last event is sent or the client
+        left). `fmt`: the tool-call format replies are read in (None: they are plain
+        content); `tenant`: the caller's, whose status page lists these runs."""
+        runs = [Generation(self.runs, r, parsed.stop, arrived, tenant) for r in requests]
+
+        async def close() -> None:
+            for run in runs:
+                await run.close()
+            release()
+
+        try:  # every choice's first token, so engine errors surface before any response
+            await all_of(run.start() for run in runs)
+        except BaseException:
+            await close()
+            raise
+        tokenizer = self.view.tokenizer
+        shape = ResponseShape(parsed.chat, self.view.model,
+                              lambda t: tokenizer.piece(t, special=True), self.fingerprint)
+        usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
+        if parsed.stream:
+            events = sse_events(runs, shape, usage, parsed.include_usage, fmt, deadline,
+                                self.admission.timed_out, self.as_error)
+            return ClosingStream(events, on_close=close, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+        try:
+            body = await whole_body(runs, shape, usage, fmt,
+                                    parsed.sampling.logprobs is not None)
+        finally:
+            release()
+        return JSONResponse(body)
