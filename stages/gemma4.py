@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 
 from skippy.topology.model_config import ModelConfig
 
+from . import qkernel
 from .layers import Rope, attend, gelu_f16, rms_norm
 from .linear import Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
 from .moe import MoeFfn, per_row
@@ -141,6 +142,10 @@ class Gemma4Attention:
         self.k_norm = t[p + "attn_k_norm.weight"] if self.own_kv else None
         self.v_norm = torch.ones(self.hd)  # an unweighted RMS norm: weight 1 is exact
         self.scale = cfg.attention_scale()  # 1: the normed q and k keep scores in range
+        self.lib = qkernel.library()
+        # decode rows come to our kernel normed and rotated: no norm, no rope there
+        self.shape = qkernel.AttnShape(self.heads, self.kv_heads, self.hd, self.hd, 0, 0,
+                                       self.window, cfg.rms_eps, self.scale, None)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:
@@ -154,7 +159,10 @@ class Gemma4Attention:
             v_raw = k_raw if self.k_is_v else y[2].reshape(n, self.kv_heads, self.hd)
             k = self.rope.apply(rms_norm(k_raw, self.k_norm, eps), positions)
             v = rms_norm(v_raw, self.v_norm, eps)
-        if len(segments) == 1 and segments[0].n == n:
+        one_row_each = all(s.n == 1 and s.row0 == i for i, s in enumerate(segments))
+        if self.lib is not None and one_row_each:
+            attn = self._decode(segments, q, k, v)
+        elif len(segments) == 1 and segments[0].n == n:
             attn = self._attend(segments[0], q, k, v)
         else:  # decode batch: padding rows belong to no lane and stay zero
             attn = h.new_zeros(n, self.heads * self.hd)
@@ -163,6 +171,21 @@ class Gemma4Attention:
                 attn[rows] = self._attend(seg, q[rows], None if k is None else k[rows],
                                           None if v is None else v[rows])
         return self.out(attn)
+
+    def _decode(self, segments: list[Segment], q, k, v) -> torch.Tensor:
+        """Decode rows, one per lane (padding rows past the segments stay zero): k and v
+        written here, the attention in our kernel (rowops.c), whose bits per row depend
+        on neither the thread count nor the rows beside it (torch's fused attention at
+        one query row gives other bits at 1 and 2 threads)."""
+        rows = len(segments)
+        if k is not None:
+            for r, seg in enumerate(segments):
+                seg.kv.write(self.slot, seg.pos, k[r:r + 1], v[r:r + 1])
+        out = q.new_zeros(q.shape[0], self.heads * self.hd)
+        qkernel.attend_cached(self.lib, self.shape, q[:rows].reshape(rows, -1).contiguous(),
+                              [s.pos for s in segments], [s.kv.k[self.slot] for s in segments],
+                              [s.kv.v[self.slot] for s in segments], out)
+        return out
 
     def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
         if k is not None:

@@ -59,10 +59,42 @@ class Routing:
         their weights [n, n_used]). `bias` (exp_probs_b) shifts the choice, not the
         weights."""
         probs = self._gate(logits)
+        experts = torch.topk(self._scores(probs, bias), self.n_used, dim=-1,
+                             sorted=True).indices
+        return experts, self._weights(probs, experts)
+
+    def margin(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[n]: how near each row's choice is to another: the last chosen expert's score
+        minus the best left out's (inf where every expert is chosen), in the scores the
+        choice compares (a near-tie between groups is not measured). A near-zero gap is a
+        near-tie that another summation order (llama.cpp's, another instruction set's)
+        may break the other way."""
+        scores = self._scores(self._gate(logits), bias)
+        if self.n_used >= scores.shape[-1]:
+            return scores.new_full(scores.shape[:-1], float("inf"))
+        top = torch.topk(scores, self.n_used + 1, dim=-1, sorted=True).values
+        return top[:, -2] - top[:, -1]
+
+    def runner_up(self, logits: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choice the other side of that near-tie makes: as __call__, with the last
+        chosen expert replaced by the best one left out (evals: a near-tie broken the
+        way the reference broke it)."""
+        probs = self._gate(logits)
+        scores = self._scores(probs, bias)
+        if self.n_used >= scores.shape[-1]:
+            return self(logits, bias)
+        top = torch.topk(scores, self.n_used + 1, dim=-1, sorted=True).indices
+        experts = torch.cat([top[:, :self.n_used - 1], top[:, self.n_used:]], dim=-1)
+        return experts, self._weights(probs, experts)
+
+    def _scores(self, probs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """What the choice compares: the gate's output, shifted by `bias`, outside the
+        best groups -inf."""
         choose = probs + bias if bias is not None else probs
-        if self.groups > 1:
-            choose = self._best_groups(choose)
-        experts = torch.topk(choose, self.n_used, dim=-1, sorted=True).indices
+        return self._best_groups(choose) if self.groups > 1 else choose
+
+    def _weights(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         weights = probs.gather(-1, experts)
         if self.gating == "softmax_weight":
             weights = torch.softmax(weights, dim=-1)
@@ -70,7 +102,7 @@ class Routing:
             weights = weights / weights.sum(-1, keepdim=True).clamp(min=_MIN_WEIGHT_SUM)
         if self.scale not in (0.0, 1.0):
             weights = weights * self.scale
-        return experts, weights
+        return weights
 
     def _gate(self, logits: torch.Tensor) -> torch.Tensor:
         if self.gating == "softmax":

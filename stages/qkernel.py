@@ -194,9 +194,9 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.skr_rms_norm.restype = None
     lib.skr_rms_norm.argtypes = [p, p, i64, i64, i64, ctypes.c_float, p]
-    lib.skr_attend_decode.restype = ctypes.c_int
-    lib.skr_attend_decode.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p,
-                                      ctypes.c_int]
+    for fn in (lib.skr_attend_decode, lib.skr_attend_cached):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
 
@@ -219,11 +219,24 @@ def attend_decode(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: i
                   out: torch.Tensor) -> None:
     """rowops.c skr_attend_decode over the first `rows` rows of qkv (changed in place:
     normed and rotated), into out."""
+    _attend(lib.skr_attend_decode, shape, qkv, rows, pos, keys, values, out)
+
+
+def attend_cached(lib: ctypes.CDLL, shape: AttnShape, q: torch.Tensor, pos: list[int],
+                  keys: list[torch.Tensor], values: list[torch.Tensor],
+                  out: torch.Tensor) -> None:
+    """rowops.c skr_attend_cached: decode rows q ([rows, heads * head_dim], normed and
+    rotated, their k and v already in the caches) over their lanes' keys, into out."""
+    _attend(lib.skr_attend_cached, shape, q, len(pos), pos, keys, values, out)
+
+
+def _attend(fn, shape: AttnShape, rows_in: torch.Tensor, rows: int, pos: list[int],
+            keys: list[torch.Tensor], values: list[torch.Tensor], out: torch.Tensor) -> None:
     arr = ctypes.c_void_p * rows
     at = (ctypes.c_int64 * rows)(*pos)
     ks, vs = arr(*(k.data_ptr() for k in keys)), arr(*(v.data_ptr() for v in values))
-    rc = lib.skr_attend_decode(ctypes.byref(shape), qkv.data_ptr(), rows, at, ks, vs,
-                               out.data_ptr(), torch.get_num_threads())
+    rc = fn(ctypes.byref(shape), rows_in.data_ptr(), rows, at, ks, vs, out.data_ptr(),
+            torch.get_num_threads())
     if rc:
         raise MemoryError("decode attention: no scratch memory")
 

@@ -156,17 +156,37 @@ static void heads(void *arg, int64_t b, int64_t e)
     }
 }
 
+/* Attention of `rows` query rows (q: [rows, width], row r's heads first), row r the next
+ * token of a lane at pos[r] whose k and v are already in that lane's cache (kcache[r],
+ * vcache[r]: token-major [cap, kv_heads, D]), over its keys [lo, pos[r]] (lo: the sliding
+ * window's start). out: [rows, heads * v_head_dim]. Heads run in parallel; each head is
+ * one thread's. */
+static int attend_rows(const attn_shape *A, float *q, int64_t width, int64_t rows,
+                       const int64_t *pos, float *const *kcache, float *const *vcache,
+                       float *out, int threads)
+{
+    const int H = A->heads, D = A->head_dim;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++)
+        longest = pos[r] + 1 > longest ? pos[r] + 1 : longest;
+    float *scratch = malloc(sizeof(float) * (size_t)(longest * rows * H));
+    if (!scratch)
+        return -1;
+    heads_job J = {A, q, width, pos, kcache, vcache, out, scratch, longest};
+    /* threads pay off on long contexts only */
+    skp_run(rows * H * longest * D > 65536 ? threads : 1, rows * H, heads, &J);
+    free(scratch);
+    return 0;
+}
+
 /* Decode attention for `rows` rows, each one lane's next token: row r's qkv output
  * (q heads, k heads, v heads) takes its q/k norms and rope at pos[r], writes its k and v
- * at pos[r] of that lane's cache (kcache[r], vcache[r]: token-major [cap, kv_heads, D]),
- * and attends over the lane's keys [lo, pos[r]] (lo: the sliding window's start).
- * out: [rows, heads * v_head_dim]. Heads run in parallel; each head is one thread's. */
+ * at pos[r] of that lane's cache, and attends as attend_rows says. */
 int skr_attend_decode(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
                       float *const *kcache, float *const *vcache, float *out, int threads)
 {
     const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
     const int64_t width = (int64_t)(H + G) * D + (int64_t)G * Dv;
-    int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) {
         float *qk = qkv + r * width;
         if (A->qk_norm)
@@ -175,16 +195,18 @@ int skr_attend_decode(const attn_shape *A, float *qkv, int64_t rows, const int64
              A->sin + pos[r] * (A->rope_dim / 2), A->rope_style);
         memcpy(kcache[r] + pos[r] * G * D, qk + (int64_t)H * D, sizeof(float) * G * D);
         memcpy(vcache[r] + pos[r] * G * Dv, qk + (int64_t)(H + G) * D, sizeof(float) * G * Dv);
-        longest = pos[r] + 1 > longest ? pos[r] + 1 : longest;
     }
-    float *scratch = malloc(sizeof(float) * (size_t)(longest * rows * H));
-    if (!scratch)
-        return -1;
-    heads_job J = {A, qkv, width, pos, kcache, vcache, out, scratch, longest};
-    /* threads pay off on long contexts only */
-    skp_run(rows * H * longest * D > 65536 ? threads : 1, rows * H, heads, &J);
-    free(scratch);
-    return 0;
+    return attend_rows(A, qkv, width, rows, pos, kcache, vcache, out, threads);
+}
+
+/* Decode attention of q ([rows, heads * head_dim], normed and rotated) for a family that
+ * prepares its own rows and writes their k and v itself (Gemma 4: its own norms, and
+ * shared-KV layers that read another layer's cache); A's qk_norm and rope are unused. */
+int skr_attend_cached(const attn_shape *A, float *q, int64_t rows, const int64_t *pos,
+                      float *const *kcache, float *const *vcache, float *out, int threads)
+{
+    return attend_rows(A, q, (int64_t)A->heads * A->head_dim, rows, pos, kcache, vcache, out,
+                       threads);
 }
 
 /* out[r][c] = sum over i of (codes[idx[r][c]][i] * scale[idx[r][c]][i / 32]) * x[r][i]:

@@ -30,10 +30,14 @@ def case_file(name: str, tmp_path_factory) -> Path:
 
 
 def check_agreement(path, name: str, **spec) -> dict:
-    """Teacher-forced against llama.cpp: 2 prompts of 320 tokens, 16 decode steps."""
+    """Teacher-forced against llama.cpp: 2 prompts of 320 tokens, 16 decode steps; an
+    expert choice that is a near-tie in our run (margin under 1e-3) is made llama.cpp's
+    way where the rows say llama.cpp made it the other way (evals/numerics.py
+    teacher_forced), and every row is then held to the bar."""
     r = family_agreement(path, **spec)
     print(f"\n{name} f32 vs llama.cpp: max |dlogit| {r['max_abs_delta']:.2e} over "
-          f"{r['positions']} rows ({r['decided']} with a clear top-1)")
+          f"{r['positions']} rows ({r['decided']} with a clear top-1); near-ties made "
+          f"the other way (prompt, row, layer, margin): {r['flipped']}")
     assert r["top1_where_clear"], r
     assert r["max_abs_delta"] <= 1e-3, r
     return r

@@ -12,8 +12,7 @@ from family_checks import (case_file, check_agreement, check_certify,
                            check_lanes_independent, check_resume_is_bitwise_cold)
 from skippy.topology.families import synth_cases
 
-# tests/test_family_gemma4.py runs the bar on gemma4's two files itself (its A4B checks
-# carry the marks of an open defect there).
+# tests/test_family_gemma4.py runs the bar on gemma4's two files itself.
 OWN_BAR = {"gemma4", "gemma4-a4b"}
 # tests/test_certify.py certifies these at 1 and 3 stages in every weight format.
 CERTIFIED = {"qwen3", "lfm2", "falcon-h1"}

@@ -161,17 +161,9 @@ def test_gelu_goes_through_f16_as_llama_cpp_does():
 
 
 # -- A4B: experts beside the dense FFN ----------------------------------------------------------
-# A known defect, seen on an AMD EPYC with AVX2 only (torch capability "AVX2"), where
-# every other family passes: A4B's f32 logits leave llama.cpp's (max |dlogit| 0.42, top-1
-# differs where clear) and its int4 bits change with the thread count. Both pass on the
-# AVX-512 machines. Strict: once fixed, the XPASS fails and this mark must go.
-AVX2_ONLY = not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-A4B_ON_AVX2 = pytest.mark.xfail(AVX2_ONLY, strict=True, reason=(
-    "gemma4 A4B on an AVX2-only CPU: f32 leaves llama.cpp and int4 depends on threads "
-    "(open defect)"))
-
-
-@A4B_ON_AVX2
+# On an AMD EPYC with AVX2 only, our run and llama.cpp break a routing near-tie of this
+# file (prompt 0, row 135, layer 2: margin 2e-5) apart, max |dlogit| 0.42 from that row
+# on: check_agreement makes that choice llama.cpp's way and holds every row to the bar.
 def test_a4b_follows_llama_cpp(gemma4_a4b):
     check_agreement(gemma4_a4b, "gemma4-a4b")
 
@@ -210,9 +202,7 @@ def test_decode_lanes_alone_equal_together(either, fmt):
     check_lanes_alone_equal_together(either, fmt)
 
 
-def test_integer_formats_do_not_depend_on_threads(either, request):
-    if "a4b" in request.node.callspec.id:
-        request.applymarker(A4B_ON_AVX2)
+def test_integer_formats_do_not_depend_on_threads(either):
     check_threads_do_not_change_bits(either, "int4")
 
 

@@ -67,6 +67,28 @@ def test_routing_follows_the_definitions(routing, with_bias):
         assert weights[r].tolist() == pytest.approx(want_w, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("routing", [Routing(2, "softmax", norm=True),
+                                     Routing(2, "sigmoid", norm=True, scale=2.5)])
+def test_a_near_tie_is_measured_and_can_go_the_other_way(routing):
+    """margin: the last chosen score minus the best left out; runner_up: the choice with
+    those two swapped, weighed by the same definitions."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(32, E, generator=gen, dtype=torch.float64)
+    bias = torch.randn(E, generator=gen, dtype=torch.float64) * 0.3
+    experts, _ = routing(logits, bias)
+    gap = routing.margin(logits, bias)
+    other, weights = routing.runner_up(logits, bias)
+    probs = torch.softmax(logits, -1) if routing.gating == "softmax" else torch.sigmoid(logits)
+    scores = probs + bias
+    for r in range(logits.shape[0]):
+        ranked = sorted(range(E), key=lambda i: -float(scores[r, i]))
+        assert experts[r].tolist() == ranked[:2] and other[r].tolist() == [ranked[0], ranked[2]]
+        assert float(gap[r]) == pytest.approx(float(scores[r, ranked[1]] - scores[r, ranked[2]]))
+        w = probs[r, other[r]] / probs[r, other[r]].sum() * (routing.scale or 1.0)
+        assert weights[r].tolist() == pytest.approx(w.tolist(), rel=1e-12)
+    assert torch.isinf(Routing(E, "softmax").margin(logits)).all()  # every expert chosen
+
+
 def test_grouped_routing_picks_only_from_the_best_groups():
     r = Routing(2, "sigmoid", groups=4, groups_used=1)
     logits = torch.full((1, E), -5.0)

@@ -158,6 +158,27 @@ def test_decode_attention_matches_torch(style, window):
     assert torch.equal(one[0], out[1])
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_cached_attention_is_decode_attention_over_prepared_rows(window):
+    """Rows a family normed, rotated and wrote to the cache itself (Gemma 4) attend with
+    the bits of attend_decode's, which prepares them; the caches are only read."""
+    H, G, D, pos = 4, 2, 32, [9, 3]
+    cos, sin = _rope_tables(64, D)
+    prepare = qkernel.AttnShape(H, G, D, D, D, 1, window, 1e-6, 1.0, None)
+    prepare.cos, prepare.sin = cos.data_ptr(), sin.data_ptr()
+    keys = [torch.randn(16, G, D) for _ in range(2)]
+    values = [torch.randn(16, G, D) for _ in range(2)]
+    qkv = torch.randn(2, (H + 2 * G) * D)
+    want = torch.zeros(2, H * D)
+    qkernel.attend_decode(lib, prepare, qkv, 2, pos, keys, values, want)  # qkv now rotated
+    held = [k.clone() for k in keys + values]
+    got = torch.zeros(2, H * D)
+    cached = qkernel.AttnShape(H, G, D, D, 0, 0, window, 1e-6, 1.0, None)
+    qkernel.attend_cached(lib, cached, qkv[:, :H * D].contiguous(), pos, keys, values, got)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, held))
+
+
 def test_rows_dot_is_the_rows_float32_values_times_x():
     b = Int8Blocks.from_float(torch.randn(300, 128))
     x = torch.randn(3, 128)
