@@ -12,11 +12,9 @@ from family_checks import (case_file, check_agreement, check_certify,
                            check_lanes_independent, check_resume_is_bitwise_cold)
 from skippy.topology.families import synth_cases
 
-# tests/test_family_gemma4.py runs the bar on gemma4's two files itself.
-OWN_BAR = {"gemma4", "gemma4-a4b"}
 # tests/test_certify.py certifies these at 1 and 3 stages in every weight format.
 CERTIFIED = {"qwen3", "lfm2", "falcon-h1"}
-CASES = [(fam, case) for fam, case in synth_cases() if case.name not in OWN_BAR]
+CASES = synth_cases()
 HYBRID = [c.name for f, c in CASES if f.cache_policy == "KvRecurrent"]
 # Dense attention on the shared decoder (MoE families: tests/moe_checks.py, per family).
 DENSE = [c.name for f, c in CASES if f.cache_policy == "ResidentKv" and f.moe is None
@@ -28,6 +26,10 @@ def files(smollm2, tmp_path_factory):  # smollm2: the tokenizer the files borrow
     return lambda name: case_file(name, tmp_path_factory)
 
 
+# On an AMD EPYC with AVX2 only, our run and llama.cpp break a routing near-tie of the
+# gemma4-a4b file apart (prompt 0, row 135, layer 2: margin 2e-5; max |dlogit| 0.42 from
+# that row on): check_agreement makes such a choice llama.cpp's way and holds every row
+# to the bar.
 @pytest.mark.parametrize("name", [c.name for _, c in CASES])
 def test_follows_llama_cpp_teacher_forced(files, name):
     check_agreement(files(name), name)
