@@ -32,7 +32,7 @@ _BY_ENUM = {enum: (name, dtype) for name, (enum, dtype) in _CODECS.items()}
 _SCALE = np.dtype("<f4")
 
 
-class MalformedFrame(ValueError):
+class MalformedFrame(Exception):
     """A frame message whose sizes disagree with its header (a peer's bug: not retryable)."""
 
 

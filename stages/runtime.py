@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skippy.topology.errors import UserError
 from skippy.topology.planner import DEFAULT_N_CTX
 
 from .frame import Frame
 
 
-class StageError(ValueError):
+class StageError(UserError):
     """A caller mistake the runtime refuses (bad range, misaligned start, unknown lane)."""
 
 

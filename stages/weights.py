@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 
 from gguf import GGMLQuantizationType
 
+from skippy.topology.errors import UserError
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 
@@ -27,7 +28,7 @@ from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix
 ROPE_FREQS = "rope_freqs.weight"
 
 
-class MissingTensor(ValueError):
+class MissingTensor(UserError):
     """The GGUF lacks a tensor this stage needs."""
 
 

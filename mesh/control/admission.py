@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from .engine import EngineBusy
+from skippy.topology.errors import OverCapacity
 
 QUEUE_WAIT_S = 30.0   # how long a request waits for its lanes
 
@@ -55,8 +55,8 @@ class LaneAdmission:
                 return
             if len(self._waiters) >= self.max_queue:
                 self.refused += 1
-                raise EngineBusy(f"all {self.lanes} lanes are busy and {self.max_queue} "
-                                 "requests wait", retry_after=self.wait_s / 10)
+                raise OverCapacity(f"all {self.lanes} lanes are busy and {self.max_queue} "
+                                   "requests wait", retry_after=self.wait_s / 10)
             waiter = _Waiter(k, loop, loop.create_future())
             self._waiters.append(waiter)
         try:
@@ -66,8 +66,8 @@ class LaneAdmission:
             if isinstance(e, asyncio.CancelledError):
                 raise
             self.refused += 1
-            raise EngineBusy(f"no lane came free in {self.wait_s:.0f} s",
-                             retry_after=self.wait_s / 10) from None
+            raise OverCapacity(f"no lane came free in {self.wait_s:.0f} s",
+                               retry_after=self.wait_s / 10) from None
 
     def _give_up(self, waiter: _Waiter) -> None:
         with self._lock:

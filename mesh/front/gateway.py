@@ -17,8 +17,9 @@ stages back sooner, so liveness probes should not kill it), and requests get a 5
 Neither says why to whoever asks: the reason is logged.
 
 A request ends by its deadline (`request_timeout_s`) or as soon as its client leaves
-(disconnect), and its lanes are free then. Failures of ours are logged with their
-traceback and answered with an error id, never the exception's text.
+(disconnect), and its lanes are free then. Every failure becomes its answer in
+mesh/front/http_errors.py (by our own types; ours are logged with their traceback and
+answered with an error id, never the exception's text).
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import socket
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
@@ -42,14 +41,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from skippy.topology.errors import OverCapacity, UserError, one_line
+
 from .. import tracing
 from .chat import ChatTemplate, ChatTemplateMissing, encode_chat, load_chat_template
 from ..control.admission import LaneAdmission
-from ..control.engine import Engine, EngineBusy, EngineError, GenerationRequest
+from ..control.engine import Engine, GenerationRequest
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from .edge import TENANT, ApiKeys, Edge, cache_namespace, is_loopback, keys_for_bind, \
     load_api_keys
 from .generation import Generation, RunContext, all_of, collect, pump, total_usage
+from . import http_errors
 from .limits import GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
 from .openai_api import (
@@ -74,7 +76,6 @@ __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 2  # what a 503 tells the client when nothing better is known
 READY_PROBE_INTERVAL_S = 5.0   # /ready probes the engine at most this often
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready",
               "/metrics", "/", "/status.json"}
@@ -148,13 +149,10 @@ class _Gateway:
                           f"into a prompt; use /v1/completions", "messages",
                           "chat_template_missing")
             tools = parsed.tools.template_tools if parsed.tools else None
-            try:  # what users typed stays text unless the server trusts its clients
-                return encode_chat(self.template, self.tokenizer, list(parsed.messages),
-                                   control_text=self.control_text, tools=tools)
-            except ValueError as e:  # bad messages or tools, or the template refused them
-                message = " ".join(str(e).split())
-                raise bad(message, "tools" if message.startswith("tools ") else "messages"
-                          ) from None
+            # what users typed stays text unless the server trusts its clients; bad
+            # messages or tools, or the template refusing them, are a RequestError
+            return encode_chat(self.template, self.tokenizer, list(parsed.messages),
+                               control_text=self.control_text, tools=tools)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size
@@ -263,7 +261,7 @@ class _Gateway:
             status = self.engine.status()
             serving, detail = bool(status["serving"]), str(status.get("detail", ""))
         except Exception as e:  # noqa: BLE001
-            serving, detail = False, f"the engine's status failed: {_one_line(e)}"
+            serving, detail = False, f"the engine's status failed: {one_line(e)}"
         if not serving and detail != self._said_down:
             log.warning("no pipeline can serve: %s", detail)
         self._said_down = "" if serving else detail
@@ -273,11 +271,12 @@ class _Gateway:
         """A slot among the concurrent requests (waiting for one a short while), or a
         503; returns what ends the slot (idempotent)."""
         if not self.serving():
-            raise _unavailable("no pipeline can serve right now; retry later", "unavailable")
+            raise http_errors.unavailable("no pipeline can serve right now; retry later",
+                                          "unavailable")
         try:
             await self.slots.acquire()
-        except EngineBusy:
-            raise _unavailable(f"this server is at its limit of "
+        except OverCapacity:
+            raise http_errors.unavailable(f"this server is at its limit of "
                                f"{self.limits.max_concurrent_requests} concurrent requests; "
                                f"retry later", "server_busy") from None
         return _once(self.slots.release)
@@ -406,7 +405,7 @@ class _Gateway:
                 yield sse(shape.usage_chunk(usage()))
         except Exception as e:  # noqa: BLE001
             # headers are gone: the error travels as an event, as OpenAI's servers do
-            yield sse(_as_api_error(e).envelope())
+            yield http_errors.event(e)
         finally:
             for task in pumps:
                 task.cancel()
@@ -442,7 +441,7 @@ class _Gateway:
                             pass
                 except Exception as e:  # noqa: BLE001
                     self._ready_at = 0.0
-                    log.warning("readiness probe failed: %s", _one_line(e))
+                    log.warning("readiness probe failed: %s", one_line(e))
                     return down
                 self._ready_at = time.monotonic()
         return JSONResponse({"status": "ready"})
@@ -468,36 +467,6 @@ class _ClosingStream(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             await self._on_close()
-
-
-def _as_api_error(e: Exception) -> ApiError:
-    """A failure as the client's answer: busy -> 503 with Retry-After; a ValueError (the
-    request refused, by us or by the engine's InvalidRequest) -> 400; an engine failure or
-    anything else -> 500: logged in full with an id, and only the id told."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, EngineBusy):
-        return _unavailable(f"the engine is busy, retry later ({_one_line(e)})",
-                            "engine_busy", e.retry_after)
-    if isinstance(e, ValueError):
-        return bad(_one_line(e))
-    return _internal(e)
-
-
-def _internal(e: BaseException) -> ApiError:
-    """A 500 whose message names an error id the log has beside the traceback: the
-    exception's text may tell what a caller should not learn (hosts, paths, state)."""
-    error_id = uuid.uuid4().hex[:12]
-    what = "the engine failed" if isinstance(e, EngineError) else "unexpected failure"
-    log.error("%s [error %s]", what, error_id, exc_info=(type(e), e, e.__traceback__))
-    return ApiError(500, f"the server failed to answer this request (error {error_id}); "
-                         f"its operator can look the id up in the server's log",
-                    code="internal_error")
-
-
-def _unavailable(message: str, code: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
-    seconds = str(max(1, math.ceil(retry_after)))  # HTTP wants whole seconds
-    return ApiError(503, message, code=code, headers={"Retry-After": seconds})
 
 
 def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
@@ -526,11 +495,7 @@ async def _guarded(awaitable):
     try:
         return await awaitable
     except Exception as e:  # noqa: BLE001
-        raise _as_api_error(e) from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+        raise http_errors.api_error(e) from None
 
 
 def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
@@ -583,11 +548,11 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, e: RequestValidationError):
-        return JSONResponse(bad(f"invalid request: {_one_line(e)}").envelope(), 400)
+        return JSONResponse(bad(f"invalid request: {one_line(e)}").envelope(), 400)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request, e: Exception):
-        return JSONResponse(_internal(e).envelope(), status_code=500)
+        return JSONResponse(http_errors.internal(e).envelope(), status_code=500)
 
 
 def _routes(app: FastAPI, gw: _Gateway) -> None:
@@ -629,12 +594,12 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000,
     """Serve until Ctrl-C (uvicorn handles the signal), then close the engine.
 
     api_keys: see `load_api_keys`. Beyond loopback without keys it refuses to start
-    (OpenBindRefused, a ValueError) unless `insecure`; a key file that cannot be read or
-    holds no key is a KeyFileError (a ValueError). Either way the engine is closed."""
+    (OpenBindRefused) unless `insecure`; a key file that cannot be read or holds no key is
+    a KeyFileError (both UserErrors). Either way the engine is closed."""
     import uvicorn
     try:
         keys = keys_for_bind(host, api_keys, insecure)
-    except ValueError:
+    except UserError:
         asyncio.run(engine.close())
         raise
     app = create_app(engine, api_keys=keys, close_engine=True, bind_host=host,

@@ -23,17 +23,18 @@ from typing import Any
 
 import jsonschema
 
+from skippy.topology.errors import RequestError
+
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 CHOICES = ("auto", "none", "required")
 
 
-class ToolSpecError(ValueError):
+class ToolSpecError(RequestError):
     """A bad tools / tool_choice / parallel_tool_calls; `param` names the field."""
 
     def __init__(self, message: str, param: str, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
+        super().__init__(message, param, code)
 
 
 def bad(message: str, param: str) -> ToolSpecError:
