@@ -33,7 +33,8 @@ _SCALE = np.dtype("<f4")
 
 
 class MalformedFrame(Exception):
-    """A frame message whose sizes disagree with its header (a peer's bug: not retryable)."""
+    """A frame message whose sizes disagree with its header: a peer's bug, so ours (the
+    stage logs it under an error id), never the request's fault."""
 
 
 def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
