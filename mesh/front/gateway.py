@@ -36,9 +36,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from skippy.topology.errors import OverCapacity, UserError, one_line
@@ -523,7 +521,7 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gateway = gw
-    _error_handlers(app)
+    http_errors.install(app)
     _routes(app, gw)
     add_status_routes(app, gw.status)
     app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys), tenant_secret),
@@ -531,28 +529,6 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     if tracing.enabled():  # outermost: a request's span holds the edge's refusals too
         app.add_middleware(tracing.HttpSpans)
     return app
-
-
-def _error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's envelope, in one line."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, e: ApiError):
-        return JSONResponse(e.envelope(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).envelope(),
-                            status_code=e.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, e: RequestValidationError):
-        return JSONResponse(bad(f"invalid request: {one_line(e)}").envelope(), 400)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_request, e: Exception):
-        return JSONResponse(http_errors.internal(e).envelope(), status_code=500)
 
 
 def _routes(app: FastAPI, gw: _Gateway) -> None:

@@ -12,6 +12,8 @@ By type (topology/errors.py), never by a builtin one:
   state): only the id is told.
 
 Once a stream has begun the same envelope travels as an SSE error event (`event`).
+`install` has the app answer what its routes do not catch the same way (FastAPI's and
+Starlette's own refusals included), each error in one line.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ from __future__ import annotations
 import logging
 import math
 
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from skippy.topology.errors import (OverCapacity, RequestError, StageUnavailable, log_ours,
                                     new_error_id, one_line)
 
-from .openai_api import ApiError, sse
+from .openai_api import ApiError, bad, sse
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,28 @@ def internal(e: BaseException) -> ApiError:
     return ApiError(500, f"the server failed to answer this request (error {error_id}); "
                          f"its operator can look the id up in the server's log",
                     code="internal_error")
+
+
+def install(app: FastAPI) -> None:
+    """Answer what escapes the routes in OpenAI's envelope too."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, e: ApiError):
+        return JSONResponse(e.envelope(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).envelope(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, e: RequestValidationError):
+        return JSONResponse(bad(f"invalid request: {one_line(e)}").envelope(), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request, e: Exception):
+        return JSONResponse(internal(e).envelope(), status_code=500)
 
 
 def _stage_unavailable(e: StageUnavailable) -> ApiError:
