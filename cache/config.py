@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from skippy.topology.errors import UserError
+
 GB = 10**9
 GiB = 2**30
 MiB = 2**20
@@ -25,7 +27,7 @@ _INTEGER = re.compile(r"[0-9]+")
 _BOOLS = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A setting is invalid. The one-line message is `"{setting}: {reason}"`, where the
     setting is a field, variable or flag name; `field` is the config field concerned."""
 

@@ -35,9 +35,10 @@ DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / 
 
 def prompt_ids(tokenizer, path, record: dict, cap: int) -> list[int]:
     from skippy.mesh.front.chat import ChatTemplateMissing, render_chat
+    from skippy.topology.errors import RequestError
     try:
         text = render_chat(path, record["messages"])
-    except (ChatTemplateMissing, ValueError):
+    except (ChatTemplateMissing, RequestError):  # no template, or it refuses the turns
         text = "".join(m["content"] for m in record["messages"])
     return tokenizer.encode(text)[:cap]
 

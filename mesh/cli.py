@@ -311,20 +311,15 @@ def _package_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from skippy.stages.runtime import StageError
-    from skippy.stages.synth import SynthError
-    from skippy.topology.families import UnsupportedFamily
-    from skippy.topology.gguf_file import GGUFError
-    from skippy.topology.planner import PlanError
-    from .front.chat import ChatTemplateMissing
-    from .models import ModelError
+    """Runs a command. A UserError (topology/errors.py: a bad flag, setting, model file,
+    split, ...) is the one line `skippy: error: ...` and exit 2; anything else is a bug of
+    ours and keeps its traceback."""
+    from skippy.topology.errors import UserError
 
-    user_errors = (UsageError, ModelError, PlanError, StageError, SynthError, GGUFError,
-                   UnsupportedFamily, ChatTemplateMissing, ValueError, FileNotFoundError)
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
-    except user_errors as e:
+    except UserError as e:
         if os.environ.get("SKIPPY_DEBUG"):
             raise
         _say(f"skippy: error: {e}")

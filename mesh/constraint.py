@@ -24,7 +24,7 @@ How to build one (the gateway and the tool-call code):
     # a tool call in the Qwen/Hermes format: <tool_call>\\n{"name": .., "arguments": {..}}
     # \\n</tool_call>, to one of these functions, arguments matching their schemas:
     c = tool_call([{"name": "get_weather", "parameters": {...}}, ...])
-    check(c)   # ConstraintError (a ValueError, one line) for a bad schema or grammar
+    check(c)   # ConstraintError (a RequestError, one line) for a bad schema or grammar
     sampling = SamplingParams(temperature=0, constraint=c)
 
 In Lark, `%json { ...schema... }` embeds a JSON schema as a rule, `"text"` is a literal
@@ -43,6 +43,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from skippy.topology.errors import RequestError, one_line
+
 KINDS = ("json_object", "json_schema", "lark")
 
 # How the JSON kinds are compiled: no free whitespace between tokens (a small model given
@@ -50,8 +52,9 @@ KINDS = ("json_object", "json_schema", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class ConstraintError(ValueError):
-    """A schema or grammar that cannot be compiled; the message is one line."""
+class ConstraintError(RequestError):
+    """A schema or grammar that cannot be compiled: the request's; the message is one
+    line (the caller that knows which field it came from names the param)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class Constraint:
             return llguidance.LLMatcher.grammar_from_json_schema(schema,
                                                                  overrides=JSON_OPTIONS)
         except ValueError as e:
-            raise ConstraintError(_one_line(e)) from None
+            raise ConstraintError(one_line(e)) from None
 
 
 def json_object() -> Constraint:
@@ -136,12 +139,8 @@ def check(constraint: Constraint) -> None:
     import llguidance
     error = llguidance.LLMatcher.validate_grammar(constraint.grammar())
     if error:
-        raise ConstraintError(_one_line(error))
+        raise ConstraintError(one_line(error))
 
 
 def _compact(value) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-
-
-def _one_line(e: object) -> str:
-    return " ".join(str(e).split())

@@ -30,6 +30,7 @@ from typing import Callable
 
 from gguf import GGMLQuantizationType, LlamaFileType
 
+from skippy.topology.errors import UserError
 from skippy.topology.gguf_file import GGUFError, GGUFFile
 from skippy.topology.model_package import is_package
 
@@ -41,7 +42,7 @@ CHUNK = 1 << 20  # hashing moves 1 MiB at a time: flat memory on 250 MB files
 Progress = Callable[[str], None]
 
 
-class ModelError(Exception):
+class ModelError(UserError):
     """A model cannot be pulled, found or converted; the message is one user-facing line."""
 
 

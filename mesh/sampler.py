@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from skippy.topology.errors import RequestError
+
 from .constraint import Constraint
 
 if TYPE_CHECKING:
@@ -57,20 +59,23 @@ class SamplingParams:
     constraint: Constraint | None = None  # the shape the reply must take (mesh/constraint.py)
 
     def __post_init__(self):
+        """RequestError naming the field for a setting out of range: a request's."""
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, not "
-                             f"{self.temperature}")
+            raise RequestError(f"temperature must be a finite number >= 0, not "
+                               f"{self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], not {self.top_p}", "top_p")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, not {self.top_k}")
+            raise RequestError(f"top_k must be >= 0, not {self.top_k}", "top_k")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], not {getattr(self, name)}")
+                raise RequestError(f"{name} must be in [-2, 2], not {getattr(self, name)}",
+                                   name)
         if any(not -100 <= b <= 100 for _, b in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+            raise RequestError("logit_bias values must be in [-100, 100]", "logit_bias")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}")
+            raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], not "
+                               f"{self.logprobs}", "logprobs")
 
     @property
     def deterministic(self) -> bool:

@@ -32,13 +32,14 @@ from typing import Iterable, Iterator
 
 import llama_cpp
 
+from skippy.topology.errors import UserError
 from skippy.topology.gguf_file import GGUFError, GGUFFile
 from skippy.topology.model_package import is_package, metadata_gguf
 
 _LOAD_LOCK = threading.Lock()  # fd 2 is process-wide: one quiet load at a time
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError):
     """The file cannot be loaded as a llama.cpp vocabulary; the message is one line."""
 
 

@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
+from skippy.topology.errors import UserError
+
 TRACES_PATH = "/v1/traces"
 
 
@@ -112,7 +114,7 @@ def traces_url(endpoint: str | None = None, env=os.environ) -> str | None:
     collector's OTLP/HTTP base URL such as http://collector:4318, to which /v1/traces is
     added; a URL already ending in /v1/traces is taken as it is), else
     $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, else $OTEL_EXPORTER_OTLP_ENDPOINT plus
-    /v1/traces. $OTEL_SDK_DISABLED=true turns the environment's off. ValueError (one
+    /v1/traces. $OTEL_SDK_DISABLED=true turns the environment's off. UserError (one
     line) for a URL that is not http(s)://host[:port][/path]."""
     if endpoint:
         url, base = endpoint, not endpoint.rstrip("/").endswith(TRACES_PATH)
@@ -126,7 +128,7 @@ def traces_url(endpoint: str | None = None, env=os.environ) -> str | None:
         return None
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"the OTLP endpoint {url!r} is not an http:// or https:// URL")
+        raise UserError(f"the OTLP endpoint {url!r} is not an http:// or https:// URL")
     return url.rstrip("/") + TRACES_PATH if base else url
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from skippy.topology.errors import UserError
 
-class UsageError(Exception):
+
+class UsageError(UserError):
     """A mistake in what the user asked for; printed as one line."""
 
 

@@ -32,8 +32,9 @@ _BY_ENUM = {enum: (name, dtype) for name, (enum, dtype) in _CODECS.items()}
 _SCALE = np.dtype("<f4")
 
 
-class MalformedFrame(ValueError):
-    """A frame message whose sizes disagree with its header (a peer's bug: not retryable)."""
+class MalformedFrame(Exception):
+    """A frame message whose sizes disagree with its header: a peer's bug, so ours (the
+    stage logs it under an error id), never the request's fault."""
 
 
 def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:

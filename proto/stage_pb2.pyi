@@ -167,16 +167,20 @@ class Alternative(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("message", "retryable", "busy", "invalid")
+    __slots__ = ("message", "retryable", "busy", "invalid", "param", "error_id")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    ERROR_ID_FIELD_NUMBER: _ClassVar[int]
     message: str
     retryable: bool
     busy: bool
     invalid: bool
-    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ..., invalid: _Optional[bool] = ...) -> None: ...
+    param: str
+    error_id: str
+    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ..., invalid: _Optional[bool] = ..., param: _Optional[str] = ..., error_id: _Optional[str] = ...) -> None: ...
 
 class StageResult(_message.Message):
     __slots__ = ("plan", "token", "error", "done")

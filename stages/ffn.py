@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from skippy.topology.gguf_file import ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
 from .layers import gated_activation
@@ -41,8 +42,8 @@ class FusedUpFfn:
         self.activation = cfg.family.activation
         self.gate_up = make_linear(t.matrix(p + "ffn_up.weight"), fmt)
         if self.gate_up.out_features != 2 * cfg.ff:
-            raise ValueError(f"{p}ffn_up.weight has {self.gate_up.out_features} rows, "
-                             f"expected 2 * {cfg.ff}")
+            raise ModelConfigError(f"{p}ffn_up.weight has {self.gate_up.out_features} rows, "
+                                   f"expected 2 * {cfg.ff}")
         self.down = make_linear(t.matrix(p + "ffn_down.weight"), fmt)
 
     def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:

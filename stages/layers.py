@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from skippy.topology.gguf_file import ModelConfigError
+
 from . import qkernel
 
 
@@ -23,7 +25,8 @@ def conv_taps(kernel: torch.Tensor, name: str, channels: int, width: int) -> lis
     """A depthwise causal conv kernel [channels, width] as one [channels] vector per tap;
     tap 0 weighs the oldest row."""
     if tuple(kernel.shape) != (channels, width):
-        raise ValueError(f"{name} has shape {tuple(kernel.shape)}, expected {(channels, width)}")
+        raise ModelConfigError(f"{name} has shape {tuple(kernel.shape)}, expected "
+                               f"{(channels, width)}")
     return [kernel[:, j].contiguous() for j in range(width)]
 
 
@@ -70,7 +73,7 @@ class Rope:
         if style not in ("norm", "neox"):
             raise ValueError(f"unknown rope style '{style}'")
         if factors is not None and factors.numel() < dim // 2:
-            raise ValueError(f"{factors.numel()} rope frequency factors for {dim // 2} pairs")
+            raise ModelConfigError(f"{factors.numel()} rope frequency factors for {dim // 2} pairs")
         self.dim, self.base, self.scale, self.style = dim, base, scale, style
         self.factors = factors.to(torch.float32).reshape(-1) if factors is not None else None
         self.cos = torch.empty(0, dim // 2)

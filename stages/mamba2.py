@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from skippy.topology.gguf_file import ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
 from .layers import causal_conv, conv_taps, rms_norm
@@ -46,8 +47,8 @@ class Mamba2:
         self.d_inner, self.n_head = cfg.ssm_d_inner, cfg.ssm_heads
         self.d_state, self.n_group = cfg.ssm_d_state, cfg.ssm_groups
         if self.d_inner % self.n_head or self.n_head % self.n_group:
-            raise ValueError(f"{p}: d_inner {self.d_inner}, heads {self.n_head} and groups "
-                             f"{self.n_group} do not divide")
+            raise ModelConfigError(f"{p}: d_inner {self.d_inner}, heads {self.n_head} and groups "
+                                   f"{self.n_group} do not divide")
         self.head_dim = self.d_inner // self.n_head
         self.conv_dim = self.d_inner + 2 * self.n_group * self.d_state
         self.d_conv = cfg.ssm_d_conv - 1  # rows of conv state

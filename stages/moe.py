@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from skippy.topology.gguf_file import ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
 from .layers import gated_activation
@@ -220,8 +221,8 @@ class MoeFfn:
         self.routing = Routing.of(cfg)
         self.experts = load_experts(index, t, fmt, activation)
         if len(self.experts) != self.router.out_features:
-            raise ValueError(f"layer {index}: {len(self.experts)} experts, router for "
-                             f"{self.router.out_features}")
+            raise ModelConfigError(f"layer {index}: {len(self.experts)} experts, router for "
+                                   f"{self.router.out_features}")
         self.shared = None
         if p + "ffn_up_shexp.weight" in t.names:
             self.shared = Expert.of(t.matrix(p + "ffn_gate_shexp.weight"),

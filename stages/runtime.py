@@ -20,13 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skippy.topology.errors import UserError
 from skippy.topology.planner import DEFAULT_N_CTX
 
 from .frame import Frame
 
 
-class StageError(ValueError):
-    """A caller mistake the runtime refuses (bad range, misaligned start, unknown lane)."""
+class StageError(UserError):
+    """A call the runtime refuses (bad range, misaligned start, unknown lane, a format it
+    lacks): a user's mistake when it is their split or format (the CLI's one line); made
+    by the mesh while serving, it is a bug of ours, and the stage RPC answers it as one
+    (logged with an error id, never the request's `invalid`)."""
 
 
 # The serving default (`skippy serve`): the fastest weight format whose top-1 agreement

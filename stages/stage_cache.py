@@ -265,7 +265,8 @@ class StageCache:
                 self.entries.adopt(tokens[:start], self.runtime.export_state(lane, start),
                                    self.scope(namespace))
             return True
-        except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
+        except (BlockError, IncompatiblePayload, StageError, KeyError, ValueError,
+                RuntimeError) as e:
             # RuntimeError: the runtime refused the state (llama.cpp's LlamaCppError)
             log.warning("stage %s: dropping cache entry %s after a failed restore: %s",
                         self.key.stage_index, hit.entry_id, e)
@@ -424,7 +425,7 @@ class StageCache:
                                         self.key.stage_index, self.store)
             else:
                 return None
-        except (BlockError, KeyError, ValueError, RuntimeError) as e:
+        except (BlockError, StageError, KeyError, ValueError, RuntimeError) as e:
             log.warning("stage %s: export failed: %s", self.key.stage_index, e)
             return None
         finally:
@@ -458,7 +459,8 @@ class StageCache:
             return False
         try:
             self.entries.adopt(tokens, decode_state(manifest, self.store), scope)
-        except (BlockError, IncompatiblePayload, KeyError, ValueError, RuntimeError) as e:
+        except (BlockError, IncompatiblePayload, StageError, KeyError, ValueError,
+                RuntimeError) as e:
             log.warning("stage %s: a pulled payload did not import: %s",
                         self.key.stage_index, e)
             release_payload(manifest, self.store)

@@ -13,13 +13,15 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from skippy.topology.errors import UserError
+
 Value = int | float | bool | str
 
 # Sizes every table has; head_dim's default None means hidden // heads.
 SIZE_KNOBS = ("hidden", "ff", "heads", "kv_heads", "head_dim")
 
 
-class SynthError(ValueError):
+class SynthError(UserError):
     """Bad arguments for a synthetic model (unknown arch or knob, inconsistent sizes, no
     tokenizer)."""
 

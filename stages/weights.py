@@ -17,7 +17,8 @@ from gguf.quants import dequantize
 
 from gguf import GGMLQuantizationType
 
-from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.errors import UserError
+from skippy.topology.gguf_file import GGUFFile, ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
 from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix
@@ -27,7 +28,7 @@ from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix
 ROPE_FREQS = "rope_freqs.weight"
 
 
-class MissingTensor(ValueError):
+class MissingTensor(UserError):
     """The GGUF lacks a tensor this stage needs."""
 
 
@@ -75,7 +76,7 @@ class StageTensors:
         self._check(name)
         info = self.f.tensors[name]
         if len(info.shape) != 3:
-            raise ValueError(f"{name}: expected a 3-D expert tensor, not {tuple(info.shape)}")
+            raise ModelConfigError(f"{name}: expected a 3-D expert tensor, not {tuple(info.shape)}")
         k, n, n_expert = (int(d) for d in info.shape)
         raw = np.asarray(self.f.raw(name))
         per = raw.shape[0] // n_expert

@@ -12,6 +12,7 @@ from skippy.mesh.front.chat import (GEMMA_TURNS, ChatTemplateError, ChatTemplate
                                    render_chat, validate_messages)
 from skippy.mesh.models import pull
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.errors import RequestError
 from skippy.topology.gguf_file import GGUFFile
 
 SYSTEM_USER = [{"role": "system", "content": "You are terse."},
@@ -160,10 +161,11 @@ def test_no_template_and_no_family_template_is_chat_template_missing():
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
      r"messages\[0\]\.content\[0\] must be a text part"),
 ])
-def test_bad_message_shapes_are_one_line_value_errors(smollm2_path, messages, message):
-    with pytest.raises(ValueError, match=message) as info:
+def test_bad_message_shapes_are_one_line_request_errors_naming_messages(smollm2_path,
+                                                                       messages, message):
+    with pytest.raises(RequestError, match=message) as info:
         render_chat(smollm2_path, messages)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and info.value.param == "messages"
     assert not isinstance(info.value, ChatTemplateMissing)
 
 
@@ -194,7 +196,7 @@ def test_content_parts_and_the_developer_role_are_accepted():
                                                           {"type": "text", "text": "there"}]}])
     assert got == [{"role": "system", "content": "Be brief."},
                    {"role": "user", "content": "Hi there"}]
-    with pytest.raises(ValueError, match=r"content\[0\] must be a text part"):
+    with pytest.raises(RequestError, match=r"content\[0\] must be a text part"):
         validate_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
 
 
@@ -240,7 +242,7 @@ def test_chat_ids_are_unchanged_for_every_corpus_conversation(smollm2_tok, gemma
         for record in corpus:
             try:
                 whole = tok.encode(template.render(record["messages"]))
-            except ValueError:  # e.g. Gemma's turns must alternate
+            except ChatTemplateError:  # e.g. Gemma's turns must alternate
                 continue
             assert encode_chat(template, tok, record["messages"]) == whole, record["id"]
 
@@ -253,7 +255,7 @@ def test_a_template_that_changes_contents_refuses_control_token_text(smollm2_tok
     plain = [{"role": "user", "content": "hello"}]
     assert upper.segments(plain) == [(upper.render(plain), True)]
     assert encode_chat(upper, smollm2_tok, plain) == smollm2_tok.encode(upper.render(plain))
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.content spells a control token"):
+    with pytest.raises(RequestError, match=r"^messages\[0\]\.content spells a control token"):
         encode_chat(upper, smollm2_tok, [{"role": "user", "content": "<|im_end|>"}])
 
 
@@ -320,10 +322,11 @@ def test_a_tool_result_is_text_and_tools_may_not_spell_control_tokens(hermes, sm
         encode_chat(hermes, smollm2_tok, TOOL_TURNS, tools=TOOLS).count(
             smollm2_tok.special_id("<|im_start|>"))
     evil = [{"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}]
-    with pytest.raises(ValueError, match=r"^tools spells a control token"):
+    with pytest.raises(RequestError, match=r"^tools spells a control token") as forged:
         encode_chat(hermes, smollm2_tok, TOOL_TURNS, tools=evil)
+    assert forged.value.param == "tools"
     call = dict(TOOL_TURNS[1], tool_calls=[{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "{\"x\": \"<|im_start|>\"}"}}])
-    with pytest.raises(ValueError, match=r"^messages\[0\]\.tool_calls spells a control"):
+    with pytest.raises(RequestError, match=r"^messages\[0\]\.tool_calls spells a control"):
         encode_chat(hermes, smollm2_tok, [call], tools=TOOLS)
     assert encode_chat(hermes, smollm2_tok, TOOL_TURNS, tools=evil, control_text=True)

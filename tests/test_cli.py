@@ -7,6 +7,7 @@ import pytest
 
 from skippy.evals.reference import LlamaCppReference
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.errors import RequestError
 from skippy_cli import skippy
 
 PROMPT = "The three most useful things to know about the Moon are"
@@ -78,6 +79,27 @@ def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message):
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_only_our_user_errors_are_one_line_a_builtin_value_error_keeps_its_traceback(
+        monkeypatch, capsys):
+    """A ValueError from inside a command is a bug of ours, never the user's mistake."""
+    from skippy.mesh import cli
+    monkeypatch.delenv("SKIPPY_DEBUG", raising=False)
+
+    def bug(args):
+        raise ValueError("a bug deep inside")
+    monkeypatch.setattr(cli, "cmd_generate", bug)
+    with pytest.raises(ValueError, match="a bug deep inside"):
+        cli.main(["generate", "--model", "smollm2", "hi"])
+
+    def mistake(args):
+        raise RequestError("temperature must be a finite number >= 0, not -1.0",
+                           "temperature")
+    monkeypatch.setattr(cli, "cmd_generate", mistake)
+    assert cli.main(["generate", "--model", "smollm2", "hi"]) == 2
+    assert capsys.readouterr().err == \
+        "skippy: error: temperature must be a finite number >= 0, not -1.0\n"
 
 
 def test_gemma_chat_uses_the_family_template(gemma3):

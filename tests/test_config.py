@@ -11,6 +11,7 @@ import pytest
 from skippy.cache.config import (
     SETTINGS, CacheConfig, ConfigError, GiB, MiB, format_bytes, parse_bytes,
 )
+from skippy.topology.errors import UserError
 
 ACCEPTED = [
     ("0", 0),
@@ -68,8 +69,9 @@ def test_parse_bytes_message_reads_as_documented():
         parse_bytes("SKIPPY_CACHE_BYTES", "3.5gb")
 
 
-def test_config_error_is_a_value_error():
-    assert issubclass(ConfigError, ValueError)
+def test_config_error_is_the_users_never_a_builtin_value_error():
+    # the CLI tells a UserError in one line; a builtin ValueError would read a bug as theirs
+    assert issubclass(ConfigError, UserError) and not issubclass(ConfigError, ValueError)
 
 
 def test_defaults():

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from skippy.mesh.control.driver import StageFault, drive
-from skippy.mesh.control.engine import EngineBusy, GenerationRequest
+from skippy.mesh.control.engine import GenerationRequest
+from skippy.topology.errors import OverCapacity
 
 
 class DownPipeline:
@@ -34,7 +35,7 @@ def test_a_probe_facing_a_stage_fault_is_busy_at_once_and_starts_the_repair():
     async def run():
         pipe = DownPipeline(repair_s=0.5)
         t = asyncio.get_running_loop().time()
-        with pytest.raises(EngineBusy, match="being repaired"):
+        with pytest.raises(OverCapacity, match="being repaired"):
             async for _ in drive(pipe, GenerationRequest((1, 2), 1, probe=True)):
                 pass
         answered = asyncio.get_running_loop().time() - t

@@ -17,7 +17,7 @@ from skippy.stages.synth_hybrid import QWEN3NEXT
 from skippy.stages.synth_table import TensorSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.families import family_for
-from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.gguf_file import GGUFFile, ModelConfigError
 from skippy.topology.model_config import ModelConfig, deltanet_fields, deltanet_layer_pattern
 from skippy.topology.planner import ModelFacts
 
@@ -64,7 +64,7 @@ def test_an_explicit_recurrent_layer_list_wins_over_the_interval():
                                      full_attention_interval=2, **sizes), 4)
     assert listed["deltanet_layers"] == {0, 2, 3}
     assert deltanet_fields(_Keys(**sizes), 8)["deltanet_layers"] == {0, 1, 2, 4, 5, 6}
-    with pytest.raises(ValueError, match="inner size"):
+    with pytest.raises(ModelConfigError, match="inner size"):
         deltanet_fields(_Keys(**{**sizes, "ssm__inner_size": 96}), 4)
 
 

@@ -17,13 +17,15 @@ import torch
 from skippy.cache.config import CacheConfig
 from skippy.mesh.front.chat import ChatTemplateMissing, encode_chat, load_chat_template
 from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.control.engine import EngineBusy, EngineError, EngineInfo, Step
+from skippy.mesh.control.engine import EngineInfo, Step
 from skippy.mesh.front.gateway import BackgroundServer, create_app
 from skippy.mesh.front.limits import GatewayLimits
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.errors import OverCapacity, RequestError, StageUnavailable, UserError
 
 GREEDY = {"model": "smollm2", "temperature": 0}
 JSON = {"Content-Type": "application/json"}
+STAGE_ERROR_ID = "err_0123456789ab"  # what a scripted stage failure says it was logged as
 
 
 class CountingEngine:
@@ -593,18 +595,20 @@ class ScriptedEngine:
         self.closed.clear()
         try:
             if self.mode == "busy":
-                raise EngineBusy("all 4 lanes in use")
+                raise OverCapacity("all 4 lanes in use")
             if self.mode == "fail":
-                raise EngineError("stage 1 is gone\nfor good")
+                raise StageUnavailable("stage 1 is gone\nfor good", STAGE_ERROR_ID)
             if self.mode == "crash":
                 raise KeyError("oops")
+            if self.mode == "bug":  # a builtin ValueError is ours, never the client's
+                raise ValueError("the stage\nrefused oops")
             if self.mode == "invalid":
-                raise ValueError("the stage refused\nthis request")
+                raise RequestError("the stage refused\nthis request", "max_tokens")
             for i in range(request.max_tokens):
                 if self.mode == "fail-later" and i == 2:
-                    raise EngineError("stage 0 lost")
+                    raise StageUnavailable("stage 0 lost", STAGE_ERROR_ID)
                 if self.mode == "invalid-later" and i == 2:
-                    raise ValueError("the stage refused this row")
+                    raise RequestError("the stage refused this row")
                 await asyncio.sleep(0.2 if self.mode == "slow" else 0.005)
                 self.yielded += 1
                 yield Step(198, 0)
@@ -616,7 +620,7 @@ class ScriptedEngine:
 
     async def reserve(self, lanes):
         if self.mode == "busy":
-            raise EngineBusy("all 4 lanes in use")
+            raise OverCapacity("all 4 lanes in use")
         return lambda: None
 
     def status(self):
@@ -642,21 +646,27 @@ def ask(c, **kw):
                                            "temperature": 0.5, **kw})
 
 
-@pytest.mark.parametrize("mode,status", [("busy", 503), ("fail", 500), ("crash", 500),
-                                         ("invalid", 400)])
-def test_engine_failures_are_enveloped(scripted, mode, status, caplog):
+@pytest.mark.parametrize("mode,status,code", [
+    ("busy", 503, "engine_busy"), ("fail", 503, "stage_unavailable"),
+    ("crash", 500, "internal_error"), ("bug", 500, "internal_error"),
+    ("invalid", 400, None)])
+def test_engine_failures_are_enveloped(scripted, mode, status, code, caplog):
     engine, c = scripted
     engine.mode = mode
     try:
         for stream in (False, True):
             r = ask(c, max_tokens=3, stream=stream)
             err = envelope(r, status)
-            assert "\n" not in err["message"]
+            assert "\n" not in err["message"] and err["code"] == code
             assert ("Retry-After" in r.headers) == (status == 503)
             if status == 503:
-                assert int(r.headers["Retry-After"]) >= 1 and err["code"] == "engine_busy"
+                assert int(r.headers["Retry-After"]) >= 1
             if status == 500:
                 said_in_full_in_the_log_only(err, caplog)
+            if mode == "fail":
+                told_the_stages_id(err, caplog)
+            if status == 400:
+                assert err["param"] == "max_tokens"
     finally:
         engine.mode = "ok"
 
@@ -672,6 +682,15 @@ def said_in_full_in_the_log_only(err, caplog):
     assert logged and logged[0].exc_info is not None
 
 
+def told_the_stages_id(err, caplog):
+    """A stage that failed past recovery: the answer names the id the stage logged its
+    traceback under, and the gateway's log names it too; the stage's words stay out."""
+    assert err["type"] == "server_error" and f"(error {STAGE_ERROR_ID})" in err["message"]
+    for secret in ("gone", "lost"):
+        assert secret not in err["message"]
+    assert any(STAGE_ERROR_ID in r.getMessage() for r in caplog.records)
+
+
 def test_failure_mid_stream_is_an_error_event(scripted, caplog):
     engine, c = scripted
     engine.mode = "fail-later"
@@ -681,7 +700,8 @@ def test_failure_mid_stream_is_an_error_event(scripted, caplog):
         engine.mode = "ok"
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     error = [e for e in sse_events(r.text) if "error" in e][0]["error"]
-    said_in_full_in_the_log_only(error, caplog)
+    assert error["code"] == "stage_unavailable"
+    told_the_stages_id(error, caplog)
     assert "stage 0 lost" in caplog.text
 
 
@@ -895,7 +915,7 @@ def test_gateway_limits_refuse_nonsense():
     for bad_limit in ({"max_concurrent_requests": 0}, {"max_request_tokens": -1},
                       {"queue_timeout_s": float("nan")}, {"max_body_bytes": 0},
                       {"request_timeout_s": 0}, {"request_timeout_s": float("inf")}):
-        with pytest.raises(ValueError):
+        with pytest.raises(UserError):
             GatewayLimits(**bad_limit)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 
@@ -76,6 +77,49 @@ def test_a_bad_call_is_an_error_reply_not_a_dead_stream(stage):
         reply = next(session_stream(channel, q, CREDS.metadata))
         q.put(None)
         assert reply.WhichOneof("result") == "error"
+
+
+def one_reply(address: str, call: pb.StageCall) -> pb.StageResult:
+    with grpc.insecure_channel(address) as channel:
+        q: queue.Queue = queue.Queue()
+        q.put(call)
+        reply = next(session_stream(channel, q, CREDS.metadata))
+        q.put(None)
+        return reply
+
+
+def test_a_bug_inside_the_stage_is_logged_under_the_id_its_reply_carries(stage, monkeypatch,
+                                                                        caplog):
+    """A plain ValueError inside the stage's compute is ours, never `invalid` (the
+    request's fault): its traceback goes to this stage's log under the id the reply
+    carries, the request may be rebuilt, and the stage goes on serving."""
+    service, address = stage
+
+    def boom(*args, **kwargs):
+        raise ValueError("a bug inside the prefill")
+    monkeypatch.setattr(service.runtime, "prefill", boom)
+    reply = one_reply(address, pb.StageCall(prefill=pb.Prefill(tokens=PROMPTS[1], start=0,
+                                                               probe=True)))
+    monkeypatch.undo()
+    assert reply.WhichOneof("result") == "error", reply
+    e = reply.error
+    assert not e.invalid and not e.busy and e.retryable and not e.param
+    assert re.fullmatch(r"err_[0-9a-f]{12}", e.error_id), e
+    logged = [r for r in caplog.records if e.error_id in r.getMessage()]
+    assert logged and str(logged[0].exc_info[1]) == "a bug inside the prefill"
+    assert len(session(address, PROMPTS[1], 2)) == 2  # and it serves on
+    assert settled(service)["sessions"] == 0
+
+
+def test_the_requests_own_fault_is_invalid_naming_its_param(stage):
+    _, address = stage
+    bad = pb.Prefill(tokens=PROMPTS[2], start=0, probe=True,
+                     sampling=pb.Sampling(temperature=-1.0))
+    reply = one_reply(address, pb.StageCall(prefill=bad))
+    assert reply.WhichOneof("result") == "error", reply
+    e = reply.error
+    assert e.invalid and e.param == "temperature" and not e.retryable and not e.error_id
+    assert "temperature" in e.message
 
 
 def test_a_long_prefill_lets_other_sessions_decode_between_its_chunks(stage, smollm2):

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from skippy.mesh.control.admission import LaneAdmission
-from skippy.mesh.control.engine import EngineBusy
+from skippy.topology.errors import OverCapacity
 
 
 def test_a_request_takes_all_its_lanes_at_once_and_waits_in_line():
@@ -38,10 +38,10 @@ def test_a_full_line_or_a_long_wait_is_busy_with_retry_after():
         await a.acquire(2)
         waiter = asyncio.create_task(a.acquire())
         await asyncio.sleep(0.01)
-        with pytest.raises(EngineBusy) as full:      # the line holds one
+        with pytest.raises(OverCapacity) as full:      # the line holds one
             await a.acquire()
         assert full.value.retry_after > 0
-        with pytest.raises(EngineBusy):              # the one in line gave up
+        with pytest.raises(OverCapacity):              # the one in line gave up
             await waiter
         assert a.waiting == 0 and a.in_use == 2 and a.refused == 2
         with pytest.raises(ValueError):

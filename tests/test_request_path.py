@@ -20,7 +20,8 @@ import ray  # noqa: E402
 from skippy.cache.config import CacheConfig  # noqa: E402
 from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
-from skippy.mesh.control.engine import GenerationRequest, InvalidRequest  # noqa: E402
+from skippy.mesh.control.engine import GenerationRequest  # noqa: E402
+from skippy.topology.errors import RequestError  # noqa: E402
 from skippy.mesh.constraint import json_object  # noqa: E402
 from skippy.mesh.sampler import SamplingParams  # noqa: E402
 
@@ -166,16 +167,16 @@ def test_a_poisoned_row_fails_only_its_request(smollm2):
     k, victim = next((i, t) for i, f in enumerate(fed) for t in f
                      if not any(t in g for j, g in enumerate(fed) if j != i))
 
-    def poison(row):
+    def poison(row):  # the row's request at fault (a plain ValueError would be ours)
         if int(row.x) == victim:
-            raise ValueError("poisoned row")
+            raise RequestError("poisoned row")
     engine.servers[0].fault = poison
 
     async def each():
         return await asyncio.gather(*[_collect(engine, r) for r in requests],
                                     return_exceptions=True)
     got = asyncio.run(each())
-    assert isinstance(got[k], InvalidRequest)
+    assert isinstance(got[k], RequestError)
     assert [g for i, g in enumerate(got) if i != k] == [w for i, w in enumerate(want)
                                                         if i != k]
     stats = engine.stats()

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from skippy.mesh.sampler import Sampler, SamplingParams
+from skippy.topology.errors import RequestError
 
 
 def test_temperature_zero_is_argmax():
@@ -35,9 +36,10 @@ def test_top_k_never_leaves_the_k_best():
 @pytest.mark.parametrize("kw", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5},
                                 {"top_k": -1}, {"presence_penalty": 2.5},
                                 {"frequency_penalty": -3.0}, {"logit_bias": ((1, 101.0),)}])
-def test_bad_settings_are_refused(kw):
-    with pytest.raises(ValueError):
+def test_bad_settings_are_the_requests_fault_naming_the_field(kw):
+    with pytest.raises(RequestError) as refused:
         SamplingParams(**kw)
+    assert refused.value.param == next(iter(kw))
 
 
 def test_logit_bias_moves_the_greedy_choice_and_ignores_ids_past_the_vocabulary():
@@ -125,5 +127,5 @@ def test_an_overflowing_step_takes_one_draw_so_a_rebuilt_request_still_follows()
                                 {"frequency_penalty": float("nan")},
                                 {"logit_bias": ((1, float("nan")),)}])
 def test_non_finite_settings_are_refused(kw):
-    with pytest.raises(ValueError):
+    with pytest.raises(RequestError):
         SamplingParams(**kw)

@@ -29,6 +29,7 @@ from skippy.cache.config import CacheConfig
 from skippy.mesh import tracing
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.front.gateway import BackgroundServer, create_app
+from skippy.topology.errors import UserError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -340,5 +341,5 @@ def test_the_endpoint_comes_from_the_flag_then_the_environment():
     assert tracing.traces_url(None, {**env, "OTEL_SDK_DISABLED": "true"}) is None
     assert tracing.traces_url(None, {}) is None
     for bad in ("collector:4318", "ftp://collector", "http://"):
-        with pytest.raises(ValueError, match="OTLP endpoint"):
+        with pytest.raises(UserError, match="OTLP endpoint"):
             tracing.traces_url(bad, {})

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     from .gguf_file import GGUFFile
 
@@ -267,7 +269,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-class UnsupportedFamily(ValueError):
+class UnsupportedFamily(UserError):
     """The GGUF's architecture has no torch implementation here."""
 
 

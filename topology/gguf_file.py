@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .errors import UserError
+
 GGUF_MAGIC = b"GGUF"
 
 # GGUF value types -> (struct format, size); 8 = string, 9 = array.
@@ -31,8 +33,13 @@ _STRING, _ARRAY = 8, 9
 _EAGER_ARRAY_MAX = 4096
 
 
-class GGUFError(ValueError):
+class GGUFError(UserError):
     """The file is not a GGUF we can read (bad magic, truncated, unknown type)."""
+
+
+class ModelConfigError(GGUFError):
+    """The GGUF reads, but its metadata describes a model we cannot build (a key missing,
+    counts that disagree, a feature this family does not support)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, ModelConfigError
 
 _F = np.float32
 # llama.cpp's YaRN defaults (llama_hparams; llama-cpp-python passes the same); deepseek2
@@ -102,10 +102,10 @@ def read_mla(f: GGUFFile, n_layers: int, n_heads: int) -> MlaConfig:
     k_head, v_head = (k_mla, v_mla) if absorbed else (k_full, v_full)
     rope_dim = int(f.arch_key("rope.dimension_count", k_full))
     if k_head - rope_dim < 1:
-        raise ValueError(f"{arch}: key width {k_head} leaves no unrotated part "
-                         f"beside rope {rope_dim}")
+        raise ModelConfigError(f"{arch}: key width {k_head} leaves no unrotated part "
+                               f"beside rope {rope_dim}")
     if float(f.arch_key("attention.temperature_scale", 0.0) or 0.0) != 0.0:
-        raise ValueError(f"{arch}: attention temperature scaling is not supported")
+        raise ModelConfigError(f"{arch}: attention temperature scaling is not supported")
     q_lora = 0 if _is_lite(f, n_layers) else int(f.arch_key("attention.q_lora_rank", 0) or 0)
     rope = read_rope_scaling(f)
     return MlaConfig(q_lora_rank=q_lora, kv_lora_rank=int(f.arch_key("attention.kv_lora_rank")),

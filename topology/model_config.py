@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .families import Family, family_for
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, ModelConfigError
 from .mla_config import MlaConfig, read_mla
 
 
@@ -94,26 +94,26 @@ class ModelConfig:
         conv_l_cache = 0
         if isinstance(n_kv, list):
             if len(n_kv) != n_layers:
-                raise ValueError(f"{arch}: {len(n_kv)} per-layer KV head counts for "
-                                 f"{n_layers} layers")
+                raise ModelConfigError(f"{arch}: {len(n_kv)} per-layer KV head counts for "
+                                       f"{n_layers} layers")
             if family.recurrent_mixer == "shortconv":
                 # llama.cpp (LFM2): a layer with no KV heads is a short-conv layer.
                 conv_layers = frozenset(i for i, n in enumerate(n_kv) if n == 0)
                 conv_l_cache = int(f.arch_key("shortconv.l_cache", 0))
                 if conv_layers and conv_l_cache < 2:
-                    raise ValueError(f"{arch}: shortconv.l_cache must be at least 2, "
-                                     f"not {conv_l_cache}")
+                    raise ModelConfigError(f"{arch}: shortconv.l_cache must be at least 2, "
+                                           f"not {conv_l_cache}")
             # the attention layers' counts: all equal for the families we run
             counts = sorted({n for i, n in enumerate(n_kv) if i not in conv_layers})
             if len(counts) > 1:
-                raise ValueError(f"{arch}: per-layer KV head counts differ: {counts}")
+                raise ModelConfigError(f"{arch}: per-layer KV head counts differ: {counts}")
             n_kv = counts[0] if counts else n_heads
         ssm: dict[str, object] = {}
         if family.recurrent_mixer == "mamba2_parallel":
             def need(key: str) -> int:
                 value = f.arch_key(key)
                 if value is None:
-                    raise ValueError(f"{arch}: missing {arch}.{key}")
+                    raise ModelConfigError(f"{arch}: missing {arch}.{key}")
                 return int(value)
 
             ssm = {
@@ -125,7 +125,7 @@ class ModelConfig:
                 "ssm_groups": int(f.arch_key("ssm.group_count", 1) or 1),
             }
             if ssm["ssm_d_conv"] < 2:
-                raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+                raise ModelConfigError(f"{arch}: ssm.conv_kernel must be at least 2")
         elif family.recurrent_mixer == "gated_deltanet":
             ssm = deltanet_fields(f, n_layers)
         sliding_window = int(f.arch_key("attention.sliding_window",
@@ -133,7 +133,8 @@ class ModelConfig:
         gemma4 = _gemma4_keys(f, n_layers) if family.per_layer_keys else {}
         if family.recurrent_mixer and sliding_window:
             # newer llama.cpp makes every attention layer of a windowed LFM2 sliding-window
-            raise ValueError(f"{arch}: sliding-window attention is not supported for this family")
+            raise ModelConfigError(f"{arch}: sliding-window attention is not supported "
+                                   f"for this family")
         head_dim = int(f.arch_key("attention.key_length", hidden // n_heads))
         scaling = f.arch_key("rope.scaling.type", "none")
         factor = float(f.arch_key("rope.scaling.factor", 1.0) or 1.0)
@@ -286,11 +287,11 @@ def _gemma4_keys(f: GGUFFile, n_layers: int) -> dict[str, object]:
     arch = f.architecture
     pattern = f.arch_key("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != n_layers:
-        raise ValueError(f"{arch}: attention.sliding_window_pattern must list all "
-                         f"{n_layers} layers")
+        raise ModelConfigError(f"{arch}: attention.sliding_window_pattern must list all "
+                               f"{n_layers} layers")
     shared = int(f.arch_key("attention.shared_kv_layers", 0) or 0)
     if shared and not 2 <= n_layers - shared:
-        raise ValueError(f"{arch}: {shared} shared-KV layers leave fewer than 2 KV layers")
+        raise ModelConfigError(f"{arch}: {shared} shared-KV layers leave fewer than 2 KV layers")
     return {
         "swa_layers": frozenset(i for i, s in enumerate(pattern) if s),
         "head_dim_swa": int(f.arch_key("attention.key_length_swa", 0) or 0),
@@ -310,7 +311,7 @@ def _one_count(f: GGUFFile, key: str) -> int:
     if isinstance(value, list):
         counts = {int(v) for v in value if int(v)}
         if len(counts) > 1:
-            raise ValueError(f"{f.architecture}: per-layer {key} differ: {sorted(counts)}")
+            raise ModelConfigError(f"{f.architecture}: per-layer {key} differ: {sorted(counts)}")
         return counts.pop() if counts else 0
     return int(value or 0)
 
@@ -327,7 +328,7 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
         return {}  # every layer dense (e.g. a deepseek2 file of leading dense layers only)
     used = _one_count(f, "expert_used_count")
     if n_expert <= 0 or not 0 < used <= n_expert:
-        raise ValueError(f"{arch}: expert_count {n_expert}, expert_used_count {used}")
+        raise ModelConfigError(f"{arch}: expert_count {n_expert}, expert_used_count {used}")
     gating = rules.gating
     if gating is None:
         code = int(f.arch_key("expert_gating_func", 0) or 0)
@@ -336,14 +337,14 @@ def moe_fields(f: GGUFFile, family: Family) -> dict[str, object]:
             default = default(f)
         gating = _GATINGS.get(code, default if code == 0 else None)
         if gating is None:
-            raise ValueError(f"{arch}: expert_gating_func {code} is not supported")
+            raise ModelConfigError(f"{arch}: expert_gating_func {code} is not supported")
     norm = rules.norm_weights
     if norm is None:
         norm = bool(f.arch_key("expert_weights_norm", False))
     groups = int(f.arch_key("expert_group_count", 0) or 0)
     groups_used = int(f.arch_key("expert_group_used_count", 0) or 0)
     if groups > 1 and (n_expert % groups or not 0 < groups_used < groups):
-        raise ValueError(f"{arch}: {n_expert} experts in {groups} groups, {groups_used} used")
+        raise ModelConfigError(f"{arch}: {n_expert} experts in {groups} groups, {groups_used} used")
     return {
         "n_expert": n_expert,
         "n_expert_used": used,
@@ -374,18 +375,19 @@ def deltanet_fields(f: GGUFFile, n_layers: int) -> dict[str, object]:
     def need(key: str) -> int:
         value = f.arch_key(key)
         if value is None:
-            raise ValueError(f"{arch}: missing {arch}.{key}")
+            raise ModelConfigError(f"{arch}: missing {arch}.{key}")
         return int(value)
 
     listed = f.arch_key("attention.recurrent_layers")
     if listed is not None:
         if len(listed) != n_layers:
-            raise ValueError(f"{arch}: {len(listed)} recurrent-layer flags for {n_layers} layers")
+            raise ModelConfigError(f"{arch}: {len(listed)} recurrent-layer flags for "
+                                   f"{n_layers} layers")
         layers = frozenset(i for i, r in enumerate(listed) if r)
     else:
         interval = int(f.arch_key("full_attention_interval", 4))
         if interval < 1:
-            raise ValueError(f"{arch}: full_attention_interval must be at least 1")
+            raise ModelConfigError(f"{arch}: full_attention_interval must be at least 1")
         layers = deltanet_layer_pattern(n_layers, interval)
     out = {
         "deltanet_layers": layers,
@@ -396,11 +398,12 @@ def deltanet_fields(f: GGUFFile, n_layers: int) -> dict[str, object]:
         "ssm_groups": need("ssm.group_count"),
     }
     if out["ssm_d_conv"] < 2:
-        raise ValueError(f"{arch}: ssm.conv_kernel must be at least 2")
+        raise ModelConfigError(f"{arch}: ssm.conv_kernel must be at least 2")
     if out["ssm_heads"] % out["ssm_groups"] or \
             out["ssm_d_inner"] != out["ssm_heads"] * out["ssm_d_state"]:
         # llama.cpp's fused DeltaNet op needs key and value heads of one size
-        raise ValueError(f"{arch}: value heads {out['ssm_heads']} x state {out['ssm_d_state']} "
-                         f"must equal inner size {out['ssm_d_inner']} and be a multiple of "
-                         f"the key heads {out['ssm_groups']}")
+        raise ModelConfigError(f"{arch}: value heads {out['ssm_heads']} x state "
+                               f"{out['ssm_d_state']} must equal inner size "
+                               f"{out['ssm_d_inner']} and be a multiple of the key heads "
+                               f"{out['ssm_groups']}")
     return out

@@ -20,12 +20,13 @@ from pathlib import Path
 import blake3
 import numpy as np
 
+from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile, TensorInfo
 
 _CHUNK = 8 * 2**20
 
 
-class PackageError(ValueError):
+class PackageError(UserError):
     """A package is missing, malformed or corrupted; the message names the part."""
 
 

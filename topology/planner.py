@@ -24,8 +24,9 @@ from pathlib import Path
 
 import blake3
 
-from skippy.cache.config import parse_bytes
+from skippy.cache.config import ConfigError, parse_bytes
 
+from .errors import UserError
 from .gguf_file import GGUFFile
 from .model_config import ModelConfig
 from .model_package import ModelPackage, open_model
@@ -47,7 +48,7 @@ DEFAULT_N_CTX = 8192
 DEFAULT_LANES = 8
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """The model cannot be cut or placed as asked; the message says why."""
 
 
@@ -233,7 +234,7 @@ class NodeSpec:
         if isinstance(memory, str):
             try:
                 memory = parse_bytes(f"node {name}: memory", memory)
-            except ValueError as e:
+            except ConfigError as e:
                 raise PlanError(str(e)) from None
         if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
             raise PlanError(f"node {name}: memory must be a positive byte count or a size "

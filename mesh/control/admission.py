@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import EngineBusy
+from skippy.topology.errors import OverCapacity
 
 QUEUE_WAIT_S = 30.0   # how long a request waits for its lanes
 
@@ -56,8 +56,8 @@ class LaneAdmission:
                 return
             if len(self._waiters) >= self.max_queue:
                 self.refused += 1
-                raise EngineBusy(f"all {self.lanes} lanes are busy and {self.max_queue} "
-                                 "requests wait", retry_after=self.wait_s / 10)
+                raise OverCapacity(f"all {self.lanes} lanes are busy and {self.max_queue} "
+                                   "requests wait", retry_after=self.wait_s / 10)
             waiter = _Waiter(k, loop, loop.create_future())
             self._waiters.append(waiter)
         try:
@@ -67,8 +67,8 @@ class LaneAdmission:
             if isinstance(e, asyncio.CancelledError):
                 raise
             self.refused += 1
-            raise EngineBusy(f"no lane came free in {self.wait_s:.0f} s",
-                             retry_after=self.wait_s / 10) from None
+            raise OverCapacity(f"no lane came free in {self.wait_s:.0f} s",
+                               retry_after=self.wait_s / 10) from None
 
     async def hold(self, k: int = 1) -> Callable[[], None]:
         """Take k lanes (`acquire`); returns what gives them back, once however often it

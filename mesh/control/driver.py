@@ -11,6 +11,11 @@ decode step it was, so the state and every later token are bitwise the fault-fre
 A probe (readiness) is the exception: its fault is its answer, "not ready", at once; it
 starts the repair and does not wait for it, since a repair can take as long as Ray takes
 to declare a node dead and a stage to load elsewhere.
+
+A stage's error reply becomes our own type here (topology/errors.py): `busy` an
+OverCapacity, `invalid` a RequestError with its param, and a fault a StageFault carrying
+the id the stage logged it under; faults past what rebuilding absorbs end the request
+as StageUnavailable with that id.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Protocol
 import torch
 
 from skippy.proto import stage_pb2 as pb
+from skippy.topology.errors import OverCapacity, RequestError, StageUnavailable
 
 from .. import tracing
-from .engine import EngineBusy, EngineError, GenerationRequest, InvalidRequest, Step
+from .engine import GenerationRequest, Step
 from ..wire import sampling_to_proto, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -36,7 +42,12 @@ _repairs: set[asyncio.Task] = set()  # repairs a probe started and left running
 
 
 class StageFault(Exception):
-    """A stage or link failed: the request is rebuilt on a repaired pipeline."""
+    """A stage or link failed: the request is rebuilt on a repaired pipeline. `error_id`:
+    the id the stage logged its failure under ("" for a link that went down)."""
+
+    def __init__(self, message: str, error_id: str = ""):
+        super().__init__(f"{message} [{error_id}]" if error_id else message)
+        self.error_id = error_id
 
 
 class Link(Protocol):
@@ -83,7 +94,7 @@ async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers
                                               span)) as steps:
             async for step in steps:
                 yield step
-    except (EngineError, StageFault) as e:
+    except (StageUnavailable, OverCapacity, StageFault) as e:
         span.fail(str(e))
         raise
     finally:
@@ -113,13 +124,14 @@ async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int]
                 repair = asyncio.ensure_future(pipe.repair(generation))
                 _repairs.add(repair)
                 repair.add_done_callback(_repairs.discard)
-                raise EngineBusy(f"a stage failed; the pipeline is being repaired: {e}",
-                                 retry_after=5.0) from e
+                raise OverCapacity(f"a stage failed; the pipeline is being repaired: {e}",
+                                   retry_after=5.0) from e
             if failures > REBUILD_ATTEMPTS:
                 if not pipe.healthy:  # down, not broken: come back later
-                    raise EngineBusy(f"no stage chain can serve now: {e}",
-                                     retry_after=5.0) from e
-                raise EngineError(f"the pipeline failed {failures} times: {e}") from e
+                    raise OverCapacity(f"no stage chain can serve now: {e}",
+                                       retry_after=5.0) from e
+                raise StageUnavailable(f"the pipeline failed {failures} times: {e}",
+                                       e.error_id) from e
             log.warning("stage fault (%s); rebuilding the request after %d tokens",
                         e, len(produced))
             span.add_event("rebuild", {"reason": str(e), "skippy.tokens": len(produced)})
@@ -208,10 +220,10 @@ async def _ask(link: Link, call: pb.StageCall) -> pb.StageResult:
     if reply.WhichOneof("result") == "error":
         e = reply.error
         if e.busy:
-            raise EngineBusy(e.message)
+            raise OverCapacity(e.message)
         if e.invalid:
-            raise InvalidRequest(e.message)
-        raise StageFault(e.message)
+            raise RequestError(e.message, e.param or None)
+        raise StageFault(e.message, e.error_id)
     return reply
 
 

@@ -3,7 +3,9 @@
 The in-process engine (mesh/control/local.py) links stage objects in this process; the
 Ray engine (mesh/control/ray_engine.py) links stage actors over gRPC. Both run one
 request driver (mesh/control/driver.py). The gateway sees only `Engine`: token ids in,
-token ids out, one `Step` at a time.
+token ids out, one `Step` at a time. What it raises is ours (topology/errors.py):
+RequestError (the request's fault), OverCapacity (no lane now), StageUnavailable (a stage
+failed for good); anything else is a bug.
 """
 
 from __future__ import annotations
@@ -12,25 +14,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from skippy.topology.errors import RequestError
 from skippy.topology.planner import DEFAULT_LANES
 
 from ..sampler import SamplingParams, TokenLogprobs
-
-
-class EngineError(RuntimeError):
-    """The engine could not serve a request it accepted (a stage failed for good)."""
-
-
-class EngineBusy(EngineError):
-    """No lane is free for another request right now (the gateway answers 503)."""
-
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class InvalidRequest(EngineError, ValueError):
-    """The request itself is at fault (a stage refused it): a 400, never retried."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +54,13 @@ class EngineInfo:
 
 
 def check_fits(request: GenerationRequest, n_ctx: int) -> None:
-    """ValueError (one line) unless the prompt is non-empty and it fits with max_tokens."""
+    """RequestError (one line) unless the prompt is non-empty and fits with max_tokens."""
     if not request.tokens:
-        raise ValueError("the prompt has no tokens")
+        raise RequestError("the prompt has no tokens", "prompt")
     if len(request.tokens) + request.max_tokens > n_ctx:
-        raise ValueError(f"prompt ({len(request.tokens)} tokens) + max_tokens "
-                         f"({request.max_tokens}) exceed the context of {n_ctx}")
+        raise RequestError(f"prompt ({len(request.tokens)} tokens) + max_tokens "
+                           f"({request.max_tokens}) exceed the context of {n_ctx}",
+                           "max_tokens", "context_length_exceeded")
 
 
 class Engine(Protocol):
@@ -84,7 +72,7 @@ class Engine(Protocol):
 
     async def reserve(self, lanes: int) -> Callable[[], None]:
         """Reserve `lanes` lanes at once for a request's choices (each then sent with
-        admitted=True), waiting in line a bounded time; EngineBusy if they do not come
+        admitted=True), waiting in line a bounded time; OverCapacity if they do not come
         free. Returns what releases them (once)."""
 
     def stats(self) -> dict:

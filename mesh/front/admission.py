@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 
+from skippy.topology.errors import OverCapacity, one_line
+
 from ..control.admission import LaneAdmission
-from ..control.engine import Engine, EngineBusy, GenerationRequest
+from ..control.engine import Engine, GenerationRequest
+from .http_errors import unavailable
 from .limits import GatewayLimits
 from .openai_api import ApiError
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 2  # what a 503 tells the client when nothing better is known
 READY_PROBE_INTERVAL_S = 5.0   # /ready probes the engine at most this often
 
 
@@ -46,7 +47,7 @@ class RequestAdmission:
             status = self.engine.status()
             serving, detail = bool(status["serving"]), str(status.get("detail", ""))
         except Exception as e:  # noqa: BLE001
-            serving, detail = False, f"the engine's status failed: {_one_line(e)}"
+            serving, detail = False, f"the engine's status failed: {one_line(e)}"
         if not serving and detail != self._said_down:
             log.warning("no pipeline can serve: %s", detail)
         self._said_down = "" if serving else detail
@@ -60,7 +61,7 @@ class RequestAdmission:
             raise unavailable("no pipeline can serve right now; retry later", "unavailable")
         try:
             slot = await self.slots.hold()
-        except EngineBusy:
+        except OverCapacity:
             raise unavailable(f"this server is at its limit of "
                               f"{self.limits.max_concurrent_requests} concurrent requests; "
                               f"retry later", "server_busy") from None
@@ -95,7 +96,7 @@ class RequestAdmission:
                             pass
                 except Exception as e:  # noqa: BLE001
                     self._ready_at = 0.0
-                    log.warning("readiness probe failed: %s", _one_line(e))
+                    log.warning("readiness probe failed: %s", one_line(e))
                     return False
                 self._ready_at = time.monotonic()
         return True
@@ -108,11 +109,3 @@ class RequestAdmission:
         return ApiError(504, f"the request did not finish within this server's limit of "
                              f"{self.limits.request_timeout_s:g} s", code="timeout")
 
-
-def unavailable(message: str, code: str, retry_after: float = RETRY_AFTER_S) -> ApiError:
-    seconds = str(max(1, math.ceil(retry_after)))  # HTTP wants whole seconds
-    return ApiError(503, message, code=code, headers={"Retry-After": seconds})
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__

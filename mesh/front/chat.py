@@ -29,6 +29,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.topology.errors import RequestError, UserError, one_line
 from skippy.topology.families import GEMMA3
 from skippy.topology.gguf_file import GGUFFile
 
@@ -40,12 +41,15 @@ ROLES = ("system", "user", "assistant", "tool")
 ChatSource = Union[str, Path, GGUFFile, Tokenizer, Mapping[str, Any]]
 
 
-class ChatTemplateMissing(ValueError):
+class ChatTemplateMissing(UserError):
     """The model has no chat template and its family has no standard one."""
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(RequestError):
     """The template rejected the conversation (`raise_exception`) or failed to render."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "messages")
 
 
 # Gemma's turn format, after Google's Gemma 3 instruction-tuned template: a system message
@@ -118,7 +122,7 @@ class ChatTemplate:
         placeholder (where the contents go) and once for real; the real text must equal
         the first with the contents put in (or, for templates that trim them, the trimmed
         contents). A template that transforms contents otherwise gives no pieces we can
-        trust: then a message that spells a control token is refused (ValueError).
+        trust: then a message that spells a control token is refused (RequestError).
         Contents only: what `tools` and tool calls hold is checked by `encode_chat`."""
         return self._segments(validate_messages(messages), add_generation_prompt, tools)
 
@@ -147,7 +151,7 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template of {self.model} failed: "
-                                    f"{_one_line(e)}") from None
+                                    f"{one_line(e)}") from None
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         if self.add_eos and self.eos_token and text.endswith(self.eos_token):
@@ -177,7 +181,7 @@ def encode_chat(template: ChatTemplate, tokenizer: Tokenizer, messages: list[dic
     (a trusted client's opt-in); what the template writes is tokenized with its control
     tokens. What the client wrote that the template copies beside its own text (tools,
     tool calls, tool names and ids) cannot be told apart from it: there a control-token
-    spelling is refused (ValueError).
+    spelling is refused (RequestError).
 
     When no content can be or become part of a control token's spelling (the usual
     case), the text is rendered once and tokenized whole, as llama-server tokenizes a
@@ -214,7 +218,8 @@ def _tool_texts(checked: list[dict], tools: list[dict] | None):
 def _refuse_control_text(tokenizer: Tokenizer, where: str, text: str,
                          why: str = "which would be read as the token itself") -> None:
     if tokenizer.spells_control(text):
-        raise ValueError(f"{where} spells a control token, {why}")
+        param = "tools" if where.startswith("tools") else "messages"
+        raise RequestError(f"{where} spells a control token, {why}", param)
 
 
 def load_chat_template(source: ChatSource) -> ChatTemplate:
@@ -259,7 +264,8 @@ def has_chat_template(source: ChatSource) -> bool:
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """`messages` as plain dicts for the template; ValueError (one line) on a bad shape.
+    """`messages` as plain dicts for the template; RequestError (one line, naming
+    `messages`) on a bad shape.
 
     Each has role and content (a string; None for an assistant turn that only calls
     tools). A tool result also keeps tool_call_id (and name when given); an assistant
@@ -269,25 +275,26 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     not passed to the template.
     """
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
+        raise RequestError("messages must be a non-empty list of {role, content} objects",
+                           "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be an object with role and content, "
-                             f"not {type(m).__name__}")
+            raise RequestError(f"messages[{i}] must be an object with role and content, "
+                               f"not {type(m).__name__}", "messages")
         role, content = m.get("role"), m.get("content")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)} "
-                             f"(got {role!r})")
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)} "
+                               f"(got {role!r})", "messages")
         if isinstance(content, list):
             content = _text_parts(content, i)
         calls = _tool_calls(m.get("tool_calls"), i) if role == "assistant" else None
         if not isinstance(content, str) and not (calls and content is None):
             what = "missing" if content is None else type(content).__name__
-            raise ValueError(f"messages[{i}].content must be a string or a list of text "
-                             f"parts (got {what})")
+            raise RequestError(f"messages[{i}].content must be a string or a list of text "
+                               f"parts (got {what})", "messages")
         out.append({"role": role, "content": content, **_tool_keys(m, role, calls, i)})
     return out
 
@@ -300,10 +307,10 @@ def _tool_keys(m: Mapping, role: str, calls: list | None, i: int) -> dict:
         return {}
     call_id, name = m.get("tool_call_id"), m.get("name")
     if not isinstance(call_id, str):
-        raise ValueError(f"messages[{i}].tool_call_id must be a string: a tool message "
-                         f"answers the call with that id")
+        raise RequestError(f"messages[{i}].tool_call_id must be a string: a tool message "
+                           f"answers the call with that id", "messages")
     if name is not None and not isinstance(name, str):
-        raise ValueError(f"messages[{i}].name must be a string")
+        raise RequestError(f"messages[{i}].name must be a string", "messages")
     return {"tool_call_id": call_id, **({"name": name} if name else {})}
 
 
@@ -312,15 +319,15 @@ def _tool_calls(calls: Any, i: int) -> list[dict] | None:
     if calls is None or calls == []:
         return None
     if not isinstance(calls, list):
-        raise ValueError(f"messages[{i}].tool_calls must be an array")
+        raise RequestError(f"messages[{i}].tool_calls must be an array", "messages")
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) \
                 or not isinstance(fn.get("arguments"), str):
-            raise ValueError(f"messages[{i}].tool_calls[{j}] must be {{id, type: "
-                             f"\"function\", function: {{name, arguments}}}} with string "
-                             f"name and arguments")
+            raise RequestError(f"messages[{i}].tool_calls[{j}] must be {{id, type: "
+                               f"\"function\", function: {{name, arguments}}}} with string "
+                               f"name and arguments", "messages")
         try:
             arguments = json.loads(fn["arguments"])
         except (ValueError, RecursionError):
@@ -339,8 +346,8 @@ def _text_parts(parts: list, i: int) -> str:
         if not isinstance(part, Mapping) or part.get("type") != "text" \
                 or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(f"messages[{i}].content[{j}] must be a text part "
-                             f"(got {kind!r}: this model reads text only)")
+            raise RequestError(f"messages[{i}].content[{j}] must be a text part "
+                               f"(got {kind!r}: this model reads text only)", "messages")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -425,8 +432,4 @@ def _compile(text: str) -> jinja2.Template:
     try:
         return _environment().from_string(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template does not compile: {_one_line(e)}") from None
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+        raise ChatTemplateError(f"chat template does not compile: {one_line(e)}") from None

@@ -37,15 +37,13 @@ from .tool_calls import ToolCallFormat
 @dataclasses.dataclass
 class Completions:
     """What every completion reads: the engine, the model's view, the limits, admission,
-    the runs' context, and the answers' system_fingerprint. `as_error`: a failure as
-    the client's answer (the gateway's translation, for a stream's error event)."""
+    the runs' context, and the answers' system_fingerprint."""
 
     engine: Engine
     view: ModelView
     limits: GatewayLimits
     admission: RequestAdmission
     runs: RunContext
-    as_error: Callable[[Exception], ApiError]
 
     def __post_init__(self):
         # the split and the weights it serves (a new one means a seeded request may
@@ -124,7 +122,7 @@ class Completions:
         usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
         if parsed.stream:
             events = sse_events(runs, shape, usage, parsed.include_usage, fmt, deadline,
-                                self.admission.timed_out, self.as_error)
+                                self.admission.timed_out)
             return ClosingStream(events, on_close=close, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
         try:

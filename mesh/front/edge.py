@@ -27,6 +27,8 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
+from skippy.topology.errors import UserError
+
 from .openai_api import ApiError
 
 TENANT = "skippy.tenant"  # the ASGI scope key for the caller's tenant tag ("" unkeyed)
@@ -35,11 +37,11 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/"})
 JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
-class KeyFileError(ValueError):
+class KeyFileError(UserError):
     """The API keys given cannot be used (an unreadable or empty file, a bad key)."""
 
 
-class OpenBindRefused(ValueError):
+class OpenBindRefused(UserError):
     """Serving beyond loopback without API keys, and not told `insecure`."""
 
 

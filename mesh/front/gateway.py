@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP gateway over any `Engine` (DESIGN.md §4, §8): its routes,
-the edge every request passes (host, keys, content type: edge.py), the translation of
-failures into OpenAI's error envelope, and the server that runs it.
+the edge every request passes (host, keys, content type: edge.py) and the server that
+runs it.
 
 Each room of the gateway is its own module: a completion's life (completions), request
 building (request_building), admission and readiness (admission), JSON and SSE answers
-(rendering). A new route adds a route here and a renderer there.
+(rendering), every failure as its answer (http_errors). A new route adds a route here
+and a renderer there.
 
 Bodies are parsed by hand rather than by FastAPI models, so every mistake is a 4xx in
-OpenAI's error envelope and never FastAPI's 422. Failures of ours are logged with their
-traceback and answered with an error id, never the exception's text.
+OpenAI's error envelope and never FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -19,25 +19,24 @@ import logging
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from skippy.topology.errors import UserError
 
 from .. import tracing
-from ..control.engine import Engine, EngineBusy, EngineError
+from ..control.engine import Engine
 from ..tokenizer import Tokenizer
-from .admission import RequestAdmission, unavailable as _unavailable
+from . import http_errors
+from .admission import RequestAdmission
 from .completions import Completions
 from .edge import ApiKeys, Edge, is_loopback, keys_for_bind, load_api_keys
 from .generation import RunContext
 from .limits import DEFAULT_PORT, GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
-from .openai_api import ApiError, bad
 from .request_building import ModelView, check_model
 from .result_memo import ResultMemo
 from .status import StatusBoard, add_status_routes
@@ -50,43 +49,13 @@ _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health"
               "/metrics", "/", "/status.json"}
 
 
-# -- failures, in OpenAI's envelope ------------------------------------------------------------
-def _as_api_error(e: Exception) -> ApiError:
-    """A failure as the client's answer: busy -> 503 with Retry-After; a ValueError (the
-    request refused, by us or by the engine's InvalidRequest) -> 400; an engine failure or
-    anything else -> 500: logged in full with an id, and only the id told."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, EngineBusy):
-        return _unavailable(f"the engine is busy, retry later ({_one_line(e)})",
-                            "engine_busy", e.retry_after)
-    if isinstance(e, ValueError):
-        return bad(_one_line(e))
-    return _internal(e)
-
-
-def _internal(e: BaseException) -> ApiError:
-    """A 500 whose message names an error id the log has beside the traceback: the
-    exception's text may tell what a caller should not learn (hosts, paths, state)."""
-    error_id = uuid.uuid4().hex[:12]
-    what = "the engine failed" if isinstance(e, EngineError) else "unexpected failure"
-    log.error("%s [error %s]", what, error_id, exc_info=(type(e), e, e.__traceback__))
-    return ApiError(500, f"the server failed to answer this request (error {error_id}); "
-                         f"its operator can look the id up in the server's log",
-                    code="internal_error")
-
-
 async def _guarded(awaitable):
     """Failures become an error answer here (a handler registered for Exception would
     still let Starlette re-raise the failure and log it a second time)."""
     try:
         return await awaitable
     except Exception as e:  # noqa: BLE001
-        raise _as_api_error(e) from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+        raise http_errors.api_error(e) from None
 
 
 def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
@@ -116,10 +85,10 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     metrics = GatewayMetrics(engine.stats, memo.stats, admission.slots.stats)
     runs = RunContext(engine, memo, metrics, tokenizer)
     completions = Completions(engine, ModelView.of(engine.info, tokenizer, control_text),
-                              limits, admission, runs, _as_api_error)
+                              limits, admission, runs)
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    _error_handlers(app)
+    http_errors.install(app)
     _routes(app, completions, metrics)
     add_status_routes(app, StatusBoard(engine, metrics, runs.in_flight))
     app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys), tenant_secret),
@@ -127,28 +96,6 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     if tracing.enabled():  # outermost: a request's span holds the edge's refusals too
         app.add_middleware(tracing.HttpSpans)
     return app
-
-
-def _error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's envelope, in one line."""
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, e: ApiError):
-        return JSONResponse(e.envelope(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).envelope(),
-                            status_code=e.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, e: RequestValidationError):
-        return JSONResponse(bad(f"invalid request: {_one_line(e)}").envelope(), 400)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_request, e: Exception):
-        return JSONResponse(_internal(e).envelope(), status_code=500)
 
 
 def _counter(metrics: GatewayMetrics):
@@ -208,12 +155,12 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
     """Serve until Ctrl-C (uvicorn handles the signal), then close the engine.
 
     api_keys: see `load_api_keys`. Beyond loopback without keys it refuses to start
-    (OpenBindRefused, a ValueError) unless `insecure`; a key file that cannot be read or
-    holds no key is a KeyFileError (a ValueError). Either way the engine is closed."""
+    (OpenBindRefused) unless `insecure`; a key file that cannot be read or holds no key is
+    a KeyFileError (both UserErrors). Either way the engine is closed."""
     import uvicorn
     try:
         keys = keys_for_bind(host, api_keys, insecure)
-    except ValueError:
+    except UserError:
         asyncio.run(engine.close())
         raise
     app = create_app(engine, api_keys=keys, close_engine=True, bind_host=host,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from skippy.topology.errors import UserError
+
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_CONCURRENT_REQUESTS = 256
@@ -35,10 +37,10 @@ class GatewayLimits:
     def __post_init__(self):
         for name in ("max_body_bytes", "max_concurrent_requests", "max_request_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+                raise UserError(f"{name} must be at least 1, not {getattr(self, name)}")
         if not 0 <= self.queue_timeout_s < math.inf:
-            raise ValueError(f"the queue timeout must be >= 0 seconds and finite, not "
-                             f"{self.queue_timeout_s}")
+            raise UserError(f"the queue timeout must be >= 0 seconds and finite, not "
+                            f"{self.queue_timeout_s}")
         if not 0 < self.request_timeout_s < math.inf:
-            raise ValueError(f"the request timeout must be > 0 seconds and finite, not "
-                             f"{self.request_timeout_s}")
+            raise UserError(f"the request timeout must be > 0 seconds and finite, not "
+                            f"{self.request_timeout_s}")

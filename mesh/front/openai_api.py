@@ -258,12 +258,10 @@ def _sampling(body: Mapping, logprobs: int | None = None) -> SamplingParams:
         if value is not None and not -2 <= value <= 2:
             raise bad(f"{name} must be in [-2, 2], not {value}", name)
         penalties[name] = value or 0.0
-    try:  # its own checks: anything the ones above let through is still the client's
-        return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
-                              logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
-                              logprobs=logprobs, constraint=_constraint(body), **penalties)
-    except ValueError as e:
-        raise bad(" ".join(str(e).split())) from None
+    # its own checks (a RequestError naming the field) catch what the ones above let through
+    return SamplingParams(temperature, top_p, max(top_k or 0, 0), seed,
+                          logit_bias=_logit_bias(_field(body, "logit_bias", dict)),
+                          logprobs=logprobs, constraint=_constraint(body), **penalties)
 
 
 def _constraint(body: Mapping) -> Constraint | None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
+from . import http_errors
 from .generation import Generation, all_of, collect, pump
 from .openai_api import ApiError, ResponseShape, TokenUsage, sse
 from .tool_calls import ReplyDeltas, ToolCallFormat, whole_reply
@@ -37,10 +38,8 @@ async def whole_body(runs: list[Generation], shape: ResponseShape,
 async def sse_events(runs: list[Generation], shape: ResponseShape,
                      usage: Callable[[], TokenUsage], include_usage: bool,
                      fmt: ToolCallFormat | None, deadline: float,
-                     timed_out: Callable[[], ApiError],
-                     as_error: Callable[[Exception], ApiError]) -> AsyncIterator[bytes]:
-    """The stream (see the module docstring). `timed_out`: the deadline's error;
-    `as_error`: a failure as the client's answer."""
+                     timed_out: Callable[[], ApiError]) -> AsyncIterator[bytes]:
+    """The stream (see the module docstring). `timed_out`: the deadline's error."""
     queue: asyncio.Queue = asyncio.Queue()
     replies = [ReplyDeltas(fmt) for _ in runs]
     pumps = [asyncio.create_task(pump(i, run, queue)) for i, run in enumerate(runs)]
@@ -68,7 +67,7 @@ async def sse_events(runs: list[Generation], shape: ResponseShape,
             yield sse(shape.usage_chunk(usage()))
     except Exception as e:  # noqa: BLE001
         # headers are gone: the error travels as an event, as OpenAI's servers do
-        yield sse(as_error(e).envelope())
+        yield http_errors.event(e)
     finally:
         for task in pumps:
             task.cancel()

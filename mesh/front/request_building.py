@@ -103,13 +103,10 @@ def _prompt_ids(parsed: ParsedRequest, prompt: str | tuple[int, ...] | None,
                       f"into a prompt; use /v1/completions", "messages",
                       "chat_template_missing")
         tools = parsed.tools.template_tools if parsed.tools else None
-        try:  # what users typed stays text unless the server trusts its clients
-            return encode_chat(view.template, tokenizer, list(parsed.messages),
-                               control_text=view.control_text, tools=tools)
-        except ValueError as e:  # bad messages or tools, or the template refused them
-            message = " ".join(str(e).split())
-            raise bad(message, "tools" if message.startswith("tools ") else "messages"
-                      ) from None
+        # what users typed stays text unless the server trusts its clients; bad
+        # messages or tools, or the template refusing them, are a RequestError
+        return encode_chat(view.template, tokenizer, list(parsed.messages),
+                           control_text=view.control_text, tools=tools)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
     vocab = tokenizer.vocab_size

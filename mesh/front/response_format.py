@@ -17,14 +17,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from skippy.topology.errors import RequestError
+
 from ..constraint import Constraint, ConstraintError, check, json_object, json_schema
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 MAX_SCHEMA_CHARS = 64 * 1024  # compiling is bounded by the engine; this bounds the text
 
 
-class ResponseFormatError(ValueError):
+class ResponseFormatError(RequestError):
     """A response_format the server cannot follow; the message is one line."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "response_format")
 
 
 def response_constraint(value: Any) -> Constraint | None:

@@ -23,17 +23,18 @@ from typing import Any
 
 import jsonschema
 
+from skippy.topology.errors import RequestError
+
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 CHOICES = ("auto", "none", "required")
 
 
-class ToolSpecError(ValueError):
+class ToolSpecError(RequestError):
     """A bad tools / tool_choice / parallel_tool_calls; `param` names the field."""
 
     def __init__(self, message: str, param: str, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
+        super().__init__(message, param, code)
 
 
 def bad(message: str, param: str) -> ToolSpecError:
@@ -142,7 +143,7 @@ def _schema(params: Any, i: int) -> dict:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as e:
         raise bad(f"tools[{i}].function.parameters is not a valid JSON schema: "
-                  f"{_one_line(e.message)}", "tools") from None
+                  f"{' '.join(e.message.split())}", "tools") from None
     except RecursionError:
         raise bad(f"tools[{i}].function.parameters cannot be read as a JSON schema",
                   "tools") from None
@@ -174,7 +175,3 @@ def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())

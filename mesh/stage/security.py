@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from skippy.topology.errors import UserError
+
 SECRET_ENV = "SKIPPY_CLUSTER_SECRET"
 TLS_MODES = ("auto", "on", "off")
 METADATA_KEY = "x-skippy-cluster-token"
@@ -34,7 +36,7 @@ PEER_NAME = "skippy-stage"
 VALIDITY = datetime.timedelta(days=3650)
 
 
-class SecretError(ValueError):
+class SecretError(UserError):
     """A cluster secret the user pointed at that cannot be used."""
 
 

@@ -11,9 +11,10 @@ from functools import partial
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
 from skippy.stages.factory import make_runtime
-from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.runtime import StageSpec
 from skippy.stages.runtime_kind import TORCH, RuntimeKind
 from skippy.stages.stage_cache import StageCache
+from skippy.topology.errors import RequestError
 
 from ..token_mask import Vocabulary
 from ..tokenizer import Tokenizer
@@ -74,7 +75,9 @@ class StageServer:
         if self.fault is not None:
             self.fault(row)
         if self.runtime.lane_length(row.lane) >= self.spec.n_ctx:
-            raise StageError(f"the context of {self.spec.n_ctx} tokens is full")
+            # the request asked for more than its context holds: its fault, never retried
+            raise RequestError(f"the context of {self.spec.n_ctx} tokens is full",
+                               "max_tokens", "context_length_exceeded")
 
     # -- blocks and figures --------------------------------------------------------------
     def blocks(self, hashes: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:

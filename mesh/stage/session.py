@@ -10,9 +10,11 @@ The stream's calls (proto/stage.proto):
 A replayed prefill or decode (a request rebuilt after a fault) recomputes its rows exactly
 as they were made, and the last stage samples nothing. The lane is taken at the first
 call and freed by `close`, so a client that goes away frees every lane down the chain.
-Errors are replies: `invalid` when the request is at fault (never retried), `retryable`
-when a stage or link failed (the driver rebuilds the request), `busy` when no lane came
-free.
+Errors are replies (topology/errors.py): `invalid` with the `param` at fault when the
+request is (a RequestError: never retried), `busy` when no lane came free, `retryable`
+when a link or this stage failed (the driver rebuilds the request). Any other exception
+is ours, whatever its type: logged here with its traceback under a new error id, which
+the reply carries to the driver and the gateway.
 
 A traced call (it carries a `traceparent`, mesh/tracing.py) is one span here, named for
 the call, under the caller's span; the calls this stage sends down carry this span. A
@@ -31,6 +33,7 @@ import torch
 
 from skippy.proto import stage_pb2 as pb
 from skippy.stages.runtime import StageError
+from skippy.topology.errors import RequestError, log_ours, new_error_id, one_line
 
 from .. import tracing
 from ..sampler import Sampler
@@ -90,18 +93,21 @@ class StageSession:
                 return self._prefill(call.prefill)
             if kind == "decode":
                 return self._decode(call.decode)
-            return error("empty call", invalid=True)
+            raise StageError("an empty call")  # the sender's bug: ours, not the request's
         except Busy as e:
             return pb.StageResult(error=pb.Error(message=str(e), busy=True))
-        except ValueError as e:  # StageError, a malformed frame, bad sampling settings
-            return error(str(e), invalid=True)
+        except RequestError as e:  # bad sampling settings, a row past the context
+            return pb.StageResult(error=pb.Error(message=one_line(e), invalid=True,
+                                                 param=e.param or ""))
         except LinkDown as e:
             self._close_down()
-            return error(str(e), retryable=True)
-        except Exception as e:  # a fault of this stage: the request is rebuilt
-            log.exception("stage %d failed a %s call", self.server.spec.stage_index, kind)
-            return error(f"stage {self.server.spec.stage_index}: {type(e).__name__}: {e}",
-                         retryable=True)
+            return pb.StageResult(error=pb.Error(message=str(e), retryable=True))
+        except Exception as e:  # ours, a builtin ValueError too: the request is rebuilt
+            i, error_id = self.server.spec.stage_index, new_error_id()
+            log_ours(log, e, error_id, f"stage {i} failed a {kind} call")
+            return pb.StageResult(error=pb.Error(
+                message=f"stage {i}: {type(e).__name__}: {one_line(e)}", retryable=True,
+                error_id=error_id))
 
     def close(self) -> None:
         if self.decoding:
@@ -286,8 +292,3 @@ class StageSession:
         if self.down is not None:
             down, self.down = self.down, None
             down.close()
-
-
-def error(message: str, *, retryable: bool = False, invalid: bool = False) -> pb.StageResult:
-    return pb.StageResult(error=pb.Error(message=message, retryable=retryable,
-                                         invalid=invalid))
