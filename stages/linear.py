@@ -40,9 +40,8 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import qkernel
+from .stage_spec import LEAN, WEIGHT_FORMATS
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4", "int8-lean", "int4-lean")
-LEAN = "-lean"
 GROUP = 32  # int4 group size: a GGUF Q4 block
 SMALL_ROWS = 16  # int8/int4: the integer kernel up to this many rows, bf16 GEMM above
 _INNER_K_TILES = 2

@@ -14,9 +14,12 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .linear import WEIGHT_FORMATS, held_bytes
-from .runtime import DEFAULT_WEIGHT_FORMAT, StageError, StageRuntime, StageSpec
+from .stage_spec import DEFAULT_WEIGHT_FORMAT, WEIGHT_FORMATS, StageError, StageSpec
+
+if TYPE_CHECKING:  # the contract imports torch: a descriptor is read without it
+    from .runtime import StageRuntime
 
 # A StageSpec's own weight format: the reference arithmetic (certify's default).
 REFERENCE_FORMAT = "fp32"
@@ -83,6 +86,7 @@ class RuntimeKind:
         default, for the file's own weights)."""
         if not self.weight_formats:
             return None
+        from .linear import held_bytes  # torch: only once a plan is sized
         return functools.partial(held_bytes, fmt)
 
 
