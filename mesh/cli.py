@@ -89,20 +89,20 @@ SYNTH_FLAGS = ("hidden", "ff", "heads", "kv_heads", "head_dim", "rope_freqs", "v
 def cmd_generate(args) -> int:
     import asyncio
 
-    from skippy.cache.config import CacheConfig
-    from .front.chat import render_chat
-    from .control.local import InProcessEngine
-    from .control.engine import GenerationRequest
     from .models import resolve_model
-    from .sampler import SamplingParams
-    from .tokenizer import Tokenizer
 
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, not {args.max_tokens}")
+    path = resolve_model(args.model)  # a missing model is refused before torch loads
+    from skippy.cache.config import CacheConfig
+    from .control.engine import GenerationRequest
+    from .control.local import InProcessEngine
+    from .front.chat import render_chat
+    from .sampler import SamplingParams
+    from .tokenizer import Tokenizer
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    path = resolve_model(args.model)
     tok = Tokenizer(path)
     text = render_chat(path, [{"role": "user", "content": args.prompt}]) if args.chat \
         else args.prompt
