@@ -65,13 +65,17 @@ run: venv
 	$(BIN)/skippy serve --model smollm2 --stages 2 --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # Everything CI runs. Downloads happen first, with the tests that need the package
-# registry; the rest run in a network namespace with only loopback (DESIGN.md §9),
-# where unshare is allowed.
+# registry; the rest run where only loopback exists (DESIGN.md §9), where unshare is
+# allowed: in WORKERS pytest-xdist workers, each in a loopback-only namespace of its own
+# (tests/netns_worker), a test file at a time. On 2 cores a serial run leaves about a
+# third of the CPU idle while processes, servers and Ray start; a second worker fills it.
+WORKERS     ?= 2
+XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 test: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)
 	if unshare -n true 2>/dev/null; then \
-	  unshare -n bash -c 'ip link set lo up; $(BIN)/python -m pytest -m "not network" $(PYTEST_ARGS)'; \
+	  SKIPPY_WORKER_PYTHON=$(CURDIR)/$(BIN)/python $(BIN)/python -m pytest -m "not network" $(XDIST) $(PYTEST_ARGS); \
 	else \
 	  $(BIN)/python -m pytest -m "not network" $(PYTEST_ARGS); \
 	fi
