@@ -69,8 +69,9 @@ run: venv
 # allowed: in WORKERS pytest-xdist workers, each in a loopback-only namespace of its own
 # (tests/netns_worker), a test file at a time. On 2 cores a serial run leaves about a
 # third of the CPU idle while processes, servers and Ray start; a second worker fills it.
+# The short basetemp keeps Ray's socket paths under tests/hosts.py within 107 bytes.
 WORKERS     ?= 2
-XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
+XDIST       := --basetemp=$$(mktemp -d /tmp/skt.XXXXXX) --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 test: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)
