@@ -5,6 +5,12 @@ from skippy.mesh.sampler import Sampler, SamplingParams
 from skippy.topology.errors import RequestError
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    # xdist workers start at different torch seeds: every random row is the same in each run
+    torch.manual_seed(0)
+
+
 def test_temperature_zero_is_argmax():
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert Sampler(SamplingParams(temperature=0))(logits) == 1
@@ -61,7 +67,9 @@ def test_presence_penalty_counts_a_token_once_and_frequency_per_use():
 
 
 def test_penalties_apply_to_seeded_sampling_repeatably():
+    # one clear favourite: without the penalty it is drawn most times, with it a few times
     logits = torch.randn(300)
+    logits[0] = 8.0
     params = SamplingParams(1.0, seed=9, frequency_penalty=2.0, logit_bias=((7, 3.0),))
     a, b = Sampler(params), Sampler(params)
     assert [a(logits) for _ in range(30)] == [b(logits) for _ in range(30)]
