@@ -133,8 +133,11 @@ def _viewport(driver, height: int) -> None:
 
 
 def wait_for(driver, condition, timeout: float = 20.0, what: str = ""):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(
+    # an element read while the page re-renders is asked again at the next poll
+    return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=[StaleElementReferenceException]).until(
         lambda d: condition(d), message=what)
 
 
@@ -220,10 +223,13 @@ def test_the_page_shows_the_stages_moves_and_matches_metrics(server, browser):
     while thread.is_alive():
         seen.add(page_value(d, decode))
         busy_seen |= any((page_value(d, s) or 0) > 0 for s in busy)
-        rows = d.find_elements("css selector", "#requests tr[data-request] td:last-child")
+        # read in one script: the page re-renders the table between two element reads
+        rows = d.execute_script(
+            "return [...document.querySelectorAll('#requests tr[data-request] td:last-child')]"
+            ".map(e => e.textContent.trim())")
         if rows:
             no_sideways_scroll(d)  # the in-flight table fits too
-            if not shot.exists() and any(r.text not in ("", "–") for r in rows):
+            if not shot.exists() and any(r not in ("", "–") for r in rows):
                 screenshot(d, shot)  # decoding: rates, TTFT and tokens/s are showing
             rows_seen = True
         time.sleep(0.2)
