@@ -69,9 +69,10 @@ def test_smollm2_package_logits_bitwise_equal_to_gguf(smollm2, smollm2_pkg, n_st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n_stages", [1, 2, 3])
-def test_gemma3_package_logits_bitwise_equal_to_gguf(gemma3, gemma3_pkg, n_stages):
-    assert torch.equal(_logits(gemma3_pkg, n_stages), _logits(gemma3, n_stages))
+def test_gemma3_package_logits_bitwise_equal_to_gguf(gemma3, gemma3_pkg):
+    # 3 stages: first, middle and last each load from the package (the last one reads the
+    # tied embeddings); every split is SmolLM2's check above
+    assert torch.equal(_logits(gemma3_pkg, 3), _logits(gemma3, 3))
 
 
 def test_package_stage_has_the_gguf_stages_identity(smollm2, smollm2_pkg):
