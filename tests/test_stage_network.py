@@ -201,3 +201,29 @@ def test_embedded_ray_ignores_a_stale_cluster_file():
     shutil.rmtree(tmp_path, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().startswith("127.0.0.1:") and r.stdout.strip() != "127.0.0.1:1"
+
+
+@pytest.mark.parametrize("failure, starts", [
+    ("The current node timed out during startup. This could happen because ...", 2),
+    ("something else broke", 1)])
+def test_an_embedded_ray_whose_raylet_is_late_starts_once_more(monkeypatch, failure, starts):
+    """Ray waits a fixed 30 s for its raylet; a start that misses it is shut down and tried
+    once more (a late raylet costs time, not the serve), and any other failure is raised."""
+    import ray
+    from skippy.mesh.control import ray_engine
+    calls, shutdowns = [], []
+
+    def init(**kw):
+        calls.append(kw)
+        if len(calls) == 1:
+            raise Exception(failure)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    if starts == 1:
+        with pytest.raises(Exception, match="something else"):
+            ray_engine.start_ray(num_cpus=1)
+    else:
+        assert ray_engine.start_ray(num_cpus=1) is True
+    assert len(calls) == starts and len(shutdowns) == starts - 1
+    assert all(c["address"] == "local" and c["_node_ip_address"] == "127.0.0.1" for c in calls)

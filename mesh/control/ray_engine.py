@@ -46,6 +46,9 @@ GOMP_SPINCOUNT = "10000"
 
 
 LOOPBACK = "127.0.0.1"
+# Ray gives its raylet a fixed 30 s to register; on a loaded 2-core machine a start has
+# missed it (a raylet that never wrote a log). A start that misses it is tried once more.
+NODE_LATE = "timed out during startup"
 
 
 def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
@@ -58,12 +61,22 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
         return False
     # address="local": always a new embedded Ray. Without it ray.init joins whatever
     # cluster /tmp/ray/ray_current_cluster names, even one whose processes were killed.
+    try:
+        _start_local(num_cpus)
+    except Exception as e:  # Ray raises a bare Exception when its raylet is late
+        if NODE_LATE not in str(e):
+            raise
+        ray.shutdown()  # what did start goes; the second start is a new node
+        _start_local(num_cpus)
+    return True
+
+
+def _start_local(num_cpus: int | None) -> None:
     with _loopback_node():
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
                  include_dashboard=False,
                  object_store_memory=100 * 2**20, log_to_driver=False,
                  _node_ip_address=LOOPBACK)
-    return True
 
 
 @contextlib.contextmanager
