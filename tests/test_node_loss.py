@@ -21,13 +21,19 @@ pytestmark = pytest.mark.slow
 PROMPT = "The history of the printing press begins"
 
 
+# Each node's memory said outright: left to Ray, each node takes the host's available
+# memory when it starts, which other processes' moves make differ by more than a stage,
+# and the roomiest node for the lost stage is then not always the empty one.
+NODE = dict(num_cpus=1, memory=4 * 2**30, object_store_memory=100 * 2**20)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
-    c = Cluster(initialize_head=True, connect=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "object_store_memory": 100 * 2**20})
+    c = Cluster(initialize_head=True, connect=True,
+                head_node_args={**NODE, "include_dashboard": False})
     for _ in range(2):
-        c.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+        c.add_node(**NODE)
     c.wait_for_nodes()
     yield c
     ray.shutdown()
