@@ -27,8 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # (the largest host), B and C to the hosts with the most memory left after it.
 DATA = Path(os.environ.get("SKIPPY_CORPUS", Path(__file__).resolve().parents[1].parent
                           / "shared" / "data" / "usecases.jsonl"))
-TOKENS = 256
-SHARED = 128
+TOKENS = 512
 
 
 def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smollm2):
@@ -37,7 +36,7 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     head = hosts[0]
     out = head.root / "bench_cluster.json"
     done = head.run(sys.executable, "-m", "skippy.evals.bench_cluster", "--model", str(smollm2),
-                    "--tokens", str(TOKENS), "--sessions", "6", "--shared", str(SHARED),
+                    "--tokens", str(TOKENS), "--sessions", "6", "--shared", "256",
                     "--address", f"{head.ip}:{RAY_PORT}",
                     "--data", str(DATA), "--json", str(out), timeout=480)
     print(done.stdout)
@@ -55,14 +54,14 @@ def test_turn_two_on_another_host_pulls_the_state_and_answers_bitwise(hosts, smo
     faults = result["faults"]
     assert faults["exact"] and faults["rebuilds"]["fault"] >= 1
     assert [t["fault"] for t in faults["turns"]] == [False, False, True, False]
-    # Dedupe: 6 sessions sharing 128 tokens round-robin over the hosts; the first one on
+    # Dedupe: 6 sessions sharing 512 tokens round-robin over the hosts; the first one on
     # each host computes or pulls the prefix, every later one finds it on its host
     sessions = result["dedupe"]["sessions"]
     a, b, _ = (result["state_by_node"][nodes[h.ip][:12]] for h in hosts)
     assert a["exports"] >= 1 and a["fetched_bytes"] == 0        # host 1 gave
     assert b["pulls"] >= 1 and b["fetched_bytes"] == row["fetched_bytes"] + sum(
         s["fetched_bytes"] for s in sessions if s["pipeline"] == 1)  # host 2 took
-    assert all(s["cached_tokens"] >= SHARED for s in sessions[1:])
+    assert all(s["cached_tokens"] >= 256 for s in sessions[1:])
     assert all(s["fetched_bytes"] == 0 for s in sessions[3:])
     assert sessions[2]["fetched_bytes"] > 0                   # host 3 had nothing
     for n in result["dedupe"]["nodes"].values():
