@@ -73,7 +73,26 @@ def test_seeded_sampling_repeats(smollm2):
     (("service", "start", "--wait", "soon"), "--wait"),
     (("service", "restart"), "no gateway service to restart"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message):
+def test_bad_input_is_one_line_and_exit_code_2(smollm2, args, message, capsys):
+    """main() as the console script calls it, in this process (a child per case would
+    spend its time importing torch); the next test runs the same path as a process."""
+    from skippy.mesh import cli
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.parametrize("args, message", [
+    (("generate",), "PROMPT"),
+    (("generate", "--model", "smollm2", "--stages", "31", "hi"), "30 layers"),
+])
+def test_a_bad_input_process_prints_one_line_and_exits_2(smollm2, args, message):
     r = skippy(*args)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr

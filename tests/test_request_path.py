@@ -212,6 +212,7 @@ def test_thirty_two_requests_of_n_8_get_200s_or_503s_never_500s(ray_engine, smol
 
     from skippy.mesh.front.gateway import BackgroundServer, create_app
     eng = RayEngine(smollm2, 2, model_name="smollm2", n_ctx=8192, weight_format="int4")
+    eng.admission.wait_s = 10.0  # the lane queue's wait (30 s by default) is the test's length
     try:
         with BackgroundServer(create_app(eng, api_keys=[])) as srv:
             async def one(c, i):
@@ -226,7 +227,7 @@ def test_thirty_two_requests_of_n_8_get_200s_or_503s_never_500s(ray_engine, smol
         codes = [r.status_code for r in answers]
         print(f"32 requests of n=8: {codes.count(200)} x 200, {codes.count(503)} x 503")
         assert set(codes) <= {200, 503}, codes
-        assert codes.count(200) >= eng.info.lanes
+        assert codes.count(200) >= 2  # the first at once, the next after waiting in line
         assert all(r.headers.get("retry-after") for r in answers if r.status_code == 503)
         assert all(len(r.json()["choices"]) == 8 for r in answers if r.status_code == 200)
         for actor, st in zip(eng.actors, eng.plan.stages):
