@@ -67,12 +67,11 @@ run: venv
 # Everything CI runs. Downloads happen first, with the tests that need the package
 # registry; the rest run where only loopback exists (DESIGN.md §9), where unshare is
 # allowed: in WORKERS pytest-xdist workers, each in a loopback-only namespace of its own
-# (tests/netns_worker), a test file at a time, files with the most slow tests first
-# (tests/conftest.py). On 2 cores a serial run leaves about a
+# (tests/netns_worker), a test file at a time. On 2 cores a serial run leaves about a
 # third of the CPU idle while processes, servers and Ray start; a second worker fills it.
 # The short basetemp keeps Ray's socket paths under tests/hosts.py within 107 bytes.
 WORKERS     ?= 2
-XDIST       := --basetemp=$$(mktemp -d /tmp/skt.XXXXXX) --dist loadfile --no-loadscope-reorder --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
+XDIST       := --basetemp=$$(mktemp -d /tmp/skt.XXXXXX) --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 test: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)

@@ -12,17 +12,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "usecases.jsonl"
 
 
-def pytest_collection_modifyitems(items):
-    """Files with the most slow tests first: `make test` hands whole files to its workers
-    in this order (--no-loadscope-reorder), so the long ones start early and the many
-    short ones even out the end, instead of one worker finishing a long file alone."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.fspath.strpath] = slow.get(item.fspath.strpath, 0) \
-            + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.fspath.strpath])  # stable: else as collected
-
-
 @pytest.fixture(scope="session")
 def smollm2():
     from skippy.mesh.models import pull
