@@ -194,7 +194,7 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.skr_rms_norm.restype = None
     lib.skr_rms_norm.argtypes = [p, p, i64, i64, i64, ctypes.c_float, p]
-    for fn in (lib.skr_attend_decode, lib.skr_attend_cached):
+    for fn in (lib.skr_attend_rows, lib.skr_attend_cached):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
@@ -214,12 +214,12 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def attend_decode(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int,
+def attend_rows(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int,
                   pos: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
                   out: torch.Tensor) -> None:
-    """rowops.c skr_attend_decode over the first `rows` rows of qkv (changed in place:
-    normed and rotated), into out."""
-    _attend(lib.skr_attend_decode, shape, qkv, rows, pos, keys, values, out)
+    """rowops.c skr_attend_rows over the first `rows` rows of qkv (changed in place:
+    normed and rotated), into out; pos, keys and values are per row."""
+    _attend(lib.skr_attend_rows, shape, qkv, rows, pos, keys, values, out)
 
 
 def attend_cached(lib: ctypes.CDLL, shape: AttnShape, q: torch.Tensor, pos: list[int],

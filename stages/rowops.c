@@ -8,6 +8,7 @@
  * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))). */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,94 +96,193 @@ typedef struct {
     float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
 } attn_shape;
 
-/* One head's attention of query q over keys [lo, hi) of a token-major cache. */
-static void attend_head(const attn_shape *A, const float *q, const float *kc, const float *vc,
-                        int g, int64_t lo, int64_t hi, float *scores, float *out)
+/* Attention reads keys in blocks of KB from position 0 (0, KB, 2 KB, ...: fixed by the
+ * position alone) with an online softmax, so a query row's float operations are one
+ * sequence fixed by its position and window: a decode row, a row of a 2,000-row prefill
+ * and a row beside other lanes are computed alike (DESIGN.md §5.3, row-invariant). Up to
+ * TR consecutive rows of one lane share each block's keys (read once, transposed), which
+ * is where prefill's speed comes from; each row's sums stay its own. */
+#define KB 32
+#define TR 4
+
+typedef struct {
+    const attn_shape *A;
+    const float *q;
+    int64_t width;
+    const int64_t *pos, *tile0; /* tile t: rows [tile0[t], tile0[t + 1]) of one lane */
+    float *const *kcache, *const *vcache;
+    float *out;
+} attn_job;
+
+/* One row's step over the block at b0, its scores in s (raw dot products): scale, cap,
+ * mask to the row's keys [lo, hi), then fold the block into the running max m, sum l and
+ * accumulator acc[Dv]. */
+static void fold_block(const attn_shape *A, float *s, int64_t b0, int64_t lo, int64_t hi,
+                       const float *vc, int g, float *m, float *l, float *acc)
 {
-    const int D = A->head_dim, Dv = A->v_head_dim;
-    float m = -INFINITY;
-    for (int64_t l = lo; l < hi; l++) {
-        float s = dot(q, kc + (l * A->kv_heads + g) * D, D) * A->scale;
+    const int64_t a = (lo > b0 ? lo : b0) - b0, e = (hi < b0 + KB ? hi : b0 + KB) - b0;
+    if (a >= e)
+        return; /* none of this row's keys: the block is not one of its blocks */
+    const int G = A->kv_heads, Dv = A->v_head_dim;
+    float bm = -INFINITY;
+    for (int j = 0; j < KB; j++) {
+        float x = s[j] * A->scale;
         /* libm's tanhf, as ggml's tanh calls it; one scalar call in every build */
         if (A->softcap > 0.0f)
-            s = tanhf(s * (1.0f / A->softcap)) * A->softcap;
-        scores[l - lo] = s;
-        m = s > m ? s : m;
+            x = tanhf(x * (1.0f / A->softcap)) * A->softcap;
+        x = j >= a && j < e ? x : -INFINITY;
+        s[j] = x;
+        bm = x > bm ? x : bm;
     }
-    float sum = 0.0f;
-    for (int64_t l = lo; l < hi; l++) {
-        const float p = exp_neg(scores[l - lo] - m);
-        scores[l - lo] = p;
-        sum += p;
+    const float mn = *m > bm ? *m : bm;
+    const float alpha = exp_neg(*m - mn); /* 0 before the first block, 1 if m stays */
+    float lanes[LANES] = {0};
+    for (int j = 0; j < KB; j++) {
+        s[j] = exp_neg(s[j] - mn); /* 0 where masked */
+        lanes[j % LANES] += s[j];
     }
+    *l = *l * alpha + hsum8(lanes);
+    *m = mn;
     for (int d = 0; d < Dv; d++)
-        out[d] = 0.0f;
-    for (int64_t l = lo; l < hi; l++) {
-        const float p = scores[l - lo];
-        const float *v = vc + (l * A->kv_heads + g) * Dv;
+        acc[d] *= alpha;
+    for (int64_t j = a; j < e; j++) {
+        const float p = s[j];
+        const float *v = vc + ((b0 + j) * G + g) * Dv;
         for (int d = 0; d < Dv; d++)
-            out[d] += p * v[d];
+            acc[d] = fmaf(p, v[d], acc[d]);
     }
-    const float inv = 1.0f / sum;
-    for (int d = 0; d < Dv; d++)
-        out[d] *= inv;
+}
+
+/* Scores of tr rows' head-h queries against the block's keys kt ([D][KB]): each a sum
+ * over d in order, d = 0 first. */
+static void block_scores(const attn_job *J, int64_t r0, int tr, int h, const float *kt,
+                         float s[TR][KB])
+{
+    const int D = J->A->head_dim;
+    for (int i = 0; i < tr; i++) {
+        const float *q = J->q + (r0 + i) * J->width + (int64_t)h * D;
+        for (int j = 0; j < KB; j++)
+            s[i][j] = 0.0f;
+        for (int d = 0; d < D; d++) {
+            const float qd = q[d];
+            for (int j = 0; j < KB; j++)
+                s[i][j] = fmaf(qd, kt[d * KB + j], s[i][j]);
+        }
+    }
+}
+
+/* Tile t's rows for kv head g: every query head of the group, block by block. */
+static int attend_tile(const attn_job *J, int64_t t, int g)
+{
+    const attn_shape *A = J->A;
+    const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
+    const int hg = H / G;
+    const int64_t r0 = J->tile0[t];
+    const int tr = (int)(J->tile0[t + 1] - r0);
+    const float *kc = J->kcache[r0], *vc = J->vcache[r0];
+    int64_t lo[TR], hi[TR], first = INT64_MAX, last = 0;
+    for (int i = 0; i < tr; i++) {
+        hi[i] = J->pos[r0 + i] + 1;
+        lo[i] = A->window && hi[i] > A->window ? hi[i] - A->window : 0;
+        first = lo[i] < first ? lo[i] : first;
+        last = hi[i] > last ? hi[i] : last;
+    }
+    /* per (head, row): max, sum, accumulator */
+    float *kt = malloc(sizeof(float) * ((size_t)D * KB + (size_t)hg * TR * (Dv + 2)));
+    if (!kt)
+        return -1;
+    float *m = kt + (size_t)D * KB, *l = m + hg * TR, *acc = l + hg * TR;
+    for (int i = 0; i < hg * TR; i++)
+        m[i] = -INFINITY, l[i] = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)hg * TR * Dv);
+    float s[TR][KB];
+    for (int64_t b0 = first / KB * KB; b0 < last; b0 += KB) {
+        const int64_t n = last - b0 < KB ? last - b0 : KB; /* keys past `last`: zeros */
+        for (int d = 0; d < D; d++)
+            for (int j = 0; j < KB; j++)
+                kt[d * KB + j] = j < n ? kc[((b0 + j) * G + g) * D + d] : 0.0f;
+        for (int hh = 0; hh < hg; hh++) {
+            block_scores(J, r0, tr, g * hg + hh, kt, s);
+            for (int i = 0; i < tr; i++) {
+                const int at = hh * TR + i;
+                fold_block(A, s[i], b0, lo[i], hi[i], vc, g, m + at, l + at,
+                           acc + (size_t)at * Dv);
+            }
+        }
+    }
+    for (int hh = 0; hh < hg; hh++)
+        for (int i = 0; i < tr; i++) {
+            const int at = hh * TR + i;
+            const float inv = 1.0f / l[at];
+            float *o = J->out + ((r0 + i) * H + g * hg + hh) * Dv;
+            for (int d = 0; d < Dv; d++)
+                o[d] = acc[(size_t)at * Dv + d] * inv;
+        }
+    free(kt);
+    return 0;
 }
 
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 
 typedef struct {
-    const attn_shape *A;
-    float *qkv;
-    int64_t width;
-    const int64_t *pos;
-    float *const *kcache, *const *vcache;
-    float *out, *scratch;
-    int64_t longest;
-} heads_job;
+    const attn_job *J;
+    atomic_int failed;
+} tiles_run;
 
-/* (row, head) pairs [b, e): each one thread's. */
-static void heads(void *arg, int64_t b, int64_t e)
+/* (tile, kv head) items [b, e): each one thread's. */
+static void attend_items(void *arg, int64_t b, int64_t e)
 {
-    const heads_job *J = arg;
-    const attn_shape *A = J->A;
-    const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
-    for (int64_t rh = b; rh < e; rh++) {
-        const int64_t r = rh / H;
-        const int h = (int)(rh % H);
-        const int64_t hi = J->pos[r] + 1;
-        const int64_t lo = A->window && hi > A->window ? hi - A->window : 0;
-        attend_head(A, J->qkv + r * J->width + (int64_t)h * D, J->kcache[r], J->vcache[r],
-                    h / (H / G), lo, hi, J->scratch + rh * J->longest, J->out + (r * H + h) * Dv);
-    }
+    tiles_run *R = arg;
+    const int G = R->J->A->kv_heads;
+    for (int64_t it = b; it < e; it++)
+        if (attend_tile(R->J, it / G, (int)(it % G)))
+            atomic_store(&R->failed, 1);
 }
 
-/* Attention of `rows` query rows (q: [rows, width], row r's heads first), row r the next
- * token of a lane at pos[r] whose k and v are already in that lane's cache (kcache[r],
+/* Above this many rows (prefill) the threads are torch's OpenMP team, as in qmatmul.c. */
+#define OMP_ROWS 16
+
+/* Attention of `rows` query rows (q: [rows, width], row r's heads first), row r the token
+ * of a lane at pos[r] whose k and v are already in that lane's cache (kcache[r],
  * vcache[r]: token-major [cap, kv_heads, D]), over its keys [lo, pos[r]] (lo: the sliding
- * window's start). out: [rows, heads * v_head_dim]. Heads run in parallel; each head is
- * one thread's. */
+ * window's start). out: [rows, heads * v_head_dim]. Consecutive rows of one lane at
+ * consecutive positions form tiles; tiles and kv heads run in parallel. */
 static int attend_rows(const attn_shape *A, float *q, int64_t width, int64_t rows,
                        const int64_t *pos, float *const *kcache, float *const *vcache,
                        float *out, int threads)
 {
-    const int H = A->heads, D = A->head_dim;
-    int64_t longest = 1;
-    for (int64_t r = 0; r < rows; r++)
-        longest = pos[r] + 1 > longest ? pos[r] + 1 : longest;
-    float *scratch = malloc(sizeof(float) * (size_t)(longest * rows * H));
-    if (!scratch)
+    int64_t *tile0 = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+    if (!tile0)
         return -1;
-    heads_job J = {A, q, width, pos, kcache, vcache, out, scratch, longest};
+    int64_t tiles = 0, work = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        if (!(r && r - tile0[tiles - 1] < TR && kcache[r] == kcache[r - 1]
+              && pos[r] == pos[r - 1] + 1))
+            tile0[tiles++] = r;
+        work += pos[r] + 1;
+    }
+    tile0[tiles] = rows;
+    attn_job J = {A, q, width, pos, tile0, kcache, vcache, out};
+    tiles_run R = {&J, 0};
+    const int64_t items = tiles * A->kv_heads;
     /* threads pay off on long contexts only */
-    skp_run(rows * H * longest * D > 65536 ? threads : 1, rows * H, heads, &J);
-    free(scratch);
-    return 0;
+    const int n = work * A->heads * A->head_dim > 65536 ? threads : 1;
+    if (rows > OMP_ROWS) {
+#pragma omp parallel for schedule(static) num_threads(n)
+        for (int64_t it = 0; it < items; it++)
+            attend_items(&R, it, it + 1);
+    } else {
+        skp_run(n, items, attend_items, &R);
+    }
+    free(tile0);
+    return atomic_load(&R.failed) ? -1 : 0;
 }
 
-/* Decode attention for `rows` rows, each one lane's next token: row r's qkv output
- * (q heads, k heads, v heads) takes its q/k norms and rope at pos[r], writes its k and v
- * at pos[r] of that lane's cache, and attends as attend_rows says. */
-int skr_attend_decode(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
+/* Attention for `rows` rows, decode or prefill: row r's qkv output (q heads, k heads,
+ * v heads) takes its q/k norms and rope at pos[r] and writes its k and v at pos[r] of its
+ * lane's cache; then every row attends as attend_rows says (a prefill row sees the keys
+ * of the rows before it in the same call). */
+int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
                       float *const *kcache, float *const *vcache, float *out, int threads)
 {
     const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
@@ -199,7 +299,7 @@ int skr_attend_decode(const attn_shape *A, float *qkv, int64_t rows, const int64
     return attend_rows(A, qkv, width, rows, pos, kcache, vcache, out, threads);
 }
 
-/* Decode attention of q ([rows, heads * head_dim], normed and rotated) for a family that
+/* Attention of q ([rows, heads * head_dim], normed and rotated) for a family that
  * prepares its own rows and writes their k and v itself (Gemma 4: its own norms, and
  * shared-KV layers that read another layer's cache); A's qk_norm and rope are unused. */
 int skr_attend_cached(const attn_shape *A, float *q, int64_t rows, const int64_t *pos,
