@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "rowops.c", "pool.c")]
+SOURCES = [Path(__file__).with_name(n)
+           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c")]
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
@@ -181,7 +182,7 @@ def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
 # -- per-row operations (rowops.c) ----------------------------------------------------------
 
 class AttnShape(ctypes.Structure):
-    """rowops.c's attn_shape: one attention layer's shape and its per-layer tensors."""
+    """attention.c's attn_shape: one attention layer's shape and its per-layer tensors."""
 
     _fields_ = [(n, ctypes.c_int) for n in ("heads", "kv_heads", "head_dim", "v_head_dim",
                                             "rope_dim", "rope_style", "window")] \
@@ -217,7 +218,7 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
 def attend_rows(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int,
                   pos: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
                   out: torch.Tensor) -> None:
-    """rowops.c skr_attend_rows over the first `rows` rows of qkv (changed in place:
+    """attention.c skr_attend_rows over the first `rows` rows of qkv (changed in place:
     normed and rotated), into out; pos, keys and values are per row."""
     _attend(lib.skr_attend_rows, shape, qkv, rows, pos, keys, values, out)
 
@@ -225,7 +226,7 @@ def attend_rows(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int
 def attend_cached(lib: ctypes.CDLL, shape: AttnShape, q: torch.Tensor, pos: list[int],
                   keys: list[torch.Tensor], values: list[torch.Tensor],
                   out: torch.Tensor) -> None:
-    """rowops.c skr_attend_cached: decode rows q ([rows, heads * head_dim], normed and
+    """attention.c skr_attend_cached: rows q ([rows, heads * head_dim], normed and
     rotated, their k and v already in the caches) over their lanes' keys, into out."""
     _attend(lib.skr_attend_cached, shape, q, len(pos), pos, keys, values, out)
 

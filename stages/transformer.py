@@ -132,7 +132,7 @@ class Attention:
         return self.qkv.nbytes + self.out.nbytes + sum(t.nbytes for t in norms)
 
     def _rows(self, y: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Every row, decode or prefill, through one call of our kernel (rowops.c): norms,
+        """Every row, decode or prefill, through one call of our kernel (attention.c): norms,
         rope, KV write and attention, each row's arithmetic fixed by its position alone;
         rows past the segments (a decode batch's padding) stay zero."""
         cfg = self.cfg
