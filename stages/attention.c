@@ -23,7 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(SKQ_AVX512)
+#if defined(SKQ_AVX512) || defined(SKQ_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -287,6 +287,151 @@ static void values(float *acc, int Dv, float alpha, const float *p, int a, int e
         }
         for (int c = 0; c < 4; c++)
             _mm512_storeu_ps(acc + d + 16 * c, x[c]);
+    }
+    if (d < Dv)
+        values_c(acc + d, Dv - d, alpha, p, a, e, v + d, stride);
+}
+#elif defined(SKQ_AVX2)
+/* ---- AVX2: the same floats, 8 at a time ------------------------------------------------ */
+static inline void transpose8(__m256 r[8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+    }
+}
+
+static void keys(const float *kc, int64_t b0, int64_t n, int G, int g, int D, float *kt)
+{
+    if (D % 8) {
+        keys_c(kc, b0, n, G, g, D, kt);
+        return;
+    }
+    __m256 r[8];
+    for (int c = 0; c < KB / 8; c++)
+        for (int e = 0; e < D; e += 8) {
+            for (int i = 0; i < 8; i++) {
+                const int64_t j = 8 * c + i;
+                r[i] = j < n ? _mm256_loadu_ps(kc + ((b0 + j) * G + g) * D + e)
+                             : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int k = 0; k < 8; k++)
+                _mm256_storeu_ps(kt + (e + k) * KB + 8 * c, r[k]);
+        }
+}
+
+/* Two pairs' scores over one half of the block (32 keys): 8 chains of fmas. */
+static inline __attribute__((always_inline)) void
+scores_half(const float *kt, const float *const *q, const int NQ, int D, int h,
+            float s[QR][KB])
+{
+    __m256 acc[2][4];
+    for (int r = 0; r < NQ; r++)
+        for (int c = 0; c < 4; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++)
+        for (int r = 0; r < NQ; r++) {
+            const __m256 qd = _mm256_set1_ps(q[r][d]);
+            for (int c = 0; c < 4; c++)
+                acc[r][c] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt + d * KB + 32 * h + 8 * c),
+                                            acc[r][c]);
+        }
+    for (int r = 0; r < NQ; r++)
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(s[r] + 32 * h + 8 * c, acc[r][c]);
+}
+
+static void scores(const float *kt, const float *const *q, int nq, int D, float s[QR][KB])
+{
+    for (int r = 0; r < nq; r += 2)
+        for (int h = 0; h < 2; h++) {
+            if (nq - r >= 2)
+                scores_half(kt, q + r, 2, D, h, s + r);
+            else
+                scores_half(kt, q + r, 1, D, h, s + r);
+        }
+}
+
+static float scaled(float *s, float scale, int a, int e)
+{
+    const __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 none = _mm256_set1_ps(-INFINITY);
+    __m256 bm = none;
+    for (int c = 0; c < KB / 8; c++) {
+        const __m256i j = _mm256_add_epi32(at, _mm256_set1_epi32(8 * c));
+        const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(j, _mm256_set1_epi32(a - 1)),
+                                            _mm256_cmpgt_epi32(_mm256_set1_epi32(e), j));
+        const __m256 x = _mm256_blendv_ps(none, _mm256_mul_ps(_mm256_loadu_ps(s + 8 * c),
+                                                              _mm256_set1_ps(scale)),
+                                          _mm256_castsi256_ps(in));
+        _mm256_storeu_ps(s + 8 * c, x);
+        bm = _mm256_max_ps(bm, x);
+    }
+    float l[8], m = -INFINITY;
+    _mm256_storeu_ps(l, bm);
+    for (int i = 0; i < 8; i++)
+        m = l[i] > m ? l[i] : m;
+    return m;
+}
+
+static inline __m256 exp_neg_v(__m256 x)
+{
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ);
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+    const __m256 big = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_and_ps(live, _mm256_sub_ps(_mm256_add_ps(t, big), big));
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+    static const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    for (int i = 0; i < 6; i++)
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c[i]));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static float exps(float *s, float mn)
+{
+    const __m256 m = _mm256_set1_ps(mn);
+    __m256 v[8];
+    for (int c = 0; c < 8; c++) {
+        v[c] = exp_neg_v(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * c), m));
+        _mm256_storeu_ps(s + 8 * c, v[c]);
+    }
+    float t[16];
+    _mm256_storeu_ps(t, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[2]), v[4]), v[6]));
+    _mm256_storeu_ps(t + 8, _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[1], v[3]), v[5]), v[7]));
+    return tree16(t);
+}
+
+static void values(float *acc, int Dv, float alpha, const float *p, int a, int e,
+                   const float *v, int64_t stride)
+{
+    int d = 0;
+    for (; d + 32 <= Dv; d += 32) {
+        __m256 x[4];
+        for (int c = 0; c < 4; c++)
+            x[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * c), _mm256_set1_ps(alpha));
+        for (int j = a; j < e; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int c = 0; c < 4; c++)
+                x[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + d + 8 * c), x[c]);
+        }
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(acc + d + 8 * c, x[c]);
     }
     if (d < Dv)
         values_c(acc + d, Dv - d, alpha, p, a, e, v + d, stride);
