@@ -174,7 +174,7 @@ class Gemma4Attention:
 
     def _decode(self, segments: list[Segment], q, k, v) -> torch.Tensor:
         """Decode rows, one per lane (padding rows past the segments stay zero): k and v
-        written here, the attention in our kernel (rowops.c), whose bits per row depend
+        written here, the attention in our kernel (attention.c), whose bits per row depend
         on neither the thread count nor the rows beside it (torch's fused attention at
         one query row gives other bits at 1 and 2 threads)."""
         rows = len(segments)

@@ -1,4 +1,4 @@
-/* The worker threads of our kernels (qmatmul.c, rowops.c).
+/* The worker threads of our kernels (qmatmul.c, attention.c).
  *
  * Why not OpenMP: two stages often share a node's cores, computing in turn. libgomp's
  * idle workers spin a fixed count before they sleep, through the other stage's step,

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "rowops.c", "pool.c")]
+SOURCES = [Path(__file__).with_name(n)
+           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c")]
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
@@ -181,7 +182,7 @@ def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
 # -- per-row operations (rowops.c) ----------------------------------------------------------
 
 class AttnShape(ctypes.Structure):
-    """rowops.c's attn_shape: one attention layer's shape and its per-layer tensors."""
+    """attention.c's attn_shape: one attention layer's shape and its per-layer tensors."""
 
     _fields_ = [(n, ctypes.c_int) for n in ("heads", "kv_heads", "head_dim", "v_head_dim",
                                             "rope_dim", "rope_style", "window")] \
@@ -194,7 +195,7 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.skr_rms_norm.restype = None
     lib.skr_rms_norm.argtypes = [p, p, i64, i64, i64, ctypes.c_float, p]
-    for fn in (lib.skr_attend_decode, lib.skr_attend_cached):
+    for fn in (lib.skr_attend_rows, lib.skr_attend_cached):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
@@ -214,18 +215,18 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def attend_decode(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int,
+def attend_rows(lib: ctypes.CDLL, shape: AttnShape, qkv: torch.Tensor, rows: int,
                   pos: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
                   out: torch.Tensor) -> None:
-    """rowops.c skr_attend_decode over the first `rows` rows of qkv (changed in place:
-    normed and rotated), into out."""
-    _attend(lib.skr_attend_decode, shape, qkv, rows, pos, keys, values, out)
+    """attention.c skr_attend_rows over the first `rows` rows of qkv (changed in place:
+    normed and rotated), into out; pos, keys and values are per row."""
+    _attend(lib.skr_attend_rows, shape, qkv, rows, pos, keys, values, out)
 
 
 def attend_cached(lib: ctypes.CDLL, shape: AttnShape, q: torch.Tensor, pos: list[int],
                   keys: list[torch.Tensor], values: list[torch.Tensor],
                   out: torch.Tensor) -> None:
-    """rowops.c skr_attend_cached: decode rows q ([rows, heads * head_dim], normed and
+    """attention.c skr_attend_cached: rows q ([rows, heads * head_dim], normed and
     rotated, their k and v already in the caches) over their lanes' keys, into out."""
     _attend(lib.skr_attend_cached, shape, q, len(pos), pos, keys, values, out)
 

@@ -36,7 +36,8 @@ from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
 
-RUNTIME_ABI = f"skippy-torch/4 torch-{torch.__version__}"
+# 5: every attention row through stages/attention.c (blocked online softmax), prefill too
+RUNTIME_ABI = f"skippy-torch/5 torch-{torch.__version__}"
 
 
 def _return_freed_memory() -> None:

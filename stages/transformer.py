@@ -37,6 +37,8 @@ class Segment:
     # chunk. Causal masking keeps padding out of real rows; recurrent state must skip it.
     n_real: int | None = None
     _windows: dict = field(default_factory=dict)
+    # the whole batch's row positions, kept on its first segment (asked by every layer)
+    _positions: list[int] | None = None
 
     def __post_init__(self):
         if self.n_real is None:
@@ -106,8 +108,8 @@ class Attention:
         ([n, q | k | v]), before the output projection."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         n = y.shape[0]
-        if self.lib is not None and all(s.n == 1 and s.row0 == i for i, s in enumerate(segments)):
-            return self._decode(y, segments)
+        if self.lib is not None and _in_order(segments):
+            return self._rows(y, segments)
         qk = y[:, :self.qk_cols].view(n, cfg.n_heads + cfg.n_kv_heads, cfg.head_dim)
         v = y[:, self.qk_cols:].view(n, cfg.n_kv_heads, cfg.v_head_dim)
         if self.qk_norm is not None:
@@ -129,17 +131,18 @@ class Attention:
         norms = [t for t in (self.q_norm, self.k_norm) if t is not None]
         return self.qkv.nbytes + self.out.nbytes + sum(t.nbytes for t in norms)
 
-    def _decode(self, y: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """Decode rows, one per lane: norms, rope, KV write and attention in one call of
-        our kernel (rowops.c); padding rows (past the segments) stay zero."""
+    def _rows(self, y: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Every row, decode or prefill, through one call of our kernel (attention.c): norms,
+        rope, KV write and attention, each row's arithmetic fixed by its position alone;
+        rows past the segments (a decode batch's padding) stay zero."""
         cfg = self.cfg
-        self.rope.ensure(max(s.pos for s in segments) + 1)
+        pos = _positions(segments)
+        self.rope.ensure(max(pos) + 1)
         self.shape.cos, self.shape.sin = self.rope.cos.data_ptr(), self.rope.sin.data_ptr()
         out = y.new_zeros(y.shape[0], cfg.n_heads * cfg.v_head_dim)
-        qkernel.attend_decode(self.lib, self.shape, y.contiguous(), len(segments),
-                              [s.pos for s in segments],
-                              [s.kv.k[self.slot] for s in segments],
-                              [s.kv.v[self.slot] for s in segments], out)
+        qkernel.attend_rows(self.lib, self.shape, y.contiguous(), len(pos), pos,
+                              [s.kv.k[self.slot] for s in segments for _ in range(s.n)],
+                              [s.kv.v[self.slot] for s in segments for _ in range(s.n)], out)
         return out
 
     def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
@@ -177,6 +180,24 @@ class DecoderLayer:
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h
+
+
+def _in_order(segments: list[Segment]) -> bool:
+    """Do the segments take rows 0, 1, ... in order (a prefill chunk, a decode batch)?"""
+    row = 0
+    for s in segments:
+        if s.row0 != row:
+            return False
+        row += s.n
+    return True
+
+
+def _positions(segments: list[Segment]) -> list[int]:
+    """Each row's position, for rows in order."""
+    first = segments[0]
+    if first._positions is None:
+        first._positions = [p for s in segments for p in range(s.pos, s.pos + s.n)]
+    return first._positions
 
 
 def _normed(norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
