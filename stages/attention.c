@@ -12,7 +12,7 @@
  * sum16 adds the block's 64 values as t[i] = ((p[i] + p[16 + i]) + p[32 + i]) + p[48 + i],
  * then t in the fixed tree (i, i + 8), (i, i + 4), (i, i + 2), (0, 1). The vector paths
  * compute those same floats (fma is exact-rounded; the compiler is told not to contract),
- * so every build gives the same bits (tests/test_qkernel.py).
+ * so every build gives the same bits (tests/test_attention_kernel.py).
  *
  * Speed: up to TR consecutive rows of one lane form a tile whose rows, with every query
  * head of a kv head, share each block's keys, transposed once ([D][KB]) so that a vector
