@@ -121,7 +121,7 @@ def library() -> ctypes.CDLL | None:
     lib.skq_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                               ctypes.c_int, ctypes.c_int]
     lib.skq_isa.restype = ctypes.c_char_p
     _declare_rowops(lib)
     return lib
@@ -165,14 +165,14 @@ def pack8(codes: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
-           z: torch.Tensor | None, n: int, x: torch.Tensor, levels: int = 1,
+           z: torch.Tensor | None, n: int, x: torch.Tensor,
            use_c: bool = False) -> torch.Tensor:
-    """y = x @ W.T through the kernel; x float32 [M, K], quantized in `levels` (1, 2)."""
+    """y = x @ W.T through the kernel; x float32 [M, K]."""
     x = x.to(torch.float32).contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.skq_matmul(kind, w.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else None,
-                        n, k, x.data_ptr(), m, y.data_ptr(), levels, torch.get_num_threads(),
+                        n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads(),
                         int(use_c))
     if rc:
         raise MemoryError("quantized matmul: no scratch memory")

@@ -32,6 +32,10 @@ class Exactness(enum.Enum):
     # masked), decode at a fixed lane batch; prefixes reused at multiples of C only, decode
     # rows rebuilt as decode steps.
     CHUNKED = "chunked"
+    # Every op computes a row alone (reduction order fixed by the model, never by the call,
+    # the start, the lanes beside it or the threads): any start, no padding, a decode row
+    # bitwise the prefill row at its position.
+    ROW_INVARIANT = "row-invariant"
 
 
 class UnknownRuntime(StageError):
@@ -47,7 +51,7 @@ class RuntimeKind:
     packages: bool                   # reads a per-stage package; False: one GGUF file
     weight_formats: tuple[str, ...]  # formats it holds weights in; (): the file's own
     serve_format: str                # the format `skippy serve` holds weights in, untold
-    exactness: Exactness
+    exactness: Exactness             # the most it keeps: each stage says (StageRuntime)
 
     def make(self, spec: StageSpec) -> StageRuntime:
         """This runtime serving `spec`."""
@@ -92,7 +96,7 @@ class RuntimeKind:
 
 TORCH = RuntimeKind("torch", "skippy.stages.torch_runtime", "TorchStageRuntime",
                     layer_ranges=True, packages=True, weight_formats=WEIGHT_FORMATS,
-                    serve_format=DEFAULT_WEIGHT_FORMAT, exactness=Exactness.CHUNKED)
+                    serve_format=DEFAULT_WEIGHT_FORMAT, exactness=Exactness.ROW_INVARIANT)
 LLAMA_CPP = RuntimeKind("llama.cpp", "skippy.stages.llamacpp_runtime",
                         "LlamaCppStageRuntime", layer_ranges=False, packages=False,
                         weight_formats=(), serve_format=REFERENCE_FORMAT,

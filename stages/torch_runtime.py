@@ -23,9 +23,11 @@ from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
 from .layers import Rope
-from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
+from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head, row_invariant
+from .moe import MoeFfn
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
+from .runtime_kind import Exactness
 from .deltanet import GatedDeltaNet, deltanet_state_shapes
 from .gated_attention import GatedAttention
 from .norms import make_norm
@@ -36,8 +38,9 @@ from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
 
-# 5: every attention row through stages/attention.c (blocked online softmax), prefill too
-RUNTIME_ABI = f"skippy-torch/5 torch-{torch.__version__}"
+# 5: every attention row through stages/attention.c (blocked online softmax), prefill too;
+# 6: the integer formats' rows in one level at every row count, no bf16 copy (linear.py)
+RUNTIME_ABI = f"skippy-torch/6 torch-{torch.__version__}"
 
 
 def _return_freed_memory() -> None:
@@ -99,6 +102,7 @@ class TorchStageRuntime(StageRuntime):
         self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
                             and not self.recurrent and cfg.mla is None
                             and (not spec.is_last or isinstance(self.head, RescoredHead)))
+        self.exactness = self._exactness()
         f.close()
         del t
         _return_freed_memory()
@@ -164,6 +168,18 @@ class TorchStageRuntime(StageRuntime):
                                             make_ffn(i, cfg, t, spec.weight_format)))
         self.recurrent = bool(self.state_names)
 
+    def _exactness(self) -> Exactness:
+        """Row-invariant where every op of the stage computes a row on its own: the
+        matrices on our integer kernel, attention through attention.c, norms and rope
+        through rowops.c. Latent attention (torch's bmm), the recurrent scans, MoE routing
+        (torch's elementwise kernels round a vector's tail unlike its body) and Gemma 4's
+        graph (SDPA prefill) keep the chunked contract."""
+        moe = any(isinstance(layer.ffn, MoeFfn) for layer in self.layers)
+        plain = (self.cfg.family.graph is None and not self.recurrent and self.cfg.mla is None
+                 and not moe)
+        return Exactness.ROW_INVARIANT if plain and row_invariant(self.spec.weight_format) \
+            else Exactness.CHUNKED
+
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self) -> int:
         lane = self._next_lane
@@ -196,6 +212,8 @@ class TorchStageRuntime(StageRuntime):
         st = self._lane(lane)
         if self.recurrent:
             return max(self._resumable(st))
+        if self.exactness is Exactness.ROW_INVARIANT:
+            return st.prefilled
         return st.prefilled // self.spec.chunk * self.spec.chunk
 
     def _resumable(self, st: _Lane) -> set[int]:
@@ -282,32 +300,30 @@ class TorchStageRuntime(StageRuntime):
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
-                between_chunks: Callable[[], None] | None = None) -> StageOutput:
+                between_chunks: Callable[[], None] | None = None,
+                rows_per_call: int | None = None) -> StageOutput:
         st = self._lane(lane)
-        C = self.spec.chunk
+        free = self.exactness is Exactness.ROW_INVARIANT  # any start, no padding
+        if rows_per_call is not None and not (free and rows_per_call >= 1):
+            raise StageError("rows_per_call is for row-invariant stages, and at least 1")
+        C = rows_per_call or self.spec.chunk
         x_in, tok_in = self._inputs(inputs, start), self._tokens(inputs)
-        end = check_prefill(start, x_in.shape[0], chunk=C, boundary=self.prefill_boundary(lane),
-                            n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
+        end = check_prefill(start, x_in.shape[0], chunk=1 if free else C,
+                            boundary=self.prefill_boundary(lane), n_ctx=self.n_ctx,
+                            logits=logits, snapshots=snapshots)
         if self.recurrent and start not in self._resumable(st):
             raise StageError(f"prefill start {start}: recurrent state cannot be rolled back; "
                              f"starts available: {sorted(self._resumable(st))}")
-        padded_end = -(-end // C) * C
-        st.kv.ensure(padded_end)
+        st.kv.ensure(end if free else -(-end // C) * C)
         if self.recurrent:  # rewind the conv state to start (checked available above)
             st.kv.conv = list(self._conv_state_at(st, start))
             st.saved = {b: s for b, s in st.saved.items() if b <= start}
         st.length = st.prefilled = start  # state past start is discarded
         outs = []
         for s in range(start, end, C):
-            m = min(C, end - s)
-            chunk = x_in[s - start: s - start + m]
-            toks = None if tok_in is None else _padded(tok_in[s - start: s - start + m], C)
-            if m < C:  # pad to exactly C rows; padding sits after every real row: masked
-                chunk = _padded(chunk, C)
-            x = self._embed(chunk)
-            positions = torch.arange(s, s + C)
-            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s, n_real=m)], toks)
-            outs.append(x[:m])
+            outs.append(self._prefill_call(st, x_in[s - start: s - start + C],
+                                           None if tok_in is None else tok_in[s - start:][:C],
+                                           s, C if not free else None))
             if self.recurrent and s + C in snapshots:
                 # recurrent state moves on with the next chunk: capture it while passing
                 st.saved[s + C] = list(st.kv.conv)
@@ -324,6 +340,17 @@ class TorchStageRuntime(StageRuntime):
         elif logits == "all":
             out.logits = self._logits(hidden, self.spec.chunk)
         return out
+
+    def _prefill_call(self, st: _Lane, rows: torch.Tensor, toks: torch.Tensor | None,
+                      s: int, pad_to: int | None) -> torch.Tensor:
+        """One call of the layers over a lane's rows from position s (padded to `pad_to`
+        rows where the stage keeps the chunked contract); its real rows' outputs."""
+        m = rows.shape[0]
+        n = pad_to or m  # padding sits after every real row: masked
+        x = self._embed(_padded(rows, n))
+        toks = None if toks is None else _padded(toks, n)
+        x = self._run_layers(x, torch.arange(s, s + n), [Segment(st.kv, 0, n, s, n_real=m)], toks)
+        return x[:m]
 
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
         lanes = [lane for lane, _ in steps]
@@ -463,7 +490,8 @@ class TorchStageRuntime(StageRuntime):
                 "weights": spec.weight_format,
                 "kernels": kernels(spec.weight_format),
                 "threads": "any" if self.thread_invariant else torch.get_num_threads(),
-                "chunk": spec.chunk,
+                "contract": self.exactness.value,
+                "chunk": "any" if self.exactness is Exactness.ROW_INVARIANT else spec.chunk,
                 "lane_batch": "any" if self.free_groups else spec.lane_batch,
             },
         }
