@@ -285,7 +285,8 @@ class TorchStageRuntime(StageRuntime):
     def _logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
         """Head over rows in padded groups of exactly `group` rows: a row's logits then do
         not depend on how many rows came with it. Serving ("last" and decode) uses groups
-        of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows."""
+        of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows (on a
+        chunked stage: lane_batch on a row-invariant one)."""
         x = self.norm(hidden[:, :self.cfg.hidden])  # without a frame's side columns
         out = []
         for i in range(0, x.shape[0], group):
@@ -337,8 +338,8 @@ class TorchStageRuntime(StageRuntime):
             out.frame = to_wire(start, hidden, self.spec.wire_dtype, tokens=tok_in)
         elif logits == "last":
             out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
-        elif logits == "all":
-            out.logits = self._logits(hidden, self.spec.chunk)
+        elif logits == "all":  # a row-invariant stage: each row's head as decode's
+            out.logits = self._logits(hidden, self.spec.lane_batch if free else self.spec.chunk)
         return out
 
     def _prefill_call(self, st: _Lane, rows: torch.Tensor, toks: torch.Tensor | None,
