@@ -46,6 +46,8 @@ def row_invariance(stages, inputs: Inputs, n: int) -> Check:
     runs["decode steps alone"] = (p, _decode_rows(stages, inputs, n, 0))
     runs[f"decode steps beside {NEIGHBOURS} lanes"] = (p, _decode_rows(stages, inputs, n,
                                                                        NEIGHBOURS))
+    runs[f"decode steps of {DECODED} rows beside {NEIGHBOURS} lanes"] = (
+        p, _decode_rows(stages, inputs, n, NEIGHBOURS, DECODED))
     for what, (start, got) in runs.items():
         for i, (a, b) in enumerate(zip(ref, got)):
             want = a[start:start + b.shape[0]]
@@ -86,27 +88,27 @@ def _through(stages, lanes, x, start: int, rows: int) -> list[torch.Tensor]:
     return outs
 
 
-def _decode_rows(stages, inputs: Inputs, n: int, neighbours: int) -> list[torch.Tensor]:
-    """Each stage's rows for the prompt's last DECODED positions as decode steps of one
-    lane, beside `neighbours` lanes of other prompts (of other lengths) in every step."""
+def _decode_rows(stages, inputs: Inputs, n: int, neighbours: int,
+                 k: int = 1) -> list[torch.Tensor]:
+    """Each stage's rows for the prompt's last DECODED positions as decode steps of k rows
+    of one lane, beside `neighbours` lanes of other prompts (of other lengths) in every
+    step."""
     p = n - DECODED
     lanes = [[s.alloc_lane() for s in stages] for _ in range(neighbours + 1)]
     lengths = [p] + [8 + 9 * j for j in range(neighbours)]  # the neighbours' prompts
+    order = list(range(len(lanes)))[::-1]  # ours last: its neighbours ahead of it
     try:
         for lane, m in zip(lanes, lengths):
             _through(stages, lane, inputs(0, m), 0, 64)
         outs = [[] for _ in stages]
-        for step in range(DECODED):
-            xs = [inputs(p + step, p + step + 1)] + \
-                 [inputs(m + step, m + step + 1) for m in lengths[1:]]
-            order = list(range(len(lanes)))[::-1]  # ours last: neighbours ahead of it
+        for at in range(0, DECODED, k):
+            xs = [_step(inputs(m + at, m + at + k)) for m in lengths]
             for i, s in enumerate(stages):
-                res = s.decode([(lanes[j][i], _one(xs[j])) for j in order])
+                res = s.decode([(lanes[j][i], xs[j]) for j in order])
                 ours = res[-1]
-                outs[i].append(ours.logits[None] if ours.logits is not None
+                outs[i].append(ours.logits.reshape(k, -1) if ours.logits is not None
                                else ours.frame.rows.float())
-                xs = [res[order.index(j)].frame for j in range(len(lanes))] \
-                    if not s.spec.is_last else xs
+                xs = [res[order.index(j)].frame for j in range(len(lanes))]
         return [torch.cat(o) for o in outs]
     finally:
         for lane in lanes:
@@ -114,6 +116,6 @@ def _decode_rows(stages, inputs: Inputs, n: int, neighbours: int) -> list[torch.
                 s.free_lane(one)
 
 
-def _one(x):
-    """A decode step's input: a 0-d token id, or the one-row Frame."""
-    return x.reshape(()) if isinstance(x, torch.Tensor) else x
+def _step(x):
+    """A decode step's input: a 0-d token id for one row, k token ids, or the Frame."""
+    return x.reshape(()) if isinstance(x, torch.Tensor) and x.numel() == 1 else x

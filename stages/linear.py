@@ -235,20 +235,18 @@ class Int8AsInt4Linear(Int4Linear):
                                                  self.scale_zero).float()
 
 
-def kernels(fmt: str) -> str:
-    """What format `fmt` multiplies with on this node, for identities and reports:
-    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>/rows-q8x1" (rows in one
-    level, at every row count)."""
-    if fmt.removesuffix(LEAN) not in ("int4", "int8") or qkernel.library() is None:
-        return "torch"
-    return f"{qkernel.kernel_name()}/rows-q8x1"
-
-
 def row_invariant(fmt: str) -> bool:
     """Does format `fmt` compute each row the same whatever the call (the row-invariant
     contract)? Only on our kernel; fp32 (MKL), bf16 (oneDNN) and torch's int kernels
     keep the chunked contract."""
-    return kernels(fmt) != "torch"
+    return fmt.removesuffix(LEAN) in ("int4", "int8") and qkernel.library() is not None
+
+
+def kernels(fmt: str) -> str:
+    """What format `fmt` multiplies with on this node, for identities and reports:
+    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>/rows-q8x1" (rows in one
+    level, at every row count)."""
+    return f"{qkernel.kernel_name()}/rows-q8x1" if row_invariant(fmt) else "torch"
 
 
 class BlockLinear(Linear):

@@ -311,12 +311,14 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 
-/* Above this many rows (prefill chunks) the threads are torch's OpenMP team: torch's own
- * ops between our calls run on it, and two teams on the same cores would spin through
- * each other's work (AVX2 prefill ran 3-4x slower). Decode rows, between which torch
- * runs little in parallel, take pool.c's workers, which leave the cores to a stage
- * sharing them. Either way each tile is one thread's: the same bits. */
-#define OMP_ROWS 16
+/* Above this many rows the threads are torch's OpenMP team: torch's own ops between our
+ * calls run on it from a few rows on (a [16, 2048] activation is its grain), and two teams
+ * on the same cores spin through each other's work (AVX2 prefill ran 3-4x slower; a
+ * 16-row Gemma 3 prefill 3x, until this was 4 rather than 16). One to four rows (a
+ * lane's decode step, a short tail), between which torch runs little in parallel, take
+ * pool.c's workers, which leave the cores to a stage sharing them. Either way each tile
+ * is one thread's: the same bits. */
+#define OMP_ROWS 4
 
 /* Column tiles [t0, t1) for every row. Rows in groups of MR_MAX share each weight
  * vector; a weight tile (K / 2 bytes for 4-bit) stays in cache over the groups. */

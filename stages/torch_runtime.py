@@ -354,47 +354,61 @@ class TorchStageRuntime(StageRuntime):
         return x[:m]
 
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
+        """The next rows of each lane: one (a 0-d token id or a one-row Frame), or on a
+        row-invariant stage k >= 1 (k token ids, a k-row Frame: the lane's next k
+        positions, as a verify step of proposed tokens), whose outputs then hold k rows."""
         lanes = [lane for lane, _ in steps]
         if len(set(lanes)) != len(lanes):
             raise StageError("a lane may appear once per decode step")
         B = SMALL_ROWS if self.free_groups else self.spec.lane_batch
         results: list[StageOutput] = []
         for g in range(0, len(steps), B):
-            group = steps[g:g + B]
-            rows, positions, segments, tokens = [], torch.zeros(B, dtype=torch.long), [], []
-            for r, (lane, inp) in enumerate(group):
-                st = self._lane(lane)
-                if st.length + 1 > self.n_ctx:
-                    raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
-                st.kv.ensure(st.length + 1)
-                x = self._inputs(inp, st.length)
-                if x.shape[0] != 1:
-                    raise StageError("decode takes exactly one row per lane")
-                rows.append(x)
-                tokens.append(self._tokens(inp))
-                positions[r] = st.length
-                segments.append(Segment(st.kv, r, 1, st.length))
-            x = self._embed(torch.cat(rows))
-            n = len(group)
-            toks = None if not self.side_width else torch.cat(tokens)
-            if self.free_groups:
-                positions = positions[:n]
-            elif n < B:  # fixed batch: a lane's arithmetic ignores its neighbours
-                x = _padded(x, B)
-                toks = None if toks is None else _padded(toks, B)
-            x = self._run_layers(x, positions, segments, toks)
-            logits = self._logits(x[:n], n if self.free_groups else B) \
-                if self.spec.is_last else None
-            for r, (lane, _) in enumerate(group):
-                st = self._lanes[lane]
-                if self.spec.is_last:
-                    results.append(StageOutput(logits=logits[r]))
-                else:
-                    frame = to_wire(st.length, x[r:r + 1], self.spec.wire_dtype,
-                                    tokens=None if toks is None else toks[r:r + 1])
-                    results.append(StageOutput(frame=frame))
-                st.length += 1
+            results += self._decode_group(steps[g:g + B], B)
         return results
+
+    def _decode_group(self, group: list[tuple[int, torch.Tensor | Frame]],
+                      B: int) -> list[StageOutput]:
+        """One call of the layers over up to B lanes' rows (a chunked stage: padded to B
+        rows, so a lane's arithmetic ignores its neighbours)."""
+        rows, positions, segments, tokens = [], [], [], []
+        for lane, inp in group:
+            st = self._lane(lane)
+            x = self._inputs(inp, st.length)
+            k = x.shape[0]
+            if k != 1 and (k < 1 or self.exactness is not Exactness.ROW_INVARIANT):
+                raise StageError("decode takes exactly one row per lane on a stage that keeps "
+                                 "the chunked contract" if k else "decode needs a row per lane")
+            if st.length + k > self.n_ctx:
+                raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
+            st.kv.ensure(st.length + k)
+            segments.append(Segment(st.kv, len(positions), k, st.length))
+            positions += range(st.length, st.length + k)
+            rows.append(x)
+            tokens.append(self._tokens(inp))
+        n = len(positions)
+        x = self._embed(torch.cat(rows))
+        toks = torch.cat(tokens) if self.side_width else None
+        if not self.free_groups and n < B:
+            x, positions = _padded(x, B), positions + [0] * (B - n)
+            toks = None if toks is None else _padded(toks, B)
+        x = self._run_layers(x, torch.tensor(positions), segments, toks)
+        logits = self._logits(x[:n], n if self.free_groups else B) \
+            if self.spec.is_last else None
+        return [self._decoded(lane, seg, x, logits, toks)
+                for (lane, _), seg in zip(group, segments)]
+
+    def _decoded(self, lane: int, seg: Segment, x: torch.Tensor, logits: torch.Tensor | None,
+                 toks: torch.Tensor | None) -> StageOutput:
+        """A lane's output of its decode rows (seg), and the lane moved past them."""
+        st = self._lanes[lane]
+        a, b = seg.row0, seg.row0 + seg.n
+        if self.spec.is_last:
+            out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b])
+        else:
+            out = StageOutput(frame=to_wire(st.length, x[a:b], self.spec.wire_dtype,
+                                            tokens=None if toks is None else toks[a:b]))
+        st.length += seg.n
+        return out
 
     # -- state -----------------------------------------------------------------------------
     def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
