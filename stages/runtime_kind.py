@@ -9,33 +9,19 @@ descriptor what it can do, never which one it is.
 
 from __future__ import annotations
 
-import enum
 import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .stage_spec import DEFAULT_WEIGHT_FORMAT, WEIGHT_FORMATS, StageError, StageSpec
+from .stage_spec import DEFAULT_WEIGHT_FORMAT, WEIGHT_FORMATS, Exactness, StageError, StageSpec
 
 if TYPE_CHECKING:  # the contract imports torch: a descriptor is read without it
     from .runtime import StageRuntime
 
 # A StageSpec's own weight format: the reference arithmetic (certify's default).
 REFERENCE_FORMAT = "fp32"
-
-
-class Exactness(enum.Enum):
-    """The exactness contract a runtime's kernels keep (DESIGN.md §5.3); where a cached
-    prefix may be reused follows from it."""
-    # Prefill in chunks of exactly C rows at multiples of C (a short last chunk padded and
-    # masked), decode at a fixed lane batch; prefixes reused at multiples of C only, decode
-    # rows rebuilt as decode steps.
-    CHUNKED = "chunked"
-    # Every op computes a row alone (reduction order fixed by the model, never by the call,
-    # the start, the lanes beside it or the threads): any start, no padding, a decode row
-    # bitwise the prefill row at its position.
-    ROW_INVARIANT = "row-invariant"
 
 
 class UnknownRuntime(StageError):
