@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .frame import Frame
-from .runtime_kind import Exactness
+from .stage_spec import Exactness
 # the contract's torch-free half, here too for every importer of the contract
 from .stage_spec import DEFAULT_WEIGHT_FORMAT, StageError, StageSpec  # noqa: F401
 
