@@ -198,6 +198,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     for fn in (lib.skr_attend_rows, lib.skr_attend_cached):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
+    lib.skr_gated.restype = None
+    lib.skr_gated.argtypes = [ctypes.c_int, p, p, i64, i64, i64, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
 
@@ -212,6 +214,22 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty_like(x)
     lib.skr_rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // k, k, w.numel() // k, eps,
                      out.data_ptr())
+    return out
+
+
+GATED = {"silu": 0, "gelu_tanh": 1}  # rowops.c skr_gated's activations
+
+
+def gated(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up elementwise (rowops.c: every element by the same float operations,
+    wherever the call's rows put it); gate and up [rows, n], e.g. the halves of one
+    product's rows."""
+    if gate.stride() != up.stride() or gate.stride(-1) != 1 or gate.dtype != torch.float32:
+        gate, up = gate.float().contiguous(), up.float().contiguous()
+    rows, n = gate.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    lib.skr_gated(GATED[act], gate.data_ptr(), up.data_ptr(), rows, n, gate.stride(0),
+                  out.data_ptr(), torch.get_num_threads())
     return out
 
 
