@@ -153,10 +153,10 @@ def _serve_arguments(srv) -> None:
     srv.add_argument("--wire", choices=("f16", "f32"), default="f16",
                      help="activation dtype between stages")
     srv.add_argument("--weight-format", help="how the torch runtime holds weights: int4 "
-                     "(default: the file's own 4-bit blocks, an fp32 head; 99 %% top-1 "
-                     "agreement with fp32), fp32 (the reference), bf16, int8; int4-lean / "
-                     "int8-lean hold no bf16 copy for prefill (4x less weight memory, "
-                     "prefill about 2x slower)")
+                     "(default: the file's own 4-bit blocks computed as llama.cpp does, an "
+                     "fp32 head; 97-98 %% top-1 agreement with fp32), fp32 (the reference), "
+                     "bf16, int8; int4-lean / int8-lean: the same on our kernel, no bf16 "
+                     "copy on torch's (no C compiler)")
     srv.add_argument("--lane-batch", type=int,
                      help="decode rows a torch stage runs per step, padded (concurrent "
                           "requests share a step): 1 (default) is fastest alone, 8 gives the "

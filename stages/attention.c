@@ -534,7 +534,7 @@ static void attend_items(void *arg, int64_t b, int64_t e)
 }
 
 /* Above this many rows (prefill) the threads are torch's OpenMP team, as in qmatmul.c. */
-#define OMP_ROWS 16
+#define OMP_ROWS 4
 
 /* Attention of `rows` query rows (q: [rows, width], row r's heads first), row r the token
  * of a lane at pos[r] whose k and v are already in that lane's cache (kcache[r],

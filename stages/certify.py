@@ -21,14 +21,16 @@ Checks (pass/fail):
 - repeated_hits: two restores of the same payload give equal logits.
 - full_state: a whole lane state exported after prefill and imported elsewhere continues
   exactly like the original lane.
+- row_invariant: on stages that keep the row-invariant contract, every stage's rows
+  bitwise equal at several row counts per call, starts, lane mixes and thread counts, and
+  decode rows equal to prefill rows (stages/certify_rows.py); a diagnostic on stages that
+  keep the chunked contract.
 Diagnostics (reported, never fail): recurrent_only (recurrent state without its KV: not
 exact for hybrids, absent for dense), roundtrip_state_matches (a state exported after an
 import is byte-identical to the one imported).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,44 +46,11 @@ from skippy.topology.model_package import open_model
 from skippy.topology.planner import even_ranges
 from skippy.topology.tally import Progress, Tally
 
+from .certify_report import Check, Report, max_abs_diff
+from .certify_rows import row_invariance
+
 STEPS = 16
 CHUNK = 64
-
-
-@dataclass
-class Check:
-    name: str
-    passed: bool | None    # None: a diagnostic
-    detail: str
-    max_abs_diff: float | None = None  # logits compared: the largest |difference|
-
-
-@dataclass
-class Report:
-    model: str
-    stages: int
-    runtime: str               # its name
-    weight_format: str | None  # None: a runtime computing with the file's own weights
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed is not False for c in self.checks)
-
-    def as_dict(self) -> dict:
-        return {"model": self.model, "stages": self.stages, "runtime": self.runtime,
-                "weight_format": self.weight_format, "passed": self.passed,
-                "checks": [c.__dict__ for c in self.checks]}
-
-    def table(self) -> str:
-        weights = f"{self.weight_format} weights" if self.weight_format else "the file's weights"
-        lines = [f"certify {self.model}: {self.stages} stage(s), {self.runtime} runtime, "
-                 f"{weights}"]
-        for c in self.checks:
-            status = "diag" if c.passed is None else ("PASS" if c.passed else "FAIL")
-            lines.append(f"  {status:<4}  {c.name:<26} {c.detail}")
-        lines.append("result: " + ("PASS" if self.passed else "FAIL"))
-        return "\n".join(lines)
 
 
 # -- building stages ------------------------------------------------------------------------
@@ -131,10 +100,6 @@ def through_store(state: LaneState, store: BlockStore, kind: PayloadKind) -> Lan
                      {k: conv(v) for k, v in fixed.items()})
 
 
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
-
-
 # Above what an f16 wire's rounding moves logits by in any weight format, below the whole
 # units a broken conversion moves them by (certify_matrix's figures: evals/README.md).
 WIRE_NOISE_LIMIT = 1.0
@@ -175,12 +140,15 @@ def certify(path, n_stages: int, runtime: RuntimeKind = TORCH,
     runtime.check_weight_format(weight_format)
     runtime.stages(n_stages)
     report = Report(str(path), n_stages, runtime.name, runtime.held_format(weight_format))
-    steps = Tally(4 if n_stages > 1 else 3, progress)
+    steps = Tally(5 if n_stages > 1 else 4, progress)
     ids = prompt or [(i * 7919) % 30000 + 50 for i in range(3 * CHUNK + 21)]
     stages = build(path, n_stages, runtime, "f32", weight_format)
     lanes = [s.alloc_lane() for s in stages]
     cold_logits, _ = prefill(stages, lanes, ids)
     cold, cold_tokens = greedy(stages, lanes, cold_logits)
+    steps.add()
+    report.checks.append(row_invariance(
+        stages, lambda a, b: torch.as_tensor(ids[a:b], dtype=torch.long), len(ids)))
     steps.add()
     if n_stages > 1:
         report.checks.append(_split_handoff(path, n_stages, runtime, weight_format, ids, cold))

@@ -11,6 +11,7 @@ middle stage, the logits of the last — are compared bitwise:
 - restore_equals_recompute / repeated_hits: state snapshotted at a chunk boundary while
   prefilling other rows that share the prefix, through a block store, continued.
 - full_state: the whole state after the prompt, exported, imported, continued.
+- row_invariant: as in stages/certify_rows.py.
 Diagnostics as in stages/certify.py.
 """
 
@@ -27,6 +28,7 @@ from skippy.topology.tally import Progress, Tally
 
 from .certify import (CHUNK, STEPS, Check, Report,
                       max_abs_diff, state_bytes, through_store)
+from .certify_rows import row_invariance
 from .frame import to_wire
 from .runtime import StageError, StageSpec
 from .runtime_kind import REFERENCE_FORMAT, TORCH, RuntimeKind
@@ -117,8 +119,8 @@ def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FOR
                   progress: Progress | None = None, runtime: RuntimeKind = TORCH) -> Report:
     """Every check on layers [start, end) of `path` (a GGUF or a package: only that
     range's parts are opened), fed synthetic upstream activations. `progress(done, total)`
-    hears the steps done: the cold run, the split (when the range has 2 layers or more),
-    the restores, the whole-state round trip."""
+    hears the steps done: the cold run, the row check, the split (when the range has 2
+    layers or more), the restores, the whole-state round trip."""
     if not runtime.layer_ranges:
         raise StageError(f"the {runtime.name} runtime serves a whole model: --stage "
                          "certifies one layer range alone")
@@ -132,8 +134,10 @@ def certify_range(path, start: int, end: int, weight_format: str = REFERENCE_FOR
     n = 3 * CHUNK + 21
     up = _Upstream(cfg, start == 0, n + STEPS)
     stages = _stages(path, cfg, [start, end], weight_format, runtime)
-    steps = Tally(4 if end - start > 1 else 3, progress)
+    steps = Tally(5 if end - start > 1 else 4, progress)
     cold, _ = _run(stages, [s.alloc_lane() for s in stages], up, n)
+    steps.add()
+    report.checks.append(row_invariance(stages, up.inputs, n))
     steps.add()
     if end - start > 1:
         mid = (start + end) // 2

@@ -40,6 +40,12 @@ def causal_conv(full: torch.Tensor, taps: list[torch.Tensor], n: int) -> torch.T
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
+    """act(gate) * up: through our kernel where it is built (torch's elementwise kernels
+    round a vector's tail through libm and its body through Sleef, so an element's bits
+    would depend on where the call's rows put it), else torch's ops."""
+    lib = qkernel.library()
+    if lib is not None and kind in qkernel.GATED and gate.ndim == 2:
+        return qkernel.gated(lib, gate, up, kind)
     if kind == "silu":
         return F.silu(gate) * up
     if kind == "gelu_tanh":

@@ -15,20 +15,21 @@ arithmetic):
   from the float32 values: scale = max |w| / 127 per block).
 
 The integer formats run on our kernel (stages/qmatmul.c, BlockLinear): rows are
-quantized per block of 32 to int8 and multiplied by the blocks as integers, as llama.cpp
-does; fast on AVX2 and AVX-512 alike, and a row's bits never depend on how many rows
-come with it. Where the CPU multiplies bfloat16 natively (AMX or AVX-512 BF16), prefill
-chunks (above SMALL_ROWS rows) go through a bfloat16 copy of the weights instead: faster
-there, at 2 bytes per weight of memory, never read by decode (evals/README.md, torch
-runtime). Which kernel runs is a function of the row count only: equal shapes give equal
-bits, which is all the exactness contract (DESIGN.md §5.3) needs; prefill rows and
-decode rows were never bitwise comparable anyway.
+quantized per block of 32 to int8 in one level and multiplied by the blocks as integers,
+as llama.cpp does, at every row count; fast on AVX2 and AVX-512 alike, and a row's bits
+never depend on how many rows come with it, where its call starts, or the threads: the
+row-invariant contract (DESIGN.md §5.3). One level rather than two: two lifted decode
+top-1 agreement with fp32 from 98.5 to 99.2 % on SmolLM2 but doubled the integer work,
+2.2x the prefill time on AVX2, and every row must take the same number of levels. Nor
+is there a bfloat16 copy for prefill rows where bf16 is native: oneDNN's GEMM is not
+the integer kernel's arithmetic, so a row would change with its call size.
 
-``int8-lean`` and ``int4-lean`` never hold the bfloat16 copy: about 0.6 (int4) or 1.1
-(int8) byte per weight; the formats for a model that only fits in its nodes' memory that
-way. Where our kernel cannot be built (no C compiler), torch's weight-only int4 / int8
-kernels serve these formats instead (Int4Linear, Int8Linear: bf16 rows, one int8 scale
-per row), and the stage's identity says so.
+``int8-lean`` and ``int4-lean`` are the same matrices on our kernel. Where it cannot be
+built (no C compiler), torch's weight-only int4 / int8 kernels serve these formats
+instead (Int4Linear, Int8Linear: bf16 rows, one int8 scale per row; prefill chunks above
+SMALL_ROWS rows through a bfloat16 copy of the weights, which the lean forms never hold:
+about 0.6 (int4) or 1.1 (int8) byte per weight), they keep the chunked contract, and
+the stage's identity says so.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from . import qkernel
 from .stage_spec import LEAN, WEIGHT_FORMATS
 
 GROUP = 32  # int4 group size: a GGUF Q4 block
-SMALL_ROWS = 16  # int8/int4: the integer kernel up to this many rows, bf16 GEMM above
+SMALL_ROWS = 16  # torch's int8/int4 kernels up to this many rows, the bf16 copy above
 _INNER_K_TILES = 2
 
 
@@ -234,40 +235,26 @@ class Int8AsInt4Linear(Int4Linear):
                                                  self.scale_zero).float()
 
 
-def fast_bf16() -> bool:
-    """Does this CPU multiply bfloat16 natively (AMX or AVX-512 BF16, and torch uses
-    AVX-512)? Only then do the integer formats hold a bf16 copy for prefill rows."""
-    flags = qkernel.cpu_flags()
-    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and bool({"amx_bf16", "avx512_bf16"} & flags))
-
-
-def decode_levels() -> int:
-    """Decode rows go through our kernel in two levels where it has VNNI: one level left
-    top-1 agreement with fp32 under 99 % (98.5 %), two reach 99.2-99.5 % for ~0.5 ms of a
-    SmolLM2 step. Without VNNI (AVX2) the second level costs 1.4x the step, so rows take
-    one, as llama.cpp's own Q8_0 rows (97.1 % against fp32 there; evals/README.md, torch
-    runtime). Prefill rows take one level everywhere (compute-bound)."""
-    return 2 if qkernel.isa() == "avx512-vnni" else 1
+def row_invariant(fmt: str) -> bool:
+    """Does format `fmt` compute each row the same whatever the call (the row-invariant
+    contract)? Only on our kernel; fp32 (MKL), bf16 (oneDNN) and torch's int kernels
+    keep the chunked contract."""
+    return fmt.removesuffix(LEAN) in ("int4", "int8") and qkernel.library() is not None
 
 
 def kernels(fmt: str) -> str:
     """What format `fmt` multiplies with on this node, for identities and reports:
-    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>/rows-q8x<decode levels>",
-    and "+bf16>16" where prefill chunks take the bf16 copy."""
-    if fmt.removesuffix(LEAN) not in ("int4", "int8") or qkernel.library() is None:
-        return "torch"
-    copy = "+bf16>16" if not fmt.endswith(LEAN) and fast_bf16() else ""
-    return f"{qkernel.kernel_name()}/rows-q8x{decode_levels()}{copy}"
+    "torch" (fp32, bf16, or no kernel of ours), else "skq-<isa>/rows-q8x1" (rows in one
+    level, at every row count)."""
+    return f"{qkernel.kernel_name()}/rows-q8x1" if row_invariant(fmt) else "torch"
 
 
 class BlockLinear(Linear):
     """Weights in blocks of 32 inputs (kind 4: 4-bit codes, scale, zero; kind 8: 8-bit
-    codes, scale) through our kernel (stages/qmatmul.c) at every row count, except that
-    prefill chunks take the bf16 copy when one is held (`dense`)."""
+    codes, scale) through our kernel (stages/qmatmul.c) at every row count."""
 
     def __init__(self, kind: int, codes: torch.Tensor, scale: torch.Tensor,
-                 zero: torch.Tensor | None, dense: torch.Tensor | None):
+                 zero: torch.Tensor | None):
         self.lib = qkernel.library()
         self.kind, self.fmt = kind, f"int{kind}"
         self.out_features, self.in_features = codes.shape
@@ -276,31 +263,23 @@ class BlockLinear(Linear):
         self.w = qkernel.pack4(codes) if kind == 4 else qkernel.pack8(codes)
         self.s = qkernel.pack_scales(scale)
         self.z = qkernel.pack_scales(zero) if zero is not None and bool(zero.any()) else None
-        self.dense = dense.to(torch.bfloat16) if dense is not None else None
-        self.levels = decode_levels()
 
     @classmethod
-    def of(cls, m: "Matrix", base: str, dense: bool) -> "BlockLinear":
+    def of(cls, m: "Matrix", base: str) -> "BlockLinear":
         """int4: the file's 4-bit blocks, else its Q8_0 blocks, else 8-bit blocks from the
         values; int8: the Q8_0 blocks or 8-bit blocks from the values."""
-        copy = m.values if dense and fast_bf16() else None
         if base == "int4" and m.int4 is not None:
             b4 = m.int4  # value = code * scale + offset = (code - 8) * scale + zero
-            return cls(4, b4.codes, b4.scale, b4.offset + 8.0 * b4.scale, copy)
+            return cls(4, b4.codes, b4.scale, b4.offset + 8.0 * b4.scale)
         b8 = m.int8 if m.int8 is not None else Int8Blocks.from_float(m.values)
-        return cls(8, b8.codes, b8.scale, None, copy)
+        return cls(8, b8.codes, b8.scale, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.dense is not None and rows > SMALL_ROWS:
-            return F.linear(x.to(torch.bfloat16), self.dense).float()
         return qkernel.matmul(self.lib, self.kind, self.w, self.s, self.z,
-                              self.out_features, x, levels=self.levels if rows <= SMALL_ROWS
-                              else 1)
+                              self.out_features, x)
 
     @property
     def nbytes(self) -> int:
-        """Weight bytes one decode call reads (the bf16 copy serves prefill only)."""
         return sum(t.numel() * t.element_size() for t in (self.w, self.s, self.z)
                    if t is not None)
 
@@ -319,7 +298,7 @@ class RescoredHead:
 
     def __init__(self, blocks: Int8Blocks):
         self.lib = qkernel.library()
-        self.approx = BlockLinear(8, blocks.codes, blocks.scale, None, None) \
+        self.approx = BlockLinear(8, blocks.codes, blocks.scale, None) \
             if self.lib is not None else Int8AsInt4Linear(blocks)
         self.blocks = blocks
         self.out_features, self.in_features = blocks.codes.shape
@@ -383,7 +362,7 @@ def make_linear(weight: torch.Tensor | Matrix, fmt: str = "fp32") -> Linear:
         raise ValueError(f"weight format '{fmt}' is not supported "
                          f"(supported: {', '.join(WEIGHT_FORMATS)})")
     if qkernel.library() is not None and m.values.shape[1] % GROUP == 0:
-        return BlockLinear.of(m, base, dense)
+        return BlockLinear.of(m, base)
     if base == "int4" and m.int4 is not None:
         return Int4Linear(m.int4, dense)
     if base == "int4" and m.int8 is not None:
@@ -417,8 +396,9 @@ def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float
     if not name.startswith("blk.") or not (len(shape) == 2 or experts) or shape[0] % GROUP:
         return 4.0 * n
     base = fmt.removesuffix(LEAN)
-    # no bf16 copy for lean formats, nor for experts (stages/moe.py expert_format)
-    dense = 0.0 if fmt.endswith(LEAN) or experts or not fast_bf16() else 2.0
+    # a bf16 copy only on torch's int kernels (no kernel of ours), never for lean formats
+    # nor for experts (stages/moe.py expert_format)
+    dense = 0.0 if fmt.endswith(LEAN) or experts or qkernel.library() is not None else 2.0
     if base == "fp32":
         return 4.0 * n
     if base == "bf16":

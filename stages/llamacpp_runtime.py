@@ -626,6 +626,7 @@ class LlamaCppStageRuntime(StageRuntime):
                 "cpu": llama_cpp.llama_print_system_info().decode().strip(),
                 "flash_attn": True,
                 "threads": self.threads,
+                "contract": self.exactness.value,
                 "chunk": spec.chunk,
                 "micro_batch": self.micro_batch,
                 "decode_groups": self.decode_groups,

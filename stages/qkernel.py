@@ -121,7 +121,7 @@ def library() -> ctypes.CDLL | None:
     lib.skq_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                               ctypes.c_int, ctypes.c_int]
     lib.skq_isa.restype = ctypes.c_char_p
     _declare_rowops(lib)
     return lib
@@ -165,14 +165,14 @@ def pack8(codes: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
-           z: torch.Tensor | None, n: int, x: torch.Tensor, levels: int = 1,
+           z: torch.Tensor | None, n: int, x: torch.Tensor,
            use_c: bool = False) -> torch.Tensor:
-    """y = x @ W.T through the kernel; x float32 [M, K], quantized in `levels` (1, 2)."""
+    """y = x @ W.T through the kernel; x float32 [M, K]."""
     x = x.to(torch.float32).contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.skq_matmul(kind, w.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else None,
-                        n, k, x.data_ptr(), m, y.data_ptr(), levels, torch.get_num_threads(),
+                        n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads(),
                         int(use_c))
     if rc:
         raise MemoryError("quantized matmul: no scratch memory")
@@ -198,6 +198,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     for fn in (lib.skr_attend_rows, lib.skr_attend_cached):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
+    lib.skr_gated.restype = None
+    lib.skr_gated.argtypes = [ctypes.c_int, p, p, i64, i64, i64, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
 
@@ -212,6 +214,22 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty_like(x)
     lib.skr_rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // k, k, w.numel() // k, eps,
                      out.data_ptr())
+    return out
+
+
+GATED = {"silu": 0, "gelu_tanh": 1}  # rowops.c skr_gated's activations
+
+
+def gated(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up elementwise (rowops.c: every element by the same float operations,
+    wherever the call's rows put it); gate and up [rows, n], e.g. the halves of one
+    product's rows."""
+    if gate.stride() != up.stride() or gate.stride(-1) != 1 or gate.dtype != torch.float32:
+        gate, up = gate.float().contiguous(), up.float().contiguous()
+    rows, n = gate.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    lib.skr_gated(GATED[act], gate.data_ptr(), up.data_ptr(), rows, n, gate.stride(0),
+                  out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -2,9 +2,8 @@
  *   kind 4: 4-bit codes c in 0..15, value = (c - 8) * s + z per block (z = 0 for Q4_0);
  *   kind 8: 8-bit codes c in -127..127, value = c * s per block (Q8_0).
  * Rows of x are quantized per block of 32 to int8 (d = amax / 127, q = rint(x / d)), as
- * llama.cpp quantizes activations for its Q4_0 / Q8_0 dot products; with levels = 2 the
- * remainder is quantized as a second row (quantize()), for decode rows, whose top-1
- * agreement with fp32 one level left under 99 % (evals/README.md, torch runtime).
+ * llama.cpp quantizes activations for its Q4_0 / Q8_0 dot products (one level for every
+ * row: stages/linear.py says why).
  *
  * Why a kernel of our own: torch's int4 / int8 kernels want bfloat16 rows and are slow
  * without AVX-512 BF16 (evals/README.md, torch runtime); decode reads each 4-bit weight
@@ -52,27 +51,16 @@ static void quantize_block(const float *xb, int8_t *qb, float *d, int32_t *sum, 
     *d = dd, *sum = s, *dsum = dd * (float)s;
 }
 
-/* Each row of x as `levels` quantized rows: level 1 the row, level 2 what level 1 left
- * over (x - d * q, quantized the same way), so that the two rows' products add up to
- * x's within amax / 65,000 instead of amax / 254 per block. */
-static void quantize(const float *x, int64_t M, int64_t K, int levels, int8_t *q, float *d,
+/* Each row of x as int8 blocks. */
+static void quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
                      int32_t *sum, float *dsum)
 {
     const int64_t nb = K / QK;
-    float rest[QK];
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + m * K + b * QK;
-            const int64_t r = m * levels, at = r * nb + b;
-            quantize_block(xb, q + r * K + b * QK, d + at, sum + at, dsum + at);
-            if (levels == 1)
-                continue;
-            for (int i = 0; i < QK; i++)
-                rest[i] = xb[i] - d[at] * (float)q[r * K + b * QK + i];
-            quantize_block(rest, q + (r + 1) * K + b * QK, d + at + nb, sum + at + nb,
-                           dsum + at + nb);
+            const int64_t at = m * nb + b;
+            quantize_block(x + m * K + b * QK, q + m * K + b * QK, d + at, sum + at, dsum + at);
         }
-    }
 }
 
 typedef struct {
@@ -323,12 +311,14 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 
-/* Above this many rows (prefill chunks) the threads are torch's OpenMP team: torch's own
- * ops between our calls run on it, and two teams on the same cores would spin through
- * each other's work (AVX2 prefill ran 3-4x slower). Decode rows, between which torch
- * runs little in parallel, take pool.c's workers, which leave the cores to a stage
- * sharing them. Either way each tile is one thread's: the same bits. */
-#define OMP_ROWS 16
+/* Above this many rows the threads are torch's OpenMP team: torch's own ops between our
+ * calls run on it from a few rows on (a [16, 2048] activation is its grain), and two teams
+ * on the same cores spin through each other's work (AVX2 prefill ran 3-4x slower; a
+ * 16-row Gemma 3 prefill 3x, until this was 4 rather than 16). One to four rows (a
+ * lane's decode step, a short tail), between which torch runs little in parallel, take
+ * pool.c's workers, which leave the cores to a stage sharing them. Either way each tile
+ * is one thread's: the same bits. */
+#define OMP_ROWS 4
 
 /* Column tiles [t0, t1) for every row. Rows in groups of MR_MAX share each weight
  * vector; a weight tile (K / 2 bytes for 4-bit) stays in cache over the groups. */
@@ -360,27 +350,22 @@ const char *skq_isa(void)
 /* y[M][N] = x[M][K] @ W.T. kind 4 or 8; w, s, z (z may be NULL) packed as above, with
  * ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
  * thread's.
- * levels: 1, or 2 to quantize each row in two levels (decode rows: twice the integer
- * work at the same weight reads). use_c: run the plain C definition (tests compare the
- * paths). Returns 0, or -1 when scratch memory could not be had. */
+ * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
+ * scratch memory could not be had. */
 int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
-               int64_t K, const float *x, int64_t M, float *y, int levels, int threads,
-               int use_c)
+               int64_t K, const float *x, int64_t M, float *y, int threads, int use_c)
 {
-    const int64_t nb = K / QK, rows = M * levels;
-    int8_t *q = malloc((size_t)(rows * K));
-    float *d = malloc((size_t)(rows * nb) * sizeof(float));
-    float *dsum = malloc((size_t)(rows * nb) * sizeof(float));
-    int32_t *sum = malloc((size_t)(rows * nb) * sizeof(int32_t));
-    float *out = levels > 1 ? malloc((size_t)(rows * N) * sizeof(float)) : y;
-    if (!q || !d || !dsum || !sum || !out) {
+    const int64_t nb = K / QK;
+    int8_t *q = malloc((size_t)(M * K));
+    float *d = malloc((size_t)(M * nb) * sizeof(float));
+    float *dsum = malloc((size_t)(M * nb) * sizeof(float));
+    int32_t *sum = malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (!q || !d || !dsum || !sum) {
         free(q); free(d); free(dsum); free(sum);
-        if (out != y)
-            free(out);
         return -1;
     }
-    quantize(x, M, K, levels, q, d, sum, dsum);
-    job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, out, rows, use_c};
+    quantize(x, M, K, q, d, sum, dsum);
+    job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, y, M, use_c};
     const int64_t n_tiles = (N + TN - 1) / TN;
     if (M > OMP_ROWS) { /* prefill: on torch's OpenMP team, which runs the ops around it */
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -388,12 +373,6 @@ int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64
             tiles(&J, t, t + 1);
     } else {
         skp_run(threads, n_tiles, tiles, &J);
-    }
-    if (levels > 1) { /* a row's levels share each weight load; their sums add here */
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++)
-                y[m * N + n] = out[2 * m * N + n] + out[(2 * m + 1) * N + n];
-        free(out);
     }
     free(q); free(d); free(dsum); free(sum);
     return 0;

@@ -85,3 +85,49 @@ int skr_rows_dot(const int8_t *codes, const float *scale, int64_t k, const int64
     free(w);
     return 0;
 }
+
+/* exp(x) by fixed float operations, branch-free, so the loops that call it vectorize and
+ * a vector lane computes what the scalar tail computes (torch's elementwise kernels run
+ * a vector's body through Sleef and its tail through libm: an element's bits then depend
+ * on where the call's rows put it). x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
+ * Taylor polynomial (relative error ~2e-7); 0 below -87, +inf above 88. */
+static inline float exp_poly(float x)
+{
+    const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float t = c * 1.44269504f;
+    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (c - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } s = {.i = ((int32_t)n + 127) << 23};
+    const float e = p * s.f;
+    return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : e);
+}
+
+/* out[r] = act(gate[r]) * up[r] for `rows` rows of n (gate and up rows `stride` apart:
+ * halves of one product's rows), act 0: silu(x) = x / (1 + exp(-x)), 1: GELU's tanh form,
+ * 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)), z = sqrt(2 / pi) (x + 0.044715 x^3). Rows
+ * above OMP_ROWS split over torch's OpenMP team; every element is its own. */
+void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,
+               int64_t stride, float *out, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * stride, *u = up + r * stride;
+        float *o = out + r * n;
+        if (act == 0)
+            for (int64_t i = 0; i < n; i++)
+                o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+        else
+            for (int64_t i = 0; i < n; i++) {
+                const float x = g[i];
+                const float z2 = 1.59576912f * (x + 0.044715f * (x * x * x));
+                o[i] = x / (1.0f + exp_poly(-z2)) * u[i];
+            }
+    }
+}

@@ -3,10 +3,13 @@
 A runtime serves one contiguous layer range of one model. It holds lanes (sequence
 slots, one per in-flight request), each with its own state, and runs:
 
-- prefill: a lane's prompt rows from a chunk-aligned start, in fixed chunks of exactly
-  `chunk` rows (a short last chunk is padded and masked), so a row's arithmetic never
-  depends on where its request started (DESIGN.md §5.3);
-- decode: one new row for each of several lanes, at a fixed padded lane batch.
+- prefill: a lane's prompt rows from a start. Under the chunked contract (DESIGN.md §5.3)
+  the start is chunk-aligned and the rows go in fixed chunks of exactly `chunk` rows (a
+  short last chunk padded and masked), so a row's arithmetic never depends on where its
+  request started; a row-invariant stage takes any start it holds and computes each row
+  alone in calls of any size, unpadded;
+- decode: one new row for each of several lanes (a chunked stage: at a fixed padded lane
+  batch).
 
 Stage 0 takes token ids; later stages take the previous stage's Frame. Non-final stages
 return a Frame in the wire dtype; the final stage returns logits.
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .frame import Frame
+from .stage_spec import Exactness
 # the contract's torch-free half, here too for every importer of the contract
 from .stage_spec import DEFAULT_WEIGHT_FORMAT, StageError, StageSpec  # noqa: F401
 
@@ -63,6 +67,9 @@ class StageRuntime(abc.ABC):
     # more cores while it serves one session alone (mesh/stage/loop.py).
     thread_invariant: bool = False
 
+    # The exactness contract this stage's kernels keep (DESIGN.md §5.3); its identity says it.
+    exactness: Exactness = Exactness.CHUNKED
+
     @abc.abstractmethod
     def alloc_lane(self) -> int:
         """A fresh, empty lane."""
@@ -76,8 +83,9 @@ class StageRuntime(abc.ABC):
 
     @abc.abstractmethod
     def prefill_boundary(self, lane: int) -> int:
-        """The largest start a new prefill may use: a multiple of the chunk at or below
-        the rows this lane's prefills computed (decode rows are never reused)."""
+        """The largest start a new prefill may use: the rows this lane's prefills computed
+        (decode rows are never reused), a chunked stage's at the multiple of the chunk at
+        or below them."""
 
     def resume_point(self, lane: int, common: int, n_tokens: int) -> int:
         """Where a prefill of an n_tokens prompt may start in this lane, whose rows match
@@ -89,14 +97,18 @@ class StageRuntime(abc.ABC):
     @abc.abstractmethod
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
-                between_chunks: Callable[[], None] | None = None) -> StageOutput:
-        """Run positions [start, start + n) for the lane; start must be a multiple of the
-        chunk and <= prefill_boundary(lane). State beyond start is discarded.
-        `logits` (final stage): "last", "all" or "none". `snapshots`: chunk-aligned
-        boundaries b with start < b <= start + n whose state [0, b) is returned in
-        StageOutput.snapshots (recurrent state cannot be rolled back afterwards, so it
-        is captured while the prefill passes b). `between_chunks` runs after every chunk
-        but the last: other lanes may decode there (a long prompt must not stall them)."""
+                between_chunks: Callable[[], None] | None = None,
+                rows_per_call: int | None = None) -> StageOutput:
+        """Run positions [start, start + n) for the lane; start must be <= prefill_boundary
+        (lane) and, on a chunked stage, a multiple of the chunk. State beyond start is
+        discarded. A row-invariant stage also takes `rows_per_call` (at most that many rows
+        per call of its layers; default the chunk): the bits are the same whatever it is.
+        `logits` (final stage): "last", "all" or "none". `snapshots`: boundaries b
+        (chunk-aligned on a chunked stage) with start < b <= start + n whose state [0, b)
+        is returned in StageOutput.snapshots (recurrent state cannot be rolled back
+        afterwards, so it is captured while the prefill passes b). `between_chunks` runs
+        after every chunk but the last: other lanes may decode there (a long prompt must
+        not stall them)."""
 
     @abc.abstractmethod
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:

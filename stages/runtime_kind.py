@@ -9,29 +9,19 @@ descriptor what it can do, never which one it is.
 
 from __future__ import annotations
 
-import enum
 import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .stage_spec import DEFAULT_WEIGHT_FORMAT, WEIGHT_FORMATS, StageError, StageSpec
+from .stage_spec import DEFAULT_WEIGHT_FORMAT, WEIGHT_FORMATS, Exactness, StageError, StageSpec
 
 if TYPE_CHECKING:  # the contract imports torch: a descriptor is read without it
     from .runtime import StageRuntime
 
 # A StageSpec's own weight format: the reference arithmetic (certify's default).
 REFERENCE_FORMAT = "fp32"
-
-
-class Exactness(enum.Enum):
-    """The exactness contract a runtime's kernels keep (DESIGN.md §5.3); where a cached
-    prefix may be reused follows from it."""
-    # Prefill in chunks of exactly C rows at multiples of C (a short last chunk padded and
-    # masked), decode at a fixed lane batch; prefixes reused at multiples of C only, decode
-    # rows rebuilt as decode steps.
-    CHUNKED = "chunked"
 
 
 class UnknownRuntime(StageError):
@@ -47,7 +37,7 @@ class RuntimeKind:
     packages: bool                   # reads a per-stage package; False: one GGUF file
     weight_formats: tuple[str, ...]  # formats it holds weights in; (): the file's own
     serve_format: str                # the format `skippy serve` holds weights in, untold
-    exactness: Exactness
+    exactness: Exactness             # the most it keeps: each stage says (StageRuntime)
 
     def make(self, spec: StageSpec) -> StageRuntime:
         """This runtime serving `spec`."""
@@ -92,7 +82,7 @@ class RuntimeKind:
 
 TORCH = RuntimeKind("torch", "skippy.stages.torch_runtime", "TorchStageRuntime",
                     layer_ranges=True, packages=True, weight_formats=WEIGHT_FORMATS,
-                    serve_format=DEFAULT_WEIGHT_FORMAT, exactness=Exactness.CHUNKED)
+                    serve_format=DEFAULT_WEIGHT_FORMAT, exactness=Exactness.ROW_INVARIANT)
 LLAMA_CPP = RuntimeKind("llama.cpp", "skippy.stages.llamacpp_runtime",
                         "LlamaCppStageRuntime", layer_ranges=False, packages=False,
                         weight_formats=(), serve_format=REFERENCE_FORMAT,

@@ -6,6 +6,7 @@ refuses a call with. The command line and the planner read these without loading
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from skippy.topology.errors import UserError
@@ -23,8 +24,22 @@ class StageError(UserError):
     (logged with an error id, never the request's `invalid`)."""
 
 
+class Exactness(enum.Enum):
+    """The exactness contract a runtime's kernels keep (DESIGN.md §5.3); where a cached
+    prefix may be reused follows from it."""
+    # Prefill in chunks of exactly C rows at multiples of C (a short last chunk padded and
+    # masked), decode at a fixed lane batch; prefixes reused at multiples of C only, decode
+    # rows rebuilt as decode steps.
+    CHUNKED = "chunked"
+    # Every op computes a row alone (reduction order fixed by the model, never by the call,
+    # the start, the lanes beside it or the threads): any start, no padding, a decode row
+    # bitwise the prefill row at its position.
+    ROW_INVARIANT = "row-invariant"
+
+
 # The serving default (`skippy serve`): the fastest weight format whose top-1 agreement
-# with the fp32 computation of the same weights is >= 99 % (evals/format_accuracy.py).
+# with the fp32 computation of the same weights is llama.cpp's own on the same file or
+# better, >= 97 % (evals/format_accuracy.py).
 # A StageSpec's own default stays fp32, the reference arithmetic.
 DEFAULT_WEIGHT_FORMAT = "int4"
 

@@ -23,9 +23,11 @@ from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
 from .layers import Rope
-from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head
+from .linear import SMALL_ROWS, Embeddings, RescoredHead, kernels, make_head, row_invariant
+from .moe import MoeFfn
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
+from .runtime_kind import Exactness
 from .deltanet import GatedDeltaNet, deltanet_state_shapes
 from .gated_attention import GatedAttention
 from .norms import make_norm
@@ -36,8 +38,9 @@ from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
 
-# 5: every attention row through stages/attention.c (blocked online softmax), prefill too
-RUNTIME_ABI = f"skippy-torch/5 torch-{torch.__version__}"
+# 5: every attention row through stages/attention.c (blocked online softmax), prefill too;
+# 6: the integer formats' rows in one level at every row count, no bf16 copy (linear.py)
+RUNTIME_ABI = f"skippy-torch/6 torch-{torch.__version__}"
 
 
 def _return_freed_memory() -> None:
@@ -86,7 +89,7 @@ class TorchStageRuntime(StageRuntime):
             self.norm = make_norm(cfg, t, cfg.family.output_norm)
             head = "token_embd.weight" if cfg.tied_head else "output.weight"
             # The head's top logits stay fp32 in every format: they pick the token, and a
-            # head in fewer bits falls under the 99 % top-1 bar (evals/format_accuracy.py).
+            # head in fewer bits lost top-1 agreement (evals/format_accuracy.py).
             # It runs lane_batch rows at a time (_logits).
             self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
         # Decode rows of several lanes share a step unpadded where a row's bits do not
@@ -99,6 +102,7 @@ class TorchStageRuntime(StageRuntime):
         self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
                             and not self.recurrent and cfg.mla is None
                             and (not spec.is_last or isinstance(self.head, RescoredHead)))
+        self.exactness = self._exactness()
         f.close()
         del t
         _return_freed_memory()
@@ -164,6 +168,18 @@ class TorchStageRuntime(StageRuntime):
                                             make_ffn(i, cfg, t, spec.weight_format)))
         self.recurrent = bool(self.state_names)
 
+    def _exactness(self) -> Exactness:
+        """Row-invariant where every op of the stage computes a row on its own: the
+        matrices on our integer kernel, attention through attention.c, norms and rope
+        through rowops.c. Latent attention (torch's bmm), the recurrent scans, MoE routing
+        (torch's elementwise kernels round a vector's tail unlike its body) and Gemma 4's
+        graph (SDPA prefill) keep the chunked contract."""
+        moe = any(isinstance(layer.ffn, MoeFfn) for layer in self.layers)
+        plain = (self.cfg.family.graph is None and not self.recurrent and self.cfg.mla is None
+                 and not moe)
+        return Exactness.ROW_INVARIANT if plain and row_invariant(self.spec.weight_format) \
+            else Exactness.CHUNKED
+
     # -- lanes -----------------------------------------------------------------------------
     def alloc_lane(self) -> int:
         lane = self._next_lane
@@ -196,6 +212,8 @@ class TorchStageRuntime(StageRuntime):
         st = self._lane(lane)
         if self.recurrent:
             return max(self._resumable(st))
+        if self.exactness is Exactness.ROW_INVARIANT:
+            return st.prefilled
         return st.prefilled // self.spec.chunk * self.spec.chunk
 
     def _resumable(self, st: _Lane) -> set[int]:
@@ -267,7 +285,8 @@ class TorchStageRuntime(StageRuntime):
     def _logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
         """Head over rows in padded groups of exactly `group` rows: a row's logits then do
         not depend on how many rows came with it. Serving ("last" and decode) uses groups
-        of lane_batch; the diagnostic "all" uses chunk-aligned groups of `chunk` rows."""
+        of lane_batch; the diagnostic "all" uses groups of `chunk` rows (lane_batch for a
+        float32 head on a row-invariant stage, whose groups decode's must match)."""
         x = self.norm(hidden[:, :self.cfg.hidden])  # without a frame's side columns
         out = []
         for i in range(0, x.shape[0], group):
@@ -282,32 +301,30 @@ class TorchStageRuntime(StageRuntime):
 
     def prefill(self, lane: int, inputs: torch.Tensor | Frame, start: int = 0,
                 logits: str = "last", snapshots: tuple[int, ...] = (),
-                between_chunks: Callable[[], None] | None = None) -> StageOutput:
+                between_chunks: Callable[[], None] | None = None,
+                rows_per_call: int | None = None) -> StageOutput:
         st = self._lane(lane)
-        C = self.spec.chunk
+        free = self.exactness is Exactness.ROW_INVARIANT  # any start, no padding
+        if rows_per_call is not None and not (free and rows_per_call >= 1):
+            raise StageError("rows_per_call is for row-invariant stages, and at least 1")
+        C = rows_per_call or self.spec.chunk
         x_in, tok_in = self._inputs(inputs, start), self._tokens(inputs)
-        end = check_prefill(start, x_in.shape[0], chunk=C, boundary=self.prefill_boundary(lane),
-                            n_ctx=self.n_ctx, logits=logits, snapshots=snapshots)
+        end = check_prefill(start, x_in.shape[0], chunk=1 if free else C,
+                            boundary=self.prefill_boundary(lane), n_ctx=self.n_ctx,
+                            logits=logits, snapshots=snapshots)
         if self.recurrent and start not in self._resumable(st):
             raise StageError(f"prefill start {start}: recurrent state cannot be rolled back; "
                              f"starts available: {sorted(self._resumable(st))}")
-        padded_end = -(-end // C) * C
-        st.kv.ensure(padded_end)
+        st.kv.ensure(end if free else -(-end // C) * C)
         if self.recurrent:  # rewind the conv state to start (checked available above)
             st.kv.conv = list(self._conv_state_at(st, start))
             st.saved = {b: s for b, s in st.saved.items() if b <= start}
         st.length = st.prefilled = start  # state past start is discarded
         outs = []
         for s in range(start, end, C):
-            m = min(C, end - s)
-            chunk = x_in[s - start: s - start + m]
-            toks = None if tok_in is None else _padded(tok_in[s - start: s - start + m], C)
-            if m < C:  # pad to exactly C rows; padding sits after every real row: masked
-                chunk = _padded(chunk, C)
-            x = self._embed(chunk)
-            positions = torch.arange(s, s + C)
-            x = self._run_layers(x, positions, [Segment(st.kv, 0, C, s, n_real=m)], toks)
-            outs.append(x[:m])
+            outs.append(self._prefill_call(st, x_in[s - start: s - start + C],
+                                           None if tok_in is None else tok_in[s - start:][:C],
+                                           s, C if not free else None))
             if self.recurrent and s + C in snapshots:
                 # recurrent state moves on with the next chunk: capture it while passing
                 st.saved[s + C] = list(st.kv.conv)
@@ -321,52 +338,78 @@ class TorchStageRuntime(StageRuntime):
             out.frame = to_wire(start, hidden, self.spec.wire_dtype, tokens=tok_in)
         elif logits == "last":
             out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
-        elif logits == "all":
-            out.logits = self._logits(hidden, self.spec.chunk)
+        elif logits == "all":  # an fp32 head on a row-invariant stage: decode's groups
+            fixed = free and not isinstance(self.head, RescoredHead)
+            out.logits = self._logits(hidden, self.spec.lane_batch if fixed else self.spec.chunk)
         return out
 
+    def _prefill_call(self, st: _Lane, rows: torch.Tensor, toks: torch.Tensor | None,
+                      s: int, pad_to: int | None) -> torch.Tensor:
+        """One call of the layers over a lane's rows from position s (padded to `pad_to`
+        rows where the stage keeps the chunked contract); its real rows' outputs."""
+        m = rows.shape[0]
+        n = pad_to or m  # padding sits after every real row: masked
+        x = self._embed(_padded(rows, n))
+        toks = None if toks is None else _padded(toks, n)
+        x = self._run_layers(x, torch.arange(s, s + n), [Segment(st.kv, 0, n, s, n_real=m)], toks)
+        return x[:m]
+
     def decode(self, steps: list[tuple[int, torch.Tensor | Frame]]) -> list[StageOutput]:
+        """The next rows of each lane: one (a 0-d token id or a one-row Frame), or on a
+        row-invariant stage k >= 1 (k token ids, a k-row Frame: the lane's next k
+        positions, as a verify step of proposed tokens), whose outputs then hold k rows."""
         lanes = [lane for lane, _ in steps]
         if len(set(lanes)) != len(lanes):
             raise StageError("a lane may appear once per decode step")
         B = SMALL_ROWS if self.free_groups else self.spec.lane_batch
         results: list[StageOutput] = []
         for g in range(0, len(steps), B):
-            group = steps[g:g + B]
-            rows, positions, segments, tokens = [], torch.zeros(B, dtype=torch.long), [], []
-            for r, (lane, inp) in enumerate(group):
-                st = self._lane(lane)
-                if st.length + 1 > self.n_ctx:
-                    raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
-                st.kv.ensure(st.length + 1)
-                x = self._inputs(inp, st.length)
-                if x.shape[0] != 1:
-                    raise StageError("decode takes exactly one row per lane")
-                rows.append(x)
-                tokens.append(self._tokens(inp))
-                positions[r] = st.length
-                segments.append(Segment(st.kv, r, 1, st.length))
-            x = self._embed(torch.cat(rows))
-            n = len(group)
-            toks = None if not self.side_width else torch.cat(tokens)
-            if self.free_groups:
-                positions = positions[:n]
-            elif n < B:  # fixed batch: a lane's arithmetic ignores its neighbours
-                x = _padded(x, B)
-                toks = None if toks is None else _padded(toks, B)
-            x = self._run_layers(x, positions, segments, toks)
-            logits = self._logits(x[:n], n if self.free_groups else B) \
-                if self.spec.is_last else None
-            for r, (lane, _) in enumerate(group):
-                st = self._lanes[lane]
-                if self.spec.is_last:
-                    results.append(StageOutput(logits=logits[r]))
-                else:
-                    frame = to_wire(st.length, x[r:r + 1], self.spec.wire_dtype,
-                                    tokens=None if toks is None else toks[r:r + 1])
-                    results.append(StageOutput(frame=frame))
-                st.length += 1
+            results += self._decode_group(steps[g:g + B], B)
         return results
+
+    def _decode_group(self, group: list[tuple[int, torch.Tensor | Frame]],
+                      B: int) -> list[StageOutput]:
+        """One call of the layers over up to B lanes' rows (a chunked stage: padded to B
+        rows, so a lane's arithmetic ignores its neighbours)."""
+        rows, positions, segments, tokens = [], [], [], []
+        for lane, inp in group:
+            st = self._lane(lane)
+            x = self._inputs(inp, st.length)
+            k = x.shape[0]
+            if k != 1 and (k < 1 or self.exactness is not Exactness.ROW_INVARIANT):
+                raise StageError("decode takes exactly one row per lane on a stage that keeps "
+                                 "the chunked contract" if k else "decode needs a row per lane")
+            if st.length + k > self.n_ctx:
+                raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
+            st.kv.ensure(st.length + k)
+            segments.append(Segment(st.kv, len(positions), k, st.length))
+            positions += range(st.length, st.length + k)
+            rows.append(x)
+            tokens.append(self._tokens(inp))
+        n = len(positions)
+        x = self._embed(torch.cat(rows))
+        toks = torch.cat(tokens) if self.side_width else None
+        if not self.free_groups and n < B:
+            x, positions = _padded(x, B), positions + [0] * (B - n)
+            toks = None if toks is None else _padded(toks, B)
+        x = self._run_layers(x, torch.tensor(positions), segments, toks)
+        logits = self._logits(x[:n], n if self.free_groups else B) \
+            if self.spec.is_last else None
+        return [self._decoded(lane, seg, x, logits, toks)
+                for (lane, _), seg in zip(group, segments)]
+
+    def _decoded(self, lane: int, seg: Segment, x: torch.Tensor, logits: torch.Tensor | None,
+                 toks: torch.Tensor | None) -> StageOutput:
+        """A lane's output of its decode rows (seg), and the lane moved past them."""
+        st = self._lanes[lane]
+        a, b = seg.row0, seg.row0 + seg.n
+        if self.spec.is_last:
+            out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b])
+        else:
+            out = StageOutput(frame=to_wire(st.length, x[a:b], self.spec.wire_dtype,
+                                            tokens=None if toks is None else toks[a:b]))
+        st.length += seg.n
+        return out
 
     # -- state -----------------------------------------------------------------------------
     def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
@@ -463,7 +506,8 @@ class TorchStageRuntime(StageRuntime):
                 "weights": spec.weight_format,
                 "kernels": kernels(spec.weight_format),
                 "threads": "any" if self.thread_invariant else torch.get_num_threads(),
-                "chunk": spec.chunk,
+                "contract": self.exactness.value,
+                "chunk": "any" if self.exactness is Exactness.ROW_INVARIANT else spec.chunk,
                 "lane_batch": "any" if self.free_groups else spec.lane_batch,
             },
         }

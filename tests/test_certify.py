@@ -10,7 +10,7 @@ import torch
 from skippy.mesh.cli import build_parser
 from skippy.stages import certify as certify_mod
 from skippy.stages.certify import certify
-from skippy.stages.linear import WEIGHT_FORMATS
+from skippy.stages.linear import WEIGHT_FORMATS, BlockLinear, row_invariant
 from skippy.stages.runtime import StageError
 from skippy_cli import skippy
 from skippy.stages.runtime_kind import LLAMA_CPP
@@ -46,6 +46,11 @@ def test_certify_passes_in_every_weight_format(model, stages, weight_format, req
             "roundtrip_state_matches"} <= names
     assert ("split_handoff" in names) == (stages > 1)
     assert all(c.max_abs_diff == 0.0 for c in report.checks if c.passed is not None)
+    # rows checked where the stages keep the row-invariant contract: the dense families
+    # on our integer kernel; the hybrids' scans keep the chunked one
+    rows = next(c for c in report.checks if c.name == "row_invariant")
+    dense = model in ("smollm2", "qwen3_f32", "gemma3")
+    assert rows.passed is (True if dense and row_invariant(weight_format) else None), rows
 
 
 @pytest.mark.parametrize("model", ["smollm2", "lfm2_f32", "falcon_h1_f32"])
@@ -124,3 +129,23 @@ def test_a_moe_file_is_routed_and_a_dense_one_is_not(qwen3_f32, tmp_path, smollm
     moe = write_synthetic("qwen3moe", layers=2, seed=1, out=tmp_path / "m.gguf",
                           tokenizer_from=smollm2)
     assert certify_mod._routed(moe) and not certify_mod._routed(qwen3_f32)
+
+
+def test_a_row_that_depends_on_its_call_fails_the_row_check(qwen3_f32, monkeypatch):
+    real = BlockLinear.__call__
+
+    def by_call_size(self, x):  # the old two-level decode rows: bits by rows per call
+        y = real(self, x)
+        return y + 1e-6 * y.abs() if x.shape[0] <= 16 else y
+
+    monkeypatch.setattr(BlockLinear, "__call__", by_call_size)
+    report = certify(qwen3_f32, 2, weight_format="int8")
+    check = next(c for c in report.checks if c.name == "row_invariant")
+    assert check.passed is False and "rows per call" in check.detail, check.detail
+    assert not report.passed
+
+
+def test_the_row_check_is_a_diagnostic_where_stages_keep_the_chunked_contract(qwen3_f32):
+    report = certify(qwen3_f32, 1)  # fp32: MKL's GEMM blocks its sums by the call's rows
+    check = next(c for c in report.checks if c.name == "row_invariant")
+    assert check.passed is None and "chunked contract" in check.detail

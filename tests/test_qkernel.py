@@ -49,33 +49,22 @@ def test_vector_path_equals_the_c_definition(kind, zero, n, k):
     assert torch.equal(got, qkernel.matmul(lib, kind, w, s, z, n, x, use_c=True))
     want = _quantized(x) @ values.T
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
-    two = qkernel.matmul(lib, kind, w, s, z, n, x, levels=2)
-    assert torch.equal(two, qkernel.matmul(lib, kind, w, s, z, n, x, levels=2, use_c=True))
-
-
-@pytest.mark.parametrize("kind", [4, 8])
-def test_two_levels_come_far_closer_to_the_float_rows(kind):
-    w, s, z, values = _weights(kind, 300, 576, zero=kind == 4)
-    x = torch.randn(5, 576)
-    exact = x.double() @ values.double().T
-    err = [(qkernel.matmul(lib, kind, w, s, z, 300, x, levels=n) - exact).abs().max()
-           for n in (1, 2)]
-    assert err[1] < err[0] / 50
 
 
 @pytest.mark.parametrize("kind", [4, 8])
 def test_a_rows_bits_ignore_its_neighbours_and_the_threads(kind):
     w, s, z, _ = _weights(kind, 200, 256, zero=kind == 4)
-    x = torch.randn(19, 256)
-    for levels in (1, 2):
-        whole = qkernel.matmul(lib, kind, w, s, z, 200, x, levels=levels)
-        alone = torch.cat([qkernel.matmul(lib, kind, w, s, z, 200, x[i:i + 1], levels=levels)
-                           for i in range(19)])
-        assert torch.equal(whole, alone)
+    x = torch.randn(40, 256)  # 40 rows: above OMP_ROWS, on OpenMP's team
+    whole = qkernel.matmul(lib, kind, w, s, z, 200, x)
+    alone = torch.cat([qkernel.matmul(lib, kind, w, s, z, 200, x[i:i + 1]) for i in range(40)])
+    assert torch.equal(whole, alone)
+    threes = torch.cat([qkernel.matmul(lib, kind, w, s, z, 200, x[i:i + 3])
+                        for i in range(0, 40, 3)])
+    assert torch.equal(whole, threes)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = qkernel.matmul(lib, kind, w, s, z, 200, x, levels=2)
+        one = qkernel.matmul(lib, kind, w, s, z, 200, x)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(whole, one)
@@ -100,6 +89,21 @@ def test_every_build_this_cpu_runs_gives_the_same_bits():
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), runnable
 
 
+def test_every_build_gives_the_same_activation_bits():
+    """rowops.c's loops as each build's compiler vectorized them, against the plain C."""
+    flags = qkernel.cpu_flags()
+    runnable = ["c"] + (["avx2"] if {"avx2", "fma"} <= flags else []) \
+        + (["avx512-vnni"] if {"avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    g, u = torch.randn(9, 100) * 5, torch.randn(9, 100)
+    for act in qkernel.GATED:
+        outs = []
+        for which in runnable:
+            other = ctypes.CDLL(str(qkernel._build(which)))
+            qkernel._declare_rowops(other)
+            outs.append(qkernel.gated(other, g, u, act))
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), (act, runnable)
+
+
 def test_kernel_name_says_what_runs(monkeypatch):
     assert qkernel.kernel_name() == f"skq-{qkernel.isa()}"
     monkeypatch.setenv("SKIPPY_QKERNEL", "avx2")
@@ -114,6 +118,29 @@ def test_rms_norm_is_the_formula_row_by_row():
     want = x * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6).float() * w
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(qkernel.rms_norm(lib, x[2:3], w, 1e-6), got[2:3])  # a row alone
+
+
+@pytest.mark.parametrize("act, want", [
+    ("silu", lambda g: torch.nn.functional.silu(g)),
+    ("gelu_tanh", lambda g: torch.nn.functional.gelu(g, approximate="tanh"))])
+def test_gated_is_the_activation_and_each_element_its_own(act, want):
+    g = torch.cat([torch.randn(37, 70) * 4, torch.linspace(-120, 120, 70)[None]])
+    u = torch.randn(38, 70)
+    both = torch.cat([g, u], dim=1)  # the halves of one product's rows, as the FFN has them
+    got = qkernel.gated(lib, *both.split(70, dim=1), act)
+    assert torch.allclose(got, want(g) * u, rtol=1e-5, atol=1e-6)
+    assert got.isfinite().all()
+    # a row alone, a few rows, on one thread: the same bits (torch's own differ in a
+    # vector's tail), whatever lanes of a vector its elements fall in
+    assert torch.equal(torch.cat([qkernel.gated(lib, g[i:i + 3], u[i:i + 3], act)
+                                  for i in range(0, 38, 3)]), got)
+    assert torch.equal(qkernel.gated(lib, g[:, 3:], u[:, 3:], act), got[:, 3:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(qkernel.gated(lib, g, u, act), got)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rows_dot_is_the_rows_float32_values_times_x():

@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from skippy.mesh.cli import build_parser
 from skippy.mesh.usage import UsageError
+from skippy.stages import qkernel
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.stages.runtime import StageError, StageSpec
 from skippy.stages.runtime_kind import LLAMA_CPP, RUNTIMES, TORCH, Exactness, \
@@ -34,8 +36,39 @@ def test_the_command_line_hands_on_the_descriptor(command):
 
 
 def test_every_runtime_names_the_exactness_contract_its_kernels_keep():
-    assert {k.exactness for k in RUNTIMES.values()} == {Exactness.CHUNKED}
+    assert TORCH.exactness is Exactness.ROW_INVARIANT  # the most it keeps
+    assert LLAMA_CPP.exactness is Exactness.CHUNKED
     assert all(runtime_kind(name).name == name for name in RUNTIMES)
+
+
+@pytest.mark.parametrize("fmt, contract", [("int8", Exactness.ROW_INVARIANT),
+                                           ("fp32", Exactness.CHUNKED)])
+def test_a_stage_says_the_contract_it_keeps_and_its_identity_carries_it(qwen3_f32, fmt,
+                                                                        contract):
+    if qkernel.library() is None:
+        contract = Exactness.CHUNKED  # torch's int kernels: the chunked contract
+    rt = TORCH.make(StageSpec(str(qwen3_f32), 0, 6, 0, 1, "f32", n_ctx=256, weight_format=fmt))
+    assert rt.exactness is contract
+    policy = rt.identity()["numeric_policy"]
+    assert policy["contract"] == contract.value
+    assert (policy["chunk"] == "any") == (contract is Exactness.ROW_INVARIANT)
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.arange(50, 60))
+    if contract is Exactness.CHUNKED:  # a start off the chunk grid, or k decode rows
+        with pytest.raises(StageError, match="multiple of"):
+            rt.prefill(lane, torch.arange(55, 60), start=5)
+        with pytest.raises(StageError, match="exactly one row per lane"):
+            rt.decode([(lane, torch.tensor([1, 2]))])
+        return
+    resumed = rt.prefill(lane, torch.arange(55, 60), start=5, logits="all",
+                         rows_per_call=2).logits
+    two = rt.decode([(lane, torch.tensor([3, 4]))])[0].logits
+    other = rt.alloc_lane()
+    rt.prefill(other, torch.arange(50, 60), rows_per_call=3)
+    one = [rt.decode([(other, torch.tensor(t))])[0].logits for t in (3, 4)]
+    assert two.shape == (2, rt.cfg.vocab) and torch.equal(two, torch.stack(one))
+    cold = rt.prefill(rt.alloc_lane(), torch.tensor([*range(50, 60), 3, 4]), logits="all")
+    assert torch.equal(cold.logits[5:10], resumed) and torch.equal(cold.logits[10:], two)
 
 
 def test_a_whole_model_runtime_serves_one_stage():
