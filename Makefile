@@ -69,14 +69,17 @@ run: venv
 # allowed: in WORKERS pytest-xdist workers, each in a loopback-only namespace of its own
 # (tests/netns_worker), a test file at a time. On 2 cores a serial run leaves about a
 # third of the CPU idle while processes, servers and Ray start; a second worker fills it.
-# The short basetemp keeps Ray's socket paths under tests/hosts.py within 107 bytes.
+# The short basetemp keeps Ray's socket paths under tests/hosts.py within 107 bytes; it
+# goes when the run ends, passed or not (a run leaves ~9 GB of models and packages there,
+# and pytest's own clean-up keeps only its default folders).
 WORKERS     ?= 2
-XDIST       := --basetemp=$$(mktemp -d /tmp/skt.XXXXXX) --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
+XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 test: venv
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)
 	if unshare -n true 2>/dev/null; then \
-	  SKIPPY_WORKER_PYTHON=$(CURDIR)/$(BIN)/python $(BIN)/python -m pytest -m "not network" $(XDIST) $(PYTEST_ARGS); \
+	  T=$$(mktemp -d /tmp/skt.XXXXXX) && trap 'rm -rf "$$T"' EXIT && \
+	  SKIPPY_WORKER_PYTHON=$(CURDIR)/$(BIN)/python $(BIN)/python -m pytest -m "not network" --basetemp=$$T $(XDIST) $(PYTEST_ARGS); \
 	else \
 	  $(BIN)/python -m pytest -m "not network" $(PYTEST_ARGS); \
 	fi
