@@ -30,7 +30,7 @@ from skippy.topology.model_config import ModelConfig
 from . import qkernel
 from .layers import Rope, attend, gelu_f16, rms_norm
 from .linear import Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
-from .moe import MoeFfn, per_row
+from .moe import MoeFfn
 from .runtime import StageError
 from .transformer import Segment
 from .weights import ROPE_FREQS, StageTensors
@@ -159,9 +159,8 @@ class Gemma4Attention:
             v_raw = k_raw if self.k_is_v else y[2].reshape(n, self.kv_heads, self.hd)
             k = self.rope.apply(rms_norm(k_raw, self.k_norm, eps), positions)
             v = rms_norm(v_raw, self.v_norm, eps)
-        one_row_each = all(s.n == 1 and s.row0 == i for i, s in enumerate(segments))
-        if self.lib is not None and one_row_each:
-            attn = self._decode(segments, q, k, v)
+        if self.lib is not None:
+            attn = self._attend_rows(segments, q, k, v)
         elif len(segments) == 1 and segments[0].n == n:
             attn = self._attend(segments[0], q, k, v)
         else:  # decode batch: padding rows belong to no lane and stay zero
@@ -172,22 +171,29 @@ class Gemma4Attention:
                                           None if v is None else v[rows])
         return self.out(attn)
 
-    def _decode(self, segments: list[Segment], q, k, v) -> torch.Tensor:
-        """Decode rows, one per lane (padding rows past the segments stay zero): k and v
-        written here, the attention in our kernel (attention.c), whose bits per row depend
-        on neither the thread count nor the rows beside it (torch's fused attention at
-        one query row gives other bits at 1 and 2 threads)."""
-        rows = len(segments)
+    def _attend_rows(self, segments: list[Segment], q, k, v) -> torch.Tensor:
+        """Every segment's rows, prefill and decode alike (rows past the segments, a
+        decode batch's padding, stay zero): k and v written here, the attention in our
+        kernel (attention.c), whose bits per row depend on the row's position alone, not
+        on the rows beside it or the thread count (torch's fused attention blocks its
+        sums by the call's shape and threads)."""
         if k is not None:
-            for r, seg in enumerate(segments):
-                seg.kv.write(self.slot, seg.pos, k[r:r + 1], v[r:r + 1])
+            for seg in segments:
+                rows = slice(seg.row0, seg.row0 + seg.n)
+                seg.kv.write(self.slot, seg.pos, k[rows], v[rows])
+        rows = torch.cat([torch.arange(s.row0, s.row0 + s.n) for s in segments])
+        pos = [s.pos + i for s in segments for i in range(s.n)]
+        keys = [s.kv.k[self.slot] for s in segments for _ in range(s.n)]
+        values = [s.kv.v[self.slot] for s in segments for _ in range(s.n)]
+        mine = torch.empty(len(pos), self.heads * self.hd)
+        qkernel.attend_cached(self.lib, self.shape, q[rows].reshape(len(pos), -1).contiguous(),
+                              pos, keys, values, mine)
         out = q.new_zeros(q.shape[0], self.heads * self.hd)
-        qkernel.attend_cached(self.lib, self.shape, q[:rows].reshape(rows, -1).contiguous(),
-                              [s.pos for s in segments], [s.kv.k[self.slot] for s in segments],
-                              [s.kv.v[self.slot] for s in segments], out)
+        out[rows] = mine
         return out
 
     def _attend(self, seg: Segment, q, k, v) -> torch.Tensor:
+        """Torch's attention, where our kernel cannot be built (the chunked contract)."""
         if k is not None:
             seg.kv.write(self.slot, seg.pos, k, v)
         lo, hi, mask = seg.window(self.window)
@@ -242,11 +248,8 @@ class Gemma4MoeFfn:
         dense = rms_norm(self.dense(x, segments), self.post_dense, eps)
         decode = all(s.n == 1 for s in segments)
 
-        def router(rows):
-            r = rms_norm(rows, self.unit, eps) * self.inv_sqrt_hidden * self.router_scale
-            return self.experts.router(r)
-        # row by row, as MoeFfn routes: a row's logits never depend on its neighbours
-        logits = per_row(router, x, True)
+        r = rms_norm(x, self.unit, eps) * self.inv_sqrt_hidden * self.router_scale
+        logits = self.experts.router(r)  # each row alone, as MoeFfn routes
         routed = self.experts.routed(rms_norm(x, self.pre_experts, eps), segments, decode,
                                      logits=logits)
         return dense + rms_norm(routed, self.post_experts, eps)
@@ -274,6 +277,14 @@ class Gemma4Layer:
             self.inp_norm = t[p + "post_norm.weight"]
         scale = t.get(p + "layer_output_scale.weight")
         self.out_scale = None if scale is None else scale.reshape(())
+
+    @property
+    def row_invariant(self) -> bool:
+        """Does the layer compute each row alone (attention in our kernel; GELU by table;
+        experts, where the layer has them, row-invariant)? Its matrices' format decides
+        the rest (linear.row_invariant)."""
+        experts = self.ffn.experts if isinstance(self.ffn, Gemma4MoeFfn) else None
+        return self.mixer.lib is not None and (experts is None or experts.row_invariant)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 segments: list[Segment]) -> torch.Tensor:

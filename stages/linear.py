@@ -141,6 +141,20 @@ class Linear:
         return self.weight.numel() * self.weight.element_size()
 
 
+class RowLinear(Linear):
+    """A small float32 matrix the quantizers leave alone (an MoE router), computed a row at
+    a time by our kernel's fixed-order dots where it is built: a row's bits then depend on
+    neither the call's rows nor the threads (MKL's GEMM and GEMV block their sums by both),
+    which a row-invariant stage needs. Without the kernel, torch's product a row at a
+    time, whose bits then do not depend on the thread count."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lib = qkernel.library()
+        if lib is None or x.ndim != 2:
+            return torch.cat([F.linear(x[r:r + 1], self.weight) for r in range(x.shape[0])])
+        return qkernel.linear_f32(lib, x, self.weight)
+
+
 class TransposedLinear(Linear):
     """fp32 with W stored (in, out): y = x @ W. For one or two rows MKL's GEMV over this
     layout is faster, for 4 or more rows slower (evals/README.md, torch runtime). Used for

@@ -7,12 +7,13 @@ the layer's 3-D tensor: Q4_0 / Q8_0 experts keep the file's blocks), and only th
 experts run, each over the rows that chose it.
 
 Exactness (DESIGN.md §5.3): only real rows (Segment.n_real) are routed; padding rows get
-no expert output. In decode (every segment one row) a row's bits must not depend on the
-rows beside it: routing runs row by row (elementwise kernels round a vector's tail
-differently from its body), and an expert runs the rows that chose it together only
-where its matrices are row-invariant (our integer kernel, BlockLinear, up to SMALL_ROWS
-rows), else one row at a time. The chosen experts' outputs are added in selection order,
-as llama.cpp adds them.
+no expert output. Where our kernel is built, every piece computes a row alone, so the
+block is row-invariant where its experts are (BlockLinear): the router's float32 product
+and gate run in rowops.c (torch's GEMM blocks a row's sums by the call's rows and
+threads, and its exp rounds a vector's tail unlike its body), the choice and the weights'
+sums are per-row selections and in-order adds, and an expert runs the rows that chose it
+together. Experts that are not row-invariant (fp32, bf16) run one row at a time in
+decode. The chosen experts' outputs are added in selection order, as llama.cpp adds them.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch.nn.functional as F
 from skippy.topology.gguf_file import ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
+from . import qkernel
 from .layers import gated_activation
-from .linear import LEAN, SMALL_ROWS, BlockLinear, Linear, Matrix, fuse_linear, make_linear
+from .linear import LEAN, BlockLinear, Linear, Matrix, RowLinear, fuse_linear, make_linear
 from .weights import StageTensors
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight", "sqrt_softplus")
@@ -98,21 +100,20 @@ class Routing:
     def _weights(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         weights = probs.gather(-1, experts)
         if self.gating == "softmax_weight":
-            weights = torch.softmax(weights, dim=-1)
-        if self.norm:
-            weights = weights / weights.sum(-1, keepdim=True).clamp(min=_MIN_WEIGHT_SUM)
+            weights = _gate(weights, "softmax")
+        if self.norm:  # the sum in selection order (torch's sum blocks by the call's shape)
+            total = weights[:, 0]
+            for j in range(1, weights.shape[1]):
+                total = total + weights[:, j]
+            weights = weights / total[:, None].clamp(min=_MIN_WEIGHT_SUM)
         if self.scale not in (0.0, 1.0):
             weights = weights * self.scale
         return weights
 
     def _gate(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.gating == "softmax":
-            return torch.softmax(logits, dim=-1)
-        if self.gating == "sigmoid":
-            return torch.sigmoid(logits)
-        if self.gating == "sqrt_softplus":
-            return torch.sqrt(F.softplus(logits))
-        return logits  # softmax_weight: the softmax comes over the chosen ones
+        if self.gating == "softmax_weight":
+            return logits  # the softmax comes over the chosen ones
+        return _gate(logits, self.gating)
 
     def _best_groups(self, choose: torch.Tensor) -> torch.Tensor:
         """Scores of experts outside the best `groups_used` groups (a group's score: the
@@ -125,12 +126,17 @@ class Routing:
         return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, e)
 
 
-def per_row(fn, x: torch.Tensor, one_by_one: bool) -> torch.Tensor:
-    """fn over the rows of x, one row at a time where `one_by_one` (decode: a row's bits
-    then never depend on how many rows came with it)."""
-    if not one_by_one or x.shape[0] <= 1:
-        return fn(x)
-    return torch.cat([fn(x[r:r + 1]) for r in range(x.shape[0])])
+def _gate(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """A router's gate over each row of x: our kernel's, which computes a row alone, for
+    float32 rows where it is built; else torch's (float64: the definitions' tests)."""
+    lib = qkernel.library()
+    if lib is not None and x.dtype == torch.float32:
+        return qkernel.gate(lib, x, kind)
+    if kind == "softmax":
+        return torch.softmax(x, dim=-1)
+    if kind == "sigmoid":
+        return torch.sigmoid(x)
+    return torch.sqrt(F.softplus(x))
 
 
 class Expert:
@@ -142,7 +148,7 @@ class Expert:
         self.gate_up, self.split, self.down = gate_up, split, down
         self.activation, self.scales = activation, scales
         # Rows run together only where every product's bits per row are independent of
-        # how many rows come with it (our integer kernel, up to SMALL_ROWS rows).
+        # how many rows come with it (our integer kernel)
         self.row_invariant = isinstance(gate_up, BlockLinear) and isinstance(down, BlockLinear)
 
     @classmethod
@@ -216,7 +222,7 @@ class MoeFfn:
         if cfg.n_expert_used <= 0:
             raise ValueError(f"layer {index} has a router, but {cfg.family.name} reads no "
                              f"mixture-of-experts settings (topology/families.py: moe)")
-        self.router = Linear(t[p + "ffn_gate_inp.weight"])
+        self.router = RowLinear(t[p + "ffn_gate_inp.weight"])
         self.bias = t.get(p + "exp_probs_b.bias")
         self.routing = Routing.of(cfg)
         self.experts = load_experts(index, t, fmt, activation)
@@ -229,7 +235,7 @@ class MoeFfn:
                                     t.matrix(p + "ffn_up_shexp.weight"),
                                     t.matrix(p + "ffn_down_shexp.weight"), fmt, activation)
         gate = t.get(p + "ffn_gate_inp_shexp.weight")
-        self.shared_gate = Linear(gate.reshape(1, -1)) if gate is not None else None
+        self.shared_gate = RowLinear(gate.reshape(1, -1)) if gate is not None else None
 
     def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:
         decode = all(s.n == 1 for s in segments)
@@ -237,8 +243,7 @@ class MoeFfn:
         if self.shared is not None:
             y = self.shared(h)
             if self.shared_gate is not None:
-                gate = per_row(lambda x: torch.sigmoid(self.shared_gate(x)), h, True)
-                y = y * gate
+                y = y * _gate(self.shared_gate(h), "sigmoid")
             out = out + y
         return out
 
@@ -254,10 +259,8 @@ class MoeFfn:
         if rows.numel() == 0:
             return out
         x = h[rows]
-        # one row at a time in prefill too: a batched float32 product splits its sums by
-        # thread count (the integer formats promise bits that do not depend on threads)
-        logits = per_row(self.router, x, True) if logits is None else logits[rows]
-        if decode:
+        logits = self.router(x) if logits is None else logits[rows]
+        if decode and qkernel.library() is None:  # torch's gates: each row alone
             picks = [self.routing(logits[r:r + 1], self.bias) for r in range(len(rows))]
             experts = torch.cat([e for e, _ in picks])
             weights = torch.cat([w for _, w in picks])
@@ -275,7 +278,7 @@ class MoeFfn:
         for e in torch.unique(flat).tolist():
             at = (flat == e).nonzero().squeeze(1)  # positions row * k + j
             expert = self.experts[e]
-            step = (SMALL_ROWS if expert.row_invariant else 1) if decode else len(at)
+            step = 1 if decode and not expert.row_invariant else len(at)
             for i in range(0, len(at), step):
                 part = at[i:i + step]
                 ys[part // k, part % k] = expert(x[part // k])
@@ -283,6 +286,13 @@ class MoeFfn:
         for j in range(1, k):
             out = out + ys[:, j] * weights[:, j:j + 1]
         return out
+
+    @property
+    def row_invariant(self) -> bool:
+        """Does the block compute each row alone (every expert on our integer kernel, the
+        router and gates in rowops.c)?"""
+        experts = self.experts + ([self.shared] if self.shared is not None else [])
+        return qkernel.library() is not None and all(e.row_invariant for e in experts)
 
     @property
     def nbytes(self) -> int:

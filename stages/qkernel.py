@@ -200,6 +200,10 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
         fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
     lib.skr_gated.restype = None
     lib.skr_gated.argtypes = [ctypes.c_int, p, p, i64, i64, i64, p, ctypes.c_int]
+    lib.skr_linear_f32.restype = None
+    lib.skr_linear_f32.argtypes = [p, i64, p, i64, i64, i64, p, i64, ctypes.c_int]
+    lib.skr_gate.restype = None
+    lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
 
@@ -230,6 +234,34 @@ def gated(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, act: str) -> t
     out = torch.empty(rows, n, dtype=torch.float32)
     lib.skr_gated(GATED[act], gate.data_ptr(), up.data_ptr(), rows, n, gate.stride(0),
                   out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear_f32(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, k] times float32 weight [n_out, k] transposed, each output by rowops.c's
+    fixed-order dot: a row's bits depend on neither the call's rows nor the threads.
+    x and out may be strided views whose rows are contiguous (a head of a wider row)."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    rows, k = x.shape
+    n_out = weight.shape[0]
+    if out is None:
+        out = torch.empty(rows, n_out, dtype=torch.float32)
+    lib.skr_linear_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), rows, k, n_out,
+                       out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
+
+
+GATES = {"softmax": 0, "sigmoid": 1, "sqrt_softplus": 2}  # rowops.c skr_gate's kinds
+
+
+def gate(lib: ctypes.CDLL, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """A router's gate over the last dimension of x, each row alone (rowops.c)."""
+    x = x.float().contiguous()
+    out = torch.empty_like(x)
+    lib.skr_gate(GATES[kind], x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                 out.data_ptr())
     return out
 
 

@@ -131,3 +131,47 @@ void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_
             }
     }
 }
+
+/* out[r][o] = x[r] . w[o] for `rows` rows of k against n_out float32 rows of w ([n_out, k]):
+ * each product by dot()'s fixed lanes, so a row's outputs do not depend on how many rows
+ * share the call or on the thread count (a float32 GEMM blocks its sums by both). For the
+ * small float32 matrices quantizers leave alone: MoE routers, latent attention's per-head
+ * up-projections (x and out rows `x_stride` / `out_stride` floats apart). */
+void skr_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t rows, int64_t k,
+                    int64_t n_out, float *out, int64_t out_stride, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n_out * k > 1 << 20)
+    for (int64_t o = 0; o < n_out; o++)
+        for (int64_t r = 0; r < rows; r++)
+            out[r * out_stride + o] = dot(x + r * x_stride, w + o * k, k);
+}
+
+/* A router's gate over each row of n logits, alone: 0 softmax (max, exp(x - max), their
+ * sum in order, each divided by it), 1 sigmoid 1 / (1 + exp(-x)), 2 sqrt(softplus(x))
+ * (softplus x above 20, as torch's). torch's would round a vector's body and its tail
+ * by different exps, so a row's bits would depend on where the call put it. */
+void skr_gate(int kind, const float *x, int64_t rows, int64_t n, float *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *a = x + r * n;
+        float *o = out + r * n;
+        if (kind == 0) {
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t i = 0; i < n; i++)
+                m = a[i] > m ? a[i] : m;
+            for (int64_t i = 0; i < n; i++)
+                o[i] = exp_poly(a[i] - m);
+            for (int64_t i = 0; i < n; i++)
+                sum += o[i];
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < n; i++)
+                o[i] = o[i] * inv;
+        } else if (kind == 1) {
+            for (int64_t i = 0; i < n; i++)
+                o[i] = 1.0f / (1.0f + exp_poly(-a[i]));
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                o[i] = sqrtf(a[i] > 20.0f ? a[i] : log1pf(exp_poly(a[i])));
+        }
+    }
+}

@@ -170,13 +170,15 @@ class TorchStageRuntime(StageRuntime):
 
     def _exactness(self) -> Exactness:
         """Row-invariant where every op of the stage computes a row on its own: the
-        matrices on our integer kernel, attention through attention.c, norms and rope
-        through rowops.c. Latent attention (torch's bmm), the recurrent scans, MoE routing
-        (torch's elementwise kernels round a vector's tail unlike its body) and Gemma 4's
-        graph (SDPA prefill) keep the chunked contract."""
-        moe = any(isinstance(layer.ffn, MoeFfn) for layer in self.layers)
-        plain = (self.cfg.family.graph is None and not self.recurrent and self.cfg.mla is None
-                 and not moe)
+        matrices on our integer kernel, attention through attention.c, norms, rope and
+        MoE routing through rowops.c (a family with its own graph says so per layer).
+        Latent attention (torch's bmm) and the recurrent scans keep the chunked
+        contract."""
+        if self.cfg.family.graph is not None:
+            plain = all(layer.row_invariant for layer in self.layers)
+        else:
+            plain = not self.recurrent and self.cfg.mla is None and all(
+                layer.ffn.row_invariant for layer in self.layers if isinstance(layer.ffn, MoeFfn))
         return Exactness.ROW_INVARIANT if plain and row_invariant(self.spec.weight_format) \
             else Exactness.CHUNKED
 

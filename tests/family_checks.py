@@ -43,10 +43,11 @@ def check_agreement(path, name: str, **spec) -> dict:
     return r
 
 
-def check_certify(path, stages: int, weight_format: str) -> None:
+def check_certify(path, stages: int, weight_format: str):
     report = certify(path, stages, weight_format=weight_format)
     assert report.passed, report.table()
     assert all(c.max_abs_diff == 0.0 for c in report.checks if c.passed is not None)
+    return report
 
 
 def runtime(path, **kw) -> TorchStageRuntime:

@@ -35,10 +35,17 @@ def test_follows_llama_cpp_teacher_forced(files, name):
     check_agreement(files(name), name)
 
 
+# Families whose stages still keep the chunked contract in the integer formats (latent
+# attention, the recurrent scans); every other one is row-invariant there.
+CHUNKED = {"deepseek2", "lfm2", "falcon-h1", "qwen3next"}
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 @pytest.mark.parametrize("name", [c.name for _, c in CASES if c.name not in CERTIFIED])
 def test_certifies_at_two_stages(files, name, fmt):
-    check_certify(files(name), 2, fmt)
+    report = check_certify(files(name), 2, fmt)
+    rows = next(c for c in report.checks if c.name == "row_invariant")
+    assert rows.passed is (True if fmt == "int4" and name not in CHUNKED else None), rows
 
 
 @pytest.mark.parametrize("name", HYBRID)

@@ -95,13 +95,20 @@ def test_every_build_gives_the_same_activation_bits():
     runnable = ["c"] + (["avx2"] if {"avx2", "fma"} <= flags else []) \
         + (["avx512-vnni"] if {"avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     g, u = torch.randn(9, 100) * 5, torch.randn(9, 100)
+    w = torch.randn(13, 100)
+    builds = []
+    for which in runnable:
+        other = ctypes.CDLL(str(qkernel._build(which)))
+        qkernel._declare_rowops(other)
+        builds.append(other)
     for act in qkernel.GATED:
-        outs = []
-        for which in runnable:
-            other = ctypes.CDLL(str(qkernel._build(which)))
-            qkernel._declare_rowops(other)
-            outs.append(qkernel.gated(other, g, u, act))
+        outs = [qkernel.gated(other, g, u, act) for other in builds]
         assert all(torch.equal(o, outs[0]) for o in outs[1:]), (act, runnable)
+    for kind in qkernel.GATES:
+        outs = [qkernel.gate(other, g, kind) for other in builds]
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), (kind, runnable)
+    outs = [qkernel.linear_f32(other, g, w) for other in builds]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), ("linear_f32", runnable)
 
 
 def test_kernel_name_says_what_runs(monkeypatch):
@@ -150,3 +157,39 @@ def test_rows_dot_is_the_rows_float32_values_times_x():
     got = qkernel.rows_dot(lib, b.codes, b.scale, idx, x)
     want = (b.rows(idx) * x[:, None, :]).sum(-1)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _alone_in_any_call(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn over x's rows at once, checked bitwise against the rows in calls of 1 and 3 and
+    on one thread (the row-invariant contract)."""
+    got = fn(x)
+    assert torch.equal(torch.cat([fn(x[i:i + 1]) for i in range(len(x))]), got)
+    assert torch.equal(torch.cat([fn(x[i:i + 3]) for i in range(0, len(x), 3)]), got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fn(x), got)
+    finally:
+        torch.set_num_threads(threads)
+    return got
+
+
+@pytest.mark.parametrize("kind, want", [
+    ("softmax", lambda x: torch.softmax(x, -1)),
+    ("sigmoid", torch.sigmoid),
+    ("sqrt_softplus", lambda x: torch.sqrt(torch.nn.functional.softplus(x)))])
+def test_a_router_gate_is_the_formula_and_each_row_its_own(kind, want):
+    x = torch.cat([torch.randn(40, 72) * 4, torch.linspace(-100, 100, 72)[None]])
+    got = _alone_in_any_call(lambda rows: qkernel.gate(lib, rows, kind), x)
+    assert torch.allclose(got, want(x), rtol=1e-5, atol=1e-7)
+
+
+def test_a_float32_product_is_the_formula_and_each_row_its_own():
+    x, w = torch.randn(70, 200), torch.randn(48, 200)
+    got = _alone_in_any_call(lambda rows: qkernel.linear_f32(lib, rows, w), x)
+    assert torch.allclose(got.double(), x.double() @ w.double().t(), rtol=1e-4, atol=1e-4)
+    # a head's slice of wider rows in, a slice of wider rows out
+    wide, out = torch.randn(5, 3, 200), torch.zeros(5, 2, 48)
+    qkernel.linear_f32(lib, wide[:, 1], w, out=out[:, 1])
+    assert torch.equal(out[:, 1], qkernel.linear_f32(lib, wide[:, 1].contiguous(), w))
+    assert not out[:, 0].any()
