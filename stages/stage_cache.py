@@ -341,7 +341,8 @@ class StageCache:
         return _rows(whole, downstream, n)
 
     def note_decoded(self, lane: int, token: int) -> None:
-        """A decode step appended a row (never reused by a prefill, DESIGN.md §5.3)."""
+        """A decode step appended a row: reused by a later prefill where the runtime keeps
+        the row-invariant contract, never on a chunked one (DESIGN.md §5.3)."""
         self.lanes.info(lane).tokens.append(int(token))
 
     def _admitted(self, tokens, start: int, probe: bool, scope: bytes) -> list[int]:

@@ -57,7 +57,9 @@ def _return_freed_memory() -> None:
 class _Lane:
     kv: LaneKv
     length: int = 0      # rows held (prefill + decode)
-    prefilled: int = 0   # rows computed by prefill: the only rows a later prefill reuses
+    # rows a later prefill may reuse: those computed by prefill and, on a row-invariant
+    # stage, the decode rows after them
+    prefilled: int = 0
     # Recurrent families: the conv state at each chunk boundary a prefill snapshotted
     # (references: LaneKv replaces conv tensors instead of writing into them).
     saved: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -209,6 +211,14 @@ class TorchStageRuntime(StageRuntime):
 
     def lane_length(self, lane: int) -> int:
         return self._lane(lane).length
+
+    def resume_point(self, lane: int, common: int, n_tokens: int) -> int:
+        """A row-invariant stage resumes at any token its lane holds, rows made by decode
+        included (each is bitwise the prefill row at its position); a chunked one at the
+        last chunk boundary of its prefill rows."""
+        if self.exactness is Exactness.ROW_INVARIANT:
+            return min(common, self.prefill_boundary(lane))
+        return super().resume_point(lane, common, n_tokens)
 
     def prefill_boundary(self, lane: int) -> int:
         st = self._lane(lane)
@@ -410,6 +420,8 @@ class TorchStageRuntime(StageRuntime):
         else:
             out = StageOutput(frame=to_wire(st.length, x[a:b], self.spec.wire_dtype,
                                             tokens=None if toks is None else toks[a:b]))
+        if self.exactness is Exactness.ROW_INVARIANT and st.prefilled == st.length:
+            st.prefilled += seg.n  # a decode row is the prefill row: reusable as one
         st.length += seg.n
         return out
 

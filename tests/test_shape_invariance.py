@@ -65,7 +65,7 @@ def test_lane_logits_do_not_depend_on_other_active_lanes(model):
     assert torch.equal(together[0].logits, solo[0].logits)
 
 
-def test_decode_rows_are_never_reused_by_prefill(model):
+def test_on_a_chunked_stage_decode_rows_are_never_reused_by_prefill(model):
     rt = runtime(model)
     lane = rt.alloc_lane()
     rt.prefill(lane, torch.tensor(PROMPT[:40]), logits="none")

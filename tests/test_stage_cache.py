@@ -59,6 +59,28 @@ def test_cache_on_equals_cache_off(model, stages, request):
     assert all(s["counters"]["hits"] > 0 for s in stats)
 
 
+@pytest.mark.parametrize("model, stages", [("qwen3_f32", 2), ("smollm2", 1)])
+def test_the_next_turn_reuses_the_reply_to_the_token(model, stages, request):
+    """Row-invariant stages (int4 on our kernel): the next turn resumes where the lanes'
+    rows end, past rows made by decode and off any chunk boundary, computes only what
+    follows, and answers bitwise as with the caches off."""
+    path = request.getfixturevalue(model)
+    off = engine(path, stages, weight_format="int4")
+    on = engine(path, stages, cfg(), weight_format="int4")
+    first = STEM[:77]
+    _, reply, _ = first_logits_and_tokens(on, first)
+    turn = first + reply + [11, 12, 13]
+    want_logits, want_tokens, _ = first_logits_and_tokens(off, turn)
+    got_logits, got_tokens, reused = first_logits_and_tokens(on, turn)
+    assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+    assert reused == len(first) + len(reply) - 1  # the last reply token was never fed
+    shorter = first[:70] + [9]  # a prefix of what a lane holds: reused to the token
+    want_logits, want_tokens, _ = first_logits_and_tokens(off, shorter)
+    got_logits, got_tokens, reused = first_logits_and_tokens(on, shorter)
+    assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+    assert reused == 70
+
+
 def test_small_byte_cap_forces_evictions_and_changes_nothing(qwen3_f32):
     off = engine(qwen3_f32, 2, n_ctx=1024)
     # 3 layers x 2 x 2 heads x 64 x 4 B = 3 KiB a token: room for one ~200-token entry
