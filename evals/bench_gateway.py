@@ -9,6 +9,10 @@ two servers at once would time each other). The same scenarios go to every serve
 - file_order: the corpus records in file order as chat requests, max_tokens 1;
 - interleaved: the same records, the use cases round-robin (record i of each use case
   in turn), max_tokens 1;
+- next_turn: the next chat turn, as an agent or a chat client sends it: a record's
+  messages answered with max_tokens 32 (untimed), then those messages, that reply and a
+  new user message, max_tokens 1 (timed): a server that kept the reply's rows computes
+  only the new message;
 - concurrent: 8 clients at once, each sending a few distinct short chat requests with
   max_tokens 16; aggregate completion tokens per second (`--clients 1,2,4,8`: each count
   in turn, fewer first; the largest is the one compared).
@@ -75,11 +79,14 @@ REQUEST_TIMEOUT_S = 900.0
 TARGETS = {"repeat": 1.5, "file_order": 1.2, "interleaved": 5.0, "concurrent": 2.0}
 # ... and the split torch path (issue 18: the split path at llama.cpp's speed)
 SPLIT_TARGETS = {"file_order": 1.0, "concurrent": 1.0}
-SCENARIOS = ("repeat", "file_order", "interleaved", "concurrent", "stream")
+SCENARIOS = ("repeat", "file_order", "interleaved", "next_turn", "concurrent", "stream")
 LABELS = {"repeat": "(a) exact repeat 128 tok", "file_order": "(b) corpus, file order",
           "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok",
-          "stream": "(e) one stream, ms/token"}
+          "stream": "(e) one stream, ms/token", "next_turn": "(f) the next chat turn"}
 STREAM_TOKENS, STREAMS = 64, 3  # (e): streamed chats alone, after one warm-up
+# (f): records (round-robin over use cases), the reply's length, and the next message
+NEXT_TURNS, REPLY_TOKENS = 8, 32
+NEXT_MESSAGE = "Thanks. Now put that in one short sentence."
 # what the concurrent scenario keeps of each smaller client count it ran first
 SWEEP_KEYS = ("clients", "requests", "completion_tokens", "wall_s", "tokens_per_s",
               "median_ms", "p95_ms", "errors")
@@ -593,6 +600,33 @@ def run_concurrent(base_url: str, per_client: list[list[dict]]) -> dict:
     return out
 
 
+def run_next_turns(base_url: str, model: str, records: list[dict], salt=lambda b: b) -> dict:
+    """Per record: its messages answered (REPLY_TOKENS, untimed), then the next turn
+    (1 token, timed); `cached_tokens` per timed request where the server reports it."""
+    samples, cached, errors, first_error = [], [], 0, None
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        for r in records:
+            url = base_url + "/v1/chat/completions"
+            _, reply, error = post(client, url, salt(chat_body(model, r["messages"],
+                                                               REPLY_TOKENS)))
+            if error is None:
+                answer = reply["choices"][0]["message"].get("content") or ""
+                messages = [*r["messages"], {"role": "assistant", "content": answer},
+                            {"role": "user", "content": NEXT_MESSAGE}]
+                dt, reply, error = post(client, url, salt(chat_body(model, messages, 1)))
+            if error:
+                errors += 1
+                first_error = first_error or error
+                continue
+            samples.append(dt * 1e3)
+            details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+            cached.append(details.get("cached_tokens"))
+    out = summarize(samples)
+    out.update(samples_ms=samples, cached_tokens=cached, errors=errors,
+               first_error=first_error)
+    return out
+
+
 @dataclass(frozen=True)
 class Workload:
     """What every server is sent: the same prompts, in the same order."""
@@ -603,6 +637,7 @@ class Workload:
     interleaved: list[dict]
     concurrent: list[list[list[dict]]]
     sweep: tuple[int, ...] = ()  # fewer clients to run the concurrent scenario with first
+    next_turn: tuple[dict, ...] = ()  # records whose next turn fits the context
 
 
 def run_scenarios(base_url: str, work: Workload, *, ours: bool,
@@ -628,6 +663,9 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
             out[scenario] = run_sequential(base_url, "/v1/chat/completions", bodies,
                                            tags=[r["use_case"] for r in records])
             out[scenario]["ids"] = [r.get("id") for r in records]
+        elif scenario == "next_turn":
+            out[scenario] = run_next_turns(base_url, work.model, list(work.next_turn),
+                                           lambda b: salted(b, scenario))
         elif scenario == "concurrent":
             def run(clients: list[list[list[dict]]], salt: str) -> dict:
                 return run_concurrent(base_url, [[salted(chat_body(work.model, m, 16), salt)
@@ -710,9 +748,13 @@ def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
     text = "\n\n".join(m["content"] for m in records[0]["messages"]) if records else \
         " ".join(QUESTIONS)
     repeat_text, repeat_tokens = repeat_prompt(text, tok.encode, tok.decode)
+    # the next turn adds the reply and a message: room for them and the margin
+    turns, _ = split_by_context(interleave(fit), lambda m: len(tok.encode(template.render(m))),
+                                n_ctx, max_tokens=REPLY_TOKENS + 64)
     tok.close()
     work = Workload(model_name, repeat_text, repeats, fit, interleave(fit),
-                    concurrent_messages(max(clients), requests), tuple(sorted(clients)[:-1]))
+                    concurrent_messages(max(clients), requests), tuple(sorted(clients)[:-1]),
+                    tuple(turns[:NEXT_TURNS]))
     facts = {"records": len(fit), "over_context": len(over),
              "over_context_ids": [r.get("id") for r in over],
              "repeat_prompt_tokens": repeat_tokens}
