@@ -14,15 +14,21 @@
  * compute those same floats (fma is exact-rounded; the compiler is told not to contract),
  * so every build gives the same bits (tests/test_attention_kernel.py).
  *
- * Speed: up to TR consecutive rows of one lane form a tile whose rows, with every query
- * head of a kv head, share each block's keys, transposed once ([D][KB]) so that a vector
- * holds 16 keys' scores; each row's sums stay its own. */
+ * Speed: up to TR consecutive rows of one lane form a tile whose rows, with the query heads
+ * of a kv head (all of them, or a group when there are fewer tiles than threads), share
+ * each block's keys, transposed once ([D][KB]) so that a vector holds 16 keys' scores;
+ * each (row, head) pair's sums stay its own, so neither tiles nor groups change a bit.
+ *
+ * Multi-head latent attention (stages/mla.py) is the case kv_heads = 1 whose values are
+ * the first v_head_dim floats of each key row (v_row: no value cache of their own). */
 
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fmath.h" /* exp_poly: the plain C definition's exp, which the vector paths reproduce */
 #if defined(SKQ_AVX512) || defined(SKQ_AVX2)
 #include <immintrin.h>
 #endif
@@ -30,6 +36,7 @@
 #define KB 64 /* keys per block */
 #define TR 16 /* rows per tile */
 #define QR 4  /* (row, head) pairs whose scores are computed together */
+#define PAIRS 256 /* at most this many (row, head) pairs per tile while TR rows exceed it */
 
 typedef struct {
     int heads, kv_heads, head_dim, v_head_dim, rope_dim, rope_style, window;
@@ -37,6 +44,11 @@ typedef struct {
     const float *qk_norm; /* [(heads + kv_heads), head_dim] or NULL */
     const float *cos, *sin; /* angle tables [positions, rope_dim / 2] */
     float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    /* != 0: value rows lie v_row floats apart inside other rows (MLA: vcache[r] is the key
+     * cache), and skr_attend_rows's rows carry no v part; 0: a value cache of its own,
+     * [cap, kv_heads, v_head_dim] */
+    int v_row;
+    int rope_at; /* where in each head its rope_dim rotated floats start (MLA: the end) */
 } attn_shape;
 
 void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,
@@ -44,26 +56,6 @@ void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64
 void skr_rope(float *x, int heads, int hd, int dim, const float *c, const float *s,
               int style);
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
-
-/* exp(x) for x <= 0, as a polynomial (vectorizable, unlike libm's expf): x = n ln2 + r,
- * |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error ~2e-7). */
-static inline float exp_neg(float x)
-{
-    if (x < -87.0f)
-        return 0.0f;
-    const float t = x * 1.44269504f;
-    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } s = {.i = ((int32_t)n + 127) << 23};
-    return p * s.f;
-}
 
 static inline float tree16(const float *t)
 {
@@ -94,7 +86,7 @@ static float exps_c(float *s, float mn)
 {
     float t[16];
     for (int j = 0; j < KB; j++)
-        s[j] = exp_neg(s[j] - mn);
+        s[j] = exp_poly(s[j] - mn);
     for (int i = 0; i < 16; i++)
         t[i] = ((s[i] + s[16 + i]) + s[32 + i]) + s[48 + i];
     return tree16(t);
@@ -453,6 +445,7 @@ typedef struct {
     const int64_t *pos, *tile0; /* tile t: rows [tile0[t], tile0[t + 1]) of one lane */
     float *const *kcache, *const *vcache;
     float *out;
+    int group, groups; /* a kv head's query heads in `groups` groups of `group` */
     atomic_int failed;
 } attn_job;
 
@@ -467,21 +460,23 @@ static void fold(const attn_shape *A, float *s, int64_t b0, int64_t lo, int64_t 
     const float bm = A->softcap > 0.0f ? capped_c(s, A->scale, A->softcap, a, e)
                                        : scaled(s, A->scale, a, e);
     const float mn = *m > bm ? *m : bm;
-    const float alpha = exp_neg(*m - mn); /* 0 before the first block, 1 while m stays */
+    const float alpha = exp_poly(*m - mn); /* 0 before the first block, 1 while m stays */
     *l = *l * alpha + exps(s, mn);
     *m = mn;
-    const int G = A->kv_heads, Dv = A->v_head_dim;
-    values(acc, Dv, alpha, s, a, e, vc + (b0 * G + g) * Dv, (int64_t)G * Dv);
+    const int Dv = A->v_head_dim;
+    const int64_t row = A->v_row ? A->v_row : (int64_t)A->kv_heads * Dv;
+    values(acc, Dv, alpha, s, a, e, vc + b0 * row + (int64_t)g * Dv, row);
 }
 
-/* Tile t's rows for kv head g: every (row, query head of g) pair, block by block. */
-static int attend_tile(const attn_job *J, int64_t t, int g)
+/* Tile t's rows for kv head g's query heads [h0, h0 + hn) (counted within g): every
+ * (row, head) pair, block by block. */
+static int attend_tile(const attn_job *J, int64_t t, int g, int h0, int hn)
 {
     const attn_shape *A = J->A;
     const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
     const int hg = H / G;
     const int64_t r0 = J->tile0[t];
-    const int tr = (int)(J->tile0[t + 1] - r0), pairs = tr * hg;
+    const int tr = (int)(J->tile0[t + 1] - r0), pairs = tr * hn;
     const float *kc = J->kcache[r0], *vc = J->vcache[r0];
     int64_t lo[TR], hi[TR], first = INT64_MAX, last = 0;
     for (int i = 0; i < tr; i++) {
@@ -490,15 +485,17 @@ static int attend_tile(const attn_job *J, int64_t t, int g)
         first = lo[i] < first ? lo[i] : first;
         last = hi[i] > last ? hi[i] : last;
     }
-    /* kt [D][KB], then per pair k = hh * tr + i: max, sum, accumulator [Dv] */
-    float *kt = malloc(sizeof(float) * ((size_t)D * KB + (size_t)pairs * (Dv + 2)));
-    if (!kt)
+    /* per pair k = hh * tr + i: its q row; then kt [D][KB], and per pair max, sum,
+     * accumulator [Dv] */
+    const float **q = malloc(sizeof(float *) * (size_t)pairs
+                             + sizeof(float) * ((size_t)D * KB + (size_t)pairs * (Dv + 2)));
+    if (!q)
         return -1;
+    float *kt = (float *)(q + pairs);
     float *m = kt + (size_t)D * KB, *l = m + pairs, *acc = l + pairs;
-    const float *q[TR * 64];
     for (int k = 0; k < pairs; k++) {
         m[k] = -INFINITY, l[k] = 0.0f;
-        q[k] = J->q + (r0 + k % tr) * J->width + (int64_t)(g * hg + k / tr) * D;
+        q[k] = J->q + (r0 + k % tr) * J->width + (int64_t)(g * hg + h0 + k / tr) * D;
     }
     memset(acc, 0, sizeof(float) * (size_t)pairs * Dv);
     float s[QR][KB];
@@ -515,53 +512,66 @@ static int attend_tile(const attn_job *J, int64_t t, int g)
     }
     for (int k = 0; k < pairs; k++) {
         const float inv = 1.0f / l[k];
-        float *o = J->out + ((r0 + k % tr) * H + g * hg + k / tr) * Dv;
+        float *o = J->out + ((r0 + k % tr) * H + g * hg + h0 + k / tr) * Dv;
         for (int d = 0; d < Dv; d++)
             o[d] = acc[(size_t)k * Dv + d] * inv;
     }
-    free(kt);
+    free(q);
     return 0;
 }
 
-/* (tile, kv head) items [b, e): each one thread's. */
+/* (tile, kv head, head group) items [b, e): each one thread's. */
 static void attend_items(void *arg, int64_t b, int64_t e)
 {
     attn_job *J = arg;
-    const int G = J->A->kv_heads;
-    for (int64_t it = b; it < e; it++)
-        if (attend_tile(J, it / G, (int)(it % G)))
+    const int G = J->A->kv_heads, hg = J->A->heads / G;
+    for (int64_t it = b; it < e; it++) {
+        const int64_t tg = it / J->groups;
+        const int h0 = (int)(it % J->groups) * J->group;
+        const int hn = hg - h0 < J->group ? hg - h0 : J->group;
+        if (attend_tile(J, tg / G, (int)(tg % G), h0, hn))
             atomic_store(&J->failed, 1);
+    }
 }
 
 /* Above this many rows (prefill) the threads are torch's OpenMP team, as in qmatmul.c. */
 #define OMP_ROWS 4
 
 /* Attention of `rows` query rows (q: [rows, width], row r's heads first), row r the token
- * of a lane at pos[r] whose k and v are already in that lane's cache (kcache[r],
- * vcache[r]: token-major [cap, kv_heads, D]), over its keys [lo, pos[r]] (lo: the sliding
- * window's start). out: [rows, heads * v_head_dim]. Consecutive rows of one lane at
- * consecutive positions form tiles; tiles and kv heads run in parallel. */
+ * of a lane at pos[r] whose k and v are already in that lane's cache (kcache[r]:
+ * token-major [cap, kv_heads, D]; vcache[r] likewise with v_head_dim, or as v_row says),
+ * over its keys [lo, pos[r]] (lo: the sliding window's start). out: [rows, heads *
+ * v_head_dim]. Consecutive rows of one lane at consecutive positions form tiles; tiles,
+ * kv heads and head groups run in parallel. */
 static int attend_rows(const attn_shape *A, const float *q, int64_t width, int64_t rows,
                        const int64_t *pos, float *const *kcache, float *const *vcache,
                        float *out, int threads)
 {
-    if (A->heads / A->kv_heads > 64)
-        return -1; /* attend_tile's pair table holds TR * 64 */
+    const int hg = A->heads / A->kv_heads;
+    /* many heads per kv head (MLA: all of them): fewer rows per tile, bounding its scratch */
+    const int tr = hg >= PAIRS ? 1 : (PAIRS / hg < TR ? PAIRS / hg : TR);
     int64_t *tile0 = malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (!tile0)
         return -1;
     int64_t tiles = 0, work = 0;
     for (int64_t r = 0; r < rows; r++) {
-        if (!(r && r - tile0[tiles - 1] < TR && kcache[r] == kcache[r - 1]
+        if (!(r && r - tile0[tiles - 1] < tr && kcache[r] == kcache[r - 1]
               && pos[r] == pos[r - 1] + 1))
             tile0[tiles++] = r;
         work += pos[r] + 1;
     }
     tile0[tiles] = rows;
-    attn_job J = {A, q, width, pos, tile0, kcache, vcache, out, 0};
-    const int64_t items = tiles * A->kv_heads;
     /* threads pay off on long contexts only */
     const int n = work * A->heads * A->head_dim > 65536 ? threads : 1;
+    /* fewer (tile, kv head) items than threads (a decode step of MLA's one kv head): the
+     * heads split in groups, each pair still computed alone */
+    const int64_t base = tiles * A->kv_heads;
+    int split = base < n ? (int)((n + base - 1) / base) : 1;
+    split = split < hg ? split : hg;
+    const int group = (hg + split - 1) / split;
+    attn_job J = {A, q, width, pos, tile0, kcache, vcache, out, group,
+                  (hg + group - 1) / group, 0};
+    const int64_t items = base * J.groups;
     if (rows > OMP_ROWS) {
 #pragma omp parallel for schedule(static) num_threads(n)
         for (int64_t it = 0; it < items; it++)
@@ -574,22 +584,26 @@ static int attend_rows(const attn_shape *A, const float *q, int64_t width, int64
 }
 
 /* Attention for `rows` rows, decode or prefill: row r's qkv output (q heads, k heads,
- * v heads) takes its q/k norms and rope at pos[r] and writes its k and v at pos[r] of its
- * lane's cache; then every row attends as attend_rows says (a prefill row sees the keys
- * of the rows before it in the same call). */
+ * v heads unless v_row) takes its q/k norms and rope at pos[r] and writes its k and v at
+ * pos[r] of its lane's cache; then every row attends as attend_rows says (a prefill row
+ * sees the keys of the rows before it in the same call). */
 int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
                     float *const *kcache, float *const *vcache, float *out, int threads)
 {
     const int H = A->heads, G = A->kv_heads, D = A->head_dim, Dv = A->v_head_dim;
-    const int64_t width = (int64_t)(H + G) * D + (int64_t)G * Dv;
+    const int64_t width = (int64_t)(H + G) * D + (A->v_row ? 0 : (int64_t)G * Dv);
+    if (A->rope_at + A->rope_dim > D)
+        return -1;
     for (int64_t r = 0; r < rows; r++) {
         float *qk = qkv + r * width;
         if (A->qk_norm)
             skr_rms_norm(qk, A->qk_norm, H + G, D, H + G, A->eps, qk);
-        skr_rope(qk, H + G, D, A->rope_dim, A->cos + pos[r] * (A->rope_dim / 2),
+        skr_rope(qk + A->rope_at, H + G, D, A->rope_dim, A->cos + pos[r] * (A->rope_dim / 2),
                  A->sin + pos[r] * (A->rope_dim / 2), A->rope_style);
         memcpy(kcache[r] + pos[r] * G * D, qk + (int64_t)H * D, sizeof(float) * G * D);
-        memcpy(vcache[r] + pos[r] * G * Dv, qk + (int64_t)(H + G) * D, sizeof(float) * G * Dv);
+        if (!A->v_row)
+            memcpy(vcache[r] + pos[r] * G * Dv, qk + (int64_t)(H + G) * D,
+                   sizeof(float) * G * Dv);
     }
     return attend_rows(A, qkv, width, rows, pos, kcache, vcache, out, threads);
 }

@@ -22,7 +22,11 @@ A lane carries two recurrent tensors per layer: the last d_conv - 1 conv inputs 
 state [n_v, head_dim, head_dim], both as they stand after the lane's last real row: rows
 that pad a short prefill chunk are computed but never enter the state. Every per-token op
 has one fixed shape, so a row's bits do not depend on how many rows ran with it
-(DESIGN.md §5.3).
+(DESIGN.md §5.3). Where our kernels are built the conv, the gates and the recurrence are
+scan.c (sigmoid, softplus, exp and SiLU by its own polynomials: torch's round a vector's
+body and its tail differently, so an element's bits would depend on where the call's rows
+put it) and the output gate is layers.gated_activation: the mixer is then row-invariant;
+torch's ops serve where they are not.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ import torch.nn.functional as F
 
 from skippy.topology.model_config import ModelConfig
 
-from .layers import causal_conv, conv_taps, rms_norm
+from . import qkernel
+from .layers import causal_conv, conv_taps, gated_activation, rms_norm
 from .linear import Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
+from .shortconv import conv_state
 from .weights import StageTensors
 
 
@@ -97,10 +103,16 @@ class GatedDeltaNet:
         self.dt_bias = t[p + "ssm_dt.bias"].reshape(self.n_v)
         self.A = t[p + "ssm_a"].reshape(self.n_v)
         self.norm = t[p + "ssm_norm.weight"].reshape(self.d)
+        self.lib = qkernel.library()
+        if self.lib is not None:  # scan.c's operands: float32, contiguous
+            self.tap_rows = torch.stack(self.taps).float().contiguous()
+            self.dt_bias, self.A = (v.float().contiguous() for v in (self.dt_bias, self.A))
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         n = h.shape[0]
         qkv, z, ba = self.in_proj(h).split(self.in_split, dim=-1)
+        if self.lib is not None:
+            return self._scanned(h, qkv, z, ba, segments)
         # per key head: its rep value heads' betas, then their alphas
         ba = ba.reshape(n, self.n_k, 2, self.rep)
         beta = torch.sigmoid(ba[:, :, 0].reshape(n, self.n_v))
@@ -114,6 +126,39 @@ class GatedDeltaNet:
                 out[rows] = self._mix(seg, qkv[rows], beta[rows], g[rows])
         out = rms_norm(out, self.norm, self.eps) * F.silu(z.reshape(n, self.n_v, self.d))
         return self.out_proj(out.reshape(n, self.value_dim))
+
+    @property
+    def row_invariant(self) -> bool:
+        """Through scan.c (and rowops.c's gate and norms): where our kernels are built."""
+        return self.lib is not None
+
+    def _scanned(self, h: torch.Tensor, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor,
+                 segments) -> torch.Tensor:
+        """__call__ through scan.c: the gates are computed there, token by token."""
+        n = h.shape[0]
+        if len(segments) == 1 and segments[0].n == n:
+            out = self._scan(segments[0], qkv, ba)
+        else:  # decode batch: padding rows belong to no lane, stay zero, touch no state
+            out = h.new_zeros(n, self.n_v, self.d)
+            for seg in segments:
+                rows = slice(seg.row0, seg.row0 + seg.n)
+                out[rows] = self._scan(seg, qkv[rows], ba[rows])
+        out = rms_norm(out, self.norm, self.eps).view(n, self.value_dim)
+        return self.out_proj(gated_activation(z, out, "silu"))
+
+    def _scan(self, seg, qkv: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
+        """One lane's rows through scan.c: [n, n_v, d], the lane's state left at its last
+        real row."""
+        n, end, kv = qkv.shape[0], seg.n_real, seg.kv
+        state = kv.conv[self.slot]
+        conv = qkernel.scan_conv(self.lib, state, qkv, self.tap_rows, silu=True)
+        kv.conv[self.slot] = conv_state(state, qkv, end)  # replaced, never in place
+        # q and k L2-normed in one call: [n, 2 * n_k, d], q heads first
+        qk = l2_norm(conv[:, :2 * self.key_dim].reshape(n, 2 * self.n_k, self.d), self.eps)
+        out, kv.conv[self.slot + 1] = qkernel.scan_deltanet(
+            self.lib, qk, conv[:, 2 * self.key_dim:], ba, end, self.dt_bias, self.A,
+            self.scale, kv.conv[self.slot + 1])
+        return out
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,11 @@ A lane carries two recurrent tensors per layer: the last d_conv - 1 conv inputs 
 SSM state [n_head, head_dim, d_state]. Both end at the lane's last real row: rows that pad
 a short prefill chunk are computed but never enter the state. The scan is sequential over
 tokens with per-token ops of a fixed shape, so a row's bits do not depend on how many rows
-ran with it (DESIGN.md §5.3).
+ran with it (DESIGN.md §5.3). Where our kernels are built the conv and the scan are one
+call each of scan.c (softplus, exp and SiLU by its own polynomials: torch's round a
+vector's body and its tail differently, so an element's bits would depend on where the
+call's rows put it) and the gate is layers.gated_activation: the mixer is then
+row-invariant; torch's ops serve where they are not.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import torch.nn.functional as F
 from skippy.topology.gguf_file import ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
-from .layers import causal_conv, conv_taps, rms_norm
+from . import qkernel
+from .layers import causal_conv, conv_taps, gated_activation, rms_norm
 from .linear import make_linear
+from .shortconv import conv_state
 from .weights import StageTensors
 
 
@@ -63,6 +69,13 @@ class Mamba2:
         self.D = t[p + "ssm_d"].reshape(self.n_head)
         norm = t.get(p + "ssm_norm.weight")
         self.norm = None if norm is None else norm.reshape(self.n_group, -1)
+        self.lib = qkernel.library()
+        if self.lib is not None:  # scan.c's operands: float32, contiguous
+            self.tap_rows = torch.stack(self.taps).float().contiguous()
+            self.dt_bias, self.A, self.D = (v.float().contiguous()
+                                            for v in (self.dt_bias, self.A, self.D))
+            if self.conv_bias is not None:
+                self.conv_bias = self.conv_bias.float().contiguous()
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         n = h.shape[0]
@@ -74,10 +87,15 @@ class Mamba2:
             for seg in segments:
                 rows = slice(seg.row0, seg.row0 + seg.n)
                 y[rows] = self._mix(seg, xbc[rows], dt[rows])
-        y = F.silu(z) * y
+        y = gated_activation(z, y, "silu")
         if self.norm is not None:  # grouped RMSNorm
             y = rms_norm(y.view(n, self.n_group, -1), self.norm, self.eps).view(n, self.d_inner)
         return self.out_proj(y)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Through scan.c (and rowops.c's gate and norm): where our kernels are built."""
+        return self.lib is not None
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +107,15 @@ class Mamba2:
     def _mix(self, seg, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         n, end = xbc.shape[0], seg.n_real
         kv = seg.kv
+        if self.lib is not None:
+            state = kv.conv[self.slot]
+            conv = qkernel.scan_conv(self.lib, state, xbc, self.tap_rows, self.conv_bias,
+                                     silu=True)
+            kv.conv[self.slot] = conv_state(state, xbc, end)  # replaced, never in place
+            y, kv.conv[self.slot + 1] = qkernel.scan_mamba2(
+                self.lib, conv, end, dt, self.dt_bias, self.A, self.D, self.n_group,
+                kv.conv[self.slot + 1])
+            return y
         full = torch.cat([kv.conv[self.slot], xbc])  # [d_conv + n, conv_dim]
         conv = causal_conv(full, self.taps, n)
         kv.conv[self.slot] = full[end:end + self.d_conv].clone()  # replaced, never in place
@@ -130,3 +157,8 @@ class ParallelMixer:
     @property
     def nbytes(self) -> int:
         return self.attention.nbytes + self.ssm.nbytes
+
+    @property
+    def row_invariant(self) -> bool:
+        """Attention is (attention.c); the sum is elementwise; so as the SSM half is."""
+        return self.ssm.row_invariant

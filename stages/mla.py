@@ -14,9 +14,13 @@ so attention is multi-query attention of [W_kb q_nope, q_pe] over [c, k_pe] with
 followed by the per-head W_vb. Files with the older unsplit attn_kv_b (per-head
 [k_nope; v] = W c) are read into the same two per-head matrices.
 
-W_kb and W_vb are held in f32 in every weight format and run as one batched matmul over
-the heads each; attention, decode rows included, runs in torch (not in rowops.c): about
-0.3 ms per layer and step at the test's sizes against 0.07 for rowops.c's GQA step.
+W_kb and W_vb are held in f32 in every weight format. Where our kernels are built, every
+row, prefill and decode alike, computes alone (DESIGN.md §5.3, row-invariant): W_kb and W_vb
+a head at a time by rowops.c's fixed-order dots (qkernel.linear_f32), and the rope, the
+latent row's cache write and the attention in attention.c, as multi-query attention whose
+values are the first kv_lora_rank floats of each key row. Without them, torch: one batched
+matmul over the heads for each of W_kb and W_vb and plain matmuls for the attention, whose
+bits depend on the call's shape and threads (the chunked contract).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import torch
 from skippy.topology.mla_config import MlaConfig, RopeScaling
 from skippy.topology.model_config import ModelConfig
 
+from . import qkernel
 from .layers import Rope, rms_norm
 from .linear import fuse_linear, make_linear
+from .transformer import Segment, _in_order, _positions
 from .weights import StageTensors
 
 
@@ -68,11 +74,12 @@ def latent_kv_shape(m: MlaConfig) -> tuple[int, int, int]:
     return 1, m.latent, 0
 
 
-def _up_projections(p: str, m: MlaConfig, n_heads: int,
-                    t: StageTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head: W_kb transposed [H, nope, kv_lora] (q_nope -> latent space) and W_vb
-    transposed [H, kv_lora, v] (attended latent -> value), f32, contiguous for bmm."""
-    # read through matrix(): the stage keeps only the transposed copies made here
+def _up_projections(p: str, m: MlaConfig, n_heads: int, t: StageTensors,
+                    per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, f32 and contiguous: W_kb (q_nope -> latent space) and W_vb (attended
+    latent -> value), as [H, out, in] for qkernel.linear_f32 a head at a time (per_head),
+    else transposed, [H, nope, kv_lora] and [H, kv_lora, v], for bmm."""
+    # read through matrix(): the stage keeps only the per-head tensors made here
     if m.absorbed:
         k_b = t.matrix(p + "attn_k_b.weight").values.reshape(n_heads, m.kv_lora_rank, m.nope)
         v_b = t.matrix(p + "attn_v_b.weight").values.reshape(n_heads, m.v_head, m.kv_lora_rank)
@@ -81,6 +88,8 @@ def _up_projections(p: str, m: MlaConfig, n_heads: int,
             n_heads, m.nope + m.v_head, m.kv_lora_rank)
         k_b = kv_b[:, :m.nope].transpose(1, 2)  # k_nope . q = c . (W_k^T q)
         v_b = kv_b[:, m.nope:]
+    if per_head:
+        return k_b.contiguous(), v_b.contiguous()
     return k_b.transpose(1, 2).contiguous(), v_b.transpose(1, 2).contiguous()
 
 
@@ -114,8 +123,21 @@ class MlaAttention:
         self.q_a_norm = t[p + "attn_q_a_norm.weight"] if m.q_lora_rank else None
         self.q_b = make_linear(t.matrix(p + "attn_q_b.weight"), fmt) if m.q_lora_rank else None
         self.kv_a_norm = t[p + "attn_kv_a_norm.weight"]
-        self.k_b, self.v_b = _up_projections(p, m, cfg.n_heads, t)
+        self.lib = qkernel.library()
+        self.k_b, self.v_b = _up_projections(p, m, cfg.n_heads, t, self.lib is not None)
+        self.k_heads, self.v_heads = self.k_b.unbind(0), self.v_b.unbind(0)
         self.out = make_linear(t.matrix(p + "attn_output.weight"), fmt)
+        # one kv head of [c, k_pe] whose first kv_lora_rank floats are the values; rope on
+        # the k_pe / q_pe part at the end of each head; no q/k norms there (c is normed here)
+        self.shape = qkernel.AttnShape(
+            cfg.n_heads, 1, m.latent, m.kv_lora_rank, rope.dim, int(rope.style == "neox"),
+            0, cfg.rms_eps, m.kq_scale, None, v_row=m.latent, rope_at=m.kv_lora_rank)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Does every row compute alone (our kernels built)? The matrices' format decides
+        the rest (linear.row_invariant)."""
+        return self.lib is not None
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, segments) -> torch.Tensor:
         m, n, H = self.m, h.shape[0], self.n_heads
@@ -123,6 +145,8 @@ class MlaAttention:
         if self.q_b is not None:
             q = self.q_b(rms_norm(q, self.q_a_norm, self.eps))
         q = q.view(n, H, m.k_head)
+        if self.lib is not None:  # each row alone (row-invariant)
+            return self.out(self._rows(q, ckv, segments))
         c = rms_norm(ckv[:, :m.kv_lora_rank], self.kv_a_norm, self.eps)
         k_pe = self.rope.apply(ckv[:, None, m.kv_lora_rank:].contiguous(), positions)
         q_pe = self.rope.apply(q[..., m.nope:].contiguous(), positions)
@@ -138,6 +162,43 @@ class MlaAttention:
                 o[rows] = self._attend(seg, query[rows], latent[rows])
         o = torch.bmm(o.view(n, H, m.kv_lora_rank).transpose(0, 1), self.v_b)
         return self.out(o.transpose(0, 1).reshape(n, H * m.v_head))
+
+    def _rows(self, q: torch.Tensor, ckv: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """[n, H * v_head] for the segments' rows (rows past them, a decode batch's padding,
+        stay zero): per row, [W_kb q_nope, q_pe] per head and the latent row [norm(c), k_pe]
+        side by side, then one attention.c call (rope of q_pe and k_pe at the row's
+        position, the latent row into the lane's cache, attention), then W_vb per head."""
+        m, lib, H, D, L = self.m, self.lib, self.n_heads, self.m.latent, self.m.kv_lora_rank
+        n = q.shape[0]
+        if _in_order(segments):  # rows 0, 1, ...: views, no copies
+            pos = _positions(segments)
+            mine = slice(0, len(pos))
+        else:
+            pos = [p for s in segments for p in range(s.pos, s.pos + s.n)]
+            mine = torch.cat([torch.arange(s.row0, s.row0 + s.n) for s in segments])
+        R = len(pos)
+        q, ckv = q[mine], ckv[mine]
+        rows = torch.empty(R, (H + 1) * D)
+        heads = rows[:, :H * D].view(R, H, D)
+        # every head's views by one unbind: a decode step's time here is per-head Python
+        for x, w, y in zip(q[..., :m.nope].unbind(1), self.k_heads, heads[..., :L].unbind(1)):
+            qkernel.linear_f32(lib, x, w, out=y)
+        heads[:, :, L:] = q[:, :, m.nope:]
+        rows[:, H * D:H * D + L] = rms_norm(ckv[:, :L], self.kv_a_norm, self.eps)
+        rows[:, H * D + L:] = ckv[:, L:]
+        self.rope.ensure(max(pos) + 1)
+        self.shape.cos, self.shape.sin = self.rope.cos.data_ptr(), self.rope.sin.data_ptr()
+        caches = [s.kv.k[self.slot] for s in segments for _ in range(s.n)]
+        attended = torch.empty(R, H * L)
+        qkernel.attend_rows(lib, self.shape, rows, R, pos, caches, caches, attended)
+        o = (torch.zeros if R < n else torch.empty)(n, H * m.v_head)
+        got = o[mine] if isinstance(mine, slice) else torch.empty(R, H * m.v_head)
+        for x, w, y in zip(attended.view(R, H, L).unbind(1), self.v_heads,
+                           got.view(R, H, m.v_head).unbind(1)):
+            qkernel.linear_f32(lib, x, w, out=y)
+        if not isinstance(mine, slice):
+            o[mine] = got
+        return o
 
     def _attend(self, seg, query: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """[T, H * kv_lora]: each head's attention over the lane's latent rows."""

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c")]
+           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c", "scan.c")]
+HEADERS = [Path(__file__).with_name("fmath.h")]  # included by the sources: part of the digest
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
@@ -83,7 +84,7 @@ def _home() -> Path:
 def _build(which: str) -> Path:
     """The shared library for `which`, compiled once per node (a lock keeps concurrent
     stages from building it twice)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
                             + " ".join(FLAGS[which] + COMMON).encode())
     out = _home() / "kernels" / f"skippy-{digest.hexdigest()[:12]}-{which}.so"
     if out.exists():
@@ -188,7 +189,11 @@ class AttnShape(ctypes.Structure):
                                             "rope_dim", "rope_style", "window")] \
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] \
         + [(n, ctypes.c_void_p) for n in ("qk_norm", "cos", "sin")] \
-        + [("softcap", ctypes.c_float)]  # scores capped as cap * tanh(s / cap); 0: not
+        + [("softcap", ctypes.c_float)] \
+        + [("v_row", ctypes.c_int), ("rope_at", ctypes.c_int)]
+    # softcap: scores capped as cap * tanh(s / cap), 0: not; v_row != 0: values inside the
+    # key rows, v_row floats apart (MLA), 0: a value cache of their own; rope_at: where in
+    # a head its rotated part starts. Unset fields are 0 (ctypes zero-fills them).
 
 
 def _declare_rowops(lib: ctypes.CDLL) -> None:
@@ -206,6 +211,16 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
+    # -- the recurrent mixers' scans (scan.c) --
+    c_int, c_float = ctypes.c_int, ctypes.c_float
+    lib.skr_scan_conv.restype = None
+    lib.skr_scan_conv.argtypes = [p, p, i64, i64, i64, p, c_int, p, c_int, p, c_int]
+    lib.skr_scan_mamba2.restype = c_int
+    lib.skr_scan_mamba2.argtypes = [p, i64, i64, p, i64, p, p, p, c_int, c_int, c_int, c_int,
+                                    p, p, p, c_int]
+    lib.skr_scan_deltanet.restype = c_int
+    lib.skr_scan_deltanet.argtypes = [p, p, i64, p, i64, p, i64, i64, i64, p, p, c_int, c_int,
+                                      c_int, c_float, p, p, p, c_int]
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
@@ -303,3 +318,72 @@ def rows_dot(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, idx: to
     if rc:
         raise MemoryError("rows_dot: no scratch memory")
     return out
+
+
+# -- the recurrent mixers' scans (scan.c) ----------------------------------------------------
+
+def _rows_f32(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 rows whose elements are contiguous (a strided view of a wider row is
+    kept as it is)."""
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.ndim != 2:
+        x = x.float().reshape(x.shape[0], -1).contiguous()
+    return x
+
+
+def scan_conv(lib: ctypes.CDLL, state: torch.Tensor, x: torch.Tensor, taps: torch.Tensor,
+              bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+    """The n output rows of a depthwise causal conv over [state; x] (state [width - 1, ch],
+    taps [width, ch], tap 0 oldest), + bias, then SiLU where asked: scan.c skr_scan_conv,
+    each row by the same float operations whatever the call."""
+    x = _rows_f32(x)
+    state = state.float().contiguous()
+    n, ch = x.shape
+    out = torch.empty(n, ch, dtype=torch.float32)
+    lib.skr_scan_conv(state.data_ptr(), x.data_ptr(), x.stride(0), n, ch, taps.data_ptr(),
+                      taps.shape[0], None if bias is None else bias.data_ptr(), int(silu),
+                      out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def scan_mamba2(lib: ctypes.CDLL, xbc: torch.Tensor, n_real: int, dt: torch.Tensor,
+                dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, groups: int,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's scan over the conv output rows xbc [n, x | B | C] and raw time steps dt
+    [n, n_head] from state [n_head, head_dim, d_state]: (y [n, n_head * head_dim], the
+    state after row n_real - 1, a new tensor)."""
+    xbc, dt = xbc.float().contiguous(), _rows_f32(dt)
+    state = state.float().contiguous()
+    n_head, head_dim, d_state = state.shape
+    n = xbc.shape[0]
+    y = torch.empty(n, n_head * head_dim, dtype=torch.float32)
+    new = torch.empty_like(state)
+    rc = lib.skr_scan_mamba2(xbc.data_ptr(), n, n_real, dt.data_ptr(), dt.stride(0),
+                             dt_bias.data_ptr(), A.data_ptr(), D.data_ptr(), n_head, head_dim,
+                             d_state, groups, state.data_ptr(), new.data_ptr(), y.data_ptr(),
+                             torch.get_num_threads())
+    if rc:
+        raise MemoryError("mamba2 scan: no scratch memory")
+    return y, new
+
+
+def scan_deltanet(lib: ctypes.CDLL, qk: torch.Tensor, v: torch.Tensor, ba: torch.Tensor,
+                  n_real: int, dt_bias: torch.Tensor, A: torch.Tensor, scale: float,
+                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over the L2-normed rows qk [n, 2 * n_k, d] (q heads, then k
+    heads), v [n, n_v * d] and the raw betas and alphas ba [n, 2 * n_v] from state [n_v,
+    d, d]: (out [n, n_v, d], the state after row n_real - 1, a new tensor)."""
+    qk = qk.float().contiguous()
+    v, ba = _rows_f32(v), _rows_f32(ba)
+    state = state.float().contiguous()
+    n, n_k2, d = qk.shape
+    n_v = state.shape[0]
+    out = torch.empty(n, n_v, d, dtype=torch.float32)
+    new = torch.empty_like(state)
+    rc = lib.skr_scan_deltanet(qk.data_ptr(), qk[:, n_k2 // 2:].data_ptr(), qk.stride(0),
+                               v.data_ptr(), v.stride(0), ba.data_ptr(), ba.stride(0), n,
+                               n_real, dt_bias.data_ptr(), A.data_ptr(), n_k2 // 2, n_v, d,
+                               scale, state.data_ptr(), new.data_ptr(), out.data_ptr(),
+                               torch.get_num_threads())
+    if rc:
+        raise MemoryError("deltanet scan: no scratch memory")
+    return out, new

@@ -12,25 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 8
-
-static inline float hsum8(const float *l)
-{
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
-
-/* sum a[i] * b[i] over n (n a multiple of 8 or not: the tail joins lane i % 8). */
-static inline float dot(const float *a, const float *b, int64_t n)
-{
-    float l[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++)
-            l[j] += a[i + j] * b[i + j];
-    for (int j = 0; i < n; i++, j++)
-        l[j] += a[i] * b[i];
-    return hsum8(l);
-}
+#include "fmath.h"
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % w_rows], the mean summed in double
  * in input order, as llama.cpp's rms_norm sums it. */
@@ -86,29 +68,6 @@ int skr_rows_dot(const int8_t *codes, const float *scale, int64_t k, const int64
     return 0;
 }
 
-/* exp(x) by fixed float operations, branch-free, so the loops that call it vectorize and
- * a vector lane computes what the scalar tail computes (torch's elementwise kernels run
- * a vector's body through Sleef and its tail through libm: an element's bits then depend
- * on where the call's rows put it). x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-6
- * Taylor polynomial (relative error ~2e-7); 0 below -87, +inf above 88. */
-static inline float exp_poly(float x)
-{
-    const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = c * 1.44269504f;
-    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const float r = (c - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } s = {.i = ((int32_t)n + 127) << 23};
-    const float e = p * s.f;
-    return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : e);
-}
-
 /* out[r] = act(gate[r]) * up[r] for `rows` rows of n (gate and up rows `stride` apart:
  * halves of one product's rows), act 0: silu(x) = x / (1 + exp(-x)), 1: GELU's tanh form,
  * 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)), z = sqrt(2 / pi) (x + 0.044715 x^3). Rows
@@ -136,13 +95,42 @@ void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_
  * each product by dot()'s fixed lanes, so a row's outputs do not depend on how many rows
  * share the call or on the thread count (a float32 GEMM blocks its sums by both). For the
  * small float32 matrices quantizers leave alone: MoE routers, latent attention's per-head
- * up-projections (x and out rows `x_stride` / `out_stride` floats apart). */
+ * up-projections (x and out rows `x_stride` / `out_stride` floats apart). Blocks of RB rows
+ * x OB outputs keep their rows in cache (5-7x one dot at a time); each output's lanes
+ * still take dot()'s additions in dot()'s order. */
+#define RB 4
+#define OB 4
+static void linear_block(const float *x, int64_t xs, const float *w, int64_t k, float *out,
+                         int64_t os)
+{
+    float l[RB][OB][LANES] = {{{0}}};
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES)
+        for (int r = 0; r < RB; r++)
+            for (int o = 0; o < OB; o++)
+                for (int j = 0; j < LANES; j++)
+                    l[r][o][j] += x[r * xs + i + j] * w[o * k + i + j];
+    for (int r = 0; r < RB; r++)
+        for (int o = 0; o < OB; o++) {
+            int64_t t = i;
+            for (int j = 0; t < k; t++, j++)
+                l[r][o][j] += x[r * xs + t] * w[o * k + t];
+            out[r * os + o] = hsum8(l[r][o]);
+        }
+}
+
 void skr_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t rows, int64_t k,
                     int64_t n_out, float *out, int64_t out_stride, int threads)
 {
+    const int64_t rb = rows / RB, ob = n_out / OB;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * n_out * k > 1 << 20)
-    for (int64_t o = 0; o < n_out; o++)
-        for (int64_t r = 0; r < rows; r++)
+    for (int64_t b = 0; b < rb * ob; b++) {
+        const int64_t r0 = b / ob * RB, o0 = b % ob * OB;
+        linear_block(x + r0 * x_stride, x_stride, w + o0 * k, k, out + r0 * out_stride + o0,
+                     out_stride);
+    }
+    for (int64_t r = 0; r < rows; r++)  /* what the blocks leave: last outputs, last rows */
+        for (int64_t o = r < rb * RB ? ob * OB : 0; o < n_out; o++)
             out[r * out_stride + o] = dot(x + r * x_stride, w + o * k, k);
 }
 

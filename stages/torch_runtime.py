@@ -2,8 +2,9 @@
 
 Hybrid families (LFM2, Falcon-H1, Qwen3-Next) keep recurrent conv (and SSM or DeltaNet)
 state beside the attention KV. That state exists only at the lane's current length and at
-the chunk boundaries a prefill was asked to snapshot: it cannot be cut back to a shorter
-prefix, so exports, copies and prefill starts are limited to those lengths (and 0).
+the boundaries a prefill was asked to snapshot (chunk boundaries on a chunked stage, any
+token on a row-invariant one): it cannot be cut back to a shorter prefix, so exports,
+copies and prefill starts are limited to those lengths (and 0).
 """
 
 from __future__ import annotations
@@ -174,12 +175,15 @@ class TorchStageRuntime(StageRuntime):
         """Row-invariant where every op of the stage computes a row on its own: the
         matrices on our integer kernel, attention through attention.c, norms, rope and
         MoE routing through rowops.c (a family with its own graph says so per layer).
-        Latent attention (torch's bmm) and the recurrent scans keep the chunked
-        contract."""
+        Latent attention (MLA: rowops.c and attention.c) and the recurrent mixers (conv,
+        Mamba2, DeltaNet: scan.c) say whether they keep the row-invariant contract."""
         if self.cfg.family.graph is not None:
             plain = all(layer.row_invariant for layer in self.layers)
         else:
-            plain = not self.recurrent and self.cfg.mla is None and all(
+            plain = all(
+                layer.mixer.row_invariant for layer in self.layers
+                if isinstance(layer.mixer, (ShortConv, ParallelMixer, GatedDeltaNet,
+                                            MlaAttention))) and all(
                 layer.ffn.row_invariant for layer in self.layers if isinstance(layer.ffn, MoeFfn))
         return Exactness.ROW_INVARIANT if plain and row_invariant(self.spec.weight_format) \
             else Exactness.CHUNKED
@@ -215,7 +219,10 @@ class TorchStageRuntime(StageRuntime):
     def resume_point(self, lane: int, common: int, n_tokens: int) -> int:
         """A row-invariant stage resumes at any token its lane holds, rows made by decode
         included (each is bitwise the prefill row at its position); a chunked one at the
-        last chunk boundary of its prefill rows."""
+        last chunk boundary of its prefill rows. A recurrent lane only where it holds the
+        state (_resumable)."""
+        if self.recurrent:
+            return max(b for b in self._resumable(self._lane(lane)) if b <= common)
         if self.exactness is Exactness.ROW_INVARIANT:
             return min(common, self.prefill_boundary(lane))
         return super().resume_point(lane, common, n_tokens)
@@ -230,9 +237,11 @@ class TorchStageRuntime(StageRuntime):
 
     def _resumable(self, st: _Lane) -> set[int]:
         """Recurrent lanes: the starts whose conv state the lane still has (its snapshots
-        and, when it is all prefill rows on a chunk boundary, its length)."""
+        and, when it is all prefill rows, its length: on a chunked stage only at a chunk
+        boundary)."""
         starts = {0, *st.saved}
-        if st.length == st.prefilled and st.length % self.spec.chunk == 0:
+        free = self.exactness is Exactness.ROW_INVARIANT
+        if st.length == st.prefilled and (free or st.length % self.spec.chunk == 0):
             starts.add(st.length)
         return starts
 
@@ -333,14 +342,16 @@ class TorchStageRuntime(StageRuntime):
             st.saved = {b: s for b, s in st.saved.items() if b <= start}
         st.length = st.prefilled = start  # state past start is discarded
         outs = []
-        for s in range(start, end, C):
-            outs.append(self._prefill_call(st, x_in[s - start: s - start + C],
-                                           None if tok_in is None else tok_in[s - start:][:C],
+        # calls of C rows; a row-invariant stage also ends one at each snapshot (same bits)
+        stops = sorted({*range(start + C, end, C), end, *(snapshots if free else ())})
+        for s, e in zip([start] + stops, stops):
+            outs.append(self._prefill_call(st, x_in[s - start: e - start],
+                                           None if tok_in is None else tok_in[s - start:e - start],
                                            s, C if not free else None))
-            if self.recurrent and s + C in snapshots:
+            if self.recurrent and e in snapshots:
                 # recurrent state moves on with the next chunk: capture it while passing
-                st.saved[s + C] = list(st.kv.conv)
-            if between_chunks is not None and s + C < end:
+                st.saved[e] = list(st.kv.conv)
+            if between_chunks is not None and e < end:
                 between_chunks()
         st.length = st.prefilled = end
         # Attention state is token-major: a prefix snapshot is a slice of the final one.

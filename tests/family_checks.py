@@ -15,6 +15,7 @@ from skippy.evals.numerics import family_agreement, greedy_logits, whole_model
 from skippy.evals.reference import LlamaCppReference
 from skippy.stages.certify import certify
 from skippy.stages.runtime import StageError, StageSpec
+from skippy.stages.runtime_kind import Exactness
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
@@ -136,3 +137,26 @@ def check_decode_after_padded_prefill(path, name: str) -> None:
     print(f"\n{name} decode after a padded chunk: max |dlogit| {delta:.2e} over 17 steps")
     assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
     assert delta <= 1e-3
+
+
+def check_resume_at_any_token(path) -> None:
+    """A row-invariant recurrent stage (int4 on our kernels): snapshots at any token (37:
+    no chunk boundary), a lane continued from its own length wherever it ends; the rows
+    after each bitwise a cold run's in calls of 17."""
+    rt = runtime(path, weight_format="int4")
+    assert rt.exactness is Exactness.ROW_INVARIANT
+    expected = rt.prefill(rt.alloc_lane(), torch.tensor(PROMPT), logits="all",
+                          rows_per_call=17).logits
+    snaps = rt.prefill(rt.alloc_lane(), torch.tensor(PROMPT[:100] + [9] * 20), logits="none",
+                       snapshots=(37, 100)).snapshots
+    for b in (37, 100):
+        lane = rt.alloc_lane()
+        rt.import_state(lane, snaps[b])
+        assert rt.prefill_boundary(lane) == b
+        rows = rt.prefill(lane, torch.tensor(PROMPT[b:]), start=b, logits="all").logits
+        assert torch.equal(rows, expected[b:]), b
+    lane = rt.alloc_lane()
+    rt.prefill(lane, torch.tensor(PROMPT[:41]), logits="none")
+    assert rt.prefill_boundary(lane) == 41
+    rows = rt.prefill(lane, torch.tensor(PROMPT[41:]), start=41, logits="all").logits
+    assert torch.equal(rows, expected[41:])

@@ -162,3 +162,78 @@ def test_attention_bits_are_the_same_in_every_build():
         other.skr_attend_rows.argtypes = lib.skr_attend_rows.argtypes
         outs.append(_lane_rows(shape, qkv, 0, n, kernel=other))
     assert all(torch.equal(o, outs[0]) for o in outs[1:]), runnable
+
+
+def _latent_rows(shape, rows_in, calls=(None,), threads=1, kernel=None):
+    """Multi-head latent attention (stages/mla.py): rows [0, n) of one lane, each
+    [heads x (latent + rope) | its latent row], through skr_attend_rows in calls of the
+    given row counts on a fresh cache of latent rows, which are also the values (v_row)."""
+    fn = (kernel or lib).skr_attend_rows
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n, D, H = rows_in.shape[0], shape.head_dim, shape.heads
+        cache = torch.zeros(160, 1, D)
+        out, r = torch.zeros(n, H * shape.v_head_dim), 0
+        for size in calls:
+            size = n - r if size is None else size
+            got = torch.zeros(size, H * shape.v_head_dim)
+            qkernel._attend(fn, shape, rows_in[r:r + size].clone(), size,
+                            list(range(r, r + size)), [cache] * size, [cache] * size, got)
+            out[r:r + size] = got
+            r += size
+        return out, cache
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _latent_shape(H, L, R, cos, sin):
+    shape = qkernel.AttnShape(H, 1, L + R, L, R, 0, 0, 1e-6, (L + R) ** -0.5, None,
+                              v_row=L + R, rope_at=L)
+    shape.cos, shape.sin = cos.data_ptr(), sin.data_ptr()
+    return shape
+
+
+def test_latent_attention_matches_torch():
+    """One key row per token whose first L floats are the values; q_pe and k_pe (the last
+    R floats of each head) rotated at the row's position; the latent rows written to the
+    cache: torch's causal attention over the same rows."""
+    H, L, R, n = 4, 64, 16, 70
+    cos, sin = _rope_tables(128, R)
+    shape = _latent_shape(H, L, R, cos, sin)
+    rows_in = torch.randn(n, (H + 1) * (L + R), generator=torch.Generator().manual_seed(2))
+    got, cache = _latent_rows(shape, rows_in)
+    x = rows_in.view(n, H + 1, L + R)
+    pe = torch.view_as_complex(x[..., L:].reshape(n, H + 1, R // 2, 2).contiguous())
+    turned = pe * torch.complex(cos[:n], sin[:n])[:, None]
+    x = torch.cat([x[..., :L], torch.view_as_real(turned).reshape(n, H + 1, R)], -1)
+    assert torch.allclose(cache[:n, 0], x[:, H], atol=1e-6)  # the latent rows written
+    keys = x[:, H]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        x[:, :H].transpose(0, 1)[None], keys[None, None], keys[None, None, :, :L],
+        is_causal=True, scale=(L + R) ** -0.5)[0]
+    assert torch.allclose(got, want.transpose(0, 1).reshape(n, -1), atol=1e-5)
+
+
+def test_latent_attention_bits_are_row_invariant_in_every_build():
+    """At DeepSeek's sizes (kv_lora_rank 512, rope 64: heads of 576, values of 512) and 20
+    heads (tiles of 12 rows; a decode row's heads split over the threads): a row's bits are
+    the same in one call, row by row, in calls of 3 at 2 threads, and in every build."""
+    flags = qkernel.cpu_flags()
+    runnable = ["c"] + (["avx2"] if {"avx2", "fma"} <= flags else []) \
+        + (["avx512-vnni"] if {"avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    H, L, R, n = 20, 512, 64, 40
+    cos, sin = _rope_tables(64, R)
+    shape = _latent_shape(H, L, R, cos, sin)
+    rows_in = torch.randn(n, (H + 1) * (L + R), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for which in runnable:
+        other = ctypes.CDLL(str(qkernel._build(which)))
+        other.skr_attend_rows.restype = ctypes.c_int
+        other.skr_attend_rows.argtypes = lib.skr_attend_rows.argtypes
+        whole, cache = _latent_rows(shape, rows_in, kernel=other)
+        for calls, t in (([1] * n, 2), ([3] * 13 + [1], 2), ([17, 23], 1)):
+            again, cache2 = _latent_rows(shape, rows_in, calls, t, kernel=other)
+            assert torch.equal(again, whole) and torch.equal(cache2, cache), (which, calls[:2], t)
+        outs.append(whole)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:]), runnable

@@ -9,7 +9,9 @@ import pytest
 
 from family_checks import (case_file, check_agreement, check_certify,
                            check_decode_after_padded_prefill, check_export_only_at_snapshots,
-                           check_lanes_independent, check_resume_is_bitwise_cold)
+                           check_lanes_independent, check_resume_at_any_token,
+                           check_resume_is_bitwise_cold)
+from skippy.stages.linear import row_invariant
 from skippy.topology.families import synth_cases
 
 # tests/test_certify.py certifies these at 1 and 3 stages in every weight format.
@@ -35,17 +37,14 @@ def test_follows_llama_cpp_teacher_forced(files, name):
     check_agreement(files(name), name)
 
 
-# Families whose stages still keep the chunked contract in the integer formats (latent
-# attention, the recurrent scans); every other one is row-invariant there.
-CHUNKED = {"deepseek2", "lfm2", "falcon-h1", "qwen3next"}
-
-
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
 @pytest.mark.parametrize("name", [c.name for _, c in CASES if c.name not in CERTIFIED])
 def test_certifies_at_two_stages(files, name, fmt):
     report = check_certify(files(name), 2, fmt)
+    # every family is row-invariant in the integer formats on our kernels (fp32: MKL's
+    # GEMM keeps the chunked contract)
     rows = next(c for c in report.checks if c.name == "row_invariant")
-    assert rows.passed is (True if fmt == "int4" and name not in CHUNKED else None), rows
+    assert rows.passed is (True if row_invariant(fmt) else None), rows
 
 
 @pytest.mark.parametrize("name", HYBRID)
@@ -62,6 +61,12 @@ def test_hybrid_lane_state_does_not_depend_on_other_lanes(files, name):
 def test_hybrid_resume_from_a_snapshot_is_bitwise_and_state_exists_only_there(files, name):
     check_resume_is_bitwise_cold(files(name))
     check_export_only_at_snapshots(files(name))
+
+
+@pytest.mark.skipif(not row_invariant("int4"), reason="no kernels of ours: chunked contract")
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_int4_resumes_its_state_at_any_token(files, name):
+    check_resume_at_any_token(files(name))
 
 
 @pytest.mark.parametrize("name", DENSE)

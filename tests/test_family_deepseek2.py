@@ -59,7 +59,6 @@ def test_padding_rows_are_not_routed(deepseek2_f32):
 
 
 def test_threads_do_not_change_int4_bits(deepseek2_f32):
-    # MLA's up-projections and attention are float32 torch matmuls in every format
     check_threads_do_not_change_bits(deepseek2_f32, "int4")
 
 

@@ -33,3 +33,11 @@ def test_package_data_exists():
         folder = _folder(tool["package-dir"], package)
         for pattern in patterns:
             assert list(folder.glob(pattern)), f"{package}: no file matches {pattern}"
+
+
+def test_every_kernel_source_ships():
+    """A node that installs the wheel compiles our kernels from these files."""
+    from skippy.stages import qkernel
+    shipped = set(_tool()["package-data"]["skippy.stages"])
+    missing = sorted({p.name for p in (*qkernel.SOURCES, *qkernel.HEADERS)} - shipped)
+    assert not missing, f"pyproject.toml package-data lacks {missing}"
