@@ -12,7 +12,7 @@ import pytest
 
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.stage.grpc_service import start_server
+from skippy.mesh.stage.grpc_service import grpc_opener, start_server
 from skippy.mesh.stage.security import StageCredentials, new_secret
 from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
@@ -199,6 +199,23 @@ def test_a_follow_up_continues_in_the_warm_lane_of_the_last_request(stage):
     assert first_token(address, follow, probe=True) == (token, 0)
     settled(service)
     assert service.cache.stats()["prefix"]["entries"] == 0  # no prefix entry for it
+
+
+def test_a_closed_link_returns_once_the_stage_has_ended_the_session(stage):
+    """The link a stage (or the driver) holds to the next stage: its close returns only
+    after that stage ended the session and kept its lane warm, so a request's end never
+    overtakes it (the follow-up would find no warm lane)."""
+    service, address = stage
+    settled(service)
+    tokens = [1] + [(i * 53) % 30000 + 50 for i in range(80)]
+    for _ in range(3):  # a race, if there were one, would not lose every time
+        link = grpc_opener(address, CREDS, 1 << 24)()
+        start = link.ask(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=len(tokens) - 1)))
+        link.ask(pb.StageCall(prefill=pb.Prefill(tokens=tokens, start=start.plan.start)))
+        link.close()
+        stats = service.stats()
+        assert stats["sessions"] == 0 and stats["lanes_busy"] == 0, stats
+        assert stats["lanes_warm"] >= 1
 
 
 def _torch_threads(service: StageServer) -> int:

@@ -20,7 +20,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.channels import channel_options
+from ..stage.channels import CLOSE_S, channel_options
 from ..stage.security import StageCredentials
 from .driver import StageFault
 
@@ -50,7 +50,15 @@ class GrpcStageLink:
         return reply
 
     async def close(self) -> None:
-        self._call.cancel()
+        """Ends the session and waits (CLOSE_S at most) until stage 0 has ended it, and
+        through it every stage: their lanes are then warm for the request's follow-up."""
+        try:
+            await self._call.done_writing()
+            await asyncio.wait_for(self._call.code(), CLOSE_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            pass
+        finally:
+            self._call.cancel()
 
 
 class RayPipeline:

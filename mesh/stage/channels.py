@@ -8,6 +8,11 @@ and the driver's links all take their options here.
 
 from __future__ import annotations
 
+# A closing session stream waits this long for the stage behind it to end its session
+# (its lane kept warm), so that a request's end reaches its client only once every stage
+# holds the lane for a follow-up; a stage that does not end by then is cut off.
+CLOSE_S = 5.0
+
 
 def channel_options(max_message: int) -> list[tuple[str, int]]:
     """gRPC options for a channel or server whose messages are at most `max_message`

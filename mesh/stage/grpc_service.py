@@ -21,7 +21,7 @@ from skippy.proto import stage_pb2_grpc
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
-from .channels import channel_options
+from .channels import CLOSE_S, channel_options
 from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
@@ -118,7 +118,10 @@ class GrpcLink:
             raise LinkDown("the next stage closed the stream") from e
 
     def close(self) -> None:
-        self._calls.put(None)
+        ended = threading.Event()
+        self._replies.add_done_callback(lambda _: ended.set())
+        self._calls.put(None)  # the next stage's session ends, and its own link with it
+        ended.wait(CLOSE_S)
         self._replies.cancel()
 
 
