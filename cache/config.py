@@ -74,7 +74,9 @@ class CacheConfig:
     """The cache settings of one stage (`SETTINGS` says what each field means).
 
     Prefix keys are lengths that are multiples of `stride` (itself a multiple of the prefill
-    chunk, so a restored prefix is bitwise what a cold prefill computes). The exact whole
+    chunk, so a restored prefix is bitwise what a cold prefill computes). On a stage that
+    keeps the row-invariant contract the stride only paces admission: a dense entry holds
+    its whole prompt and a hit runs to the token (stages/stage_cache.py). The exact whole
     prompt is a separate key (decoded results) that serves only an identical prompt; it is
     never offered as the prefix of a longer one — see `exact_prompt_key_allowed`.
     """

@@ -8,6 +8,11 @@ token bytes exactly, stopping at the first that confirms. Hashes only rank: if a
 hit fails to confirm (a collision), the index falls back to an exact scan of the stage's
 entries, so it never returns a wrong prefix and never misses a right one.
 
+A granular index (row-invariant stages, DESIGN.md §5.3) also holds entries of any length
+of at least one block, and a match runs to the token: past the deepest shared run, the
+candidates' tokens are compared with the query's (fewer than a block of them, unless a
+hash collided).
+
 Not thread-safe by itself: it is owned by one PrefixCache, which calls it under its lock.
 """
 
@@ -22,7 +27,7 @@ from .identity import TOKEN_BYTES, block_chain_bytes, token_bytes
 @dataclass(frozen=True)
 class Match:
     entry_id: int
-    length: int   # tokens shared with the query: a multiple of the block
+    length: int   # tokens shared with the query: a multiple of the block unless granular
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,10 @@ class _Entry:
 
 
 class PrefixIndex:
-    def __init__(self, block: int, hash_fn=None):
+    def __init__(self, block: int, hash_fn=None, *, granular: bool = False):
         if block < 1:
             raise ValueError("block must be >= 1")
-        self.block = block
+        self.block, self.granular = block, granular
         self._hash_fn = hash_fn
         self._entries: dict[int, _Entry] = {}
         self._by_stage: dict[bytes, dict[int, None]] = {}
@@ -71,12 +76,14 @@ class PrefixIndex:
         return Query(stage, raw, tuple(block_chain_bytes(stage, raw, self.block, self._hash_fn)))
 
     def insert(self, entry_id: int, q: Query) -> None:
-        """Record an entry holding exactly q's tokens (a positive multiple of the block)."""
+        """Record an entry holding exactly q's tokens (a positive multiple of the block;
+        granular: at least one block)."""
         if entry_id in self._entries:
             raise KeyError(f"entry {entry_id} is already indexed")
-        n = q.n_tokens
-        if not n or n % self.block:
-            raise ValueError(f"entry length {n} is not a positive multiple of {self.block}")
+        if not self.fits(q.n_tokens):
+            raise ValueError(f"entry length {q.n_tokens} is not "
+                             + (f"at least {self.block}" if self.granular else
+                                f"a positive multiple of {self.block}"))
         self._entries[entry_id] = _Entry(q.stage, q.raw, q.chain)
         self._by_stage.setdefault(q.stage, {})[entry_id] = None
         for h in q.chain:
@@ -90,13 +97,19 @@ class PrefixIndex:
             _discard(self._at, h, entry_id)
         _discard(self._ends, e.chain[-1], entry_id)
 
+    def fits(self, n_tokens: int) -> bool:
+        """Whether an entry may hold n_tokens tokens."""
+        if self.granular:
+            return n_tokens >= self.block
+        return n_tokens > 0 and n_tokens % self.block == 0
+
     def tokens(self, entry_id: int) -> tuple[int, ...]:
         raw = self._entries[entry_id].raw
         return tuple(memoryview(raw).cast("i"))
 
     def find_exact(self, q: Query) -> int | None:
         """The entry holding exactly q's tokens, if any."""
-        if not q.n_tokens or q.n_tokens % self.block:
+        if not self.fits(q.n_tokens):
             return None
         for eid in reversed(self._ends.get(q.chain[-1], {})):
             e = self._entries[eid]
@@ -109,8 +122,9 @@ class PrefixIndex:
         stage; among equally long ones, the newest entry.
 
         whole_entry=False: an entry serves any block-aligned prefix it shares with the
-        query (resident KV: copy its first rows). whole_entry=True: only entries whose
-        whole token list is a prefix of the query (snapshots taken at one boundary)."""
+        query (resident KV: copy its first rows), on a granular index any prefix.
+        whole_entry=True: only entries whose whole token list is a prefix of the query
+        (snapshots taken at one boundary), of a multiple of the block."""
         if not q.chain or q.stage not in self._by_stage:
             return None
         found, collided = self._search(q, whole_entry)
@@ -132,6 +146,19 @@ class PrefixIndex:
                 return Match(eid, depth * self.block)
         return None
 
+    def _extend(self, q: Query, ids: dict, m: Match) -> Match:
+        """The longest token run any of `ids` shares with the query past m (newest first
+        among equals)."""
+        n = m.length * TOKEN_BYTES
+        best = m
+        for eid in reversed(ids):
+            e = self._entries[eid]
+            if e.stage == q.stage and e.raw.startswith(memoryview(q.raw)[:n]):
+                shared = _shared(e.raw, q.raw, m.length)
+                if shared > best.length:
+                    best = Match(eid, shared)
+        return best
+
     def _search(self, q: Query, whole_entry: bool) -> tuple[Match | None, bool]:
         """(confirmed match, whether a hash hit failed to confirm)."""
         # Deepest depth whose run hash some entry shares: genuine sharing is monotone in
@@ -148,7 +175,10 @@ class PrefixIndex:
         if lo == 0:
             return None, False
         if not whole_entry:
-            m = self._confirm(q, self._at[chain[lo - 1]], lo, False)
+            ids = self._at[chain[lo - 1]]
+            m = self._confirm(q, ids, lo, False)
+            if m is not None and self.granular:
+                m = self._extend(q, ids, m)
             return m, m is None
         for d in range(lo, 0, -1):
             ids = self._ends.get(chain[d - 1])
@@ -160,19 +190,30 @@ class PrefixIndex:
     def _scan(self, q: Query, whole_entry: bool) -> Match | None:
         """Exact, hash-free answer: the fallback after a collision."""
         best: Match | None = None
-        step = self.block * TOKEN_BYTES
-        depth = len(q.chain)
         for eid in self._by_stage.get(q.stage, {}):  # oldest first: later equals win
             raw = self._entries[eid].raw
-            d = 0
-            while d < depth and (d + 1) * step <= len(raw) and \
-                    raw[d * step:(d + 1) * step] == q.raw[d * step:(d + 1) * step]:
-                d += 1
-            if d == 0 or (whole_entry and d * step != len(raw)):
+            n = _shared(raw, q.raw, 0)
+            if not self.granular:
+                n = n // self.block * self.block
+            if n < self.block or (whole_entry and n * TOKEN_BYTES != len(raw)):
                 continue
-            if best is None or d * self.block >= best.length:
-                best = Match(eid, d * self.block)
+            if best is None or n >= best.length:
+                best = Match(eid, n)
         return best
+
+
+def _shared(a: bytes, b: bytes, known: int) -> int:
+    """Tokens a and b share from the start, given that they share the first `known`:
+    found by halving, each test one memcmp."""
+    lo, hi = known, min(len(a), len(b)) // TOKEN_BYTES
+    view = memoryview(b)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(view[known * TOKEN_BYTES:mid * TOKEN_BYTES], known * TOKEN_BYTES):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _discard(table: dict, key, entry_id: int) -> None:

@@ -47,14 +47,17 @@ class PrefixCache:
     def __init__(self, *, block: int, max_entries: int, max_bytes: int,
                  max_tokens: int | None = None, kind: str = "ResidentKv",
                  whole_entry: bool = False, admission: PrefixAdmission | None = None,
-                 hash_fn=None):
+                 hash_fn=None, granular: bool = False):
         """block: the reuse granularity in tokens (the config's stride). whole_entry:
         an entry serves only queries that contain all its tokens (snapshots taken at
         one boundary, KvRecurrent); otherwise any block-aligned shared prefix (KV rows).
-        admission None: every reservation is admitted (the caller decided)."""
+        granular (row-invariant KV rows): entries of any length of at least a block,
+        and any shared prefix to the token. admission None: every reservation is
+        admitted (the caller decided)."""
         self.kind, self.block, self.whole_entry = kind, block, whole_entry
+        self.granular = granular
         self.max_tokens = max_tokens
-        self._index = PrefixIndex(block, hash_fn)
+        self._index = PrefixIndex(block, hash_fn, granular=granular)
         self._lru = ResidentLru(max_entries, max_bytes)
         self._admission = admission
         self._counters = Counters()
@@ -107,10 +110,11 @@ class PrefixCache:
     # -- recording -------------------------------------------------------------------------
     def reserve(self, stage: bytes, tokens: Sequence[int], nbytes: int, *,
                 probe: bool = False) -> Reservation | None:
-        """Room for the state of `tokens` (a block-aligned prefix), or None: a probe, an
-        identity already held (refreshed instead), not admitted yet, too large, or only
-        pinned entries to evict. The caller stores the state, then commits."""
-        if probe or not tokens or len(tokens) % self.block:
+        """Room for the state of `tokens` (a block-aligned prefix; granular: at least a
+        block), or None: a probe, an identity already held (refreshed instead), not
+        admitted yet, too large, or only pinned entries to evict. The caller stores the
+        state, then commits."""
+        if probe or not self._index.fits(len(tokens)):
             return None
         q = self._index.prepare(stage, tokens)
         with self._lock:

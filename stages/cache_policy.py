@@ -65,6 +65,10 @@ class CachePolicy:
                scope: bytes) -> None:
         """Record entries for the admitted boundaries after a successful prefill."""
 
+    def keep_lane(self, lane: int, tokens, scope: bytes) -> bool:
+        """Take a finished lane whose rows hold `tokens` as an entry; False: not taken."""
+        return False
+
     def restore(self, lane: int, hit: Hit, start: int) -> None:
         """Make `lane` hold the hit's state for [0, start); raises when it cannot."""
         raise KeyError(f"no state for entry {hit.entry_id}")
@@ -116,9 +120,25 @@ class ResidentLanes(CachePolicy):
     def record(self, lane, tokens, boundaries, out, scope) -> None:
         if not boundaries:
             return
-        b = max(boundaries)  # shorter prefixes are served from the same rows
+        # shorter prefixes are served from the same rows; a granular entry holds the
+        # whole prompt, so that a hit may run to any token of it
+        whole = self.prefixes.granular and len(tokens) <= (self.prefixes.max_tokens or len(tokens))
+        b = len(tokens) if whole else max(boundaries)
         self._hold(scope, tokens[:b], self._per_token(lane) * b,
                    lambda holder: self.runtime.copy_lane(lane, holder, b))
+
+    def keep_lane(self, lane, tokens, scope) -> bool:
+        if not self.prefixes.granular:
+            return False
+        r = self.prefixes.reserve(scope, tokens, self._per_token(lane) * len(tokens))
+        if r is None:
+            return False
+        self._evicted(r.evicted)
+        if not self.prefixes.commit(r):
+            return False
+        self.holders[r.entry_id] = lane
+        self.keys[r.entry_id] = (scope, tuple(tokens))
+        return True
 
     def restore(self, lane, hit, start) -> None:
         self.runtime.copy_lane(self.holders[hit.entry_id], lane, start)

@@ -21,10 +21,13 @@ class LaneInfo:
 
 
 class Lanes:
-    def __init__(self, runtime: StageRuntime, max_warm: int | None):
+    def __init__(self, runtime: StageRuntime, max_warm: int | None,
+                 keep: Callable[[int, LaneInfo], bool] | None = None):
         """max_warm: finished lanes kept warm at most (None: as many as the runtime
-        has, each given up when a fresh lane is needed)."""
-        self.runtime, self.max_warm = runtime, max_warm
+        has, each given up when a fresh lane is needed). keep(lane, info): offered a
+        lane pushed past max_warm before it is freed; True when it took the lane (the
+        cache keeps it as an entry)."""
+        self.runtime, self.max_warm, self._keep = runtime, max_warm, keep
         self._info: dict[int, LaneInfo] = {}
         self._warm: dict[int, None] = {}  # idle lanes that keep their rows, oldest first
 
@@ -78,7 +81,12 @@ class Lanes:
         if keep_warm and info is not None and info.tokens:
             self._warm[lane] = None
             while self.max_warm is not None and len(self._warm) > self.max_warm:
-                self._free(next(iter(self._warm)))
+                oldest = next(iter(self._warm))
+                if self._keep is not None and self._keep(oldest, self._info[oldest]):
+                    del self._warm[oldest]
+                    del self._info[oldest]
+                else:
+                    self._free(oldest)
             return
         self._free(lane)
 

@@ -45,6 +45,7 @@ from .frame import Frame
 from .lanes import Lanes
 from .leases import Lease, Leases
 from .runtime import StageError, StageOutput, StageRuntime
+from .stage_spec import Exactness
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,13 @@ class StageCache:
         self.policy = cls.name
         self.key = stage_key or stage_key_for(runtime, runtime.spec.topology_digest)
         self.stage = self.key.digest
+        # Row-invariant KV rows serve any prefix to the token (DESIGN.md §5.3): entries
+        # hold whole prompts and a hit may end anywhere. Recurrent state only at its ends.
+        self.granular = runtime.exactness is Exactness.ROW_INVARIANT and not cls.whole_entry
         self.prefixes = PrefixCache(block=config.stride, max_entries=config.max_entries,
                                     max_bytes=config.max_bytes,
                                     max_tokens=config.max_tokens_per_entry, kind=cls.name,
-                                    whole_entry=cls.whole_entry)
+                                    whole_entry=cls.whole_entry, granular=self.granular)
         self.admission = PrefixAdmission(config.admit_after)
         # Every policy's state can travel between nodes as payloads, so every stage has a
         # store: entries live there for payload policies, shared payloads for all.
@@ -120,10 +124,12 @@ class StageCache:
             self.cold = tier(runtime, PrefixCache(
                 block=config.stride, max_entries=COLD_ENTRIES, max_bytes=config.cold_max_bytes,
                 max_tokens=config.max_tokens_per_entry, kind=COLD,
-                whole_entry=cls.whole_entry), cold_store, self.key.stage_index)
+                whole_entry=cls.whole_entry, granular=self.granular), cold_store,
+                self.key.stage_index)
             self.entries.demote = lambda scope, tokens, state: \
                 self.cold.adopt(tokens, state, scope)
-        self.lanes = Lanes(runtime, WARM_LANES if runtime.lane_entries else None)
+        self.lanes = Lanes(runtime, WARM_LANES if runtime.lane_entries else None,
+                           keep=self._keep_lane if self.granular else None)
         self.leases = Leases(lease_seconds, clock)
         self.restore_failures = 0   # restores that failed after a plan: recomputed
         self.results = ExactResults(config.max_entries, config.activation_max_bytes) \
@@ -153,6 +159,13 @@ class StageCache:
         rows for a follow-up (never for a probe's rows, which bypass every cache)."""
         self._end_lease(lane)
         self.lanes.release(lane, keep_warm=keep_warm and self.entries.enabled)
+
+    def _keep_lane(self, lane: int, info) -> bool:
+        """A warm lane pushed out: its rows, a reply's included, become a cache entry
+        (the lane itself, no copy) so that the conversation's next turn still finds
+        them. False: the entries did not take it."""
+        n = min(len(info.tokens), self.runtime.lane_length(lane))
+        return self.entries.keep_lane(lane, info.tokens[:n], self.scope(info.namespace))
 
     def drop_warm_lanes(self, keep: int = 0) -> None:
         """Free warm lanes, oldest first, down to `keep` (0: later hits must come from
@@ -204,7 +217,7 @@ class StageCache:
         if not self.entries.enabled or probe or max_len < self.config.min_prefix:
             return own, None
         hit = self.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
-        top = max_len // self.config.stride * self.config.stride
+        top = max_len if self.granular else max_len // self.config.stride * self.config.stride
         if self.cold is not None and (hit is None or hit.length < top):
             # a longer prefix on disk beats a shorter one in RAM
             cold = self.cold.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
@@ -417,9 +430,11 @@ class StageCache:
                 return self._share(self._shared.pop(digests[b]))
         lane, own = self._best_warm_lane(tokens, lengths[0], namespace)
         hit = self.prefixes.lookup(scope, tokens, max_len=lengths[0])
+        # peers share prefixes of stride multiples (a granular hit is cut to one)
+        cut = 0 if hit is None else hit.length // stride * stride
         try:
-            if hit is not None and hit.length > max(own, after):
-                manifest = self.entries.export(hit, hit.length, digests[hit.length])
+            if cut > max(own, after):
+                manifest = self.entries.export(hit, cut, digests[cut])
             elif own > after:
                 state = self.runtime.export_state(lane, own)
                 manifest = encode_state(state, self.entries.kind_of(state), digests[own],

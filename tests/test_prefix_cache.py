@@ -1,7 +1,7 @@
 """The prefix cache against a brute-force oracle, under random operation sequences.
 
 The oracle keeps plain lists and answers every question by scanning: longest shared
-block-aligned prefix, LRU eviction under caps, pins that hold entries alive. The cache
+block-aligned prefix (granular: to the token, at least a block), LRU eviction under caps, pins that hold entries alive. The cache
 must give the same answer after every step, with any hash function (even one that
 collides on everything), and its caps must hold throughout.
 """
@@ -32,8 +32,8 @@ def first_token_hash(parent: bytes, run: bytes) -> bytes:
 
 
 class Oracle:
-    def __init__(self, whole_entry: bool):
-        self.whole_entry = whole_entry
+    def __init__(self, whole_entry: bool, granular: bool = False):
+        self.whole_entry, self.granular = whole_entry, granular
         self.entries: dict[int, dict] = {}
         self.order: list[int] = []   # LRU first
 
@@ -45,13 +45,13 @@ class Oracle:
         limit = len(query) if max_len is None else min(max_len, len(query))
         best = None
         for e in self.live(stage):
-            n = 0
-            while n + BLOCK <= min(limit, len(e["tokens"])) and \
-                    e["tokens"][n:n + BLOCK] == tuple(query[n:n + BLOCK]):
-                n += BLOCK
+            n, step = 0, 1 if self.granular else BLOCK
+            while n + step <= min(limit, len(e["tokens"])) and \
+                    e["tokens"][n:n + step] == tuple(query[n:n + step]):
+                n += step
             if self.whole_entry and n != len(e["tokens"]):
                 continue
-            if n and (best is None or (n, e["id"]) > best):
+            if n >= BLOCK and (best is None or (n, e["id"]) > best):
                 best = (n, e["id"])
         return best
 
@@ -87,23 +87,24 @@ class Oracle:
 
 class CacheMachine(RuleBasedStateMachine):
     whole_entry = False
+    granular = False
     hash_fn = None
 
     def __init__(self):
         super().__init__()
         self.cache = PrefixCache(block=BLOCK, max_entries=MAX_ENTRIES, max_bytes=MAX_BYTES,
                                  max_tokens=MAX_TOKENS, whole_entry=self.whole_entry,
-                                 hash_fn=self.hash_fn)
-        self.oracle = Oracle(self.whole_entry)
+                                 hash_fn=self.hash_fn, granular=self.granular)
+        self.oracle = Oracle(self.whole_entry, self.granular)
         self.held = []
 
     @rule(stage=st.sampled_from(STAGES), tokens=tokens_st, nbytes=st.integers(0, 60))
     def record(self, stage, tokens, nbytes):
-        tokens = tuple(tokens[: len(tokens) // BLOCK * BLOCK])
+        tokens = tuple(tokens if self.granular else tokens[: len(tokens) // BLOCK * BLOCK])
         r = self.cache.reserve(stage, tokens, nbytes)
         o = self.oracle
         existing = [e for e in o.live(stage) if e["tokens"] == tokens]
-        if not tokens:
+        if len(tokens) < BLOCK:
             assert r is None
         elif existing:
             assert r is None
@@ -233,12 +234,30 @@ class PartialReuseWeakHash(CacheMachine):
     hash_fn = staticmethod(first_token_hash)
 
 
+class Granular(CacheMachine):
+    granular = True
+
+
+class GranularConstantHash(CacheMachine):
+    granular = True
+    hash_fn = staticmethod(constant_hash)
+
+
+class GranularWeakHash(CacheMachine):
+    granular = True
+    hash_fn = staticmethod(first_token_hash)
+
+
 TestPartialReuse = PartialReuse.TestCase
 TestWholeEntry = WholeEntry.TestCase
 TestCollidingHashNeverGivesAWrongHit = PartialReuseConstantHash.TestCase
 TestCollidingHashWholeEntry = WholeEntryConstantHash.TestCase
 TestWeakHash = PartialReuseWeakHash.TestCase
+TestGranularReuseRunsToTheToken = Granular.TestCase
+TestGranularCollidingHash = GranularConstantHash.TestCase
+TestGranularWeakHash = GranularWeakHash.TestCase
 for case in (TestPartialReuse, TestWholeEntry, TestCollidingHashNeverGivesAWrongHit,
-             TestCollidingHashWholeEntry, TestWeakHash):
+             TestCollidingHashWholeEntry, TestWeakHash, TestGranularReuseRunsToTheToken,
+             TestGranularCollidingHash, TestGranularWeakHash):
     case.settings = SETTINGS
 del case

@@ -8,7 +8,7 @@ import torch
 from skippy.cache.config import CacheConfig
 from skippy.evals.cache_exactness import run_one
 from skippy.mesh.control.local import InProcessEngine
-from skippy.stages.stage_cache import StageCache
+from skippy.stages.stage_cache import WARM_LANES, StageCache
 
 STEM = [(i * 7919) % 40000 + 100 for i in range(200)]
 PROMPTS = [STEM + [5, 6, 7], STEM + [8, 9] * 20, STEM[:150] + [11] * 30, STEM + [5, 6, 7],
@@ -79,6 +79,35 @@ def test_the_next_turn_reuses_the_reply_to_the_token(model, stages, request):
     got_logits, got_tokens, reused = first_logits_and_tokens(on, shorter)
     assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
     assert reused == 70
+
+
+def test_entries_serve_any_shared_prefix_to_the_token(qwen3_f32):
+    """Row-invariant stages: an entry holds its whole prompt and serves any prefix of it
+    a later request shares, off every stride boundary, bitwise as with the caches off."""
+    off = engine(qwen3_f32, 2, weight_format="int4")
+    on = engine(qwen3_f32, 2, cfg(), weight_format="int4")
+    first_logits_and_tokens(on, STEM[:150] + [1, 2, 3])
+    drop_warm_lanes(on)                      # the hit must come from an entry
+    later = STEM[:141] + [9, 9]
+    want_logits, want_tokens, _ = first_logits_and_tokens(off, later)
+    got_logits, got_tokens, reused = first_logits_and_tokens(on, later)
+    assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+    assert reused == 141                     # not 128, the stride multiple below
+    assert all(s["counters"]["hits"] > 0 for s in cache_stats(on))
+
+
+def test_a_conversation_pushed_out_of_the_warm_lanes_keeps_its_reply(qwen3_f32):
+    """More conversations than warm lanes: the oldest one's lane becomes a cache entry
+    (rows made by decode included), so its next turn still computes only the new rows."""
+    off = engine(qwen3_f32, 2, weight_format="int4")
+    on = engine(qwen3_f32, 2, cfg(), weight_format="int4")
+    firsts = [[1000 + k] + STEM[:70] for k in range(WARM_LANES + 2)]
+    replies = [first_logits_and_tokens(on, ids)[1] for ids in firsts]
+    turn = firsts[0] + replies[0] + [11, 12, 13]
+    want_logits, want_tokens, _ = first_logits_and_tokens(off, turn)
+    got_logits, got_tokens, reused = first_logits_and_tokens(on, turn)
+    assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+    assert reused == len(firsts[0]) + len(replies[0]) - 1
 
 
 def test_small_byte_cap_forces_evictions_and_changes_nothing(qwen3_f32):
