@@ -36,6 +36,7 @@ from skippy.cache.config import CacheConfig
 from skippy.cache.identity import StageKey, page_id, prefix_digest, prefix_digests
 from skippy.cache.payload import IncompatiblePayload, PayloadManifest, release_payload
 from skippy.cache.prefix_cache import Hit, PrefixCache
+from skippy.cache.restore_cost import RestoreCosts
 from skippy.cache.results import ExactResults
 from skippy.cache.telemetry import merge
 
@@ -132,6 +133,7 @@ class StageCache:
                            keep=self._keep_lane if self.granular else None)
         self.leases = Leases(lease_seconds, clock)
         self.restore_failures = 0   # restores that failed after a plan: recomputed
+        self.costs = RestoreCosts()  # a hit is taken only where its restore pays
         self.results = ExactResults(config.max_entries, config.activation_max_bytes) \
             if runtime.spec.is_last else None
         self.frames = ActivationCache(config.activation_max_entries,
@@ -216,20 +218,20 @@ class StageCache:
         own = self._own_reuse(lane, tokens, max_len, namespace)
         if not self.entries.enabled or probe or max_len < self.config.min_prefix:
             return own, None
-        hit = self.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
+        scope = self.scope(namespace)
+        hits = [self.prefixes.lookup(scope, tokens, max_len=max_len)]
         top = max_len if self.granular else max_len // self.config.stride * self.config.stride
-        if self.cold is not None and (hit is None or hit.length < top):
-            # a longer prefix on disk beats a shorter one in RAM
-            cold = self.cold.prefixes.lookup(self.scope(namespace), tokens, max_len=max_len)
-            if cold is not None and cold.length > (hit.length if hit else 0):
-                self._release(hit)
-                hit = cold
+        if self.cold is not None and (hits[0] is None or hits[0].length < top):
+            # a longer prefix on disk may beat a shorter one in RAM
+            hits.append(self.cold.prefixes.lookup(scope, tokens, max_len=max_len))
+        best = None
+        for hit in sorted((h for h in hits if h is not None), key=lambda h: -h.length):
+            if best is None and hit.length > own and \
+                    self.costs.pays(hit.kind, hit.length, hit.length - own):
+                best = hit
             else:
-                self._release(cold)
-        if hit is None or hit.length <= own:
-            self._release(hit)
-            return own, None
-        return hit.length, hit
+                self._release(hit)
+        return (own, None) if best is None else (best.length, best)
 
     def _own_reuse(self, lane: int, tokens: Sequence[int], max_len: int,
                    namespace: str = "") -> int:
@@ -272,7 +274,9 @@ class StageCache:
             return False
         tier = self._tier(hit)
         try:
+            t = time.perf_counter()
             tier.restore(lane, hit, start)
+            self.costs.restored(hit.kind, start, time.perf_counter() - t)
             self.lanes.hold(lane, tokens[:start], namespace)
             if tier is self.cold:  # promoted: RAM holds it again
                 self.entries.adopt(tokens[:start], self.runtime.export_state(lane, start),
@@ -325,9 +329,11 @@ class StageCache:
         n = len(tokens)
         scope = self.scope(namespace)
         boundaries = self._admitted(tokens, start, probe, scope)
+        t = time.perf_counter()
         out = self.runtime.prefill(lane, inputs, start, logits,
                                    snapshots=self.entries.snapshots(boundaries),
                                    between_chunks=between_chunks)
+        self.costs.prefilled(n - start, time.perf_counter() - t)
         self.lanes.hold(lane, tokens[:n], namespace)
         self.entries.record(lane, tokens, boundaries, out, scope)
         if out.frame is not None:
@@ -500,6 +506,7 @@ class StageCache:
         """Totals over this stage's caches (hits by kind, bytes by state), plus each part:
         `prefix` (resident KV or payload entries, under max_bytes), `results`, `blocks`;
         `restore_failures` (restores that failed after a plan: each one a recompute),
+        `restores_declined` (hits left for recompute, where it was measured cheaper),
         `lanes_busy` and `lanes_warm` (request lanes held now, finished ones kept warm),
         `leases_held` and `leases_expired` (plans whose restore never came in time)."""
         prefix = self.prefixes.stats()
@@ -518,6 +525,7 @@ class StageCache:
             snap["cold_blocks"] = {**dataclasses.asdict(self.cold.store.stats()),
                                    **self.cold.store.node_stats()}
         snap["restore_failures"] = self.restore_failures
+        snap["restores_declined"] = self.costs.declined
         snap["exports"], snap["adopted"] = self.exports, self.adopted
         snap["lanes_busy"], snap["lanes_warm"] = self.lanes.busy, self.lanes.warm
         snap["leases_held"] = len(self.leases)

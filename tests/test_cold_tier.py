@@ -67,3 +67,30 @@ def test_an_evicted_entry_comes_back_from_disk_bitwise(qwen3_f32, policy, entry_
         off.loop.stop()
         if cold is not None:
             cold.close()
+
+
+def test_a_disk_restore_slower_than_recomputing_is_declined(qwen3_f32, policy, entry_bytes,
+                                                            tmp_path):
+    """Restore only where it pays: with the disk tier measured slower per token than a
+    prefill row (set here: this machine's disk is fast), A's entry on disk is left
+    alone and its rows recomputed, bitwise the same."""
+    cfg = CacheConfig(admit_after=1, max_bytes=int(entry_bytes * 1.5))
+    cold = DirBlockStore(tmp_path, compress=True)
+    on = server(qwen3_f32, cfg, cold, policy)
+    off = server(qwen3_f32, CacheConfig(enabled=False), policy=policy)
+    try:
+        run(on, A)
+        run(on, B)
+        on.cache.drop_warm_lanes()
+        costs = on.cache.costs
+        costs.restored("cold", 1, 1000 * costs.row_s)  # a token from disk: 1000 rows' time
+        cached, ids, rows = run(on, A2)
+        _, want_ids, want_rows = run(off, A2)
+        assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(rows, want_rows))
+        stats = on.cache.stats()
+        assert cached < 192 and stats["cold"]["counters"]["hits"] == 1
+        assert stats["restores_declined"] == 1
+    finally:
+        on.loop.stop()
+        off.loop.stop()
+        cold.close()

@@ -185,7 +185,7 @@ class StatusBoard:
                  for cause in (stats.get("rebuilds") or {})}
         other["refused"] = series.fig("skippy_gateway_requests_refused_total")
         for i in range(len(stats.get("stages") or [])):
-            for k in ("restore_failures", "leases_expired"):
+            for k in ("restore_failures", "restores_declined", "leases_expired"):
                 other[f"stage{i}_{k}"] = series.fig(f"skippy_stage_{k}_total", stage=str(i))
         return {"window_s": None if before is None else round(t - before[0], 1),
                 "answers": answers, "other": other}
