@@ -95,17 +95,17 @@ class TorchStageRuntime(StageRuntime):
             # head in fewer bits lost top-1 agreement (evals/format_accuracy.py).
             # It runs lane_batch rows at a time (_logits).
             self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
-        # Decode rows of several lanes share a step unpadded where a row's bits do not
-        # depend on how many rows come with it: dense layers on the integer kernels (up to
-        # SMALL_ROWS rows) and, at the last stage, a rescored head (checked bitwise by
-        # tests/test_shape_invariance.py). Elsewhere steps run exactly lane_batch rows,
-        # padded.
-        # (MLA's per-head up-projections are batched torch matmuls: their rows may
-        # depend on how many come together, so MLA steps stay padded.)
-        self.free_groups = (spec.weight_format.removesuffix("-lean") in ("int4", "int8")
-                            and not self.recurrent and cfg.mla is None
-                            and (not spec.is_last or isinstance(self.head, RescoredHead)))
         self.exactness = self._exactness()
+        # Decode rows of several lanes share a step unpadded where a row's bits do not
+        # depend on how many rows come with it: on a row-invariant stage (certify checks
+        # decode rows beside 7 lanes), and dense layers on torch's integer kernels (up to
+        # SMALL_ROWS rows; tests/test_shape_invariance.py) — at the last stage only with a
+        # rescored head (an fp32 head's rows depend on the call's). Elsewhere steps run
+        # exactly lane_batch rows, padded.
+        integer = spec.weight_format.removesuffix("-lean") in ("int4", "int8")
+        self.free_groups = (not spec.is_last or isinstance(self.head, RescoredHead)) and (
+            self.exactness is Exactness.ROW_INVARIANT
+            or (integer and not self.recurrent and cfg.mla is None))
         f.close()
         del t
         _return_freed_memory()
