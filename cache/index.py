@@ -124,7 +124,7 @@ class PrefixIndex:
         whole_entry=False: an entry serves any block-aligned prefix it shares with the
         query (resident KV: copy its first rows), on a granular index any prefix.
         whole_entry=True: only entries whose whole token list is a prefix of the query
-        (snapshots taken at one boundary), of a multiple of the block."""
+        (snapshots taken at one boundary)."""
         if not q.chain or q.stage not in self._by_stage:
             return None
         found, collided = self._search(q, whole_entry)
@@ -182,10 +182,29 @@ class PrefixIndex:
             return m, m is None
         for d in range(lo, 0, -1):
             ids = self._ends.get(chain[d - 1])
-            if ids:
+            if ids and self.granular:
+                m, genuine = self._whole_within(q, ids, d)
+                if m is not None or not genuine:
+                    return m, m is None
+            elif ids:
                 m = self._confirm(q, ids, d, True)
                 return m, m is None
         return None, False
+
+    def _whole_within(self, q: Query, ids: dict, depth: int) -> tuple[Match | None, bool]:
+        """Granular whole entries ending within the block after `depth` full ones: (the
+        longest whose every token the query holds, whether any shares the query's first
+        `depth` blocks: none means the hash hit was a collision)."""
+        head = memoryview(q.raw)[:depth * self.block * TOKEN_BYTES]
+        best, genuine = None, False
+        for eid in reversed(ids):  # newest first
+            e = self._entries[eid]
+            if e.stage != q.stage or not e.raw.startswith(head):
+                continue
+            genuine = True
+            if q.raw.startswith(e.raw) and (best is None or len(e.raw) > best.length * TOKEN_BYTES):
+                best = Match(eid, len(e.raw) // TOKEN_BYTES)
+        return best, genuine
 
     def _scan(self, q: Query, whole_entry: bool) -> Match | None:
         """Exact, hash-free answer: the fallback after a collision."""

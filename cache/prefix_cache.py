@@ -51,8 +51,8 @@ class PrefixCache:
         """block: the reuse granularity in tokens (the config's stride). whole_entry:
         an entry serves only queries that contain all its tokens (snapshots taken at
         one boundary, KvRecurrent); otherwise any block-aligned shared prefix (KV rows).
-        granular (row-invariant KV rows): entries of any length of at least a block,
-        and any shared prefix to the token. admission None: every reservation is
+        granular (row-invariant stages): entries of any length of at least a block,
+        serving any shared prefix to the token (whole entries: any that the query holds). admission None: every reservation is
         admitted (the caller decided)."""
         self.kind, self.block, self.whole_entry = kind, block, whole_entry
         self.granular = granular

@@ -268,6 +268,17 @@ class RecurrentSnapshots(_Payloads):
     def record(self, lane, tokens, boundaries, out, scope) -> None:
         for b, state in sorted(out.snapshots.items(), reverse=True):
             self._record(tokens, b, state, scope)
+        n = len(tokens)
+        if boundaries and self.prefixes.granular and n not in out.snapshots:
+            # the end of the prompt, where its next turn goes on
+            self._record(tokens, n, self.runtime.export_state(lane, n), scope)
+
+    def keep_lane(self, lane, tokens, scope) -> bool:
+        # the lane's end, its reply included, as a payload; the lane itself is freed
+        n = len(tokens)
+        if self.prefixes.granular and n == self.runtime.lane_length(lane):
+            self._record(tokens, n, self.runtime.export_state(lane, n), scope)
+        return False
 
     def kind_of(self, state: LaneState) -> PayloadKind:
         # Recurrent state travels with its KV; a dense model's snapshots are KV alone.

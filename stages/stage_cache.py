@@ -103,9 +103,10 @@ class StageCache:
         self.policy = cls.name
         self.key = stage_key or stage_key_for(runtime, runtime.spec.topology_digest)
         self.stage = self.key.digest
-        # Row-invariant KV rows serve any prefix to the token (DESIGN.md §5.3): entries
-        # hold whole prompts and a hit may end anywhere. Recurrent state only at its ends.
-        self.granular = runtime.exactness is Exactness.ROW_INVARIANT and not cls.whole_entry
+        # Row-invariant stages reuse to the token (DESIGN.md §5.3): entries hold whole
+        # prompts and turns, and a KV hit may end at any token (recurrent state: at an
+        # entry's end, wherever that is).
+        self.granular = runtime.exactness is Exactness.ROW_INVARIANT
         self.prefixes = PrefixCache(block=config.stride, max_entries=config.max_entries,
                                     max_bytes=config.max_bytes,
                                     max_tokens=config.max_tokens_per_entry, kind=cls.name,
@@ -436,8 +437,11 @@ class StageCache:
                 return self._share(self._shared.pop(digests[b]))
         lane, own = self._best_warm_lane(tokens, lengths[0], namespace)
         hit = self.prefixes.lookup(scope, tokens, max_len=lengths[0])
-        # peers share prefixes of stride multiples (a granular hit is cut to one)
+        # peers share prefixes of stride multiples (a granular hit is cut to one, where
+        # its state can be cut: never recurrent state)
         cut = 0 if hit is None else hit.length // stride * stride
+        if hit is not None and cut != hit.length and self.entries.whole_entry:
+            cut = 0
         try:
             if cut > max(own, after):
                 manifest = self.entries.export(hit, cut, digests[cut])

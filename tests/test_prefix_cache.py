@@ -1,7 +1,8 @@
 """The prefix cache against a brute-force oracle, under random operation sequences.
 
 The oracle keeps plain lists and answers every question by scanning: longest shared
-block-aligned prefix (granular: to the token, at least a block), LRU eviction under caps, pins that hold entries alive. The cache
+block-aligned prefix (granular: to the token, at least a block), LRU eviction under caps,
+pins that hold entries alive. The cache
 must give the same answer after every step, with any hash function (even one that
 collides on everything), and its caps must hold throughout.
 """
@@ -248,6 +249,17 @@ class GranularWeakHash(CacheMachine):
     hash_fn = staticmethod(first_token_hash)
 
 
+class GranularWholeEntry(CacheMachine):
+    granular = True
+    whole_entry = True
+
+
+class GranularWholeEntryConstantHash(CacheMachine):
+    granular = True
+    whole_entry = True
+    hash_fn = staticmethod(constant_hash)
+
+
 TestPartialReuse = PartialReuse.TestCase
 TestWholeEntry = WholeEntry.TestCase
 TestCollidingHashNeverGivesAWrongHit = PartialReuseConstantHash.TestCase
@@ -256,8 +268,11 @@ TestWeakHash = PartialReuseWeakHash.TestCase
 TestGranularReuseRunsToTheToken = Granular.TestCase
 TestGranularCollidingHash = GranularConstantHash.TestCase
 TestGranularWeakHash = GranularWeakHash.TestCase
+TestGranularWholeEntry = GranularWholeEntry.TestCase
+TestGranularWholeEntryCollidingHash = GranularWholeEntryConstantHash.TestCase
 for case in (TestPartialReuse, TestWholeEntry, TestCollidingHashNeverGivesAWrongHit,
              TestCollidingHashWholeEntry, TestWeakHash, TestGranularReuseRunsToTheToken,
-             TestGranularCollidingHash, TestGranularWeakHash):
+             TestGranularCollidingHash, TestGranularWeakHash, TestGranularWholeEntry,
+             TestGranularWholeEntryCollidingHash):
     case.settings = SETTINGS
 del case

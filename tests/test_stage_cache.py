@@ -96,11 +96,32 @@ def test_entries_serve_any_shared_prefix_to_the_token(qwen3_f32):
     assert all(s["counters"]["hits"] > 0 for s in cache_stats(on))
 
 
-def test_a_conversation_pushed_out_of_the_warm_lanes_keeps_its_reply(qwen3_f32):
-    """More conversations than warm lanes: the oldest one's lane becomes a cache entry
-    (rows made by decode included), so its next turn still computes only the new rows."""
-    off = engine(qwen3_f32, 2, weight_format="int4")
-    on = engine(qwen3_f32, 2, cfg(), weight_format="int4")
+@pytest.mark.parametrize("model", ["qwen3_f32", "lfm2_f32"])
+def test_the_end_of_a_prompt_serves_its_next_turn(model, request):
+    """Row-invariant stages record the state at the prompt's end (a hybrid's recurrent
+    state too, not only at stride boundaries): the next turn, its lane gone, resumes
+    there, bitwise as with the caches off."""
+    path = request.getfixturevalue(model)
+    off = engine(path, 2, weight_format="int4")
+    on = engine(path, 2, cfg(), weight_format="int4")
+    first = STEM[:77]
+    _, reply, _ = first_logits_and_tokens(on, first)
+    drop_warm_lanes(on)
+    turn = first + reply + [11, 12, 13]
+    want_logits, want_tokens, _ = first_logits_and_tokens(off, turn)
+    got_logits, got_tokens, reused = first_logits_and_tokens(on, turn)
+    assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+    assert reused == len(first)
+
+
+@pytest.mark.parametrize("model", ["qwen3_f32", "lfm2_f32"])
+def test_a_conversation_pushed_out_of_the_warm_lanes_keeps_its_reply(model, request):
+    """More conversations than warm lanes: the oldest one's rows (those made by decode
+    included) become a cache entry, the lane itself for KV, a payload of its state for a
+    hybrid, so its next turn still computes only the new rows."""
+    path = request.getfixturevalue(model)
+    off = engine(path, 2, weight_format="int4")
+    on = engine(path, 2, cfg(), weight_format="int4")
     firsts = [[1000 + k] + STEM[:70] for k in range(WARM_LANES + 2)]
     replies = [first_logits_and_tokens(on, ids)[1] for ids in firsts]
     turn = firsts[0] + replies[0] + [11, 12, 13]
