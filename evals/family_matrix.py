@@ -1,7 +1,14 @@
 """The specification's family table, reproduced on our files: every family we run.
 
     python -m skippy.evals.family_matrix [--family NAME ...] [--repeats 5]
+        [--servers q4_0|q8_0] [--no-certify]
         [--json PATH] [--markdown PATH]        (PATH with .png: its plot, next to the JSON)
+
+`--servers FMT` measures server to server, as the specification's table does: `skippy
+serve` over HTTP against `python -m llama_cpp.server` on the family's file requantized to
+FMT (evals/family_servers.py: a warm hit, changed tails of 16 and 64 tokens after a
+512-token prefix, the next chat turn, and for hybrids a 1,024-token prompt diverging at
+token 1,000). Without it, the rows below are measured in process.
 
 Per family: the payload its cache stores (ResidentKv: attention KV; KvRecurrent: KV with
 the recurrent state), `skippy certify` at 2 stages in fp32 and int4 (pass/fail), then the
@@ -73,16 +80,31 @@ def cache_bytes(path: Path, prefix: int = PREFIX) -> int:
     return rt.export_state(lane, prefix).nbytes
 
 
-def run_family(name: str, repeats: int, say=print) -> dict:
+def run_family(name: str, repeats: int, say=print, *, servers: str | None = None,
+               certify_formats: tuple[str, ...] = CERTIFY_FORMATS) -> dict:
+    """One family's row of the table: certify in `certify_formats`, then the warm rows in
+    process (bench_stage_cache), or with `servers` (a llama.cpp format, q4_0 or q8_0)
+    server to server (family_servers)."""
     entry = matrix()[name]
     fam = entry.family
     path = fam.path()
     checks = {}
-    for fmt in CERTIFY_FORMATS:
+    for fmt in certify_formats:
         t = time.perf_counter()
         checks[fmt] = certify(path, 2, weight_format=fmt).passed
         say(f"{name}: certify 2 stages {fmt}: {'PASS' if checks[fmt] else 'FAIL'} "
             f"({time.perf_counter() - t:.0f} s)")
+    if servers is not None:
+        from skippy.evals.family_servers import serve_family
+        from skippy.mesh.models import requantize
+        served = requantize(path, servers)
+        result = serve_family(served, servers, repeats=repeats, hybrid=fam.kind == "hybrid",
+                              say=say)
+        return {"family": name, "label": entry.label, "file": str(served),
+                "shape": fam.describe(),
+                "payload": "KvRecurrent" if fam.kind == "hybrid" else "ResidentKv",
+                "certify": checks, "cache_bytes": cache_bytes(path), "servers": servers,
+                "rows": result["rows"]}
     result = bench(fam, repeats=repeats, runtimes=("torch",), say=say)
     rows = {r["row"]: r for r in result["rows"] if r["row"] in ROWS}
     return {"family": name, "label": entry.label, "file": str(path),
@@ -105,7 +127,8 @@ def markdown(families: list[dict]) -> str:
              "request tokens | llama.cpp ms | ours ms | speedup | cache bytes |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for f in families:
-        cert = " / ".join("pass" if f["certify"][k] else "FAIL" for k in CERTIFY_FORMATS)
+        cert = " / ".join({True: "pass", False: "FAIL", None: "-"}[f["certify"].get(k)]
+                          for k in CERTIFY_FORMATS)
         for row, r in f["rows"].items():
             lines.append(f"| {f['label']} | `{f['payload']}` | {cert} | {row} | "
                          f"{r['prefix_tokens']} | {r['request_tokens']} | "
@@ -121,8 +144,9 @@ def plot(result: dict):
     names = [f["label"] + ("" if all(f["certify"].values()) else "\n(certify FAIL)")
              for f in families]
     fig, ((speed, size),) = plots.figure(1, 2, width=max(6.0, 0.6 * len(names)), height=4.5)
+    rows = list(dict.fromkeys(row for f in families for row in f["rows"]))
     plots.bars(speed, names, {row.replace("_", " "): [f["rows"].get(row, {}).get("speedup", 0)
-                                                     for f in families] for row in ROWS},
+                                                     for f in families] for row in rows},
                rotate=True)
     speed.axhline(1.0, color="black", linewidth=0.8)
     plots.finish(speed, ylabel="llama.cpp ms / ours ms (warm cache)",
@@ -142,12 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", action="append", choices=sorted(matrix()),
                    help="repeatable; default: every family")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--servers", choices=("q4_0", "q8_0"),
+                   help="compare server to server (skippy serve against llama_cpp.server) "
+                        "on the file requantized to this format, ours holding it as int4 "
+                        "or int8 (evals/family_servers.py)")
+    p.add_argument("--no-certify", action="store_true", help="skip the certify columns")
     p.add_argument("--json", help="write the results to PATH (and its plot: PATH with .png)")
     p.add_argument("--markdown", help="write the markdown table to PATH")
     args = p.parse_args(argv)
     say = Console()  # on stderr; a bar of the families done on a terminal
     started = time.perf_counter()
-    families = [run_family(name, args.repeats, say)
+    formats = () if args.no_certify else CERTIFY_FORMATS
+    families = [run_family(name, args.repeats, say, servers=args.servers,
+                           certify_formats=formats)
                 for name in tracked(args.family or list(matrix()), "family_matrix", "family")]
     table = markdown(families)
     print(table)
@@ -155,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{f['label']}: {f['shape']}")
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
-    plots.write({"families": families, "repeats": args.repeats,
+    plots.write({"families": families, "repeats": args.repeats, "servers": args.servers,
                  "seconds": time.perf_counter() - started}, args.json, "family_matrix")
     ok = all(all(f["certify"].values()) for f in families)
     return 0 if ok else 1
