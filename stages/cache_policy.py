@@ -259,7 +259,10 @@ class RecurrentSnapshots(_Payloads):
     whole_entry = True
 
     def own_reuse(self, lane, reuse) -> int:
-        # recurrent state exists only at the lane's very end
+        # recurrent state exists only at the lane's very end, or on a row-invariant stage
+        # also where its runtime's resume point says the lane kept it
+        if self.prefixes.granular:
+            return reuse
         return reuse if reuse == self.runtime.lane_length(lane) else 0
 
     def snapshots(self, boundaries) -> tuple[int, ...]:

@@ -42,6 +42,10 @@ from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
 # 5: every attention row through stages/attention.c (blocked online softmax), prefill too;
 # 6: the integer formats' rows in one level at every row count, no bf16 copy (linear.py)
 RUNTIME_ABI = f"skippy-torch/6 torch-{torch.__version__}"
+# A recurrent lane on a row-invariant stage keeps its state at the ends of its last few
+# prefill calls (beside the cache's snapshots): a follow-up that changes the prompt's
+# tail resumes there, not at 0. Each copy holds every recurrent layer's state.
+LANE_SNAPSHOTS = 4
 
 
 def _return_freed_memory() -> None:
@@ -348,12 +352,17 @@ class TorchStageRuntime(StageRuntime):
             outs.append(self._prefill_call(st, x_in[s - start: e - start],
                                            None if tok_in is None else tok_in[s - start:e - start],
                                            s, C if not free else None))
-            if self.recurrent and e in snapshots:
+            if self.recurrent and (e in snapshots or (free and e < end)):
                 # recurrent state moves on with the next chunk: capture it while passing
+                # (a row-invariant lane also at its calls' ends, to resume there later)
                 st.saved[e] = list(st.kv.conv)
             if between_chunks is not None and e < end:
                 between_chunks()
         st.length = st.prefilled = end
+        if self.recurrent and free:  # the lane keeps its last few call ends, not every one
+            ends = sorted(b for b in st.saved if b > start and b not in snapshots)
+            for b in ends[:-LANE_SNAPSHOTS]:
+                del st.saved[b]
         # Attention state is token-major: a prefix snapshot is a slice of the final one.
         out = StageOutput(snapshots={b: self.export_state(lane, b) for b in snapshots})
         hidden = torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -96,6 +96,20 @@ def test_entries_serve_any_shared_prefix_to_the_token(qwen3_f32):
     assert all(s["counters"]["hits"] > 0 for s in cache_stats(on))
 
 
+def test_a_hybrid_lane_resumes_where_its_prefill_calls_ended(lfm2_f32):
+    """A row-invariant hybrid lane keeps its recurrent state at its last calls' ends (no
+    cache entry: nothing is admitted here): a prompt that changes the tail resumes at the
+    last of them within what it shares, bitwise as with the caches off."""
+    off = engine(lfm2_f32, 2, weight_format="int4")
+    on = engine(lfm2_f32, 2, cfg(admit_after=100), weight_format="int4")
+    first_logits_and_tokens(on, STEM[:150] + [1, 2, 3])
+    later = STEM[:141] + [9, 9]
+    want_logits, want_tokens, _ = first_logits_and_tokens(off, later)
+    got_logits, got_tokens, reused = first_logits_and_tokens(on, later)
+    assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+    assert reused == 128                      # calls of 32 rows: the last end within 141
+
+
 @pytest.mark.parametrize("model", ["qwen3_f32", "lfm2_f32"])
 def test_the_end_of_a_prompt_serves_its_next_turn(model, request):
     """Row-invariant stages record the state at the prompt's end (a hybrid's recurrent
