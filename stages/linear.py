@@ -310,23 +310,39 @@ class RescoredHead:
     fmt = "fp32-rescored"
     TOP = 64
 
-    def __init__(self, blocks: Int8Blocks):
+    def __init__(self, blocks: Int8Blocks, exact: torch.Tensor | None = None):
+        """exact: the head's float32 values where the file's head is not Q8_0 (a Q6_K
+        head, as most 4-bit files have): the candidates come from `blocks`, our Q8_0 of
+        them, and are rescored from these (one row of 4 bytes a weight is read per
+        candidate, not per vocabulary entry)."""
         self.lib = qkernel.library()
         self.approx = BlockLinear(8, blocks.codes, blocks.scale, None) \
             if self.lib is not None else Int8AsInt4Linear(blocks)
-        self.blocks = blocks
+        self.blocks, self.exact = blocks, exact
         self.out_features, self.in_features = blocks.codes.shape
         self.top = min(self.TOP, self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.approx(x)
         idx = y.topk(self.top, dim=1, sorted=False).indices  # [rows, top]
+        if self.exact is not None:
+            return y.scatter_(1, idx, self._rescore(x, idx))
         # a per-row sum along the inputs: each candidate's sum in the same order
         if self.lib is not None:
             exact = qkernel.rows_dot(self.lib, self.blocks.codes, self.blocks.scale, idx, x)
         else:
             exact = (self.blocks.rows(idx) * x[:, None, :]).sum(-1)
         return y.scatter_(1, idx, exact)
+
+    def _rescore(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The candidates' logits from the float32 rows, a row of x at a time in a fixed
+        order (rowops.c's dots; without the kernel, torch's product of one row)."""
+        rows = []
+        for r in range(x.shape[0]):
+            w = self.exact[idx[r]]
+            rows.append(qkernel.linear_f32(self.lib, x[r:r + 1], w) if self.lib is not None
+                        else F.linear(x[r:r + 1], w))
+        return torch.cat(rows)
 
     @property
     def nbytes(self) -> int:
@@ -352,11 +368,16 @@ class Embeddings:
 
 def make_head(weight: torch.Tensor | Matrix, fmt: str, rows: int) -> Linear | RescoredHead:
     """The head: float32 in every format (it picks the token). The compact formats read a
-    Q8_0 head's blocks and rescore the top logits in float32 (RescoredHead); else the
-    float32 matrix, transposed when it runs 1-2 rows at a time (TransposedLinear)."""
+    Q8_0 head's blocks (or our Q8_0 of another head) and rescore the top logits in float32
+    (RescoredHead); fp32 the float32 matrix, transposed when it runs 1-2 rows at a time
+    (TransposedLinear)."""
     m = _as_matrix(weight)
     if fmt != "fp32" and m.int8 is not None:
         return RescoredHead(m.int8)
+    if fmt != "fp32" and m.values.shape[1] % GROUP == 0:
+        # another 4-bit file's head (Q6_K): candidates from our Q8_0 of it, rescored
+        # from its float32 values, instead of every float32 row read per token
+        return RescoredHead(Int8Blocks.from_float(m.values), exact=m.values)
     return TransposedLinear(m.values) if rows <= 2 else Linear(m.values)
 
 

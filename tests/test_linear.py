@@ -92,11 +92,20 @@ def test_head_and_embeddings_keep_the_files_float32_values(smollm2_q4_0, qwen3_f
     assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-4)
     assert (got - want).abs().max() < 0.1 * want.abs().max()  # the rest: quantized rows
     assert torch.equal(head(x), got) and torch.equal(head(x[:1]), head(x[:1]))  # repeatable
-    # the reference format keeps the whole float32 head; so does a head without blocks
+    # the reference format keeps the whole float32 head
     assert isinstance(make_head(m, "fp32", 1), TransposedLinear)
     assert type(make_head(m, "fp32", 8)) is Linear
+    # a head without Q8_0 blocks (F32 here, Q6_K in most 4-bit files): candidates from our
+    # Q8_0 of it, rescored from its float32 values, a row's bits the same alone
     values = dequantize_tensor(GGUFFile(qwen3_f32), "token_embd.weight")  # F32
-    assert isinstance(make_head(values, "int4", 1), TransposedLinear)
+    head = make_head(values, "int4", 1)
+    assert isinstance(head, RescoredHead) and head.exact is values
+    x = torch.randn(4, values.shape[1])
+    want, got = x @ values.t(), head(x)
+    assert torch.equal(got.argmax(1), want.argmax(1))
+    top = want.topk(RescoredHead.TOP // 2, dim=1).indices
+    assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert torch.equal(head(x[2:3]), got[2:3])
 
 
 def test_unknown_format_is_refused():
