@@ -83,14 +83,20 @@ class Int8Blocks:
     scale: torch.Tensor
 
     @classmethod
-    def from_float(cls, w: torch.Tensor) -> "Int8Blocks":
-        """Symmetric round-to-nearest per group: scale = max |w| / 127, as Q8_0."""
+    def from_float(cls, w: torch.Tensor, rows: int = 4096) -> "Int8Blocks":
+        """Symmetric round-to-nearest per group: scale = max |w| / 127, as Q8_0. Made
+        `rows` rows at a time: a large head's float temporaries stay small."""
         n, k = w.shape
-        g = w.to(torch.float32).reshape(n, k // GROUP, GROUP)
-        amax = g.abs().amax(-1)
-        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-        codes = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-        return cls(codes.reshape(n, k), scale)
+        codes = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, k // GROUP, dtype=torch.float32)
+        for a in range(0, n, rows):
+            g = w[a:a + rows].to(torch.float32).reshape(-1, k // GROUP, GROUP)
+            amax = g.abs().amax(-1)
+            s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+            scale[a:a + rows] = s
+            codes[a:a + rows] = torch.round(g / s[..., None]).clamp_(-127, 127) \
+                .to(torch.int8).reshape(-1, k)
+        return cls(codes, scale)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """The float32 values (code * scale) of the rows `idx` picks (any index shape)."""

@@ -11,8 +11,8 @@ from skippy.cache.config import CacheConfig
 from skippy.evals.cache_exactness import cache_pair, run_one
 from skippy.stages import qkernel
 from skippy.stages.linear import (WEIGHT_FORMATS, BlockLinear, Embeddings, Int4Blocks,
-                                 Int4Linear, Int8Linear, Linear, Matrix, RescoredHead,
-                                 TransposedLinear, make_head, make_linear)
+                                 Int4Linear, Int8Blocks, Int8Linear, Linear, Matrix,
+                                 RescoredHead, TransposedLinear, make_head, make_linear)
 from skippy.stages.runtime import StageSpec
 from skippy.stages.stage_cache import stage_key_for
 from skippy.stages.torch_runtime import TorchStageRuntime
@@ -162,3 +162,10 @@ def test_planner_bytes_match_what_a_layer_holds(smollm2_q4_0, fmt):
     planned = sum(held_bytes(fmt, n, i.qtype.name, tuple(i.shape))
                   for n, i in f.tensors.items() if n.startswith("blk.3.") and len(i.shape) == 2)
     assert planned == pytest.approx(held, rel=0.01)
+
+
+def test_q8_0_of_a_float_matrix_is_the_same_made_in_row_blocks():
+    w = torch.randn(1000, 64)
+    whole, blocks = Int8Blocks.from_float(w, rows=10**6), Int8Blocks.from_float(w, rows=7)
+    assert torch.equal(whole.codes, blocks.codes) and torch.equal(whole.scale, blocks.scale)
+    assert (whole.rows(torch.arange(1000)) - w).abs().max() <= w.abs().max() / 127
