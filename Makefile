@@ -72,6 +72,10 @@ run: venv
 # The short basetemp keeps Ray's socket paths under tests/hosts.py within 107 bytes; it
 # goes when the run ends, passed or not (a run leaves ~9 GB of models and packages there,
 # and pytest's own clean-up keeps only its default folders).
+# libgomp's idle threads (torch's team, our prefill kernels) spin at every barrier by
+# default, holding a core the other worker's process wants: 2 workers of 2 threads on 2
+# cores took 586 s for test_family_bar + test_certify that way, 162 s with them passive
+# (181 s with one thread per worker). Ray stages and servers a test starts inherit it.
 WORKERS     ?= 2
 XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 test: venv
@@ -79,7 +83,7 @@ test: venv
 	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)
 	if unshare -n true 2>/dev/null; then \
 	  T=$$(mktemp -d /tmp/skt.XXXXXX) && trap 'rm -rf "$$T"' EXIT && \
-	  SKIPPY_WORKER_PYTHON=$(CURDIR)/$(BIN)/python $(BIN)/python -m pytest -m "not network" --basetemp=$$T $(XDIST) $(PYTEST_ARGS); \
+	  OMP_WAIT_POLICY=PASSIVE SKIPPY_WORKER_PYTHON=$(CURDIR)/$(BIN)/python $(BIN)/python -m pytest -m "not network" --basetemp=$$T $(XDIST) $(PYTEST_ARGS); \
 	else \
 	  $(BIN)/python -m pytest -m "not network" $(PYTEST_ARGS); \
 	fi
