@@ -10,7 +10,8 @@ sizes with the case's knobs, f32 weights, SmolLM2's tokenizer: the files the fam
 read), kept under `model_home()/synth` so reruns are free; splits 1, 2 and 3; every
 format in stages/linear.py WEIGHT_FORMATS. `--model` also takes anything `skippy certify
 --model` does (a name we hold, a .gguf). One row per model × stages × format: each check
-PASS/FAIL (`-` where it does not apply: split_handoff at 1 stage), the diagnostics
+PASS/FAIL (`-` where it does not apply: split_handoff at 1 stage; `rows`, the
+row-invariance check, says `chunked` where the format keeps the chunked contract), the diagnostics
 (roundtrip_state_matches: a re-export byte-identical or not; recurrent_only: the family's
 state, KV or KV+recurrent) and the seconds taken; each failed check's detail (with its
 max |d|) follows the table. Rows go to stderr as they finish, the whole table to stdout at
@@ -101,7 +102,8 @@ def run(models: list[str], splits: list[int], formats: list[str],
 
 # -- the table --------------------------------------------------------------------------------
 HEADER = (f"{'model':<12} {'stages':>6} {'format':<10} {'split':<5} {'restore':<7} "
-          f"{'repeat':<6} {'full':<5} {'roundtrip':<9} {'state':<12} {'secs':>6}  result")
+          f"{'repeat':<6} {'full':<5} {'rows':<7} {'roundtrip':<9} {'state':<12} {'secs':>6}  "
+          "result")
 
 
 def format_row(r: dict) -> str:
@@ -118,7 +120,10 @@ def format_row(r: dict) -> str:
     roundtrip = status["roundtrip_state_matches"]["detail"].endswith("True")
     recurrent = status["recurrent_only"]["detail"].startswith("recurrent state present")
     split, restore, repeat, full = (cell(n) for n in CHECKS)
-    return (head + f"{split:<5} {restore:<7} {repeat:<6} {full:<5} "
+    # row_invariant: None where the stages keep the chunked contract (nothing to check)
+    rows = status.get("row_invariant")
+    rows = "-" if rows is None else "chunked" if rows["passed"] is None else cell("row_invariant")
+    return (head + f"{split:<5} {restore:<7} {repeat:<6} {full:<5} {rows:<7} "
             f"{'same' if roundtrip else 'differs':<9} "
             f"{'KV+recurrent' if recurrent else 'KV':<12} {r['seconds']:>6.1f}  "
             f"{'PASS' if r['passed'] else 'FAIL'}")
