@@ -57,9 +57,8 @@ def _gguf_py(raw: np.ndarray, qtype, shape) -> np.ndarray:
     return dequantize(raw.reshape(rows, -1), qtype).astype(np.float32).reshape(shape)
 
 
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_every_tensor_of_the_shipped_files_dequantizes_to_gguf_pys_bits(model, request):
-    f = GGUFFile(request.getfixturevalue(model))
+def test_every_tensor_of_smollm2_dequantizes_to_gguf_pys_bits(smollm2):
+    f = GGUFFile(smollm2)  # Q8_0, Q4_1, F32 (the other types: random blocks, below)
     for name, info in f.tensors.items():
         shape = tuple(int(d) for d in reversed(info.shape))
         expected = _gguf_py(np.asarray(f.raw(name)), info.qtype, shape)
