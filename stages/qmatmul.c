@@ -230,12 +230,16 @@ tile_avx512(const job *J, int64_t t, int64_t m0, const int MR, const int HASZ)
     for (int r = 0; r < MR; r++)
         acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i dot[8];
+        /* two integer chains per row (exact sums: their order changes no bit), so that a
+         * one-row call is not one dependent dpbusd after another */
+        __m512i dot[8], dot2[8];
         const int8_t *xb = J->q + m0 * K + b * QK;
         if (J->kind == 4) {
             const uint8_t *wb = J->w + (t * nb + b) * 256;
-            for (int r = 0; r < MR; r++)
+            for (int r = 0; r < MR; r++) {
                 dot[r] = _mm512_set1_epi32(-8 * J->sum[(m0 + r) * nb + b]);
+                dot2[r] = _mm512_setzero_si512();
+            }
             for (int j = 0; j < 4; j++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(wb + j * 64));
                 const __m512i lo = _mm512_and_si512(raw, m0f);
@@ -245,23 +249,31 @@ tile_avx512(const job *J, int64_t t, int64_t m0, const int MR, const int HASZ)
                     memcpy(&xl, xb + r * K + 4 * j, 4);
                     memcpy(&xh, xb + r * K + 16 + 4 * j, 4);
                     dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(xl));
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(xh));
+                    dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, _mm512_set1_epi32(xh));
                 }
             }
         } else {
             const uint8_t *wb = J->w + (t * nb + b) * 512;
-            for (int r = 0; r < MR; r++)
+            for (int r = 0; r < MR; r++) {
                 dot[r] = _mm512_set1_epi32(-128 * J->sum[(m0 + r) * nb + b]);
-            for (int j = 0; j < 8; j++) {
-                const __m512i w = _mm512_xor_si512(
+                dot2[r] = _mm512_setzero_si512();
+            }
+            for (int j = 0; j < 8; j += 2) {
+                const __m512i w0 = _mm512_xor_si512(
                     _mm512_loadu_si512((const void *)(wb + j * 64)), flip);
+                const __m512i w1 = _mm512_xor_si512(
+                    _mm512_loadu_si512((const void *)(wb + j * 64 + 64)), flip);
                 for (int r = 0; r < MR; r++) {
-                    int32_t xv;
-                    memcpy(&xv, xb + r * K + 4 * j, 4);
-                    dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(xv));
+                    int32_t x0, x1;
+                    memcpy(&x0, xb + r * K + 4 * j, 4);
+                    memcpy(&x1, xb + r * K + 4 * j + 4, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w0, _mm512_set1_epi32(x0));
+                    dot2[r] = _mm512_dpbusd_epi32(dot2[r], w1, _mm512_set1_epi32(x1));
                 }
             }
         }
+        for (int r = 0; r < MR; r++)
+            dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
         const __m512 sv = _mm512_loadu_ps(J->s + (t * nb + b) * TN);
         for (int r = 0; r < MR; r++) {
             const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(J->d[(m0 + r) * nb + b]));
