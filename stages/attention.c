@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h" /* attn_shape, and what this file calls of the others */
 #include "fmath.h" /* exp_poly: the plain C definition's exp, which the vector paths reproduce */
 #if defined(SKQ_AVX512) || defined(SKQ_AVX2)
 #include <immintrin.h>
@@ -37,25 +38,6 @@
 #define TR 16 /* rows per tile */
 #define QR 4  /* (row, head) pairs whose scores are computed together */
 #define PAIRS 256 /* at most this many (row, head) pairs per tile while TR rows exceed it */
-
-typedef struct {
-    int heads, kv_heads, head_dim, v_head_dim, rope_dim, rope_style, window;
-    float eps, scale;
-    const float *qk_norm; /* [(heads + kv_heads), head_dim] or NULL */
-    const float *cos, *sin; /* angle tables [positions, rope_dim / 2] */
-    float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
-    /* != 0: value rows lie v_row floats apart inside other rows (MLA: vcache[r] is the key
-     * cache), and skr_attend_rows's rows carry no v part; 0: a value cache of its own,
-     * [cap, kv_heads, v_head_dim] */
-    int v_row;
-    int rope_at; /* where in each head its rope_dim rotated floats start (MLA: the end) */
-} attn_shape;
-
-void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,
-                  float eps, float *out);
-void skr_rope(float *x, int heads, int hd, int dim, const float *c, const float *s,
-              int style);
-void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 
 static inline float tree16(const float *t)
 {

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c", "scan.c")]
-HEADERS = [Path(__file__).with_name("fmath.h")]  # included by the sources: part of the digest
+           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c", "scan.c", "decoder.c")]
+# included by the sources: part of the digest
+HEADERS = [Path(__file__).with_name(n) for n in ("fmath.h", "kernels.h")]
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
@@ -209,6 +210,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_linear_f32.argtypes = [p, i64, p, i64, i64, i64, p, i64, ctypes.c_int]
     lib.skr_gate.restype = None
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
+    lib.skd_layers.restype = ctypes.c_int  # decoder.c
+    lib.skd_layers.argtypes = [p, ctypes.c_int, p, i64, i64, p, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
     # -- the recurrent mixers' scans (scan.c) --

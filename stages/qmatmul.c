@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 #if defined(SKQ_AVX2) || defined(SKQ_AVX512)
 #include <immintrin.h>
 #endif
@@ -321,7 +323,6 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 #define tile_vec tile_c
 #endif
 
-void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 
 /* Above this many rows the threads are torch's OpenMP team: torch's own ops between our
  * calls run on it from a few rows on (a [16, 2048] activation is its grain), and two teams

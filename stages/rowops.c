@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "fmath.h"
+#include "kernels.h" /* the prototypes of what this file exports */
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % w_rows], the mean summed in double
  * in input order, as llama.cpp's rms_norm sums it. */

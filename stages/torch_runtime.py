@@ -29,6 +29,7 @@ from .moe import MoeFfn
 from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpec,
                       check_prefill)
 from .runtime_kind import Exactness
+from .decoder import DecoderRun
 from .deltanet import GatedDeltaNet, deltanet_state_shapes
 from .gated_attention import GatedAttention
 from .norms import make_norm
@@ -90,6 +91,8 @@ class TorchStageRuntime(StageRuntime):
                                first=spec.is_first, last=spec.is_last)
         self.weights_digest, self.weights_source_bytes = t.digest, t.source_bytes
         self._build_layers(t)
+        # the layers in one kernel call where every one has the plain form (same bits)
+        self.decoder_run = DecoderRun.of(self.layers) if not self.side_width else None
         self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
@@ -303,6 +306,10 @@ class TorchStageRuntime(StageRuntime):
         if self.side_width:  # rows [hidden | x0]: the layers see hidden, x0 passes on
             x, x0 = x[:, :self.cfg.hidden], x[:, self.cfg.hidden:]
             self.per_layer.set(x0, tokens)
+        if self.decoder_run is not None:  # None where a layer has another form
+            out = self.decoder_run(x, segments)
+            if out is not None:
+                return out
         for layer in self.layers:
             x = layer.forward(x, positions, segments)
         return torch.cat([x, x0], dim=1) if self.side_width else x

@@ -1,0 +1,38 @@
+/* What our kernels' files call of each other: the attention layer's shape and the
+ * functions one file exports to another (the Python side declares the same in qkernel.py). */
+
+#ifndef SKIPPY_KERNELS_H
+#define SKIPPY_KERNELS_H
+
+#include <stdint.h>
+
+typedef struct {
+    int heads, kv_heads, head_dim, v_head_dim, rope_dim, rope_style, window;
+    float eps, scale;
+    const float *qk_norm; /* [(heads + kv_heads), head_dim] or NULL */
+    const float *cos, *sin; /* angle tables [positions, rope_dim / 2] */
+    float softcap; /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    /* != 0: value rows lie v_row floats apart inside other rows (MLA: vcache[r] is the key
+     * cache), and skr_attend_rows's rows carry no v part; 0: a value cache of its own,
+     * [cap, kv_heads, v_head_dim] */
+    int v_row;
+    int rope_at; /* where in each head its rope_dim rotated floats start (MLA: the end) */
+} attn_shape;
+
+/* pool.c */
+void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
+/* qmatmul.c */
+int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
+               int64_t K, const float *x, int64_t M, float *y, int threads, int use_c);
+/* rowops.c */
+void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,
+                  float eps, float *out);
+void skr_rope(float *x, int heads, int hd, int dim, const float *c, const float *s,
+              int style);
+void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,
+               int64_t stride, float *out, int threads);
+/* attention.c */
+int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
+                    float *const *kcache, float *const *vcache, float *out, int threads);
+
+#endif

@@ -1,0 +1,91 @@
+"""The decoder layers in one kernel call (stages/decoder.py) compute the bits of the layers'
+own path: prefill rows, decode rows of lanes sharing a step, every family of the plain form,
+both integer formats; and the layers that have another form keep their own path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_checks import case_file
+from skippy.stages.linear import row_invariant
+from skippy.stages.runtime import StageSpec
+from skippy.stages.torch_runtime import TorchStageRuntime
+from skippy.topology.gguf_file import GGUFFile
+from skippy.topology.model_config import ModelConfig
+
+pytestmark = pytest.mark.skipif(not row_invariant("int4"), reason="no kernels of ours")
+
+PROMPTS = [[(i * 37) % 900 + 40 for i in range(70)], [(i * 53) % 700 + 90 for i in range(23)]]
+# the plain form (pre-norm or post-norm RMS, bias or none, per-head norms, softcap, gate and
+# up in one matrix) and the forms it leaves to the layers' path
+FUSED = {"llama3", "qwen3", "gemma2", "glm4"}
+NOT_FUSED = {"olmo": "LayerNorm and a clamp", "olmo2": "norms over the whole projection",
+             "lfm2": "short conv layers", "qwen3moe": "experts"}
+
+
+def run(rt: TorchStageRuntime) -> list[torch.Tensor]:
+    """Every logit of two prefills (the second in two calls, resuming at 16), then 4 decode
+    steps of both lanes together and one of the first alone."""
+    a, b = rt.alloc_lane(), rt.alloc_lane()
+    out = [rt.prefill(a, torch.tensor(PROMPTS[0]), logits="all").logits,
+           rt.prefill(b, torch.tensor(PROMPTS[1][:16]), logits="all").logits,
+           rt.prefill(b, torch.tensor(PROMPTS[1][16:]), start=16, logits="all").logits]
+    for step in range(4):
+        out += [o.logits for o in rt.decode([(a, torch.tensor(5 + step)),
+                                             (b, torch.tensor(9 + step))])]
+    out.append(rt.decode([(a, torch.tensor(77))])[0].logits)
+    rt.free_lane(a)
+    rt.free_lane(b)
+    return out
+
+
+def both_ways(path, weight_format: str) -> tuple[bool, list[torch.Tensor], list[torch.Tensor]]:
+    n = ModelConfig.from_gguf(GGUFFile(path)).n_layers
+    rt = TorchStageRuntime(StageSpec(str(path), 0, n, n_ctx=256, weight_format=weight_format))
+    fused = rt.decoder_run is not None
+    one_call = run(rt)
+    rt.decoder_run = None
+    return fused, one_call, run(rt)
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"output {i} differs by {(x - y).abs().max().item()}"
+
+
+def test_smollm2_in_one_call_is_bitwise_the_layers_path(smollm2):
+    """The file's 4-bit blocks with offsets (Q4_1); the synthetic families' f32 weights
+    reach the kernel as 8-bit blocks."""
+    fused, one_call, layers = both_ways(smollm2, "int4")
+    assert fused
+    assert_same(one_call, layers)
+
+
+def test_gemma3_in_one_call_is_bitwise_the_layers_path(gemma3):
+    """Post-norms, GELU, sliding-window layers with their own rope base."""
+    fused, one_call, layers = both_ways(gemma3, "int4")
+    assert fused
+    assert_same(one_call, layers)
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_each_plain_family_in_one_call_is_bitwise_the_layers_path(name, smollm2,
+                                                                 tmp_path_factory):
+    fused, one_call, layers = both_ways(case_file(name, tmp_path_factory), "int4")
+    assert fused
+    assert_same(one_call, layers)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_FUSED))
+def test_other_forms_keep_the_layers_path(name, smollm2, tmp_path_factory):
+    path = case_file(name, tmp_path_factory)
+    n = ModelConfig.from_gguf(GGUFFile(path)).n_layers
+    rt = TorchStageRuntime(StageSpec(str(path), 0, n, n_ctx=256, weight_format="int4"))
+    assert rt.decoder_run is None, NOT_FUSED[name]
+
+
+def test_fp32_keeps_the_layers_path(smollm2):
+    rt = TorchStageRuntime(StageSpec(str(smollm2), 0, 4, n_ctx=256, weight_format="fp32"))
+    assert rt.decoder_run is None
