@@ -18,9 +18,9 @@
 #include "kernels.h"
 
 typedef struct {
-    int kind; /* 4 or 8: skq_matmul's */
+    int kind; /* skq_matmul's: 4 or 8, and its half flags */
     const uint8_t *w;
-    const float *s, *z; /* z may be NULL */
+    const void *s, *z; /* z may be NULL */
     int64_t n, k;       /* outputs, inputs */
 } qmat;
 

@@ -31,7 +31,7 @@ class _Layer(ctypes.Structure):
 
 
 def _mat(lin: BlockLinear) -> _Mat:
-    return _Mat(lin.kind, lin.w.data_ptr(), lin.s.data_ptr(),
+    return _Mat(qkernel.kind_word(lin.kind, lin.s, lin.z), lin.w.data_ptr(), lin.s.data_ptr(),
                 lin.z.data_ptr() if lin.z is not None else None,
                 lin.out_features, lin.in_features)
 

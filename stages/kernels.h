@@ -21,8 +21,10 @@ typedef struct {
 
 /* pool.c */
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
-/* qmatmul.c */
-int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
+/* qmatmul.c; kind 4 or 8, with these flags where the scales / zeros are halves */
+#define SKQ_S16 16
+#define SKQ_Z16 32
+int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t N,
                int64_t K, const float *x, int64_t M, float *y, int threads, int use_c);
 /* rowops.c */
 void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,

@@ -429,8 +429,10 @@ def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float
     if name == "per_layer_token_embd.weight":  # gemma4.TableColumns: the file's bytes
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
         return n * block_bytes / block
+    # our kernel holds a GGUF block's scale as a half (qkernel.pack_scales)
+    scale = 2 if qkernel.library() is not None else 4
     if name == "output.weight" and qtype == "Q8_0" and fmt != "fp32":  # RescoredHead
-        return (1.0 + 4 / GROUP + 1.0 + 8 / GROUP) * n
+        return (1.0 + 4 / GROUP + 1.0 + (4 + scale) / GROUP) * n
     if name.endswith(_ROUTERS):  # stages/moe.py holds routers as float32
         return 4.0 * n
     experts = len(shape) == 3 and "_exps." in name  # every expert held as a matrix
@@ -445,8 +447,9 @@ def held_bytes(fmt: str, name: str, qtype: str, shape: tuple[int, ...]) -> float
     if base == "bf16":
         return 2.0 * n
     if base == "int4" and qtype in ("Q4_0", "Q4_1"):  # codes, a scale (Q4_1: a zero) per block
-        return (0.5 + (8 if qtype == "Q4_1" else 4) / GROUP + dense) * n
-    return (1.0 + 4 / GROUP + dense) * n  # 8-bit blocks
+        return (0.5 + (scale + (4 if qtype == "Q4_1" else 0)) / GROUP + dense) * n
+    # 8-bit blocks: the file's Q8_0, or made from the values (a float32 scale)
+    return (1.0 + (scale if qtype == "Q8_0" else 4) / GROUP + dense) * n
 
 
 def fuse_linear(weights: list[torch.Tensor | Matrix],

@@ -33,7 +33,7 @@ TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
 FLAGS = {
     "avx512-vnni": ["-DSKQ_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw",
                     "-mavx512vl", "-mavx512vnni"],
-    "avx2": ["-DSKQ_AVX2", "-mavx2", "-mfma"],
+    "avx2": ["-DSKQ_AVX2", "-mavx2", "-mfma", "-mf16c"],
     "c": [],
 }
 COMMON = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fopenmp", "-ffp-contract=off"]
@@ -72,7 +72,7 @@ def isa() -> str:
     flags = cpu_flags()
     if cap == "AVX512" and "avx512_vnni" in flags:
         return "avx512-vnni"
-    if cap in ("AVX2", "AVX512") and {"avx2", "fma"} <= flags:
+    if cap in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "c"
 
@@ -144,9 +144,23 @@ def _tiles(t: torch.Tensor, fill: float) -> torch.Tensor:
     return t.reshape(-1, TN, *t.shape[1:])
 
 
+S16, Z16 = 16, 32  # qmatmul.c's SKQ_S16 / SKQ_Z16: the scales / zeros are halves
+
+
 def pack_scales(scale: torch.Tensor) -> torch.Tensor:
-    """[N, blocks] float32 -> [tiles, blocks, TN] (qmatmul.c's layout)."""
-    return _tiles(scale.to(torch.float32), 0.0).permute(0, 2, 1).contiguous()
+    """[N, blocks] -> [tiles, blocks, TN] (qmatmul.c's layout): halves where every value
+    is one (GGUF's block scales are), so a one-row call reads less; else float32. The
+    kernel reads a half's float exactly: the same bits either way."""
+    s = scale.to(torch.float32)
+    if torch.equal(s.half().float(), s):
+        s = s.half()
+    return _tiles(s, 0.0).permute(0, 2, 1).contiguous()
+
+
+def kind_word(kind: int, s: torch.Tensor, z: torch.Tensor | None) -> int:
+    """skq_matmul's kind: 4 or 8, with the flags of the tables held as halves."""
+    return kind | (S16 if s.dtype == torch.float16 else 0) \
+        | (Z16 if z is not None and z.dtype == torch.float16 else 0)
 
 
 def pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -173,7 +187,8 @@ def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
     x = x.to(torch.float32).contiguous()
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.skq_matmul(kind, w.data_ptr(), s.data_ptr(), z.data_ptr() if z is not None else None,
+    rc = lib.skq_matmul(kind_word(kind, s, z), w.data_ptr(), s.data_ptr(),
+                        z.data_ptr() if z is not None else None,
                         n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads(),
                         int(use_c))
     if rc:

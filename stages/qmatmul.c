@@ -20,8 +20,11 @@
  *           code of input 4j + u of column i in its low nibble and of input 16 + 4j + u
  *           in its high nibble;
  *   kind 8: 512 bytes, byte [j][i][u] (j < 8) the code of input 4j + u of column i;
- * scales (and zeros) per tile and block as 16 floats. A 32-bit lane of a vector then
- * holds one column's four codes, and one column's dot product ends in one lane. */
+ * scales (and zeros) per tile and block as 16 floats, or as 16 halves (SKQ_S16, SKQ_Z16)
+ * where every one of them is a half: GGUF's Q4_0 / Q8_0 / Q4_1 scales are, and a half's
+ * float is exact, so the bits are the same while a weight costs 4.5 / 8.5 bits to read
+ * rather than 5 / 9 (one-row calls are bound by that read). A 32-bit lane of a vector
+ * then holds one column's four codes, and one column's dot product ends in one lane. */
 
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +38,27 @@
 
 #define QK 32
 #define TN 16
+
+/* A half's exact float (every half is a float; subnormals and signs included). */
+static inline float half_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 31)
+        bits = sign | 0x7f800000u | (m << 13);
+    else if (e)
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m)
+        bits = sign;
+    else { /* subnormal: m * 2^-24, exact in float */
+        const float v = (float)m * 0x1p-24f;
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* One block of 32 values: q (int8) with d = amax / 127, the sum of q, and d * sum(q). */
 static void quantize_block(const float *xb, int8_t *qb, float *d, int32_t *sum, float *dsum)
@@ -66,9 +90,9 @@ static void quantize(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
 }
 
 typedef struct {
-    int kind;
+    int kind, s16, z16; /* s16 / z16: scales / zeros stored as halves */
     const uint8_t *w;
-    const float *s, *z;
+    const void *s, *z;
     int64_t N, K, nb;
     const int8_t *q;
     const float *d, *dsum;
@@ -77,6 +101,12 @@ typedef struct {
     int64_t M;
     int use_c;
 } job;
+
+/* Scale (or zero) i of a packed table, as a float. */
+static inline float at(const void *v, int half, int64_t i)
+{
+    return half ? half_float(((const uint16_t *)v)[i]) : ((const float *)v)[i];
+}
 
 /* Copy an accumulator's first n lanes to y (the last tile of a matrix may be short). */
 static inline void store(float *y, const float *lanes, int n)
@@ -94,7 +124,7 @@ static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
         float acc[TN] = {0};
         for (int64_t b = 0; b < nb; b++) {
             const int8_t *xb = J->q + m * J->K + b * QK;
-            const float *sb = J->s + (t * nb + b) * TN;
+            const int64_t sb = (t * nb + b) * TN;
             const float dx = J->d[m * nb + b];
             for (int i = 0; i < TN; i++) {
                 int32_t dot = 0;
@@ -112,9 +142,9 @@ static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
                         for (int u = 0; u < 4; u++)
                             dot += wb[j * 64 + i * 4 + u] * xb[4 * j + u];
                 }
-                acc[i] = fmaf((float)dot, sb[i] * dx, acc[i]);
+                acc[i] = fmaf((float)dot, at(J->s, J->s16, sb + i) * dx, acc[i]);
                 if (J->z)
-                    acc[i] = fmaf(J->z[(t * nb + b) * TN + i], J->dsum[m * nb + b], acc[i]);
+                    acc[i] = fmaf(at(J->z, J->z16, sb + i), J->dsum[m * nb + b], acc[i]);
             }
         }
         store(J->y + m * J->N + t * TN, acc, ncols);
@@ -127,6 +157,12 @@ static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
  * overflow (8 * 3810 = 30480), then one madd to int32. 8-bit: codes signed, so
  * maddubs(|w|, sign(q, w)) per group (|each| <= 2 * 127 * 127), madd to int32 at once. */
 #define ACC_T __m256
+static inline __m256 load8(const void *v, int half, int64_t i)
+{
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
+                : _mm256_loadu_ps((const float *)v + i);
+}
+
 static inline __attribute__((always_inline)) void
 half_avx2(const job *J, int64_t t, int h, int64_t m0, const int MR, const int HASZ)
 {
@@ -155,10 +191,10 @@ half_avx2(const job *J, int64_t t, int h, int64_t m0, const int MR, const int HA
                     memcpy(&xv, xr + (j < 4 ? 4 * j : 16 + 4 * (j - 4)), 4);
                     p[j] = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xv));
                 }
-                const __m256i s16 = _mm256_add_epi16(
+                const __m256i sum16 = _mm256_add_epi16(
                     _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
                     _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
-                dot[r] = _mm256_add_epi32(_mm256_madd_epi16(s16, ones),
+                dot[r] = _mm256_add_epi32(_mm256_madd_epi16(sum16, ones),
                                           _mm256_set1_epi32(-8 * J->sum[(m0 + r) * nb + b]));
             }
         } else {
@@ -176,13 +212,13 @@ half_avx2(const job *J, int64_t t, int h, int64_t m0, const int MR, const int HA
                 }
             }
         }
-        const __m256 sv = _mm256_loadu_ps(J->s + (t * nb + b) * TN + h * 8);
+        const __m256 sv = load8(J->s, J->s16, (t * nb + b) * TN + h * 8);
         for (int r = 0; r < MR; r++) {
             const __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(J->d[(m0 + r) * nb + b]));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), sd, acc[r]);
         }
         if (HASZ) {
-            const __m256 zv = _mm256_loadu_ps(J->z + (t * nb + b) * TN + h * 8);
+            const __m256 zv = load8(J->z, J->z16, (t * nb + b) * TN + h * 8);
             for (int r = 0; r < MR; r++)
                 acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(J->dsum[(m0 + r) * nb + b]), acc[r]);
         }
@@ -221,6 +257,12 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 #endif
 
 #if defined(SKQ_AVX512)
+static inline __m512 load16(const void *v, int half, int64_t i)
+{
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))
+                : _mm512_loadu_ps((const float *)v + i);
+}
+
 /* AVX-512 VNNI: a whole tile of 16 columns per vector; dpbusd takes unsigned x signed
  * bytes, so 8-bit codes go in as c + 128 (xor 0x80) and 128 * sum(q) comes off. */
 static inline __attribute__((always_inline)) void
@@ -276,13 +318,13 @@ tile_avx512(const job *J, int64_t t, int64_t m0, const int MR, const int HASZ)
         }
         for (int r = 0; r < MR; r++)
             dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
-        const __m512 sv = _mm512_loadu_ps(J->s + (t * nb + b) * TN);
+        const __m512 sv = load16(J->s, J->s16, (t * nb + b) * TN);
         for (int r = 0; r < MR; r++) {
             const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(J->d[(m0 + r) * nb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), sd, acc[r]);
         }
         if (HASZ) {
-            const __m512 zv = _mm512_loadu_ps(J->z + (t * nb + b) * TN);
+            const __m512 zv = load16(J->z, J->z16, (t * nb + b) * TN);
             for (int r = 0; r < MR; r++)
                 acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(J->dsum[(m0 + r) * nb + b]), acc[r]);
         }
@@ -360,12 +402,12 @@ const char *skq_isa(void)
 #endif
 }
 
-/* y[M][N] = x[M][K] @ W.T. kind 4 or 8; w, s, z (z may be NULL) packed as above, with
- * ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
+/* y[M][N] = x[M][K] @ W.T. kind 4 or 8, | SKQ_S16 and | SKQ_Z16 where s / z hold halves;
+ * w, s, z (z may be NULL) packed as above, with ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
  * thread's.
  * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
  * scratch memory could not be had. */
-int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64_t N,
+int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t N,
                int64_t K, const float *x, int64_t M, float *y, int threads, int use_c)
 {
     const int64_t nb = K / QK;
@@ -378,7 +420,8 @@ int skq_matmul(int kind, const uint8_t *w, const float *s, const float *z, int64
         return -1;
     }
     quantize(x, M, K, q, d, sum, dsum);
-    job J = {kind, w, s, z, N, K, nb, q, d, dsum, sum, y, M, use_c};
+    job J = {kind & 15, !!(kind & SKQ_S16), !!(kind & SKQ_Z16), w, s, z, N, K, nb, q, d, dsum,
+             sum, y, M, use_c};
     const int64_t n_tiles = (N + TN - 1) / TN;
     if (M > OMP_ROWS) { /* prefill: on torch's OpenMP team, which runs the ops around it */
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -334,13 +334,13 @@ def test_cli_plan_table(smollm2, tmp_path, capsys):
     assert lines[1].split() == ["0", "n0", "0-15", "246.4", "96.0", "854", "/", "1200"]
     assert lines[2].split() == ["1", "n1", "16-29", "297.1", "84.0", "893", "/", "1200"]
     assert lines[-1].startswith("topology digest ") and len(lines[-1].split()[-1]) == 64
-    # int4 (serve's default): the file's Q4_1 blocks with a scale and a zero per block,
+    # int4 (serve's default): the file's Q4_1 blocks with a scale (a half) and a zero per block,
     # (a bf16 copy for prefill only on torch's int kernels, without a C compiler): the
     # whole model fits one node
     assert cli.main(["plan", "--model", "smollm2", "--nodes", nodes, "--ctx", "1024",
                      "--lanes", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    weights, total = ("170.6", "863") if qkernel.library() is not None else ("373.1", "1065")
+    weights, total = ("162.6", "855") if qkernel.library() is not None else ("373.1", "1065")
     assert lines[1].split() == ["0", "n0", "0-29", weights, "180.0", total, "/", "1200"]
 
 

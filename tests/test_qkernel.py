@@ -16,17 +16,24 @@ lib = qkernel.library()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: torch's kernels serve")
 
 
-def _weights(kind: int, n: int, k: int, zero: bool, seed: int = 0):
+def _weights(kind: int, n: int, k: int, zero: bool, seed: int = 0, halves: bool = False):
+    """Packed blocks of a random matrix and their values; halves: scales (and zeros) that
+    are halves, as GGUF's are, so that the packing keeps them as halves."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     if kind == 4:
         b = Int4Blocks.from_float(w)
         z = b.offset + 8 * b.scale if zero else torch.zeros_like(b.scale)
+        if halves:
+            b = Int4Blocks(b.codes, b.scale.half().float(), b.offset)
+            z = z.half().float()
         values = ((b.codes.float() - 8).view(n, -1, 32) * b.scale[..., None]
                   + z[..., None]).view(n, k)
         return (qkernel.pack4(b.codes), qkernel.pack_scales(b.scale),
                 qkernel.pack_scales(z) if zero else None, values)
     b = Int8Blocks.from_float(w)
+    if halves:
+        b = Int8Blocks(b.codes, b.scale.half().float())
     values = (b.codes.float().view(n, -1, 32) * b.scale[..., None]).view(n, k)
     return qkernel.pack8(b.codes), qkernel.pack_scales(b.scale), None, values
 
@@ -40,10 +47,12 @@ def _quantized(x: torch.Tensor) -> torch.Tensor:
     return (q * d).view(m, k)
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("kind, zero", [(4, False), (4, True), (8, False)])
 @pytest.mark.parametrize("n, k", [(50, 64), (576, 576), (37, 1536)])
-def test_vector_path_equals_the_c_definition(kind, zero, n, k):
-    w, s, z, values = _weights(kind, n, k, zero)
+def test_vector_path_equals_the_c_definition(kind, zero, n, k, halves):
+    w, s, z, values = _weights(kind, n, k, zero, halves=halves)
+    assert (s.dtype == torch.float16) == halves
     x = torch.randn(11, k)  # 11 rows: whole row groups and a tail
     got = qkernel.matmul(lib, kind, w, s, z, n, x)
     assert torch.equal(got, qkernel.matmul(lib, kind, w, s, z, n, x, use_c=True))
@@ -70,14 +79,33 @@ def test_a_rows_bits_ignore_its_neighbours_and_the_threads(kind):
     assert torch.equal(whole, one)
 
 
+@pytest.mark.parametrize("kind, zero", [(4, True), (4, False), (8, False)])
+def test_scales_held_as_halves_give_the_floats_bits(kind, zero):
+    """Every half (subnormals, both signs) read by each path as its exact float."""
+    w, s, z, _ = _weights(kind, 70, 320, zero)
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(0, 0x7c00, s.shape, generator=g, dtype=torch.int32)
+    bits[..., :3] = torch.tensor([1, 0x3ff, 0x400])  # the smallest, largest subnormal, normal
+    sign = torch.randint(0, 2, s.shape, generator=g, dtype=torch.int32) << 15
+    s16 = (bits | sign).to(torch.int16).view(torch.float16)
+    z16 = s16.flip(-1).contiguous() if z is not None else None
+    x = torch.randn(9, 320)
+    for use_c in (False, True):
+        half = qkernel.matmul(lib, kind, w, s16, z16, 70, x, use_c=use_c)
+        whole = qkernel.matmul(lib, kind, w, s16.float(),
+                               z16.float() if z16 is not None else None, 70, x, use_c=use_c)
+        assert torch.equal(half, whole) and half.isfinite().all()
+
+
 def test_every_build_this_cpu_runs_gives_the_same_bits():
     """The AVX2 and AVX-512 builds against the plain C one, where the CPU has them."""
     flags = qkernel.cpu_flags()
-    runnable = ["c"] + (["avx2"] if {"avx2", "fma"} <= flags else []) \
+    runnable = ["c"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else []) \
         + (["avx512-vnni"] if {"avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     x = torch.randn(9, 320)
-    for kind, zero in ((4, True), (4, False), (8, False)):
-        w, s, z, _ = _weights(kind, 70, 320, zero)
+    for kind, zero, halves in ((4, True, False), (4, False, False), (8, False, False),
+                               (4, True, True), (8, False, True)):
+        w, s, z, _ = _weights(kind, 70, 320, zero, halves=halves)
         outs = []
         for which in runnable:
             other = ctypes.CDLL(str(qkernel._build(which)))
