@@ -30,7 +30,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || $(MAKE) llama-wheel
-	deploy/uv-install $(VENV) torch==2.13.0 $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl \
+	deploy/uv-install $(VENV) pip torch==2.13.0 $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl \
 	  --reinstall-package llama-cpp-python -e '.[test]' || { \
 	  $(BIN)/pip install -q --upgrade pip && \
 	  $(BIN)/pip install -q torch==2.13.0 && \

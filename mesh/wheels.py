@@ -47,7 +47,11 @@ def site_pip_settings() -> dict[str, str]:
 
 def carried_settings(files: Iterable[tuple[str, Mapping[str, str]]]) -> dict[str, str]:
     """The `CARRIED` keys from pip configuration items ({"section.key": value} per file,
-    files in pip's load order, the environment last as ":env:")."""
+    files in pip's load order, the environment last as ":env:"; pips before 24 give one
+    merged list of ("section.key", value) instead)."""
+    files = list(files)
+    if files and isinstance(files[0][1], str):
+        files = [("", dict(files))]
     by_section: dict[str, dict[str, str]] = {"global": {}, "download": {}, ":env:": {}}
     for _file, items in files:
         for section_key, value in items.items():

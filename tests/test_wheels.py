@@ -53,6 +53,9 @@ def test_only_index_and_certificate_settings_are_carried_in_pips_precedence():
         "find-links": "/opt/wheels",
         "client-cert": "/etc/ssl/me.pem",
     }
+    # pips before 24 (a venv's own, not upgraded) give the files merged into one list
+    merged = [(k, v) for _, items in files for k, v in items.items()]
+    assert carried_settings(merged) == carried_settings(files)
 
 
 def test_the_pip_command_carries_only_what_it_is_given(monkeypatch, tmp_path):
