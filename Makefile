@@ -26,12 +26,12 @@ venv: $(VENV)/.installed
 
 # torch pinned (this machine installs its CPU build from disk); the llama.cpp wheel by path
 # and reinstalled: a venv holding the same version built with other flags gets this one.
-# By uv where it can (deploy/uv-install: ~10 s against pip's ~70), else by pip.
+# By uv where it can (deploy/uv-install: ~25 s against pip's 56-70), else by pip.
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl >/dev/null 2>&1 || $(MAKE) llama-wheel
 	deploy/uv-install $(VENV) pip torch==2.13.0 $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl \
-	  --reinstall-package llama-cpp-python -e '.[test]' || { \
+	  --upgrade-package pip --reinstall-package llama-cpp-python -e '.[test]' || { \
 	  $(BIN)/pip install -q --upgrade pip && \
 	  $(BIN)/pip install -q torch==2.13.0 && \
 	  $(BIN)/pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl && \
@@ -81,7 +81,11 @@ run: venv
 # (181 s with one thread per worker). Ray stages and servers a test starts inherit it.
 WORKERS     ?= 2
 XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
+# Our own modules compiled first: where PYTHONDONTWRITEBYTECODE is set (these machines),
+# each of the hundreds of processes a run starts (Ray workers, servers, CLIs) would
+# compile them again.
 test: venv
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q -j 0 topology stages cache mesh proto evals tests >/dev/null
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	$(BIN)/python -m pytest -m network $(PYTEST_ARGS)
 	if unshare -n true 2>/dev/null; then \

@@ -65,8 +65,9 @@ class SamplingParams:
                                f"{self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], not {self.top_p}", "top_p")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, not {self.top_k}", "top_k")
+        if not 0 <= self.top_k < 2**32:  # the stage wire's uint32
+            raise RequestError(f"top_k must be in [0, {2**32 - 1}] (any above the vocabulary "
+                               f"is no limit), not {self.top_k}", "top_k")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise RequestError(f"{name} must be in [-2, 2], not {getattr(self, name)}",

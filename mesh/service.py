@@ -198,7 +198,8 @@ def _detach(log: Path, keep: int) -> None:
     """stdin from /dev/null, stdout and stderr to the log, every other descriptor (the
     SSH session's, were one inherited) closed but `keep`."""
     null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    os.fchmod(out, 0o600)  # private, as the supervisor's LogFile: it may quote requests
     os.dup2(null, 0)
     os.dup2(out, 1)
     os.dup2(out, 2)

@@ -60,15 +60,24 @@ class RestartPolicy:
                 f"starting (last exit code {code})")
 
 
+def _private_append(path: Path):
+    """`path` opened to append, made 0600 (a file left more open by an older version is
+    closed too); a symlink at its name is an OSError rather than followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 class LogFile:
     """The service's log, rotated past `max_bytes`: serve's output comes through a pipe
     and is written here, so that a gateway up for months (a line per request) does not
-    fill the head's disk. The supervisor's own lines go here too."""
+    fill the head's disk. The supervisor's own lines go here too. Private to its user
+    (0600, a symlink at its name refused): what the gateway prints may quote requests."""
 
     def __init__(self, path: Path, max_bytes: int = LOG_MAX_BYTES):
         self.path, self.max_bytes = path, max_bytes
         self._lock = threading.Lock()
-        self._file = open(path, "ab")
+        self._file = _private_append(path)
 
     def write(self, data: bytes) -> None:
         with self._lock:
@@ -77,7 +86,7 @@ class LogFile:
             if self._file.tell() >= self.max_bytes:
                 self._file.close()
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                self._file = open(self.path, "ab")
+                self._file = _private_append(self.path)
 
     def say(self, message: str) -> None:
         self.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')}{SUPERVISOR_MARK}{message}\n"

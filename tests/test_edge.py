@@ -58,6 +58,7 @@ def as_key(key: str) -> dict:
 def test_keys_from_a_file_the_environment_or_given(tmp_path, monkeypatch):
     path = tmp_path / "keys.txt"
     path.write_text(" alpha \n\nbeta\n")
+    path.chmod(0o600)  # a key file only its owner reads
     assert load_api_keys(path) == {"alpha", "beta"} == load_api_keys(str(path))
     monkeypatch.setenv("SKIPPY_API_KEYS", " one, two ,,")
     assert load_api_keys(None) == {"one", "two"}
@@ -70,6 +71,7 @@ def test_keys_from_a_file_the_environment_or_given(tmp_path, monkeypatch):
 def test_an_empty_key_file_is_an_error_not_no_authentication(tmp_path, content):
     path = tmp_path / "keys.txt"
     path.write_text(content)
+    path.chmod(0o600)  # a key file only its owner reads
     with pytest.raises(KeyFileError, match="holds no key") as e:
         load_api_keys(path)
     assert "\n" not in str(e.value)
@@ -82,6 +84,7 @@ def test_an_unreadable_key_file_is_an_error(tmp_path):
         assert "\n" not in str(e.value) and str(where) in str(e.value)
     latin = tmp_path / "latin.txt"
     latin.write_bytes(b"caf\xe9\n")
+    latin.chmod(0o600)  # a key file only its owner reads
     with pytest.raises(KeyFileError, match="cannot read"):
         load_api_keys(latin)
 
@@ -89,6 +92,7 @@ def test_an_unreadable_key_file_is_an_error(tmp_path):
 def test_a_key_a_header_cannot_carry_is_an_error(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text("good\n\nsp ace\n")
+    path.chmod(0o600)  # a key file only its owner reads
     with pytest.raises(KeyFileError, match="line 3"):
         load_api_keys(path)
     with pytest.raises(KeyFileError):
@@ -183,6 +187,7 @@ def test_beyond_loopback_needs_keys_or_insecure(host, tmp_path):
     assert keys_for_bind(host, ["k"]) == {"k"}
     empty = tmp_path / "keys.txt"
     empty.write_text("")
+    empty.chmod(0o600)  # a key file only its owner reads
     with pytest.raises(KeyFileError):  # insecure never turns a bad key file into "none"
         keys_for_bind(host, empty, insecure=True)
 
@@ -202,6 +207,7 @@ def test_serve_refuses_an_open_bind_without_keys_before_listening(monkeypatch, t
     assert engine.closed
     empty = tmp_path / "keys.txt"
     empty.write_text("")
+    empty.chmod(0o600)  # a key file only its owner reads
     with pytest.raises(KeyFileError, match="holds no key"):
         serve(ClosableEngine(), "127.0.0.1", 1, api_keys=empty)
 

@@ -458,6 +458,18 @@ def test_non_finite_numbers_are_a_400_naming_the_field(client, path, fields, par
     assert err["param"] == param and shown in err["message"] and "\n" not in err["message"]
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+@pytest.mark.parametrize("fields,param", [('"top_k": 1099511627776', "top_k"),
+                                          ('"seed": 36893488147419103232', "seed")])
+def test_numbers_past_what_the_stages_take_are_a_400_naming_the_field(client, path, fields,
+                                                                     param):
+    what = '"messages": [{"role": "user", "content": "hi"}]' if path.startswith("chat") \
+        else '"prompt": "hi"'
+    raw = f'{{"model": "smollm2", {what}, {fields}}}'.encode()
+    err = envelope(client.post(f"/v1/{path}", content=raw, headers=JSON), 400)
+    assert err["param"] == param and "\n" not in err["message"], err
+
+
 def test_deep_nesting_is_a_400(client):
     for path in ("completions", "chat/completions"):
         for raw in (b"[" * 100_000, b'{"model": "smollm2", "prompt": ' + b"[" * 100_000):
@@ -527,6 +539,7 @@ def test_more_choices_than_the_lane_budget_is_a_400_naming_it(client, engine, pa
 def keyed(engine, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("alpha\n\nbeta\n")
+    keys.chmod(0o600)  # only its owner may read it
     limits = GatewayLimits(max_body_bytes=2048)
     with BackgroundServer(create_app(engine, api_keys=keys, limits=limits)) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as c:

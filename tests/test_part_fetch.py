@@ -1,12 +1,14 @@
 """Package parts fetched from a node that holds them (mesh/stage/part_fetch.py), over real
 gRPC servers on loopback with the cluster's token and mutual TLS: 1 MiB blocks each checked
 on receipt, a block damaged in transit fetched again, a cut transfer resumed from its last
-verified block, a whole part with the wrong BLAKE3 refused."""
+verified block, a whole part with the wrong BLAKE3 refused, a slow holder waited for and a
+silent one left for the next."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -40,18 +42,26 @@ def _package(folder: Path, files: dict[str, bytes]) -> PackageManifest:
 
 class Link(PartsServicer):
     """The holder's service with a faulty link: blocks listed in `flip` leave with one bit
-    flipped, once each; the transfer breaks before block `cut`, once."""
+    flipped, once each; the transfer breaks before block `cut`, once; every block waits
+    `pace` seconds; before block `hang` the holder falls silent until the caller goes."""
 
-    def __init__(self, path, digest, flip=(), cut=None):
+    def __init__(self, path, digest, flip=(), cut=None, pace=0.0, hang=None):
         super().__init__(path, digest)
-        self.flip, self.cut = set(flip), cut
+        self.flip, self.cut, self.pace, self.hang = set(flip), cut, pace, hang
         self.asked: list[int] = []   # first_block of each request
 
     def GetPart(self, request, context):
         self.asked.append(request.first_block)
+        self.context = context
         yield from super().GetPart(request, context)
 
     def _on_wire(self, file, index, data):
+        time.sleep(self.pace)
+        if index == self.hang:
+            self.hang = None
+            while self.context.is_active():
+                time.sleep(0.02)
+            raise ConnectionError("the caller left")
         if index == self.cut:
             self.cut = None
             raise ConnectionError("link dropped")
@@ -85,8 +95,8 @@ def holder(tmp_path, cluster):
         rpc.stop(None)
 
 
-def _fetcher(cluster, *addresses):
-    return PartFetcher(addresses, cluster.issue(), DIGEST)
+def _fetcher(cluster, *addresses, silence_s=30.0):
+    return PartFetcher(addresses, cluster.issue(), DIGEST, silence_s=silence_s)
 
 
 def test_a_part_arrives_whole_in_verified_blocks(holder, cluster, tmp_path):
@@ -133,6 +143,33 @@ def test_a_cut_transfer_resumes_from_its_last_verified_block(holder, cluster, tm
     assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
     assert got.resumed == 2 * BLOCK_SIZE and got.bytes == SIZE - 2 * BLOCK_SIZE
     assert servicer.asked == [2] and servicer.served == SIZE - 2 * BLOCK_SIZE
+
+
+def test_a_slow_steady_holder_is_waited_for_however_long_the_whole_part_takes(
+        holder, cluster, tmp_path):
+    """The deadline is on silence: 4 blocks 0.4 s apart (1.6 s, past a whole-stream
+    deadline of 0.6 s) arrive whole."""
+    start, manifest, data = holder
+    _, address = start(pace=0.4)
+    fetcher = _fetcher(cluster, address, silence_s=0.6)
+    got = fetcher.fetch(manifest.parts[0], tmp_path / "here")
+    fetcher.close()
+    assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
+    assert got.bytes == SIZE
+
+
+def test_a_holder_that_falls_silent_is_left_for_the_next(holder, cluster, tmp_path):
+    start, manifest, data = holder
+    silent, first = start(hang=2)
+    servicer, second = start()
+    fetcher = _fetcher(cluster, first, second, silence_s=0.5)
+    t0 = time.monotonic()
+    got = fetcher.fetch(manifest.parts[0], tmp_path / "here")
+    took = time.monotonic() - t0
+    fetcher.close()
+    assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
+    assert silent.asked == [0] and servicer.asked == [2]   # the second resumes at block 2
+    assert got.bytes == SIZE and 0.5 <= took < 5, took
 
 
 def test_a_partial_block_damaged_on_disk_is_fetched_again(holder, cluster, tmp_path):

@@ -40,7 +40,7 @@ def test_top_k_never_leaves_the_k_best():
 
 
 @pytest.mark.parametrize("kw", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5},
-                                {"top_k": -1}, {"presence_penalty": 2.5},
+                                {"top_k": -1}, {"top_k": 2**40}, {"presence_penalty": 2.5},
                                 {"frequency_penalty": -3.0}, {"logit_bias": ((1, 101.0),)}])
 def test_bad_settings_are_the_requests_fault_naming_the_field(kw):
     with pytest.raises(RequestError) as refused:

@@ -34,6 +34,7 @@ def serve_log(hosts, smollm2):
     head = hosts[0]
     secret = head.root / "cluster-secret"
     secret.write_text("a secret the test knows, so that it can show it is not enough\n")
+    secret.chmod(0o600)  # only its owner may read it
     with serving(head, PORT, "--model", str(smollm2), "--stages", "3",
                  "--cluster-secret-file", str(secret), "--ctx", str(CTX), "--lanes", "1",
                  "--weight-format", "int4") as log:

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,23 @@ def test_the_log_moves_aside_past_its_cap(tmp_path):
     assert len(old) >= 1000 and len(new) < 1000 + 100
     assert new.endswith(b" skippy service: stopped\n")
     assert b"line 0099 of the gateway\n" in new
+    # private, both the log and the one moved aside
+    assert {stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {0o600}
+
+
+def test_the_log_is_private_and_never_followed_through_a_symlink(tmp_path):
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"")
+    decoy.chmod(0o644)
+    (tmp_path / "gateway.log").symlink_to(decoy)
+    with pytest.raises(OSError):
+        LogFile(tmp_path / "gateway.log")
+    assert decoy.read_bytes() == b"" and stat.S_IMODE(decoy.stat().st_mode) == 0o644
+    (tmp_path / "gateway.log").unlink()
+    (tmp_path / "gateway.log").write_bytes(b"an older version's log\n")
+    (tmp_path / "gateway.log").chmod(0o644)
+    LogFile(tmp_path / "gateway.log").say("started")
+    assert stat.S_IMODE((tmp_path / "gateway.log").stat().st_mode) == 0o600
 
 
 def test_alive_means_running_and_the_same_process():
@@ -110,6 +128,7 @@ def make_home(tmp_path: Path, smollm2: Path) -> Path:
     auth.mkdir(mode=0o700)
     (auth / "token").write_text(secrets.token_hex(32) + "\n")
     (tmp_path / "skippy-api-keys").write_text(secrets.token_urlsafe(32) + "\n")
+    (tmp_path / "skippy-api-keys").chmod(0o600)  # only its owner may read it
     skippy_home = tmp_path / "skippy-home"
     skippy_home.mkdir()
     (skippy_home / "models").symlink_to(Path(smollm2).parent)

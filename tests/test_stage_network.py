@@ -43,6 +43,7 @@ def test_a_bad_cluster_secret_file_is_one_line_and_exit_code_2(tmp_path, content
     path = tmp_path / "secret"
     if content is not None:
         path.write_text(content)
+        path.chmod(0o600)  # only its owner may read it
     r = skippy("serve", "--model", "smollm2", "--cluster-secret-file", str(path))
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and message in r.stderr and str(path) in r.stderr

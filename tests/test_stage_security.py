@@ -44,6 +44,7 @@ def test_a_secret_comes_from_the_file_then_the_environment_then_chance(tmp_path,
     assert load_secret() == "from-env"
     path = tmp_path / "secret"
     path.write_text("  from-file\n")
+    path.chmod(0o600)  # only its owner may read it
     assert load_secret(str(path)) == "from-file"          # the file wins
 
 
@@ -52,6 +53,7 @@ def test_a_missing_or_empty_secret_file_is_an_error(tmp_path, content):
     path = tmp_path / "secret"
     if content is not None:
         path.write_text(content)
+        path.chmod(0o600)  # only its owner may read it
     with pytest.raises(SecretError, match=str(path)):
         load_secret(str(path))
 

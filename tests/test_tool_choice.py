@@ -88,3 +88,33 @@ def test_a_deeply_nested_schema_is_an_error_not_a_crash():
     body["tools"][0]["function"]["parameters"] = deep
     with pytest.raises(ToolSpecError, match="cannot be read"):
         parse_tools(body)
+
+
+def _described(name: str, chars: int) -> dict:
+    """A function whose schema's JSON is about `chars` characters."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "description": "x" * chars}}}
+
+
+def test_a_schema_or_all_tools_past_their_size_cap_is_a_400_before_any_check(monkeypatch):
+    """Checking a schema costs with its size, before admission: a large one is refused by
+    its length, the checker never run."""
+    import jsonschema
+    checked = []
+    real = jsonschema.validators.validator_for
+
+    def spy(schema, *args, **kwargs):
+        if isinstance(schema, dict) and schema.get("type") == "object":  # ours, not a metaschema
+            checked.append(schema)
+        return real(schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.validators, "validator_for", spy)
+    with pytest.raises(ToolSpecError, match=r"tools\[1\].function.parameters takes at most "
+                                            r"65536 characters") as e:
+        parse_tools({"tools": [ADD, _described("big", 70_000)]})
+    assert e.value.param == "tools" and checked == []
+    five = [_described(f"f{i}", 60_000) for i in range(5)]  # each fits; together 300 KB
+    with pytest.raises(ToolSpecError, match=r"at most 262144 characters of JSON together"):
+        parse_tools({"tools": five})
+    assert len(checked) == 5  # the fifth was checked, then the sum refused
+    assert parse_tools({"tools": five[:4]}) is not None

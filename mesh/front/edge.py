@@ -27,6 +27,7 @@ from pathlib import Path
 
 from fastapi.responses import JSONResponse
 
+from skippy.mesh.private_file import read_private
 from skippy.topology.errors import UserError
 
 from .openai_api import ApiError
@@ -50,17 +51,14 @@ def load_api_keys(api_keys: Iterable[str] | str | Path | None) -> frozenset[str]
     """None: $SKIPPY_API_KEYS (comma separated; unset or empty: none); a str or Path: a
     file with one key per line, which must hold at least one; otherwise the keys
     themselves. An empty set means no authentication. KeyFileError (one line) for a file
-    that cannot be read or holds no key, or a key that is not printable ASCII."""
+    that cannot be read, is open to other users or holds no key, or a key that is not
+    printable ASCII."""
     if api_keys is None:
         where = "$SKIPPY_API_KEYS"
         keys = _keys(os.environ.get("SKIPPY_API_KEYS", "").split(","), f"{where}, item")
     elif isinstance(api_keys, (str, Path)):
         where = f"the API key file {api_keys}"
-        try:
-            text = Path(api_keys).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise KeyFileError(f"cannot read {where}: {reason}") from None
+        text = read_private(api_keys, "the API key file", KeyFileError)
         keys = _keys(text.splitlines(), f"{where}, line")
         if not keys:  # an empty file is a mistake, never "no authentication"
             raise KeyFileError(f"{where} holds no key (one key a line)")

@@ -26,6 +26,11 @@ import jsonschema
 from skippy.topology.errors import RequestError
 
 MAX_TOOLS = 128  # OpenAI's limit
+# Checking a schema (and compiling a forced call's grammar) costs with its size, before
+# admission: bounded here, as response_format's schema is. All the tools together go
+# into the prompt, where more than this would not fit any context we serve.
+MAX_TOOL_SCHEMA_CHARS = 64 * 1024
+MAX_TOOLS_CHARS = 256 * 1024
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 CHOICES = ("auto", "none", "required")
 
@@ -96,13 +101,17 @@ def _tools(tools: Any) -> tuple[str, ...]:
         raise bad("tools must be an array of {type: \"function\", function: {...}}", "tools")
     if len(tools) > MAX_TOOLS:
         raise bad(f"tools takes at most {MAX_TOOLS} functions, not {len(tools)}", "tools")
-    out, seen = [], set()
+    out, seen, size = [], set(), 0
     for i, tool in enumerate(tools):
         fn = _function(tool, i)
         if fn["name"] in seen:
             raise bad(f"tools[{i}]: the function name {fn['name']!r} is used twice", "tools")
         seen.add(fn["name"])
         out.append(json.dumps({"type": "function", "function": fn}, ensure_ascii=False))
+        size += len(out[-1])
+        if size > MAX_TOOLS_CHARS:
+            raise bad(f"tools take at most {MAX_TOOLS_CHARS} characters of JSON together "
+                      f"(tools[0..{i}] hold {size})", "tools")
     return tuple(out)
 
 
@@ -139,6 +148,14 @@ def _function(tool: Any, i: int) -> dict:
 def _schema(params: Any, i: int) -> dict:
     if not isinstance(params, Mapping):
         raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    try:
+        size = len(json.dumps(params, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        raise bad(f"tools[{i}].function.parameters cannot be read as a JSON schema",
+                  "tools") from None
+    if size > MAX_TOOL_SCHEMA_CHARS:
+        raise bad(f"tools[{i}].function.parameters takes at most {MAX_TOOL_SCHEMA_CHARS} "
+                  f"characters of JSON, not {size}", "tools")
     try:
         jsonschema.validators.validator_for(params).check_schema(params)
     except jsonschema.SchemaError as e:

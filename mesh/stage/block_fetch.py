@@ -20,11 +20,11 @@ from skippy.cache.payload import IncompatiblePayload, PayloadManifest
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from .channels import channel_options
+from .channels import SilentPeer, channel_options, within_silence
 from .security import StageCredentials
 
 ATTEMPTS = 2       # a block that arrives damaged is asked for once more
-REPLY_S = 60.0     # a holder that says nothing this long is given up on: recompute
+SILENCE_S = 60.0   # a holder that sends nothing this long is given up on: recompute
 EXPORT_S = 10.0    # a peer that cannot export a prefix in this long is not worth waiting for
 
 
@@ -45,8 +45,9 @@ class Fetch:
 class BlockPeer:
     """The stage of another node, asked for blocks over one channel."""
 
-    def __init__(self, address: str, credentials: StageCredentials, max_message: int):
-        self.address = address
+    def __init__(self, address: str, credentials: StageCredentials, max_message: int,
+                 silence_s: float = SILENCE_S):
+        self.address, self.silence_s = address, silence_s
         self._channel = credentials.channel(address, channel_options(max_message))
         self._stub = stage_pb2_grpc.StageStub(self._channel)
         self._metadata = credentials.metadata
@@ -91,8 +92,8 @@ class BlockPeer:
         left = dict.fromkeys(wanted)
         try:
             replies = self._stub.GetBlocks(pb.BlockRequest(hashes=wanted),
-                                           metadata=self._metadata, timeout=REPLY_S)
-            for block in replies:
+                                           metadata=self._metadata)
+            for block in within_silence(replies, self.silence_s):
                 if block.hash not in left or not block.data:
                     continue  # not asked, or the holder no longer has it
                 if blake3(block.data).digest() != block.hash:
@@ -100,8 +101,8 @@ class BlockPeer:
                     continue
                 out.blocks[block.hash] = block.data
                 del left[block.hash]
-        except grpc.RpcError:
-            pass  # the holder went away: what arrived is kept, the rest is missing
+        except (grpc.RpcError, SilentPeer):
+            pass  # the holder went away or fell silent: what arrived is kept, the rest is missing
         return list(left)
 
     def close(self) -> None:

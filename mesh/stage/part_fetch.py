@@ -26,14 +26,14 @@ from skippy.topology.model_package import PackageError, PartEntry
 from skippy.topology.package_part import hash_fd, read_at
 from skippy.topology.tally import Tally
 
-from .channels import channel_options
+from .channels import SilentPeer, channel_options, within_silence
 from .part_service import MAX_MESSAGE
 from .security import StageCredentials
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3        # a block damaged on the way is asked for this many times in all
-REPLY_S = 120.0     # a holder silent this long is given up on (the next one is asked)
+SILENCE_S = 120.0   # a holder that sends nothing this long is given up on (the next one is asked)
 _HASH = 32          # bytes of one block hash in <part>.blocks
 
 
@@ -53,8 +53,8 @@ class PartFetcher:
     """Fetches parts of one model from the first of `holders` that has each."""
 
     def __init__(self, holders: Sequence[str], credentials: StageCredentials,
-                 model_digest: str):
-        self.model_digest = model_digest
+                 model_digest: str, silence_s: float = SILENCE_S):
+        self.model_digest, self.silence_s = model_digest, silence_s
         self._metadata = credentials.metadata
         self._channels = [(a, credentials.channel(a, channel_options(MAX_MESSAGE)))
                           for a in holders]
@@ -79,7 +79,7 @@ class PartFetcher:
                     return out
                 except grpc.RpcError as e:
                     why = f"{address}: {e.code().name} {e.details()}"
-                except PartError as e:
+                except (PartError, SilentPeer) as e:
                     why = f"{address}: {e}"
                 log.warning("part %s: %s", part.file, why)
         finally:
@@ -94,8 +94,8 @@ class PartFetcher:
             replies = stub.GetPart(pb.PartRequest(model_digest=self.model_digest,
                                                   file=partial.part.file,
                                                   first_block=partial.blocks),
-                                   metadata=self._metadata, timeout=REPLY_S)
-            for block in replies:
+                                   metadata=self._metadata)
+            for block in within_silence(replies, self.silence_s):
                 if block.index != partial.blocks or len(block.data) != partial.next_size:
                     replies.cancel()
                     raise PartError(f"block {block.index} is not the block asked for")

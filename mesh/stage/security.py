@@ -16,7 +16,6 @@ import hmac
 import os
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from cryptography import x509
@@ -24,6 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from skippy.mesh.private_file import read_private
 from skippy.topology.errors import UserError
 
 SECRET_ENV = "SKIPPY_CLUSTER_SECRET"
@@ -45,14 +45,11 @@ def new_secret() -> str:
 
 
 def load_secret(path: str | None = None) -> str:
-    """The secret in the file at `path`, else in $SKIPPY_CLUSTER_SECRET, else a new one."""
+    """The secret in the file at `path` (only its owner may read it), else in
+    $SKIPPY_CLUSTER_SECRET, else a new one."""
     if path is None:
         return os.environ.get(SECRET_ENV, "").strip() or new_secret()
-    try:
-        secret = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SecretError(f"cannot read the cluster secret file {path}: "
-                          f"{getattr(e, 'strerror', None) or e}") from e
+    secret = read_private(path, "the cluster secret file", SecretError).strip()
     if not secret:
         raise SecretError(f"the cluster secret file {path} is empty")
     return secret
