@@ -145,16 +145,21 @@ def test_a_cut_transfer_resumes_from_its_last_verified_block(holder, cluster, tm
     assert servicer.asked == [2] and servicer.served == SIZE - 2 * BLOCK_SIZE
 
 
+def _whole(fetcher, manifest, data, tmp_path):
+    """Part 0 fetched into tmp_path/here by `fetcher` (then closed), checked whole."""
+    got = fetcher.fetch(manifest.parts[0], tmp_path / "here")
+    fetcher.close()
+    assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
+    return got
+
+
 def test_a_slow_steady_holder_is_waited_for_however_long_the_whole_part_takes(
         holder, cluster, tmp_path):
     """The deadline is on silence: 4 blocks 0.4 s apart (1.6 s, past a whole-stream
     deadline of 0.6 s) arrive whole."""
     start, manifest, data = holder
     _, address = start(pace=0.4)
-    fetcher = _fetcher(cluster, address, silence_s=0.6)
-    got = fetcher.fetch(manifest.parts[0], tmp_path / "here")
-    fetcher.close()
-    assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
+    got = _whole(_fetcher(cluster, address, silence_s=0.6), manifest, data, tmp_path)
     assert got.bytes == SIZE
 
 
@@ -162,12 +167,9 @@ def test_a_holder_that_falls_silent_is_left_for_the_next(holder, cluster, tmp_pa
     start, manifest, data = holder
     silent, first = start(hang=2)
     servicer, second = start()
-    fetcher = _fetcher(cluster, first, second, silence_s=0.5)
     t0 = time.monotonic()
-    got = fetcher.fetch(manifest.parts[0], tmp_path / "here")
+    got = _whole(_fetcher(cluster, first, second, silence_s=0.5), manifest, data, tmp_path)
     took = time.monotonic() - t0
-    fetcher.close()
-    assert (tmp_path / "here" / "layer-000.gguf").read_bytes() == data["layer-000.gguf"]
     assert silent.asked == [0] and servicer.asked == [2]   # the second resumes at block 2
     assert got.bytes == SIZE and 0.5 <= took < 5, took
 
