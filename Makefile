@@ -79,10 +79,8 @@ run: venv
 # default, holding a core the other worker's process wants: 2 workers of 2 threads on 2
 # cores took 586 s for test_family_bar + test_certify that way, 162 s with them passive
 # (181 s with one thread per worker). Ray stages and servers a test starts inherit it.
-# Files go to the workers longest first (tests/conftest.py LONGEST_FIRST).
 WORKERS     ?= 2
-XDIST       := --dist loadfile --no-loadscope-reorder \
-               --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
+XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 # Our own modules compiled first: where PYTHONDONTWRITEBYTECODE is set (these machines),
 # each of the hundreds of processes a run starts (Ray workers, servers, CLIs) would
 # compile them again.

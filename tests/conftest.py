@@ -1,5 +1,4 @@
-"""Shared fixtures: real models (pulled once per machine), derived files, the corpus; and
-the order in which `make test`'s workers take the test files."""
+"""Shared fixtures: real models (pulled once per machine), derived files, the corpus."""
 
 from __future__ import annotations
 
@@ -11,27 +10,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "usecases.jsonl"
-
-# The longest test files (seconds of `make test` on 2 cores, setup included), in the order
-# xdist's workers take them (`--no-loadscope-reorder`), the rest after them as collected.
-# By default xdist sends the files with the most tests first, so one-test files of 40 s
-# (a lost host, a lost node) came last and one worker ran them alone for a minute. A
-# stale figure costs seconds, never a result.
-LONGEST_FIRST = {
-    "test_family_bar.py": 150, "test_llamacpp_runtime.py": 109, "test_certify.py": 101,
-    "test_request_path.py": 72, "test_mesh.py": 61, "test_cluster_state.py": 60,
-    "test_cache_exactness.py": 53, "test_stage_network.py": 49, "test_separate_hosts.py": 48,
-    "test_host_loss.py": 47, "test_shape_invariance.py": 45, "test_service.py": 42,
-    "test_part_delivery.py": 41, "test_stage_cache.py": 41, "test_constraint.py": 39,
-    "test_node_loss.py": 38, "test_split.py": 38, "test_package.py": 36,
-    "test_numerics.py": 32, "test_gateway.py": 32, "test_grpc_service.py": 31,
-    "test_bench_gateway.py": 27, "test_cli.py": 27, "test_status_page.py": 22,
-    "test_giant_proof.py": 20,
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: files stay whole
 
 
 @pytest.fixture(scope="session")
