@@ -6,8 +6,9 @@ stage that puts bytes another stage of the node already stored only links them. 
 process (an owner) keeps its references in memory, with the same accounting as the
 in-memory `BlockStore`, and one hard link per block it holds, `refs/<owner>/<hash>`: a
 block's link count says how many owners hold it, so the last owner to let go removes
-it, and the links of an owner that died (its pid gone) are swept by the next one to open
-the directory. Reads go through the owner's own link, so a block another owner let go
+it, and the links of an owner that died (its pid gone, or held by a later process: the
+owner's name carries its process's start time) are swept by the next one to open the
+directory. Reads go through the owner's own link, so a block another owner let go
 of meanwhile stays readable until this one does; every read is verified against the
 hash, as in memory.
 
@@ -41,7 +42,7 @@ class DirBlockStore(BlockStore):
         self._compress = compress
         self.root = Path(root)
         self._dir = self.root / "blocks"
-        self.owner = owner or f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.owner = owner or f"{os.getpid()}-{_started(os.getpid())}-{secrets.token_hex(4)}"
         self._mine = self.root / "refs" / self.owner
         self._dir.mkdir(parents=True, exist_ok=True)
         self._mine.mkdir(parents=True, exist_ok=True)
@@ -174,13 +175,29 @@ def _collect(main: Path) -> None:
         pass
 
 
-def _alive(owner: str) -> bool:
+def _started(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat's 22nd field),
+    or "" where that cannot be read: with the pid, a name no later process can take."""
     try:
-        os.kill(int(owner.split("-", 1)[0]), 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rpartition(")")[2].split()[19]  # fields after the command name, 3 on
+
+
+def _alive(owner: str) -> bool:
+    """Owner names are pid-start-token (pid-token before the start time was kept)."""
+    parts = owner.split("-")
+    try:
+        pid = int(parts[0])
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (ValueError, PermissionError):
         return True  # not one of ours to judge, or alive under another user
+    if len(parts) == 3 and parts[1]:
+        now = _started(pid)
+        return not now or now == parts[1]  # the pid reused by a later process: gone
     return True
 
 

@@ -1,6 +1,7 @@
 """The content-addressed block store: dedupe, refcounts, verification, cap, threads; in
 memory, and in a directory a node's stage processes share (cache/block_dir.py)."""
 
+import os
 import random
 import threading
 
@@ -301,6 +302,21 @@ def test_a_dead_owners_blocks_are_swept_by_the_next_to_open(tmp_path):
     alive = DirBlockStore(tmp_path)
     assert alive.node_stats()["node_blocks"] == 0 and not alive.has(h)
     assert not (tmp_path / "refs" / "999999999-dead").exists()
+
+
+def test_an_owner_whose_pid_a_later_process_took_is_swept(tmp_path):
+    """The owner's pid alive (this very process) but started at another time: a reused pid,
+    whose blocks would otherwise hold tmpfs memory for as long as the new process lives."""
+    pid = os.getpid()
+    reused = DirBlockStore(tmp_path, owner=f"{pid}-1-a1b2c3d4")  # started at tick 1: not us
+    h = reused.put(b"left behind by the pid's former process")
+    mine = DirBlockStore(tmp_path)
+    assert mine.owner.startswith(f"{pid}-") and mine.owner.split("-")[1] != "1"
+    assert not (tmp_path / "refs" / reused.owner).exists() and not mine.has(h)
+    kept = mine.put(b"held by a live owner")
+    DirBlockStore(tmp_path)  # a third owner opens the folder: the live one's block stays
+    assert mine.get(kept) == b"held by a live owner"
+    assert (tmp_path / "refs" / mine.owner).is_dir()
 
 
 def test_rotten_bytes_are_never_linked_by_another_owner(tmp_path):

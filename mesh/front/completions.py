@@ -84,8 +84,10 @@ class Completions:
 
     async def _answer(self, body: dict, chat: bool, tenant: str, arrived: float,
                       deadline: float) -> Response:
-        parsed = parse_request(body, chat=chat)
-        # templates and tokenizers take their time on long prompts: off the event loop
+        # off the event loop, where the streams of other requests run: checking tool
+        # schemas and compiling a response_format's grammar (parse_request), and templates
+        # and tokenizers on long prompts (build_requests)
+        parsed = await asyncio.to_thread(parse_request, body, chat=chat)
         built = await asyncio.to_thread(build_requests, parsed, self.view, self.limits,
                                         tenant)
         release = await self.admission.admit(len(built.requests))
