@@ -96,14 +96,17 @@ def _check_package(path: Path, runtime) -> None:
 def gateway_options(args, secret: str) -> dict:
     """serve()'s options from the flags; a bad value, an unreadable or empty key file, or a
     bind beyond loopback without keys (unless --insecure) fails here, in one line."""
-    from .front.edge import keys_for_bind
+    from .front.edge import keys_for_bind, load_operator_keys
     from .front.limits import GatewayLimits
     limits = GatewayLimits(max_concurrent_requests=args.max_concurrent_requests,
                            max_request_tokens=args.max_request_tokens,
                            queue_timeout_s=args.queue_timeout,
-                           request_timeout_s=args.request_timeout)
-    keys = keys_for_bind(args.host, args.api_keys_file or None, args.insecure)
-    return dict(api_keys=keys, insecure=args.insecure, limits=limits,
+                           request_timeout_s=args.request_timeout,
+                           read_timeout_s=args.read_timeout,
+                           max_connections=args.max_connections)
+    operators = load_operator_keys(args.operator_keys_file or None)
+    keys = keys_for_bind(args.host, args.api_keys_file or None, args.insecure, operators)
+    return dict(api_keys=keys, operator_keys=operators, insecure=args.insecure, limits=limits,
                 control_text=args.allow_control_tokens, tenant_secret=secret)
 
 
@@ -176,6 +179,10 @@ def _serve_limits(srv) -> None:
     srv.add_argument("--api-keys-file", metavar="FILE", help="accepted Bearer keys, one a "
                      "line (also: $SKIPPY_API_KEYS, comma-separated); each key's cached "
                      "state is its own")
+    srv.add_argument("--operator-keys-file", metavar="FILE", help="keys that may also read "
+                     "what spans tenants: /metrics and the cluster's figures on the status "
+                     "page (also: $SKIPPY_OPERATOR_KEYS); with keys on, other keys see "
+                     "only their own figures")
     srv.add_argument("--insecure", action="store_true",
                      help="serve beyond loopback without API keys (refused otherwise)")
     srv.add_argument("--allow-control-tokens", action="store_true",
@@ -185,6 +192,14 @@ def _serve_limits(srv) -> None:
                      default=limits.DEFAULT_REQUEST_TIMEOUT_S,
                      help="a request's deadline from arrival, then a 504 (or an error "
                           "event in a stream) (default: %(default)s)")
+    srv.add_argument("--read-timeout", type=float, metavar="S",
+                     default=limits.DEFAULT_READ_TIMEOUT_S,
+                     help="seconds a connection has to send a request's headers and body "
+                          "(then a 408, or it is dropped) (default: %(default)s)")
+    srv.add_argument("--max-connections", type=int, metavar="N",
+                     default=limits.DEFAULT_MAX_CONNECTIONS,
+                     help="connections open at once; beyond, a 503 at once "
+                          "(default: %(default)s)")
     srv.add_argument("--max-concurrent-requests", type=int, metavar="N",
                      default=limits.DEFAULT_MAX_CONCURRENT_REQUESTS,
                      help="requests the gateway runs at once; as many more wait up to "

@@ -81,7 +81,8 @@ def test_the_head_starts_the_gateway_service_after_ray(name):
     assert not any("skippy service" in c for c in config["worker_start_ray_commands"])
     assert re.search(r"bin/skippy service start --wait \d+ -- ", gateway)
     for option in ("--address auto", "--host 0.0.0.0", "--port 8000",
-                   "--api-keys-file ~/skippy-api-keys", "--model smollm2"):
+                   "--api-keys-file ~/skippy-api-keys",
+                   "--operator-keys-file ~/skippy-operator-keys", "--model smollm2"):
         assert option in gateway, option
     workers = len(raw["provider"].get("worker_ips", [])) or sum(
         t.get("min_workers", 0) for t in raw["available_node_types"].values())
@@ -138,21 +139,23 @@ def test_the_secret_commands_make_private_files_once(tmp_path):
     for command in made:
         subprocess.run(["bash", "-c", command], env=env, check=True)
     token = tmp_path / "skippy-ray-auth" / "token"
-    keys = tmp_path / "skippy-api-keys"
+    keys, operators = tmp_path / "skippy-api-keys", tmp_path / "skippy-operator-keys"
     assert re.fullmatch(r"[0-9a-f]{64}\n", token.read_text())
     assert re.fullmatch(r"[A-Za-z0-9_-]{43}\n", keys.read_text())
+    assert re.fullmatch(r"[A-Za-z0-9_-]{43}\n", operators.read_text())
+    assert operators.read_text() != keys.read_text()
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
-    assert stat.S_IMODE(token.stat().st_mode) == stat.S_IMODE(keys.stat().st_mode) == 0o600
-    before = token.read_text(), keys.read_text()
+    assert {stat.S_IMODE(f.stat().st_mode) for f in (token, keys, operators)} == {0o600}
+    before = token.read_text(), keys.read_text(), operators.read_text()
     for command in made:  # `ray up` again keeps them
         subprocess.run(["bash", "-c", command], env=env, check=True)
-    assert (token.read_text(), keys.read_text()) == before
+    assert (token.read_text(), keys.read_text(), operators.read_text()) == before
 
 
 def test_no_token_or_key_is_committed():
     tracked = subprocess.run(["git", "ls-files"], cwd=DEPLOY.parent, capture_output=True,
                              text=True, check=True).stdout.splitlines()
-    named = [p for p in tracked if re.search(r"auth_token|skippy-ray-auth|skippy-api-keys|"
+    named = [p for p in tracked if re.search(r"auth_token|skippy-ray-auth|skippy-(api|operator)-keys|"
                                              r"(^|/)token$", p)]
     assert not named, named
     for path in sorted(DEPLOY.iterdir()):
@@ -177,7 +180,7 @@ ray.shutdown()
 """
 
 
-def _gcs_call(address: str, token: str | None) -> str:
+def gcs_call(address: str, token: str | None) -> str:
     """The status of one GCS call carrying `token` as Ray's clients do (or no token)."""
     import grpc
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
@@ -213,9 +216,9 @@ def test_a_token_auth_head_serves_only_token_holders(tmp_path):
         assert r.stdout.strip() == "served", r.stderr[-2000:]
         # Refusals asked of the GCS directly: a refused ray.init only says so after 20 s
         # of retries, while the server's answer is immediate.
-        assert _gcs_call(address, token.read_text()) == "OK"
-        assert _gcs_call(address, None) == "UNAUTHENTICATED"
-        assert _gcs_call(address, "0" * 64) == "UNAUTHENTICATED"
+        assert gcs_call(address, token.read_text()) == "OK"
+        assert gcs_call(address, None) == "UNAUTHENTICATED"
+        assert gcs_call(address, "0" * 64) == "UNAUTHENTICATED"
     finally:
         head.stdin.close()  # the head's ray.shutdown() stops what it started
         head.wait(timeout=60)

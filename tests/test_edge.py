@@ -44,8 +44,9 @@ def engine(smollm2):
 
 @pytest.fixture(scope="module")
 def keyed(engine):
-    """A server with two keys, alpha and beta, on loopback."""
-    with BackgroundServer(create_app(engine, api_keys=["alpha", "beta"])) as srv:
+    """A server with two keys, alpha and beta, and the operator's omega, on loopback."""
+    with BackgroundServer(create_app(engine, api_keys=["alpha", "beta"],
+                                     operator_keys=["omega"])) as srv:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             yield srv, c
 
@@ -124,7 +125,7 @@ def test_api_keys_guard_the_api_but_not_the_probes(keyed):
 
 # -- tenants --------------------------------------------------------------------------------------
 def memo_hits(c) -> float:
-    text = c.get("/metrics", headers=as_key("alpha")).text
+    text = c.get("/metrics", headers=as_key("omega")).text
     return float(next(line.split()[-1] for line in text.splitlines()
                       if line.startswith("skippy_gateway_results_hits_total")))
 
@@ -147,6 +148,54 @@ def test_one_key_never_sees_anothers_cached_tokens(keyed, engine):
     assert other["choices"][0]["text"] == first["choices"][0]["text"]  # the same model
     a, b = engine.requests[-2].namespace, engine.requests[-1].namespace
     assert a != b and "alpha" not in a and "beta" not in b
+
+
+def test_what_spans_tenants_needs_an_operator_key(keyed, engine):
+    _, c = keyed
+    assert envelope(c.get("/metrics"), 401)["code"] == "invalid_api_key"
+    err = envelope(c.get("/metrics", headers=as_key("alpha")), 403)
+    assert err["code"] == "operator_key_required" and err["type"] == "permission_error"
+    assert c.get("/metrics", headers=as_key("omega")).status_code == 200
+    assert c.get("/status.json", headers=as_key("alpha")).json()["view"] == "tenant"
+    assert "stages" in c.get("/status.json", headers=as_key("omega")).json()
+    # the operator's key calls the API too, as a tenant of its own
+    assert c.post("/v1/completions", json=BODY, headers=as_key("omega")).status_code == 200
+    namespace = engine.requests[-1].namespace
+    assert namespace and "omega" not in namespace
+
+
+def test_another_tenants_prompt_moves_nothing_a_tenant_can_read(keyed):
+    """Tenant alpha sends a prompt (three times: its caches keep it); tenant beta then
+    sends it and a fresh one of the same length: each moves every figure beta can read
+    the same, and each of beta's answers says the same of its cached tokens."""
+    _, c = keyed
+
+    def sent(word: str) -> str:
+        return f"A long prompt about the currents of the {word} ocean. " * 12
+
+    def readable() -> dict:
+        view = c.get("/status.json", headers=as_key("beta")).json()
+        del view["updated"]
+        view["metrics"] = c.get("/metrics", headers=as_key("beta")).status_code
+        return view
+
+    def delta(before: dict, after: dict) -> dict:
+        return {**after, "usage": {k: n - before["usage"][k]
+                                   for k, n in after["usage"].items()}}
+
+    for _ in range(3):
+        assert c.post("/v1/completions", json={**BODY, "prompt": sent("eastern")},
+                      headers=as_key("alpha")).status_code == 200
+    moves, cached = [], []
+    for word in ("eastern", "western"):  # alpha's prompt, then a fresh one
+        before = readable()
+        got = c.post("/v1/completions", json={**BODY, "prompt": sent(word)},
+                     headers=as_key("beta")).json()
+        moves.append(delta(before, readable()))
+        cached.append(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert moves[0] == moves[1] and moves[0]["metrics"] == 403
+    assert moves[0]["usage"]["choices"] == 1 and moves[0]["usage"]["prompt_tokens"] > 100
+    assert cached == [0, 0]
 
 
 def test_a_keys_cache_salt_splits_its_namespace_further(keyed, engine):
@@ -275,6 +324,6 @@ def test_a_post_that_is_not_json_is_a_415(keyed, path, content_type):
 def test_the_edge_counts_what_it_refuses(keyed):
     _, c = keyed
     c.post("/v1/completions", content=b"{}", headers=as_key("alpha"))
-    text = c.get("/metrics", headers=as_key("alpha")).text
+    text = c.get("/metrics", headers=as_key("omega")).text
     assert 'skippy_requests_total{endpoint="/v1/completions",status="415"}' in text
 

@@ -120,15 +120,16 @@ def test_status_figures():
 # -- the CLI, no Ray -------------------------------------------------------------------------------
 def make_home(tmp_path: Path, smollm2: Path) -> Path:
     """A head's home as the YAMLs set it up: ~/skippy-venv (this interpreter's venv), the
-    Ray token and the API key, and SKIPPY_HOME with this machine's models (and compiled
+    Ray token, the API and operator keys, and SKIPPY_HOME with this machine's models (and compiled
     kernels, so that none is built again)."""
     from skippy.mesh.models import model_home
     (tmp_path / "skippy-venv").symlink_to(Path(sys.executable).parents[1])
     auth = tmp_path / "skippy-ray-auth"
     auth.mkdir(mode=0o700)
     (auth / "token").write_text(secrets.token_hex(32) + "\n")
-    (tmp_path / "skippy-api-keys").write_text(secrets.token_urlsafe(32) + "\n")
-    (tmp_path / "skippy-api-keys").chmod(0o600)  # only its owner may read it
+    for keys in ("skippy-api-keys", "skippy-operator-keys"):
+        (tmp_path / keys).write_text(secrets.token_urlsafe(32) + "\n")
+        (tmp_path / keys).chmod(0o600)  # only its owner may read it
     skippy_home = tmp_path / "skippy-home"
     skippy_home.mkdir()
     (skippy_home / "models").symlink_to(Path(smollm2).parent)
@@ -272,6 +273,7 @@ class Service:
     def __init__(self, home: Path, env: dict, shell: subprocess.Popen, out: str, err: str):
         self.home, self.env, self.shell, self.out, self.err = home, env, shell, out, err
         self.key = (home / "skippy-api-keys").read_text().strip()
+        self.operator_key = (home / "skippy-operator-keys").read_text().strip()
         self.log = home / "skippy-home" / "service" / "gateway.log"
         self.url = "http://127.0.0.1:8000"
 
@@ -382,7 +384,8 @@ def test_the_dashboard_names_only_metrics_the_gateway_exports(service):
         assert service.chat("Name a color.")[0] == 200
     assert service.chat("Name a color. And a fruit.", temperature=0.7, seed=1)[0] == 200
     assert service.chat("Hi", max_tokens=-1)[0] == 400  # an error, counted by status
-    status, text = service.call("/metrics")
+    assert service.call("/metrics")[0] == 403  # a client's key: the YAML's operator key holds
+    status, text = service.call("/metrics", key=service.operator_key)
     assert status == 200
     exported = exported_names(text)
     missing = sorted(set(METRIC.findall(DASHBOARD.read_text())) - exported)
@@ -396,11 +399,11 @@ def prometheus_binary() -> str | None:
 @pytest.mark.skipif(not prometheus_binary(), reason="no prometheus binary (Debian's "
                     "`prometheus` package, or SKIPPY_PROMETHEUS=PATH)")
 def test_every_dashboard_query_has_data_in_prometheus(service, tmp_path):
-    """A real Prometheus scrapes the gateway (with the key, as deploy/README.md says) while
-    requests run; then every query of every panel, as Grafana would send it, returns
+    """A real Prometheus scrapes the gateway (with the operator's key, as deploy/README.md
+    says) while requests run; then every query of every panel, as Grafana would send it, returns
     series: the PromQL parses, and its names, labels and functions fit the data."""
     key = tmp_path / "key"
-    key.write_text(service.key)
+    key.write_text(service.operator_key)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,42 @@ def test_serve_with_defaults_binds_only_loopback(smollm2, tmp_path):
              if PRIVATE in h or h in ("0.0.0.0", "[::]", "*")]
     assert not wrong, ss
     assert all(h in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]") for h in hosts), ss
+
+
+_TOKEN_HOLDER = """
+import os, sys, ray
+from skippy.mesh.control.ray_engine import start_ray
+start_ray(num_cpus=1)
+assert ray.get(ray.remote(lambda: 1).remote()) == 1  # its workers hold the token too
+print(ray.get_runtime_context().gcs_address, os.environ["RAY_AUTH_TOKEN_PATH"], flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_an_embedded_ray_takes_a_token_only_its_user_reads(tmp_path):
+    """With no RAY_AUTH_MODE in the environment (a user's shell), the embedded Ray runs
+    with token authentication, its token this serve's own in a 0600 file in a 0700
+    folder, gone at exit; Ray's default (~/.ray/auth_token, 0644 under the usual umask)
+    is never written."""
+    from test_deploy import gcs_call
+    ray_tmp = tempfile.mkdtemp(prefix="sk", dir="/tmp")  # Ray's socket paths: short
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env |= {"HOME": str(tmp_path), "RAY_TMPDIR": ray_tmp}
+    proc = subprocess.Popen([sys.executable, "-c", _TOKEN_HOLDER], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        address, path = proc.stdout.readline().split()
+        token = Path(path)
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+        assert gcs_call(address, token.read_text()) == "OK"
+        assert gcs_call(address, None) == "UNAUTHENTICATED"
+        assert not (tmp_path / ".ray").exists()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not token.parent.exists()
 
 
 def test_embedded_ray_ignores_a_stale_cluster_file():

@@ -23,9 +23,9 @@ from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.front.gateway import BackgroundServer, create_app
 
-KEY = "status-page-key"
+KEY = "status-page-key"  # the operator's: it reads what spans tenants
 AUTH = {"Authorization": f"Bearer {KEY}"}
-OTHER = {"Authorization": "Bearer another-tenant-key"}  # a second tenant
+OTHER = {"Authorization": "Bearer another-tenant-key"}  # a tenant: its own figures only
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 WIDTH = 390  # a phone's viewport, in CSS pixels
 OUT = Path(os.environ.get("SKIPPY_TEST_OUT", Path(__file__).parent / "out"))
@@ -36,7 +36,8 @@ FIGURES = "return [...document.querySelectorAll('[data-metric]')].map(e => " \
 @pytest.fixture(scope="module")
 def server(smollm2):
     engine = InProcessEngine(smollm2, 2, cache=CacheConfig(), model_name="smollm2")
-    with BackgroundServer(create_app(engine, api_keys=(KEY, "another-tenant-key"))) as srv:
+    with BackgroundServer(create_app(engine, api_keys=("another-tenant-key",),
+                                     operator_keys=(KEY,))) as srv:
         yield srv
     asyncio.run(engine.close())
 
@@ -95,7 +96,35 @@ def test_a_tenant_sees_only_its_own_requests_in_flight(server):
     # runs only leave the list: one in `mine` was in flight when `theirs` was read
     assert len(mine["requests"]) == 1 and mine["requests"][0]["prompt_tokens"] > 5
     assert theirs["requests"] == []
-    assert theirs["stages"] and theirs["plan"] == mine["plan"]  # the mesh is everyone's
+
+
+def test_a_tenant_reads_its_own_totals_and_nothing_that_spans_tenants(server):
+    """Stage, cache, node and gateway figures count every tenant's work together (a
+    dedupe counter would tell one tenant what another sent): an operator key reads them,
+    a tenant's key its own runs and totals."""
+    def usage(headers):
+        return httpx.get(f"{server.url}/status.json", headers=headers).json()["usage"]
+
+    before = usage(OTHER), usage(AUTH)
+    body = {"model": "smollm2", "prompt": "The tide comes in", "max_tokens": 3,
+            "temperature": 0, "n": 2}
+    done = httpx.post(f"{server.url}/v1/completions", json=body, headers=OTHER, timeout=120)
+    assert done.status_code == 200, done.text
+    theirs = httpx.get(f"{server.url}/status.json", headers=OTHER).json()
+    assert theirs["view"] == "tenant" and theirs["model"] == "smollm2" and theirs["serving"]
+    assert not set(theirs) & {"plan", "stages", "nodes", "gateway", "errors", "topology"}
+    got = done.json()["usage"]
+    assert theirs["usage"] == {  # the prompt counted once for its two choices, as usage
+        "choices": before[0]["choices"] + 2,
+        "prompt_tokens": before[0]["prompt_tokens"] + got["prompt_tokens"],
+        "cached_tokens": before[0]["cached_tokens"]
+        + got["prompt_tokens_details"]["cached_tokens"],
+        "completion_tokens": before[0]["completion_tokens"] + got["completion_tokens"]}
+    assert usage(AUTH) == before[1]  # the operator's own totals did not move
+    refused = httpx.get(f"{server.url}/metrics", headers=OTHER)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "operator_key_required"
+    assert httpx.get(f"{server.url}/status.json", headers=AUTH).json()["view"] == "operator"
 
 
 # -- a real browser ---------------------------------------------------------------------------
@@ -289,3 +318,14 @@ def test_the_page_asks_for_the_key_and_keeps_it_for_the_tab(server, browser):
     errors = severe(d)
     assert len(errors) == 2, errors
     assert all("status.json" in e["message"] and "401" in e["message"] for e in errors)
+
+    # a tenant's key: its own runs and totals, none of the cluster's sections
+    d.execute_script("sessionStorage.setItem('skippy.apiKey', 'another-tenant-key')")
+    d.get(f"{server.url}/")
+    wait_for(d, lambda d: "operator key" in d.find_element("id", "summary").text,
+             what="the tenant's view")
+    assert d.find_element("id", "usage").is_displayed()
+    hidden = d.execute_script("return [...document.querySelectorAll('section.operator')]"
+                              ".map(s => s.hidden)")
+    assert hidden == [True] * 5, hidden
+    no_sideways_scroll(d)

@@ -8,11 +8,15 @@ pipeline's stage 0 over a gRPC stream.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
+import secrets
+import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -72,11 +76,35 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None) -> boo
 
 
 def _start_local(num_cpus: int | None) -> None:
+    embedded_token()
     with _loopback_node():
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 2,
                  include_dashboard=False,
                  object_store_memory=100 * 2**20, log_to_driver=False,
                  _node_ip_address=LOOPBACK)
+
+
+def embedded_token() -> Path | None:
+    """Token authentication for an embedded Ray, with a token of this serve's own in a
+    file only this user reads (removed at exit), unless the environment chose a mode
+    (RAY_AUTH_MODE). Ray's own default for a new local Ray writes ~/.ray/auth_token under
+    the umask (0644 by default), shared by every Ray of the user and readable by others:
+    whoever holds the token can attach and run code as us. The file's path, or None."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="skippy-ray-auth-"))  # 0700
+    path = folder / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    os.environ["RAY_AUTH_MODE"] = "token"  # for this process, and the ones Ray starts
+    from ray._raylet import AuthenticationTokenLoader, Config
+    Config.initialize("")  # Ray read its settings at import: again, with token mode
+    AuthenticationTokenLoader.instance().reset_cache()
+    return path
 
 
 @contextlib.contextmanager

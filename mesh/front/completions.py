@@ -106,7 +106,8 @@ class Completions:
         the answer is complete (a stream's when its last event is sent or the client
         left). `fmt`: the tool-call format replies are read in (None: they are plain
         content); `tenant`: the caller's, whose status page lists these runs."""
-        runs = [Generation(self.runs, r, parsed.stop, arrived, tenant) for r in requests]
+        runs = [Generation(self.runs, r, parsed.stop, arrived, tenant, i % parsed.n == 0)
+                for i, r in enumerate(requests)]
 
         async def close() -> None:
             for run in runs:

@@ -8,6 +8,11 @@ A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap streams), in o
   localhost / 127.x / [::1] is refused (400, as RFC 9110 asks for an invalid Host).
 - API keys (when there are any): Bearer keys, compared in constant time. The key's
   tenant tag goes with the request (`scope[TENANT]`), so its cache namespace is its own.
+- Operator keys: what spans tenants (`/metrics`, the cluster's figures in
+  `/status.json`) is for the operator. Once a server has keys, a tenant's key reads only
+  its own figures and `/metrics` asks for an operator key (403 for a tenant's): dedupe and
+  byte counters would tell one tenant what another sent. An operator key also calls the
+  API, as a tenant of its own.
 - Content-Type: a POST body must say application/json (415 otherwise), so a browser
   form or a text/plain "simple request" cannot reach the API without a CORS preflight.
 
@@ -33,9 +38,11 @@ from skippy.topology.errors import UserError
 from .openai_api import ApiError
 
 TENANT = "skippy.tenant"  # the ASGI scope key for the caller's tenant tag ("" unkeyed)
+OPERATOR = "skippy.operator"  # the scope key: the caller may read what spans tenants
 # probes stay reachable without a key, and the status page (its data needs the key)
 OPEN_PATHS = frozenset({"/health", "/ready", "/"})
 JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions"})
+OPERATOR_PATHS = frozenset({"/metrics"})  # with keys on, an operator key's alone
 
 
 class KeyFileError(UserError):
@@ -47,24 +54,31 @@ class OpenBindRefused(UserError):
 
 
 # -- API keys -----------------------------------------------------------------------------------
-def load_api_keys(api_keys: Iterable[str] | str | Path | None) -> frozenset[str]:
-    """None: $SKIPPY_API_KEYS (comma separated; unset or empty: none); a str or Path: a
-    file with one key per line, which must hold at least one; otherwise the keys
+def load_api_keys(api_keys: Iterable[str] | str | Path | None, *,
+                  variable: str = "SKIPPY_API_KEYS",
+                  what: str = "the API key file") -> frozenset[str]:
+    """None: $SKIPPY_API_KEYS (`variable`; comma separated; unset or empty: none); a str or
+    Path: a file with one key per line, which must hold at least one; otherwise the keys
     themselves. An empty set means no authentication. KeyFileError (one line) for a file
     that cannot be read, is open to other users or holds no key, or a key that is not
     printable ASCII."""
     if api_keys is None:
-        where = "$SKIPPY_API_KEYS"
-        keys = _keys(os.environ.get("SKIPPY_API_KEYS", "").split(","), f"{where}, item")
+        where = f"${variable}"
+        keys = _keys(os.environ.get(variable, "").split(","), f"{where}, item")
     elif isinstance(api_keys, (str, Path)):
-        where = f"the API key file {api_keys}"
-        text = read_private(api_keys, "the API key file", KeyFileError)
+        where = f"{what} {api_keys}"
+        text = read_private(api_keys, what, KeyFileError)
         keys = _keys(text.splitlines(), f"{where}, line")
         if not keys:  # an empty file is a mistake, never "no authentication"
             raise KeyFileError(f"{where} holds no key (one key a line)")
     else:
-        keys = _keys(api_keys, "the API keys given, key")
+        keys = _keys(api_keys, "the keys given, key")
     return keys
+
+
+def load_operator_keys(keys: Iterable[str] | str | Path | None) -> frozenset[str]:
+    """The operator's keys, as `load_api_keys` reads them ($SKIPPY_OPERATOR_KEYS)."""
+    return load_api_keys(keys, variable="SKIPPY_OPERATOR_KEYS", what="the operator key file")
 
 
 def _keys(lines: Iterable[str], where: str) -> frozenset[str]:
@@ -82,26 +96,33 @@ class ApiKeys:
     key itself), so a namespace seen in a stage's memory or a log tells nothing about the
     key. `secret` keys the hash: serve passes the cluster's, so a restarted gateway (or a
     second one over the same stages) finds a key's cached state again; by default a
-    secret of this process."""
+    secret of this process. `operators`: the keys that may also read what spans tenants."""
 
-    def __init__(self, keys: frozenset[str], secret: str | None = None):
+    def __init__(self, keys: frozenset[str], secret: str | None = None,
+                 operators: frozenset[str] = frozenset()):
         secret = secret.encode() if secret else secrets.token_bytes(32)
-        self._tags = {k.encode(): hmac.new(secret, k.encode(), hashlib.sha256).hexdigest()[:16]
-                      for k in keys}
+        self._tags = {k.encode(): (hmac.new(secret, k.encode(), hashlib.sha256).hexdigest()[:16],
+                                   k in operators) for k in keys | operators}
 
     def __bool__(self) -> bool:
         return bool(self._tags)
 
-    def tenant(self, authorization: str | None) -> str | None:
-        """The tenant tag of a valid `Authorization: Bearer <key>`, or None."""
+    def caller(self, authorization: str | None) -> tuple[str, bool] | None:
+        """(tenant tag, whether an operator's) of a valid `Authorization: Bearer <key>`,
+        or None."""
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             return None
         sent = token.encode("latin-1")
         # compare against every key in constant time: no early exit that leaks which matched
-        matched = [tag for key, tag in self._tags.items() if hmac.compare_digest(sent, key)]
+        matched = [who for key, who in self._tags.items() if hmac.compare_digest(sent, key)]
         return matched[0] if matched else None
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant tag of a valid `Authorization: Bearer <key>`, or None."""
+        who = self.caller(authorization)
+        return None if who is None else who[0]
 
 
 def cache_namespace(tenant: str, cache_salt: str) -> str:
@@ -123,11 +144,13 @@ def is_loopback(host: str) -> bool:
 
 
 def keys_for_bind(host: str, api_keys: Iterable[str] | str | Path | None,
-                  insecure: bool = False) -> frozenset[str]:
-    """The keys a server on `host` will check (see `load_api_keys`). OpenBindRefused
-    (one line) when `host` is beyond loopback and there are none, unless `insecure`."""
+                  insecure: bool = False, operators: frozenset[str] = frozenset()
+                  ) -> frozenset[str]:
+    """The API keys a server on `host` will check (see `load_api_keys`). OpenBindRefused
+    (one line) when `host` is beyond loopback and there is no key of either kind (an
+    operator key alone closes the API to all but the operator), unless `insecure`."""
     keys = load_api_keys(api_keys)
-    if not keys and not insecure and not is_loopback(host):
+    if not keys and not operators and not insecure and not is_loopback(host):
         raise OpenBindRefused(
             f"refusing to serve on {host} without API keys: anyone who can reach it could "
             f"use the model; give keys (--api-keys-file FILE or $SKIPPY_API_KEYS) or serve "
@@ -207,13 +230,17 @@ class Edge:
             return ApiError(400, "this server listens on loopback and answers only requests "
                                  "addressed to localhost, 127.0.0.1 or [::1]",
                             code="invalid_host")
-        tenant = ""
+        tenant, operator = "", not self.keys  # a server without keys has one user
         if self.keys and path not in OPEN_PATHS:
-            tenant = self.keys.tenant(_header(scope, b"authorization"))
-            if tenant is None:
+            who = self.keys.caller(_header(scope, b"authorization"))
+            if who is None:
                 return ApiError(401, "missing or invalid API key (Authorization: Bearer "
                                      "<key>)", code="invalid_api_key")
-        scope[TENANT] = tenant
+            tenant, operator = who
+            if path in OPERATOR_PATHS and not operator:
+                return ApiError(403, f"{path} spans every tenant: it needs an operator key "
+                                     f"(--operator-keys-file)", code="operator_key_required")
+        scope[TENANT], scope[OPERATOR] = tenant, operator
         if scope.get("method") == "POST" and path in JSON_POSTS and \
                 not json_content_type(_header(scope, b"content-type")):
             return ApiError(415, "the request body must be JSON, sent with Content-Type: "

@@ -33,7 +33,8 @@ from ..tokenizer import Tokenizer
 from . import http_errors
 from .admission import RequestAdmission
 from .completions import Completions
-from .edge import ApiKeys, Edge, is_loopback, keys_for_bind, load_api_keys
+from .edge import ApiKeys, Edge, is_loopback, keys_for_bind, load_api_keys, \
+    load_operator_keys
 from .generation import RunContext
 from .limits import DEFAULT_PORT, GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
@@ -61,7 +62,8 @@ async def _guarded(awaitable):
 def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
                limits: GatewayLimits | None = None, memo: ResultMemo | None = None,
                close_engine: bool = False, bind_host: str = "127.0.0.1",
-               control_text: bool = False, tenant_secret: str | None = None) -> FastAPI:
+               control_text: bool = False, tenant_secret: str | None = None,
+               operator_keys: Iterable[str] | str | Path | None = None) -> FastAPI:
     """The gateway app for `engine`.
 
     api_keys: see `load_api_keys` (None reads $SKIPPY_API_KEYS). limits: what it admits
@@ -71,7 +73,8 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     app answers only requests addressed to loopback (the Host header), against DNS
     rebinding. control_text: message text that spells a control token is that token
     (trusted clients only; by default it is text). tenant_secret: keys each API key's
-    cache namespace (see `ApiKeys`)."""
+    cache namespace (see `ApiKeys`). operator_keys: the keys that may also read what
+    spans tenants (`load_operator_keys`; None reads $SKIPPY_OPERATOR_KEYS)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -88,10 +91,12 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
                               limits, admission, runs)
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.state.limits = limits  # the server's connections keep them too (connections.py)
     http_errors.install(app)
     _routes(app, completions, metrics)
     add_status_routes(app, StatusBoard(engine, metrics, runs.in_flight))
-    app.add_middleware(Edge, keys=ApiKeys(load_api_keys(api_keys), tenant_secret),
+    keys = ApiKeys(load_api_keys(api_keys), tenant_secret, load_operator_keys(operator_keys))
+    app.add_middleware(Edge, keys=keys,
                        loopback=is_loopback(bind_host), count=_counter(metrics))
     if tracing.enabled():  # outermost: a request's span holds the edge's refusals too
         app.add_middleware(tracing.HttpSpans)
@@ -151,21 +156,24 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
 # -- running it ---------------------------------------------------------------------------------------
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
           api_keys: Iterable[str] | str | Path | None = None, *, insecure: bool = False,
-          **app_options) -> None:
+          operator_keys: Iterable[str] | str | Path | None = None, **app_options) -> None:
     """Serve until Ctrl-C (uvicorn handles the signal), then close the engine.
 
-    api_keys: see `load_api_keys`. Beyond loopback without keys it refuses to start
-    (OpenBindRefused) unless `insecure`; a key file that cannot be read or holds no key is
-    a KeyFileError (both UserErrors). Either way the engine is closed."""
+    api_keys, operator_keys: see `create_app`. Beyond loopback without keys it refuses to
+    start (OpenBindRefused) unless `insecure`; a key file that cannot be read or holds no
+    key is a KeyFileError (both UserErrors). Either way the engine is closed."""
     import uvicorn
+
+    from . import connections
     try:
-        keys = keys_for_bind(host, api_keys, insecure)
+        operators = load_operator_keys(operator_keys)
+        keys = keys_for_bind(host, api_keys, insecure, operators)
     except UserError:
         asyncio.run(engine.close())
         raise
-    app = create_app(engine, api_keys=keys, close_engine=True, bind_host=host,
-                     **app_options)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+    app = create_app(engine, api_keys=keys, operator_keys=operators, close_engine=True,
+                     bind_host=host, **app_options)
+    uvicorn.Server(connections.config(app, host, port, "info")).run()
 
 
 class BackgroundServer:
@@ -173,13 +181,14 @@ class BackgroundServer:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         import uvicorn
+
+        from . import connections
         if port == 0:
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
-                                                     log_level="warning"))
+        self._server = uvicorn.Server(connections.config(app, host, port, "warning"))
         self._server.install_signal_handlers = lambda: None  # not the main thread
         self._thread = threading.Thread(target=self._server.run, daemon=True,
                                         name=f"gateway:{port}")

@@ -46,9 +46,10 @@ class Generation:
     """One choice's run (see the module docstring)."""
 
     def __init__(self, ctx: RunContext, request: GenerationRequest, stops: tuple[str, ...],
-                 arrived: float, tenant: str = ""):
+                 arrived: float, tenant: str = "", counts_prompt: bool = True):
         self.ctx, self.request, self.stops, self.arrived = ctx, request, stops, arrived
         self.tenant = tenant  # whose status page lists it
+        self.counts_prompt = counts_prompt  # the first of the n choices of its prompt
         self.outcome = Outcome(TokenUsage(len(request.tokens)))
         self.key = memo_key(request, ctx.engine.info.topology_digest)
         self.known: KnownRun | None = None
@@ -159,7 +160,10 @@ class Generation:
                 if first is not None and n > 1 and now > first else None}
 
     def _account(self, ran_out: bool) -> None:
-        n = self.outcome.usage.completion_tokens
+        usage = self.outcome.usage
+        n = usage.completion_tokens
+        self.ctx.in_flight.ended(self.tenant, usage.prompt_tokens * self.counts_prompt,
+                                 usage.cached_tokens * self.counts_prompt, n)
         source = "memo" if self._replay is not None else "engine"
         self.ctx.metrics.tokens.labels(source).inc(n)
         if n > 1 and self._first_at is not None:

@@ -9,7 +9,9 @@ two readings of a stage's row counters and the times they were read, as Promethe
 rate() would; nothing is counted a second time here.
 
 The page is one HTML file with its script and style inline (no build step, no CDN);
-it is public, while /status.json follows the API's key rule (mesh/front/edge.py).
+it is public, while /status.json follows the API's key rule (mesh/front/edge.py). Once
+the server has keys, what spans tenants (plan, stages, caches, nodes, the gateway's
+totals, errors) is the operator's: a tenant's key reads its own runs and totals only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client.core import Metric
 
 from ..control.engine import Engine
-from .edge import TENANT
+from .edge import OPERATOR, TENANT
 from .in_flight import InFlight
 from .metrics import GatewayMetrics
 
@@ -125,10 +127,7 @@ class StatusBoard:
             stats = self.engine.stats()
         except Exception:  # noqa: BLE001 (the page shows what it can; /metrics logs it)
             stats = {}
-        try:
-            serving = bool(self.engine.status()["serving"])
-        except Exception:  # noqa: BLE001
-            serving = False
+        serving = self._serving()
         t = self._clock()
         series = _Series(self.metrics.families(stats))
         self._history.add(t, series.values)
@@ -145,6 +144,19 @@ class StatusBoard:
             "requests": [],
             "errors": self._errors(stats, series, t),
         }
+
+    def tenant_view(self) -> dict:
+        """What any tenant may read (blocking, as `snapshot`): the model and whether it
+        is served; no engine figures, which are every tenant's together."""
+        info = self.engine.info
+        return {"model": info.model, "n_ctx": info.n_ctx, "lanes": info.lanes,
+                "serving": self._serving(), "updated": time.time()}
+
+    def _serving(self) -> bool:
+        try:
+            return bool(self.engine.status()["serving"])
+        except Exception:  # noqa: BLE001 (the page shows what it can; /metrics logs it)
+            return False
 
     def _stages(self, stats: dict, series: _Series, t: float) -> list[dict]:
         before = self._history.baseline(t, RATE_WINDOW_S)
@@ -274,8 +286,13 @@ def add_status_routes(app: FastAPI, board: StatusBoard) -> None:
 
     @app.get("/status.json")
     async def status_json(request: Request):
-        body = await asyncio.to_thread(board.snapshot)
+        tenant = request.scope.get(TENANT, "")
+        if request.scope.get(OPERATOR):
+            body = {"view": "operator", **await asyncio.to_thread(board.snapshot)}
+        else:
+            body = {"view": "tenant", **await asyncio.to_thread(board.tenant_view)}
         # read on the event loop, where runs change; after the counters, so a first token
         # they count is in this list too. The caller's own runs only (mesh/front/in_flight.py)
-        body["requests"] = board.in_flight.snapshot(request.scope.get(TENANT, ""))
+        body["requests"] = board.in_flight.snapshot(tenant)
+        body["usage"] = board.in_flight.usage(tenant)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})

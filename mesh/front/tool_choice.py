@@ -101,17 +101,19 @@ def _tools(tools: Any) -> tuple[str, ...]:
         raise bad("tools must be an array of {type: \"function\", function: {...}}", "tools")
     if len(tools) > MAX_TOOLS:
         raise bad(f"tools takes at most {MAX_TOOLS} functions, not {len(tools)}", "tools")
-    out, seen, size = [], set(), 0
+    # the size of all of them before any schema is checked: checking is the costly part
+    sent = _json_size(tools, "tools")
+    if sent > MAX_TOOLS_CHARS:
+        raise bad(f"tools take at most {MAX_TOOLS_CHARS} characters of JSON together, not "
+                  f"{sent}", "tools")
+    out, seen = [], set()
     for i, tool in enumerate(tools):
         fn = _function(tool, i)
         if fn["name"] in seen:
             raise bad(f"tools[{i}]: the function name {fn['name']!r} is used twice", "tools")
         seen.add(fn["name"])
+        # no larger than what was sent: it keeps only the fields it checked
         out.append(json.dumps({"type": "function", "function": fn}, ensure_ascii=False))
-        size += len(out[-1])
-        if size > MAX_TOOLS_CHARS:
-            raise bad(f"tools take at most {MAX_TOOLS_CHARS} characters of JSON together "
-                      f"(tools[0..{i}] hold {size})", "tools")
     return tuple(out)
 
 
@@ -145,14 +147,18 @@ def _function(tool: Any, i: int) -> dict:
     return out
 
 
+def _json_size(value: Any, where: str) -> int:
+    """Characters of `value` as JSON (a request's own JSON: it can be written back)."""
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        raise bad(f"{where} cannot be read as JSON", "tools") from None
+
+
 def _schema(params: Any, i: int) -> dict:
     if not isinstance(params, Mapping):
         raise bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-    try:
-        size = len(json.dumps(params, ensure_ascii=False))
-    except (TypeError, ValueError, RecursionError):
-        raise bad(f"tools[{i}].function.parameters cannot be read as a JSON schema",
-                  "tools") from None
+    size = _json_size(params, f"tools[{i}].function.parameters")
     if size > MAX_TOOL_SCHEMA_CHARS:
         raise bad(f"tools[{i}].function.parameters takes at most {MAX_TOOL_SCHEMA_CHARS} "
                   f"characters of JSON, not {size}", "tools")
