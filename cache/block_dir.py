@@ -77,8 +77,9 @@ class DirBlockStore(BlockStore):
         except FileNotFoundError:
             pass
         tmp = self._dir / f".tmp-{self.owner}-{name}"
-        try:
-            with open(tmp, "wb") as fh:
+        try:  # only this user reads it (the folder is 0700 too), never through a link
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb") as fh:
                 fh.write(zstandard.compress(data, 1) if self._compress else data)
         except OSError as e:  # the node's tmpfs or disk is full: as a cap would refuse it
             _unlink(tmp)

@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import stat
+import subprocess
 
 import pytest
 
@@ -64,3 +65,15 @@ def test_another_users_folder_is_refused(address):
     with pytest.raises(StoreNotOurs, match="belongs to uid 54321"):
         node_store(address, 1 << 20)
     assert not (root / "blocks").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="running as another uid needs root")
+def test_another_user_reads_no_block(address):
+    store = node_store(address, 1 << 20)
+    digest = store.put(b"a prompt's layer-0 keys" * 100)
+    block = node_store_root(address) / "blocks" / digest.hex()
+    assert stat.S_IMODE(block.stat().st_mode) == 0o600
+    os.chmod(block, 0o644)  # even a block open to others sits behind the 0700 folder
+    denied = subprocess.run(["cat", str(block)], user=54321, group=54321,
+                            capture_output=True, text=True)
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr

@@ -217,6 +217,10 @@ def test_an_embedded_ray_takes_a_token_only_its_user_reads(tmp_path):
         assert gcs_call(address, token.read_text()) == "OK"
         assert gcs_call(address, None) == "UNAUTHENTICATED"
         assert not (tmp_path / ".ray").exists()
+        if os.getuid() == 0:  # another local user can read no token to attach with
+            denied = subprocess.run(["cat", path], user=54321, group=54321,
+                                    capture_output=True, text=True)
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
