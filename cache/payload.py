@@ -7,13 +7,20 @@ axis (recurrent/SSM/conv state).
 Byte layout, token-page-major (DESIGN.md §5.4). Tensors go in name order. Tokens are cut
 into pages of `page_tokens`; a page holds, for each token tensor in turn, that tensor's
 rows for the page's tokens. The fixed tensors follow the last page, and the whole is cut
-into BLOCK_SIZE blocks.
+into blocks of BLOCK_BODY bytes, each stored as a BLOCK_SIZE block behind the payload's
+scope.
+
+Every block begins with the payload's scope: the digest of its stage and cache namespace
+(DESIGN.md §5.1), so the same state in two namespaces never makes the same block. A
+tenant cannot learn that another sent the same prompt from what the store deduplicates
+(a figure, or a put that is faster for having nothing to write), while the payloads of one
+namespace share blocks as below. The rules below speak of a block's body.
 
 - When one token's rows (all tensors) fit a block, a page is the most tokens that fit one
   block and every full page is zero-padded to exactly one block. Page j is then block j:
   two payloads of the same layout whose first m tokens agree share their first
-  m // page_tokens blocks, whatever the row size (a power-of-two row fills the block and
-  pads nothing; any other wastes less than one row per block). Without the padding the
+  m // page_tokens blocks, whatever the row size (any row wastes less than one row per
+  block). Without the padding the
   pages would drift across block boundaries and the block straddling the end of the common
   pages would differ; with a power-of-two page count instead of the most that fit, an
   awkward row size would pad up to half of every block.
@@ -39,7 +46,9 @@ import numpy as np
 
 from skippy.cache.blocks import BLOCK_SIZE, DIGEST_SIZE, BlockStore
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocks begin with the payload's scope
+BLOCK_BODY = BLOCK_SIZE - DIGEST_SIZE  # a block's payload bytes, after the scope
+NO_SCOPE = bytes(DIGEST_SIZE)  # payloads of no stage (tests, certify's round trip)
 
 # Plain numeric dtypes only: their bytes are their value, so a round trip is bitwise.
 _DTYPE_KINDS = "biufc"
@@ -88,6 +97,7 @@ class PayloadManifest:
     page_stride: int      # bytes a full page occupies, padding included
     total_bytes: int
     blocks: tuple[bytes, ...]
+    scope: bytes = NO_SCOPE  # the stage and namespace digest each block begins with
     format_version: int = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
@@ -103,6 +113,7 @@ class PayloadManifest:
             "page_stride": self.page_stride,
             "total_bytes": self.total_bytes,
             "blocks": list(self.blocks),
+            "scope": self.scope,
         }, use_bin_type=True)
 
     @classmethod
@@ -118,7 +129,8 @@ class PayloadManifest:
         if doc.get("v") != FORMAT_VERSION:
             raise IncompatiblePayload(f"manifest format {doc.get('v')!r}, expected {FORMAT_VERSION}")
         expected = {"v", "kind", "identity", "identity_fields", "n_tokens", "token_tensors",
-                    "fixed_tensors", "page_tokens", "page_stride", "total_bytes", "blocks"}
+                    "fixed_tensors", "page_tokens", "page_stride", "total_bytes", "blocks",
+                    "scope"}
         if set(doc) != expected:
             raise IncompatiblePayload(f"manifest keys differ: {sorted(set(doc) ^ expected)}")
         try:
@@ -139,6 +151,7 @@ class PayloadManifest:
             page_stride=_expect_count(doc["page_stride"], "page_stride"),
             total_bytes=_expect_count(doc["total_bytes"], "total_bytes"),
             blocks=tuple(_expect_digest(h, "block hash") for h in _expect_list(doc["blocks"], "blocks")),
+            scope=_expect_digest(doc["scope"], "scope"),
         )
         _check_kind(kind, manifest.token_tensors, manifest.fixed_tensors, IncompatiblePayload)
         # The layout must be exactly the one this build would write for these tensors.
@@ -151,15 +164,16 @@ class PayloadManifest:
         if layout != (manifest.token_tensors, manifest.fixed_tensors, manifest.page_tokens,
                       manifest.page_stride, manifest.total_bytes):
             raise IncompatiblePayload("manifest layout is inconsistent")
-        if len(manifest.blocks) != math.ceil(manifest.total_bytes / BLOCK_SIZE):
+        if len(manifest.blocks) != math.ceil(manifest.total_bytes / BLOCK_BODY):
             raise IncompatiblePayload("manifest block count does not match its size")
         return manifest
 
 
 def encode_payload(kind: PayloadKind, identity: bytes, identity_fields: Mapping[str, Any],
                    token_tensors: Mapping[str, np.ndarray], fixed_tensors: Mapping[str, np.ndarray],
-                   n_tokens: int, store: BlockStore) -> PayloadManifest:
-    """Lay the state out token-page-major, put its blocks in `store`, return the manifest.
+                   n_tokens: int, store: BlockStore, scope: bytes = NO_SCOPE) -> PayloadManifest:
+    """Lay the state out token-page-major, put its blocks in `store` (each beginning with
+    `scope`, the digest of the stage and namespace it belongs to), return the manifest.
 
     Each block put adds one reference, owned by the returned manifest until
     `release_payload`. If the store refuses a block (`StoreFull`), the blocks already put
@@ -168,8 +182,9 @@ def encode_payload(kind: PayloadKind, identity: bytes, identity_fields: Mapping[
     kind = PayloadKind(kind)
     identity = bytes(identity)
     n_tokens = operator.index(n_tokens)  # a numpy integer would not pack into the manifest
-    if len(identity) != DIGEST_SIZE:
-        raise ValueError(f"identity must be a {DIGEST_SIZE}-byte digest, got {len(identity)} bytes")
+    if len(identity) != DIGEST_SIZE or len(scope) != DIGEST_SIZE:
+        raise ValueError(f"identity and scope must be {DIGEST_SIZE}-byte digests, got "
+                         f"{len(identity)} and {len(scope)} bytes")
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
     # Normalised through msgpack (tuples become lists, ...), so that the manifest equals
@@ -196,14 +211,14 @@ def encode_payload(kind: PayloadKind, identity: bytes, identity_fields: Mapping[
 
     view, hashes = memoryview(buf), []
     try:
-        for at in range(0, total, BLOCK_SIZE):
-            hashes.append(store.put(view[at:at + BLOCK_SIZE]))
+        for at in range(0, total, BLOCK_BODY):
+            hashes.append(store.put(scope + view[at:at + BLOCK_BODY]))
     except BaseException:
         for h in hashes:
             store.release(h)
         raise
     return PayloadManifest(kind, identity, fields, n_tokens, token_specs, fixed_specs,
-                    page_tokens, page_stride, total, tuple(hashes))
+                    page_tokens, page_stride, total, tuple(hashes), bytes(scope))
 
 
 def decode_payload(manifest: PayloadManifest, store: BlockStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -216,6 +231,9 @@ def decode_payload(manifest: PayloadManifest, store: BlockStore) -> tuple[dict[s
     buf, at = bytearray(manifest.total_bytes), 0
     for h in manifest.blocks:
         block = store.get(h)
+        if block[:DIGEST_SIZE] != manifest.scope:
+            raise IncompatiblePayload("a payload block of another scope")
+        block = memoryview(block)[DIGEST_SIZE:]
         if at + len(block) > manifest.total_bytes:
             raise IncompatiblePayload("payload blocks exceed the manifest's size")
         buf[at:at + len(block)] = block
@@ -264,8 +282,8 @@ def _layout(token_rows: list[tuple[str, str, tuple[int, ...]]],
         row_bytes += nbytes
     if row_bytes == 0:
         page_tokens, page_stride = 0, 0
-    elif row_bytes <= BLOCK_SIZE:
-        page_tokens, page_stride = BLOCK_SIZE // row_bytes, BLOCK_SIZE
+    elif row_bytes <= BLOCK_BODY:
+        page_tokens, page_stride = BLOCK_BODY // row_bytes, BLOCK_BODY
     else:
         page_tokens, page_stride = 1, row_bytes
     total = 0

@@ -145,7 +145,8 @@ class ResidentLanes(CachePolicy):
 
     def export(self, hit, length, identity) -> PayloadManifest:
         state = self.runtime.export_state(self.holders[hit.entry_id], length)
-        return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store)
+        return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store,
+                            self.keys[hit.entry_id][0])
 
     def adopt(self, tokens, state, scope) -> None:
         self._hold(scope, tokens[:state.n_tokens], state.nbytes,
@@ -219,7 +220,7 @@ class _Payloads(CachePolicy):
         self._evicted(r.evicted)
         try:
             manifest = encode_state(state, self.kind_of(state), prefix_digest(scope, tokens[:b]),
-                                    self.stage_index, self.store)
+                                    self.stage_index, self.store, scope)
         except BlockError:
             self.prefixes.abort(r)
             return
@@ -239,7 +240,8 @@ class _Payloads(CachePolicy):
                 self.store.retain(h)
             return manifest
         state = cut_state(decode_state(manifest, self.store), length)
-        return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store)
+        return encode_state(state, self.kind_of(state), identity, self.stage_index, self.store,
+                            manifest.scope)
 
     def adopt(self, tokens, state, scope) -> None:
         self._record(tokens, state.n_tokens, state, scope)
@@ -302,14 +304,15 @@ def policy_class(name: str, runtime: StageRuntime, enabled: bool = True) -> type
 
 # -- state as payloads: what an entry stores, and what travels between nodes ----------------
 def encode_state(state: LaneState, kind: PayloadKind, identity: bytes, stage_index: int,
-                 store: BlockStore) -> PayloadManifest:
-    """The state as a payload in `store` (its blocks hold one reference each)."""
+                 store: BlockStore, scope: bytes) -> PayloadManifest:
+    """The state as a payload in `store` (its blocks hold one reference each), its blocks
+    those of `scope` (the stage and namespace) alone."""
     token_arrays = {f"k.{i:04d}": t.numpy() for i, t in enumerate(state.keys)}
     token_arrays.update({f"v.{i:04d}": t.numpy() for i, t in enumerate(state.values)})
     fixed = {name: t.numpy() for name, t in state.fixed.items()}
     return encode_payload(kind, identity, {"stage_index": stage_index,
                                            "prefilled": state.prefilled},
-                          token_arrays, fixed, state.n_tokens, store)
+                          token_arrays, fixed, state.n_tokens, store, scope)
 
 
 def decode_state(manifest: PayloadManifest, store: BlockStore) -> LaneState:

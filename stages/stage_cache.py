@@ -448,7 +448,7 @@ class StageCache:
             elif own > after:
                 state = self.runtime.export_state(lane, own)
                 manifest = encode_state(state, self.entries.kind_of(state), digests[own],
-                                        self.key.stage_index, self.store)
+                                        self.key.stage_index, self.store, scope)
             else:
                 return None
         except (BlockError, StageError, KeyError, ValueError, RuntimeError) as e:

@@ -12,29 +12,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "usecases.jsonl"
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s files (--dist loadfile), each given to a worker only once it is about
-    to run out: xdist's own scheduler hands the next file over while two tests are left,
-    so at the end one worker held a 40 s file queued while the other had nothing left."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class WhenFree(LoadFileScheduling):
-        def _reschedule(self, node):
-            if node.shutting_down:
-                return
-            if not self.workqueue:
-                node.shutdown()
-                return
-            # a worker keeps its last test until it knows the next (or that none comes):
-            # one pending test is a worker waiting for work
-            if self._pending_of(self.assigned_work[node]) <= 1:
-                self._assign_work_unit(node)
-
-    return WhenFree(config, log)
-
-
 @pytest.fixture(scope="session")
 def smollm2():
     from skippy.mesh.models import pull

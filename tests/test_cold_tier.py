@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from skippy.cache.block_dir import DirBlockStore
+from skippy.cache.blocks import DIGEST_SIZE
 from skippy.cache.config import CacheConfig
 from skippy.mesh.stage.server import StageServer
 from skippy.stages.runtime import StageSpec
@@ -93,4 +94,44 @@ def test_a_disk_restore_slower_than_recomputing_is_declined(qwen3_f32, policy, e
     finally:
         on.loop.stop()
         off.loop.stop()
+        cold.close()
+
+
+def test_every_block_in_ram_or_on_disk_is_one_namespaces(qwen3_f32, policy, entry_bytes,
+                                                         tmp_path):
+    """Tenants share no block in RAM or on disk: every block any path puts (a record, a
+    demotion to disk, a promotion back) begins with the scope of its stage and namespace,
+    so the same prompt of two tenants makes two sets of blocks, and what one tenant's
+    state deduplicates against never depends on what another sent (tests/test_payload.py
+    shows the dedupe itself)."""
+    cfg = CacheConfig(admit_after=1, max_bytes=int(entry_bytes * 1.5))
+    cold = DirBlockStore(tmp_path, compress=True)
+    on = server(qwen3_f32, cfg, cold, policy)
+    tags: dict[bytes, set] = {}
+
+    def spied(store, where: str):
+        real = store.put
+
+        def recording(data):
+            digest = real(data)
+            tags.setdefault(bytes(data[:DIGEST_SIZE]), set()).add((where, digest))
+            return digest
+        store.put = recording
+
+    try:
+        spied(on.cache.store, "ram")
+        spied(on.cache.cold.store, "disk")
+        for namespace in ("tenant-a", "tenant-b"):
+            run(on, A, namespace=namespace)
+            run(on, B, namespace=namespace)   # pushes A's entry to disk
+            run(on, A2, namespace=namespace)  # and back
+        scopes = {on.cache.scope(n) for n in ("tenant-a", "tenant-b")}
+        assert set(tags) == scopes  # no block of no namespace, or of another stage
+        a, b = (tags[on.cache.scope(n)] for n in ("tenant-a", "tenant-b"))
+        # RAM holds payloads only under KvRecurrent (ResidentKv keeps lanes there)
+        assert {w for w, _ in a} == {w for w, _ in b} == (
+            {"disk"} if policy == "ResidentKv" else {"ram", "disk"})
+        assert not {d for _, d in a} & {d for _, d in b}
+    finally:
+        on.loop.stop()
         cold.close()

@@ -1,5 +1,6 @@
 """Exact state payloads: token-page-major layout, bitwise round trip, dedupe, strict manifests."""
 
+import dataclasses
 import math
 
 import msgpack
@@ -8,11 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy.cache.blocks import BLOCK_SIZE, BlockError, BlockStore, CorruptBlock, MissingBlock, StoreFull
-from skippy.cache.payload import (FORMAT_VERSION, IncompatiblePayload, PayloadManifest, PayloadKind,
-                                  decode_payload, encode_payload, release_payload)
+from skippy.cache.blocks import (BLOCK_SIZE, DIGEST_SIZE, BlockError, BlockStore, CorruptBlock,
+                                 MissingBlock, StoreFull)
+from skippy.cache.payload import (BLOCK_BODY, FORMAT_VERSION, NO_SCOPE, IncompatiblePayload,
+                                  PayloadManifest, PayloadKind, decode_payload, encode_payload,
+                                  release_payload)
 
 IDENTITY = bytes(range(32))
+SCOPE = bytes(range(100, 132))  # a stage and namespace digest
 FIELDS = {"model": "m" * 8, "stage": 0, "layers": [0, 4], "kv_dtype": "f16"}
 
 
@@ -38,9 +42,14 @@ def with_suffix_replaced(rng, tensors, keep):
     return out
 
 
-def encode_kv(tokens, store, fixed=None, kind=PayloadKind.ResidentKv):
+def encode_kv(tokens, store, fixed=None, kind=PayloadKind.ResidentKv, scope=NO_SCOPE):
     n_tokens = next(iter(tokens.values())).shape[0]
-    return encode_payload(kind, IDENTITY, FIELDS, tokens, fixed or {}, n_tokens, store)
+    return encode_payload(kind, IDENTITY, FIELDS, tokens, fixed or {}, n_tokens, store, scope)
+
+
+def stored_bytes(m) -> int:
+    """A payload's bytes in the store: its own, and the scope each block begins with."""
+    return m.total_bytes + DIGEST_SIZE * len(m.blocks)
 
 
 def assert_bitwise_equal(got, want):
@@ -109,13 +118,13 @@ def test_a_page_is_one_block_of_all_tensors_rows_in_name_order():
     rng = np.random.default_rng(2)
     tokens = kv(rng, 300, layers=2, heads=8, head_dim=64)     # 4 x 1 KiB per token
     store = BlockStore()
-    m = encode_kv(tokens, store)
-    assert (m.page_tokens, m.page_stride) == (256, BLOCK_SIZE)
-    first_page = b"".join(tokens[name][:256].tobytes() for name in sorted(tokens))
-    assert store.get(m.blocks[0]) == first_page
-    last_page = b"".join(tokens[name][256:].tobytes() for name in sorted(tokens))
-    assert store.get(m.blocks[1]) == last_page
-    assert m.total_bytes == 300 * 4096  # power-of-two rows fill the block: no padding
+    m = encode_kv(tokens, store, scope=SCOPE)
+    assert (m.page_tokens, m.page_stride) == (255, BLOCK_BODY)  # the body after the scope
+    first_page = b"".join(tokens[name][:255].tobytes() for name in sorted(tokens))
+    assert store.get(m.blocks[0]) == SCOPE + first_page + bytes(BLOCK_BODY - 255 * 4096)
+    last_page = b"".join(tokens[name][255:].tobytes() for name in sorted(tokens))
+    assert store.get(m.blocks[1]) == SCOPE + last_page
+    assert m.total_bytes == BLOCK_BODY + 45 * 4096
 
 
 def test_rows_that_do_not_divide_a_block_pad_each_page_to_one():
@@ -124,10 +133,10 @@ def test_rows_that_do_not_divide_a_block_pad_each_page_to_one():
     fixed = {"state": random_array(rng, (100,), "<f4")}
     store = BlockStore()
     m = encode_kv(tokens, store, fixed, kind=PayloadKind.KvRecurrent)
-    assert m.page_tokens == BLOCK_SIZE // 3840 == 273
-    assert m.total_bytes == 3 * BLOCK_SIZE + (1000 - 3 * 273) * 3840 + 400
+    assert m.page_tokens == BLOCK_BODY // 3840 == 273
+    assert m.total_bytes == 3 * BLOCK_BODY + (1000 - 3 * 273) * 3840 + 400
     assert all(len(store.get(h)) == BLOCK_SIZE for h in m.blocks[:-1])
-    assert store.get(m.blocks[0]).endswith(bytes(BLOCK_SIZE - 273 * 3840))  # zero padding
+    assert store.get(m.blocks[0]).endswith(bytes(BLOCK_BODY - 273 * 3840))  # zero padding
 
 
 # --- dedupe -------------------------------------------------------------------------------
@@ -138,11 +147,11 @@ def test_payloads_sharing_a_token_stem_store_its_blocks_once():
     b_tokens = with_suffix_replaced(rng, a_tokens, keep=3000)
     store = BlockStore()
     a, b = encode_kv(a_tokens, store), encode_kv(b_tokens, store)
-    assert a.page_tokens == 256
-    assert shared_leading_blocks(a, b) == 3000 // 256 == 11
+    assert a.page_tokens == 255
+    assert shared_leading_blocks(a, b) == 3000 // 255 == 11
     s = store.stats()
     assert s.physical_bytes == unique_bytes(store, a, b)
-    assert s.logical_bytes == a.total_bytes + b.total_bytes
+    assert s.logical_bytes == stored_bytes(a) + stored_bytes(b)
     assert s.saved_bytes == s.logical_bytes - s.physical_bytes == 11 * BLOCK_SIZE
 
 
@@ -168,11 +177,30 @@ def test_rows_larger_than_a_block_share_every_block_inside_the_common_bytes():
     store = BlockStore()
     a, b = encode_kv(a_tokens, store), encode_kv(b_tokens, store)
     assert (a.page_tokens, a.page_stride, a.total_bytes) == (1, 1_200_000, 7_200_000)
-    assert shared_leading_blocks(a, b) == 4 * 1_200_000 // BLOCK_SIZE
+    assert shared_leading_blocks(a, b) == 4 * 1_200_000 // BLOCK_BODY
     assert_bitwise_equal(decode_payload(b, store)[0], b_tokens)
 
 
 # --- refcounts ----------------------------------------------------------------------------
+
+def test_the_same_state_in_two_scopes_shares_no_block():
+    """A scope is a stage and a cache namespace (a tenant): the same prompt's state sent
+    by two tenants makes no block of one the other's, so nothing the store deduplicates
+    tells one tenant what the other sent."""
+    rng = np.random.default_rng(9)
+    tokens = kv(rng, 600, layers=2)
+    store = BlockStore()
+    a = encode_kv(tokens, store, scope=SCOPE)
+    b = encode_kv(tokens, store, scope=bytes([7]) * DIGEST_SIZE)
+    assert not set(a.blocks) & set(b.blocks)
+    s = store.stats()
+    assert s.saved_bytes == 0 and s.dedup_puts == 0
+    assert_bitwise_equal(decode_payload(b, store)[0], tokens)
+    again = encode_kv(tokens, store, scope=SCOPE)  # one scope dedupes as before
+    assert again.blocks == a.blocks and store.stats().saved_bytes == stored_bytes(a)
+    with pytest.raises(IncompatiblePayload, match="another scope"):  # a manifest that lies
+        decode_payload(dataclasses.replace(b, scope=SCOPE), store)
+
 
 def test_releasing_one_of_two_sharing_payloads_keeps_the_shared_blocks():
     rng = np.random.default_rng(7)
@@ -196,7 +224,7 @@ def test_the_same_state_exported_twice_costs_its_bytes_once():
     store = BlockStore()
     a, b = encode_kv(tokens, store), encode_kv(tokens, store)
     assert a.blocks == b.blocks
-    assert store.stats().saved_bytes == a.total_bytes
+    assert store.stats().saved_bytes == stored_bytes(a)
     release_payload(a, store)
     assert_bitwise_equal(decode_payload(b, store)[0], tokens)
 

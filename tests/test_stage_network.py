@@ -188,6 +188,19 @@ def test_serve_with_defaults_binds_only_loopback(smollm2, tmp_path):
     assert all(h in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]") for h in hosts), ss
 
 
+def test_stage_traffic_is_closed_wherever_another_host_could_join():
+    """Decided for the cluster, not for the nodes at start: a head on a real address may
+    gain a node later, and a stage moved there (a lost one's) must not talk in the clear
+    or on that node's loopback."""
+    from skippy.mesh.control.ray_engine import stage_network
+    for alone in ("127.0.0.1:6379", "[::1]:6379", "localhost:6379"):  # the embedded Ray
+        assert stage_network("auto", alone) == (False, "127.0.0.1")
+    assert stage_network("on", "127.0.0.1:6379") == (True, "127.0.0.1")
+    for head in ("10.0.0.5:6379", "head.example:6379", "[fd00::5]:6379"):
+        assert stage_network("auto", head) == (True, None)  # each node's own address
+    assert stage_network("off", "10.0.0.5:6379") == (False, None)
+
+
 _TOKEN_HOLDER = """
 import os, sys, ray
 from skippy.mesh.control.ray_engine import start_ray

@@ -59,8 +59,8 @@ def test_a_missing_or_empty_secret_file_is_an_error(tmp_path, content):
 
 
 def test_tls_is_on_by_default_when_stage_traffic_can_leave_the_host():
-    assert [tls_wanted("auto", n) for n in (1, 2)] == [False, True]
-    assert tls_wanted("on", 1) and not tls_wanted("off", 3)
+    assert [tls_wanted("auto", grows) for grows in (False, True)] == [False, True]
+    assert tls_wanted("on", False) and not tls_wanted("off", True)
 
 
 def test_credentials_never_print_their_token_or_key():

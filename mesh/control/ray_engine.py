@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import logging
 import os
 import secrets
@@ -294,22 +295,18 @@ class RayEngine(PipelinesEngine):
         self.cache = cache or CacheConfig()
         # Every pipeline uses the same plan: the same ranges compute the same numbers, so
         # one topology digest names them all (the gateway's exact results rely on it).
-        nodes: list[NodeSpec] = []  # the alive nodes that can hold the model
-
-        def held_by(model_digest: str) -> list[NodeSpec]:
-            nodes[:] = cluster_nodes(Path(model_path), model_digest)
-            return nodes
         self.model = ServedModel.open(
-            model_path, runtime, held_by, stages=n_stages, ranges=ranges,
+            model_path, runtime, functools.partial(cluster_nodes, Path(model_path)),
+            stages=n_stages, ranges=ranges,
             wire_dtype=wire_dtype, n_ctx=n_ctx, lanes=lanes * pipelines,
             weight_format=weight_format)
         self.plan, path, n = self.model.plan, self.model.path, len(self.model.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")
-        # One node: no stage traffic leaves the host, so it stays on loopback in the clear.
-        self.stage_tls = tls_wanted(stage_tls, len(nodes))
+        # Decided for every placement to come, not by the nodes there are now: a node
+        # that joins later may get a stage (a lost one's), and its traffic leaves the host.
+        self.stage_tls, host = stage_network(stage_tls, ray.get_runtime_context().gcs_address)
         cluster = ClusterCredentials(secret or new_secret(), self.stage_tls)
-        host = LOOPBACK if len(nodes) == 1 else None
         progress(_caches_line(self.cache))
         progress(f"stage network: {'mutual TLS' if self.stage_tls else 'plain TCP'} on "
                  f"{host or 'each node address'}, calls carry the cluster secret")
@@ -373,6 +370,19 @@ class RayEngine(PipelinesEngine):
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def stage_network(mode: str, gcs_address: str) -> tuple[bool, str | None]:
+    """(TLS on, where stage servers listen: None for each node's own address) for a
+    cluster whose GCS is at `gcs_address`. One whose GCS listens on loopback (the
+    embedded Ray) is this host alone for good: stages stay on loopback, in the clear
+    unless `mode` is "on". Any other can gain hosts at any time."""
+    host = gcs_address.rsplit(":", 1)[0].strip("[]")
+    try:
+        alone = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: another host may be behind it
+        alone = False
+    return tls_wanted(mode, can_grow=not alone), LOOPBACK if alone else None
 
 
 def _check_options(pipelines: int, stage_tls: str) -> None:

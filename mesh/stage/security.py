@@ -55,10 +55,11 @@ def load_secret(path: str | None = None) -> str:
     return secret
 
 
-def tls_wanted(mode: str, n_nodes: int) -> bool:
-    """Whether stages talk TLS (`mode` one of TLS_MODES): `auto` turns it on as soon as
-    stage traffic can leave the host."""
-    return mode == "on" or (mode == "auto" and n_nodes > 1)
+def tls_wanted(mode: str, can_grow: bool) -> bool:
+    """Whether stages talk TLS (`mode` one of TLS_MODES): `auto` turns it on whenever
+    another host can be in the cluster (now or after a node joins): stage traffic can
+    then leave this host."""
+    return mode == "on" or (mode == "auto" and can_grow)
 
 
 def _token(secret: str) -> str:
