@@ -31,11 +31,11 @@ def case_file(name: str, tmp_path_factory) -> Path:
 
 
 def check_agreement(path, name: str, **spec) -> dict:
-    """Teacher-forced against llama.cpp: 2 prompts of 320 tokens, 16 decode steps; an
-    expert choice that is a near-tie in our run (margin under 1e-3) is made llama.cpp's
-    way where the rows say llama.cpp made it the other way (evals/numerics.py
-    teacher_forced), and every row is then held to the bar."""
-    r = family_agreement(path, **spec)
+    """Teacher-forced against llama.cpp: a prompt of 320 tokens, 16 decode steps (the
+    eval, evals/numerics.py, runs two); an expert choice that is a near-tie in our run
+    (margin under 1e-3) is made llama.cpp's way where the rows say llama.cpp made it the
+    other way (evals/numerics.py teacher_forced), and every row is then held to the bar."""
+    r = family_agreement(path, **{"n_prompts": 1, **spec})
     print(f"\n{name} f32 vs llama.cpp: max |dlogit| {r['max_abs_delta']:.2e} over "
           f"{r['positions']} rows ({r['decided']} with a clear top-1); near-ties made "
           f"the other way (prompt, row, layer, margin): {r['flipped']}")
