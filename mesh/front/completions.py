@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from ..control.engine import Engine, GenerationRequest
 from .admission import RequestAdmission
+from .body_budget import BodyBudget
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from .edge import TENANT
 from .generation import Generation, RunContext, all_of, total_usage
@@ -32,6 +33,9 @@ from .openai_api import ApiError, ParsedRequest, ResponseShape, parse_json, pars
 from .rendering import ClosingStream, sse_events, whole_body
 from .request_building import ModelView, build_requests
 from .tool_calls import ToolCallFormat
+
+
+REFUSAL_HOLD_S = 1.0  # a request over its caller's body budget waits this long for its 429
 
 
 @dataclasses.dataclass
@@ -46,6 +50,7 @@ class Completions:
     runs: RunContext
 
     def __post_init__(self):
+        self.budget = BodyBudget(self.limits.body_bytes_per_s, 2 * self.limits.max_body_bytes)
         # the split and the weights it serves (a new one means a seeded request may
         # answer differently)
         self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
@@ -73,14 +78,30 @@ class Completions:
         limit = self.limits.max_body_bytes
         too_large = ApiError(413, f"the request body exceeds {limit} bytes",
                              code="request_too_large")
-        if length is not None and length.isdigit() and int(length) > limit:
+        declared = int(length) if length is not None and length.isdigit() else None
+        if declared is not None and declared > limit:
             raise too_large
+        # the caller's budget of bytes parsed: before reading, where the size is declared
+        caller = request.scope.get(TENANT) or (request.client.host if request.client else "")
+        if declared is not None:
+            await self._spend(caller, declared)
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > limit:
                 raise too_large
+        if declared is None:
+            await self._spend(caller, len(raw))
         return parse_json(bytes(raw))
+
+    async def _spend(self, caller: str, nbytes: int) -> None:
+        try:
+            self.budget.take(caller, nbytes)
+        except ApiError:
+            # held a while first (a sleep costs nothing): a caller repeating refused
+            # requests would otherwise cost the loop as much in answers as in parses
+            await asyncio.sleep(REFUSAL_HOLD_S)
+            raise
 
     async def _answer(self, body: dict, chat: bool, tenant: str, arrived: float,
                       deadline: float) -> Response:
