@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from skippy.mesh.front.tool_choice import MAX_TOOLS, ToolSpecError, parse_tools
+from skippy.mesh.front.tool_choice import MAX_TOOLS, CheckedSchemas, ToolSpecError, parse_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather now.", "strict": True,
@@ -118,3 +118,36 @@ def test_a_schema_or_all_tools_past_their_size_cap_is_a_400_before_any_check(mon
         parse_tools({"tools": five})
     assert len(checked) == 0  # the sum is refused before any schema is checked
     assert parse_tools({"tools": five[:4]}) is not None
+
+
+def test_a_tenant_has_each_schema_checked_once_and_never_by_anothers_check(monkeypatch):
+    """An agent sends its tools every turn: the second time, its schemas are known good.
+    Another tenant's identical tools are checked again (a faster answer would tell it that
+    someone had sent them), as is a schema that failed."""
+    import jsonschema
+    checked = []
+    real = jsonschema.validators.validator_for
+
+    def spy(schema, *args, **kwargs):
+        # ours (not the metaschema, nor its parts, which it checks with)
+        if isinstance(schema, dict) and schema.get("type") == "object" \
+                and "$dynamicRef" not in str(schema):
+            checked.append(schema)
+        return real(schema, *args, **kwargs)
+
+    monkeypatch.setattr(jsonschema.validators, "validator_for", spy)
+    memory = CheckedSchemas(max_entries=3)
+    body = {"tools": [WEATHER, _described("note", 100)]}  # two schemas
+    first = parse_tools(body, memory.checker("alpha"))
+    assert len(checked) == 2
+    assert parse_tools(body, memory.checker("alpha")) == first and len(checked) == 2
+    parse_tools(body, memory.checker("beta"))
+    assert len(checked) == 4
+    bad = {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": 3}}}]}
+    for _ in range(2):
+        with pytest.raises(ToolSpecError, match="not a valid JSON schema"):
+            parse_tools(bad, memory.checker("alpha"))
+    assert len(checked) == 6
+    parse_tools(body, memory.checker("alpha"))  # 3 kept of the 4 checked: alpha's went
+    assert len(checked) == 8

@@ -33,6 +33,7 @@ from .openai_api import ApiError, ParsedRequest, ResponseShape, parse_json, pars
 from .rendering import ClosingStream, sse_events, whole_body
 from .request_building import ModelView, build_requests
 from .tool_calls import ToolCallFormat
+from .tool_choice import CheckedSchemas
 
 
 REFUSAL_HOLD_S = 1.0  # a request over its caller's body budget waits this long for its 429
@@ -51,6 +52,7 @@ class Completions:
 
     def __post_init__(self):
         self.budget = BodyBudget(self.limits.body_bytes_per_s, 2 * self.limits.max_body_bytes)
+        self.schemas = CheckedSchemas()  # each tenant's tool schemas, checked once
         # the split and the weights it serves (a new one means a seeded request may
         # answer differently)
         self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
@@ -108,7 +110,8 @@ class Completions:
         # off the event loop, where the streams of other requests run: checking tool
         # schemas and compiling a response_format's grammar (parse_request), and templates
         # and tokenizers on long prompts (build_requests)
-        parsed = await asyncio.to_thread(parse_request, body, chat=chat)
+        parsed = await asyncio.to_thread(parse_request, body, chat=chat,
+                                         schemas=self.schemas.checker(tenant))
         built = await asyncio.to_thread(build_requests, parsed, self.view, self.limits,
                                         tenant)
         release = await self.admission.admit(len(built.requests))

@@ -29,7 +29,7 @@ from typing import Any
 from ..constraint import Constraint
 from ..sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from .response_format import ResponseFormatError, response_constraint
-from .tool_choice import ToolSpecError, ToolUse, parse_tools
+from .tool_choice import ToolSpecError, ToolUse, check_schema, parse_tools
 
 # max_tokens when the request gives none: what is left of the context, at most this.
 # OpenAI's legacy completions default to 16, which cuts most answers short; 256 answers
@@ -141,7 +141,10 @@ def _valid(text: str) -> bool:
     return True
 
 
-def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
+def parse_request(body: dict, *, chat: bool,
+                  schemas: Callable[[Mapping], None] = check_schema) -> ParsedRequest:
+    """The body validated. `schemas`: how a tool's parameters are checked as a JSON
+    schema (the gateway's remembers each tenant's, tool_choice.CheckedSchemas)."""
     model = _field(body, "model", str)
     if model is None:
         raise bad("model is required", "model")
@@ -177,12 +180,12 @@ def parse_request(body: dict, *, chat: bool) -> ParsedRequest:
                          max_tokens=max_tokens, sampling=_sampling(body, _logprobs(body, chat)),
                          stop=_stop(body.get("stop")), stream=stream,
                          include_usage=stream and include_usage, cache_salt=salt,
-                         tools=_tools(body) if chat else None)
+                         tools=_tools(body, schemas) if chat else None)
 
 
-def _tools(body: Mapping) -> ToolUse | None:
+def _tools(body: Mapping, schemas: Callable[[Mapping], None]) -> ToolUse | None:
     try:
-        return parse_tools(body)
+        return parse_tools(body, schemas)
     except ToolSpecError as e:
         raise bad(str(e), e.param) from None
 
