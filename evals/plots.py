@@ -23,7 +23,7 @@ from pathlib import Path
 BENCHES = ("bench_cache", "bench_cluster", "bench_cold_tier", "bench_constraint",
            "bench_gateway", "bench_mesh", "bench_runtime", "bench_stage_cache",
            "cache_exactness", "certify_matrix", "family_matrix", "format_accuracy",
-           "giant_proof", "numerics", "wire_accuracy")
+           "giant_proof", "numerics", "robustness", "wire_accuracy")
 DPI = 100
 MIB = 2**20
 OURS, REFERENCE = "tab:blue", "tab:orange"   # one colour per side in every figure

@@ -8,6 +8,9 @@ refused (400 once parsed, 429 unread once its body budget is spent).
     unshare -n bash -c 'ip link set lo up; RAY_AUTH_MODE=disabled \
         .venv/bin/python -m skippy.evals.robustness [--runs 3] [--json robustness.json]'
 
+`--json P` writes the samples to P and their figure to P.png (each run's worst /health
+and longest gap, alone and attacked, against the targets).
+
 `skippy serve`'s engine (2 Ray stages of SmolLM2, embedded Ray) behind the real gateway,
 its own key; each kind of client runs in a process of its own (in the server's, or each
 other's, its own work would count against the figures). Run it on an idle machine:
@@ -24,6 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from skippy.evals import plots
 
 TARGETS = {"health_s": 0.100, "gap_s": 0.250}
 KEY = "robustness"
@@ -136,13 +141,33 @@ def attack(url: str, title: str) -> dict:
             "health": health, "answers": finished(big), "dropped": finished(slow)}
 
 
-def summary(r: dict) -> str:
+def line(r: dict) -> str:
+    """One run, as a line."""
     return (f"alone: slowest /health {max(r['health_alone']) * 1e3:.0f} ms, longest gap "
             f"{max(r['gaps_alone']) * 1e3:.0f} ms; attacked: slowest /health "
             f"{max(r['health']) * 1e3:.0f} ms of {len(r['health'])}, longest gap "
             f"{max(r['gaps']) * 1e3:.0f} ms of {len(r['gaps'])}; the key's big requests: "
             f"{r['answers'].count(400)} parsed and refused, {r['answers'].count(429)} "
             f"refused unread")
+
+
+def plot(result: dict):
+    """Per run: the slowest /health (left) and the longest wait between two chunks of a
+    stream (right), the streams alone and under attack, against the targets."""
+    runs = result["results"]
+    fig, ((health, gaps),) = plots.figure(1, 2, title=(
+        "3 streams; 1,000 slow-loris sockets and a key repeating 3.8 MiB tool requests"))
+    labels = [f"run {i + 1}" for i in range(len(runs))]
+    for ax, key, target, title in ((health, "health", "health_s", "slowest /health"),
+                                   (gaps, "gaps", "gap_s", "longest gap between chunks")):
+        plots.bars(ax, labels, {
+            "alone": [max(r[f"{key}_alone"]) * 1e3 for r in runs],
+            "attacked": [max(r[key]) * 1e3 for r in runs]},
+            colors=[plots.REFERENCE, plots.OURS])
+        ax.axhline(result["targets"][target] * 1e3, color="black", linestyle="--",
+                   linewidth=1, label="target")
+        plots.finish(ax, title=title, ylabel="ms")
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         with BackgroundServer(create_app(engine, api_keys=[KEY])) as srv:
             for i in range(args.runs):
                 runs.append(attack(srv.url, f"run {i}"))
-                print(summary(runs[-1]), flush=True)
+                print(line(runs[-1]), flush=True)
     finally:
         asyncio.run(engine.close())
     worst = {"health_s": statistics.median(max(r["health"]) for r in runs),
@@ -171,9 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, target in TARGETS.items():
         print(f"{k}: median over runs of the worst {worst[k] * 1e3:.0f} ms, target "
               f"< {target * 1e3:.0f} ms: {'met' if worst[k] < target else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": runs, "worst": worst, "targets": TARGETS}, f)
+    plots.write({"results": runs, "worst": worst, "targets": TARGETS}, args.json,
+                "robustness")
     return 0 if all(worst[k] < t for k, t in TARGETS.items()) else 1
 
 

@@ -252,7 +252,7 @@ def test_slow_sockets_and_big_requests_do_not_stall_health_or_streams(ray_engine
     raise_file_limit(4096)  # this process holds the server's ends of the sockets
     with BackgroundServer(create_app(ray_engine, api_keys=[robustness.KEY])) as srv:
         r = robustness.attack(srv.url, "the sea")
-    print(f"\n{robustness.summary(r)}")
+    print(f"\n{robustness.line(r)}")
     assert len(r["gaps"]) >= 3 * 30 and len(r["health"]) >= 5 and r["dropped"] == []
     assert set(r["answers"]) == {400, 429}, set(r["answers"])
-    assert max(r["health"]) < 0.5 and max(r["gaps"]) < 1.0, robustness.summary(r)
+    assert max(r["health"]) < 0.5 and max(r["gaps"]) < 1.0, robustness.line(r)
