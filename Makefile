@@ -80,7 +80,7 @@ run: venv
 # cores took 586 s for test_family_bar + test_certify that way, 162 s with them passive
 # (181 s with one thread per worker). Ray stages and servers a test starts inherit it.
 WORKERS     ?= 2
-XDIST       := --dist loadfile --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
+XDIST       := --dist loadfile --no-loadscope-reorder --tx '$(WORKERS)*popen//python=$(CURDIR)/tests/netns_worker'
 # Our own modules compiled first: where PYTHONDONTWRITEBYTECODE is set (these machines),
 # each of the hundreds of processes a run starts (Ray workers, servers, CLIs) would
 # compile them again.

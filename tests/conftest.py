@@ -11,6 +11,33 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = REPO.parent / "shared" / "data" / "usecases.jsonl"
 
+# Files of few tests that take 20 s or more (a cluster of hosts, a lost node, a corpus).
+# `make test` hands files to its 2 workers most tests first (xdist's order, which pairs a
+# heavy file with light ones), and so handed these out last: one worker was left with a
+# 40 s file queued when the other had finished (70 s apart at the end, twice). Here the
+# files of 3 tests or fewer go heavy ones first: the last ones handed out are light.
+HEAVY_FEW = {"test_cluster_state.py", "test_host_loss.py", "test_node_loss.py",
+             "test_part_delivery.py", "test_gateway_properties.py", "test_cache_exactness.py",
+             "test_giant_proof.py", "test_numerics.py", "test_service.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order above (with --no-loadscope-reorder, the Makefile's): files of 4 tests or
+    more by their number of tests, most first; then the heavy few-test files; then the
+    light ones; tests in a file in their own order."""
+    if config.getoption("loadscopereorder", True):
+        return
+    count: dict[str, int] = {}
+    for item in items:
+        count[item.path.name] = count.get(item.path.name, 0) + 1
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path.name, i)
+    def order(it):
+        n, name = count[it.path.name], it.path.name
+        return (-n if n > 3 else 0, name not in HEAVY_FEW, -n, first[name])
+    items.sort(key=order)
+
 
 @pytest.fixture(scope="session")
 def smollm2():
