@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -33,10 +34,35 @@ def pytest_collection_modifyitems(config, items):
     first = {}
     for i, item in enumerate(items):
         first.setdefault(item.path.name, i)
+    hosts_tests = sum(count.get(name, 0) for name in HOSTS_FILES)
     def order(it):
         n, name = count[it.path.name], it.path.name
-        return (-n if n > 3 else 0, name not in HEAVY_FEW, -n, first[name])
+        if name in HOSTS_FILES:   # one unit of work, in HOSTS_FILES' order
+            return (-hosts_tests, False, -hosts_tests, -1, HOSTS_FILES.index(name))
+        return (-n if n > 3 else 0, name not in HEAVY_FEW, -n, first[name], 0)
     items.sort(key=order)
+
+
+# The files that run on hosts of their own (tests/hosts.py) share one set of hosts, one
+# file after the other: three Ray nodes take ~11 s to start and stop alone, ~20 s beside
+# the other worker. test_host_loss kills a host, so it comes last and ends the set.
+HOSTS_FILES = ("test_separate_hosts.py", "test_part_delivery.py", "test_cluster_state.py",
+               "test_host_loss.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with HOSTS_FILES one unit: the worker that runs them keeps its
+    hosts from one file to the next."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class HostsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "hosts" if path.rsplit("/", 1)[-1] in HOSTS_FILES else path
+
+    return HostsTogether(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -130,10 +156,48 @@ def falcon_h1_f32(smollm2, tmp_path_factory):
     return write_synthetic("falcon-h1", layers=4, seed=7, out=out, tokenizer_from=smollm2)
 
 
+class _SharedHosts:
+    """The hosts HOSTS_FILES share: made by the first module that asks, ended when the next
+    test does not ask for them (or a module spent them, as test_host_loss does)."""
+    stack: contextlib.ExitStack | None = None
+    hosts: list | None = None
+
+    @classmethod
+    def get(cls, root_factory) -> list:
+        if cls.hosts is None:
+            from hosts import MEMORY, separate_hosts
+            cls.stack = contextlib.ExitStack()
+            cls.hosts = cls.stack.enter_context(
+                separate_hosts(root_factory.mktemp("hosts"), MEMORY))
+        return cls.hosts
+
+    @classmethod
+    def end(cls) -> None:
+        if cls.stack is not None:
+            stack, cls.stack, cls.hosts = cls.stack, None, None
+            stack.close()
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    """Three hosts that really are separate (tests/hosts.py) for one test module; skips
-    where they cannot be made (not root, not in a loopback-only namespace)."""
-    from hosts import MEMORY, separate_hosts
-    with separate_hosts(tmp_path_factory.mktemp("hosts"), MEMORY) as hs:
-        yield hs
+    """Three hosts that really are separate (tests/hosts.py), shared by consecutive modules
+    that ask for them; skips where they cannot be made (not root, not in a loopback-only
+    namespace)."""
+    return _SharedHosts.get(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def spent_hosts(hosts):
+    """The hosts, for a module that breaks them (kills one): they end with the module."""
+    yield hosts
+    _SharedHosts.end()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Ends the shared hosts once the next test does not use them (or none is left), after
+    the test's own fixtures (the servers on them) have ended."""
+    yield
+    if _SharedHosts.hosts is not None and (nextitem is None
+                                           or "hosts" not in nextitem.fixturenames):
+        _SharedHosts.end()

@@ -43,9 +43,10 @@ MOVE_LINE = re.compile(r"pipeline 0 stage (\d+): node (\w+) is lost; layers (\d+
 
 
 @pytest.fixture(scope="module")
-def server(hosts, smollm2):
-    """`skippy serve` inside host 1, two stages; yields its log's path once it answers."""
-    head = hosts[0]
+def server(spent_hosts, smollm2):
+    """`skippy serve` inside host 1, two stages; yields its log's path once it answers.
+    The test kills host 2: the hosts end with this module."""
+    head = spent_hosts[0]
     with serving(head, PORT, "--model", str(smollm2), "--stages", "2", "--ctx", str(CTX),
                  "--lanes", str(LANES), "--weight-format", "int4") as log:
         yield log
