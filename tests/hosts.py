@@ -181,11 +181,101 @@ def _start_ray(hosts: Sequence[Host], memory: Sequence[int], num_cpus: int) -> N
     for i, (h, mem) in enumerate(zip(hosts, memory)):
         role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 \
             else [f"--address={head}"]
-        h.run(str(BIN / "ray"), "start", *role, f"--node-ip-address={h.ip}",
-              f"--num-cpus={num_cpus}", f"--memory={mem}",
-              f"--object-store-memory={100 * MiB}", f"--temp-dir={h.root / 'ray'}",
-              "--disable-usage-stats")
+        _ray_start(h, role, mem, num_cpus, h.root / "ray")
     _wait_for_nodes(head, len(hosts))
+
+
+def _ray_start(host: Host, role: list[str], memory: int, num_cpus: int, temp: Path) -> None:
+    host.run(str(BIN / "ray"), "start", *role, f"--node-ip-address={host.ip}",
+             f"--num-cpus={num_cpus}", f"--memory={memory}",
+             f"--object-store-memory={100 * MiB}", f"--temp-dir={temp}",
+             "--disable-usage-stats")
+
+
+def leave_ray(host: Host, head: Host, timeout: float = 60) -> None:
+    """`host` leaves the cluster as a machine shut down does: its processes get TERM (the
+    raylet tells the GCS it goes), then KILL; returns once the head no longer lists it."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for pid in host.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while host.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    deadline = time.monotonic() + timeout
+    while host.ip in ray_nodes(f"{head.ip}:{RAY_PORT}"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{host.ip} is still a Ray node {timeout} s after it stopped")
+        time.sleep(0.2)
+
+
+def join_ray(host: Host, head: Host, memory: int, *, num_cpus: int = 1) -> str:
+    """`host` (again) joins the cluster at `head` as a new node, with a fresh temp dir;
+    returns its node id."""
+    temp = host.root / f"ray-{time.monotonic_ns()}"
+    temp.mkdir()
+    _ray_start(host, [f"--address={head.ip}:{RAY_PORT}"], memory, num_cpus, temp)
+    deadline = time.monotonic() + 60
+    while host.ip not in (nodes := ray_nodes(f"{head.ip}:{RAY_PORT}")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{host.ip} did not join the cluster")
+        time.sleep(0.2)
+    return nodes[host.ip]
+
+
+def kill_host(host: Host) -> None:
+    """Every process in `host`, SIGKILL, as a machine that loses power (never `ray stop`)."""
+    deadline = time.monotonic() + 10
+    while pids := host.pids():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{host.netns}: processes {pids} outlived SIGKILL")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def stage_address(host: Host) -> str:
+    """The address the stage server on `host` listens on: its actor's one socket bound to
+    an address (the actor's other, on `*`, is Ray's core-worker server; see
+    tests/test_stage_network.py)."""
+    found = [addr for addr, name in host.listening()
+             if name == "ray::StageActor" and not addr.startswith("*")]
+    assert len(found) == 1, host.listening()
+    return found[0]
+
+
+# Run inside a host: reach a stage's port over TCP, then call it over gRPC with the cluster
+# secret's token, in the clear and over TLS under another CA.
+_PROBE = """
+import json, socket, sys, grpc
+from skippy.mesh.stage.security import ClusterCredentials, StageCredentials
+from skippy.proto import stage_pb2 as pb, stage_pb2_grpc
+address, secret = sys.argv[1], sys.stdin.read().strip()
+host, port = address.rsplit(":", 1)
+socket.create_connection((host, int(port)), timeout=10).close()
+token = StageCredentials.plain(secret).metadata
+def code(channel):
+    try:
+        with channel:
+            list(stage_pb2_grpc.StageStub(channel).GetBlocks(
+                pb.BlockRequest(), metadata=token, timeout=20))
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+print(json.dumps({"plain": code(grpc.insecure_channel(address)),
+                  "other_ca": code(ClusterCredentials(secret, tls=True).issue()
+                                   .channel(address, []))}))
+"""
+
+
+def probe_stage(host: Host, address: str, secret: str) -> dict[str, str]:
+    """From inside `host`, the gRPC status of a call to the stage at `address` in the clear
+    and under another CA, both with `secret`'s token ("UNAVAILABLE" both: the stage speaks
+    TLS and trusts only its cluster's CA; a plain stage would answer the first)."""
+    import json
+    done = host.run(sys.executable, "-c", _PROBE, address, input=secret)
+    return json.loads(done.stdout)
 
 
 def ray_nodes(head: str) -> dict[str, str]:

@@ -1,18 +1,17 @@
 """A worker host lost while serving, on hosts that really are separate (tests/hosts.py):
-`skippy serve` on host 1 with stage 0 there and stage 1 on host 2; host 2's Ray node is
-killed (every process in its namespace, SIGKILL) under 4 greedy streams. Stage 1 moves,
-with the same layers, to host 3 (the topology digest stays), every stream finishes with
-the fault-free text, and /ready says 503 while no pipeline can serve.
+`skippy serve` on host 1 with stage 0 there and stage 1 on host 2, and host 3 joining the
+cluster after the start; host 2's Ray node is killed (every process in its namespace,
+SIGKILL) under 4 greedy streams. Stage 1 moves, with the same layers, to host 3 (the
+topology digest stays), where it listens on host 3's own address over the cluster's TLS;
+every stream finishes with the fault-free text, and /ready says 503 while no pipeline can
+serve.
 
 tests/test_node_loss.py checks the same on Ray nodes that share one network namespace.
 Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
 import threading
 import time
 import urllib.error
@@ -24,7 +23,8 @@ pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import RAY_PORT, planned, ray_nodes, serving  # noqa: E402
+from hosts import (MEMORY, RAY_PORT, join_ray, kill_host, leave_ray,  # noqa: E402
+                   planned, probe_stage, ray_nodes, serving, stage_address)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,12 +44,14 @@ MOVE_LINE = re.compile(r"pipeline 0 stage (\d+): node (\w+) is lost; layers (\d+
 
 @pytest.fixture(scope="module")
 def server(spent_hosts, smollm2):
-    """`skippy serve` inside host 1, two stages; yields its log's path once it answers.
-    The test kills host 2: the hosts end with this module."""
-    head = spent_hosts[0]
+    """`skippy serve` inside host 1, two stages, started while host 3 is out of the
+    cluster; host 3 joins once the gateway answers. Yields (the log's path, host 3's node
+    id). The test kills host 2: the hosts end with this module."""
+    head, _, late = spent_hosts
+    leave_ray(late, head)
     with serving(head, PORT, "--model", str(smollm2), "--stages", "2", "--ctx", str(CTX),
                  "--lanes", str(LANES), "--weight-format", "int4") as log:
-        yield log
+        yield log, join_ray(late, head, MEMORY[2])
 
 
 def fault_free(model, ranges, questions) -> list[str]:
@@ -68,17 +70,6 @@ def fault_free(model, ranges, questions) -> list[str]:
         steps = local.complete(prompt, MAX_TOKENS, stop_ids=frozenset(tok.eog_ids))
         out.append(tok.decode([s.token for s in steps]))
     return out
-
-
-def kill_host(host) -> None:
-    """Every process in `host`, SIGKILL, as a machine that loses power (never `ray stop`)."""
-    deadline = time.monotonic() + 10
-    while pids := host.pids():
-        assert time.monotonic() < deadline, pids
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
 
 
 class ReadyWatch(threading.Thread):
@@ -107,6 +98,7 @@ class ReadyWatch(threading.Thread):
 def test_a_lost_host_moves_its_stage_and_every_stream_keeps_its_answer(
         hosts, server, smollm2):
     head, lost, spare = hosts
+    server, spare_node = server
     text = server.read_text()
     stages = planned(text)
     nodes = ray_nodes(f"{head.ip}:{RAY_PORT}")
@@ -162,7 +154,13 @@ def test_a_lost_host_moves_its_stage_and_every_stream_keeps_its_answer(
     now = ray_nodes(f"{head.ip}:{RAY_PORT}")
     assert lost.ip not in now
     (stage, was, first, last, to, digest), = MOVE_LINE.findall(text)
-    assert (stage, was, to) == ("1", nodes[lost.ip][:12], now[spare.ip][:12]), text
+    assert spare_node not in text.split(MOVE_LINE.search(text)[0])[0]  # it joined later
+    assert (stage, was, to) == ("1", nodes[lost.ip][:12], spare_node[:12]), text
+    # the stage made there listens on that node's address, over the cluster's TLS
+    address = stage_address(spare)
+    assert address.rsplit(":", 1)[0] == spare.ip
+    assert probe_stage(head, address, "not the cluster's secret") == {
+        "plain": "UNAVAILABLE", "other_ca": "UNAVAILABLE"}
     assert (int(first), int(last) + 1) == stages[1][:2]     # the same layers
     assert digest == PLAN_LINE.search(text)[1]             # so the same topology digest
     print(f"\nhost 2 killed under 4 streams: /ready 503 until {watch.last_down - t:.1f} s, "

@@ -8,17 +8,14 @@ Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
 pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import (RAY_PORT, greedy_chat, planned, ray_nodes,  # noqa: E402
-                   serving)
+from hosts import (RAY_PORT, greedy_chat, planned, probe_stage,  # noqa: E402
+                   ray_nodes, serving, stage_address)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -39,16 +36,6 @@ def serve_log(hosts, smollm2):
                  "--cluster-secret-file", str(secret), "--ctx", str(CTX), "--lanes", "1",
                  "--weight-format", "int4") as log:
         yield log.read_text()
-
-
-def stage_address(host) -> str:
-    """The address the stage server on `host` listens on: its actor's one socket bound to
-    an address (the actor's other, on `*`, is Ray's core-worker server; see
-    tests/test_stage_network.py)."""
-    found = [addr for addr, name in host.listening()
-             if name == "ray::StageActor" and not addr.startswith("*")]
-    assert len(found) == 1, host.listening()
-    return found[0]
 
 
 def test_hosts_see_only_their_own_address_and_files(hosts):
@@ -78,36 +65,12 @@ def test_greedy_chat_matches_the_in_process_pipeline(hosts, serve_log, smollm2):
     assert stage_address(hosts[2]) in hosts[1].peers()
 
 
-# Run inside host 3: reach host 2's stage port over TCP, then call it over gRPC knowing
-# the cluster secret, in the clear and over TLS under another CA.
-PROBE = """
-import json, socket, sys, grpc
-from skippy.mesh.stage.security import ClusterCredentials, StageCredentials
-from skippy.proto import stage_pb2 as pb, stage_pb2_grpc
-address, secret = sys.argv[1], sys.stdin.read().strip()
-host, port = address.rsplit(":", 1)
-socket.create_connection((host, int(port)), timeout=10).close()
-token = StageCredentials.plain(secret).metadata
-def code(channel):
-    try:
-        with channel:
-            list(stage_pb2_grpc.StageStub(channel).GetBlocks(
-                pb.BlockRequest(), metadata=token, timeout=20))
-        return "OK"
-    except grpc.RpcError as e:
-        return e.code().name
-print(json.dumps({"plain": code(grpc.insecure_channel(address)),
-                  "other_ca": code(ClusterCredentials(secret, tls=True).issue()
-                                   .channel(address, []))}))
-"""
-
-
 def test_a_host_without_the_cluster_certificate_cannot_call_a_stage(hosts, serve_log):
     address = stage_address(hosts[1])
     secret = (hosts[0].root / "cluster-secret").read_text()
-    done = hosts[2].run(sys.executable, "-c", PROBE, address, input=secret)
     # the port is reachable from the other host (TCP connected): TLS is what refuses
-    assert json.loads(done.stdout) == {"plain": "UNAVAILABLE", "other_ca": "UNAVAILABLE"}
+    assert probe_stage(hosts[2], address, secret) == {"plain": "UNAVAILABLE",
+                                                       "other_ca": "UNAVAILABLE"}
 
 
 def test_a_model_file_only_one_host_has_is_served_there_alone(hosts, serve_log, smollm2):
