@@ -15,6 +15,7 @@ and bridge, whatever the test did.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -174,12 +175,19 @@ def _links_besides_lo() -> bool:
     return any(line and ": lo:" not in line for line in links)
 
 
+# The GCS declares a silent node dead after 3 missed health checks a second apart (Ray's
+# defaults: 5 missed, 3 s apart, after a 10 s timeout: ~20 s of a test spent waiting).
+NODE_DEATH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+              "health_check_failure_threshold": 3}
+
+
 def _start_ray(hosts: Sequence[Host], memory: Sequence[int], num_cpus: int) -> None:
     """A head on the first host, a worker on each other, each with its own temp dir.
     `memory`: each node's Ray memory resource, which the planner places stages by."""
     head = f"{hosts[0].ip}:{RAY_PORT}"
     for i, (h, mem) in enumerate(zip(hosts, memory)):
-        role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 \
+        role = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false",
+                f"--system-config={json.dumps(NODE_DEATH)}"] if i == 0 \
             else [f"--address={head}"]
         _ray_start(h, role, mem, num_cpus, h.root / "ray")
     _wait_for_nodes(head, len(hosts))
@@ -273,7 +281,6 @@ def probe_stage(host: Host, address: str, secret: str) -> dict[str, str]:
     """From inside `host`, the gRPC status of a call to the stage at `address` in the clear
     and under another CA, both with `secret`'s token ("UNAVAILABLE" both: the stage speaks
     TLS and trusts only its cluster's CA; a plain stage would answer the first)."""
-    import json
     done = host.run(sys.executable, "-c", _PROBE, address, input=secret)
     return json.loads(done.stdout)
 

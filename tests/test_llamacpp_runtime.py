@@ -333,7 +333,7 @@ def test_sliding_window_and_recurrent_models_decode_each_lane_alone(gemma3, lfm2
 
 @pytest.mark.parametrize("n1, common, n2, start", [
     (40, 30, 50, 30),        # both prompts are one last chunk: resume at the first new row
-    (1300, 1290, 1310, 1290),  # both last chunks begin at 1280
+    (600, 590, 610, 590),    # both last chunks begin at 576, past 512 cells
     (300, 299, 300, 298),    # not one row alone over >= 512 cells: one row earlier
     (200, 150, 230, 128),    # the prompts part before the last chunk: its boundary
     (100, 90, 140, 64),      # last chunks begin at 64 and 128: the boundary

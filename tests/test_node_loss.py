@@ -30,8 +30,10 @@ NODE = dict(num_cpus=1, memory=4 * 2**30, object_store_memory=100 * 2**20)
 @pytest.fixture(scope="module")
 def cluster():
     from ray.cluster_utils import Cluster
+    from hosts import NODE_DEATH
     c = Cluster(initialize_head=True, connect=True,
-                head_node_args={**NODE, "include_dashboard": False})
+                head_node_args={**NODE, "include_dashboard": False,
+                                "_system_config": NODE_DEATH})
     for _ in range(2):
         c.add_node(**NODE)
     c.wait_for_nodes()
