@@ -186,6 +186,7 @@ def gateway(smollm2):
     from skippy.mesh.control.local import InProcessEngine
     from skippy.mesh.front.gateway import BackgroundServer, create_app
     engine = InProcessEngine(smollm2, 1, n_ctx=1024, cache=CacheConfig(enabled=False),
+                             weight_format="int4",
                              model_name="smollm2")
     with BackgroundServer(create_app(engine, api_keys=())) as srv:
         yield srv

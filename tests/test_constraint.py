@@ -196,7 +196,8 @@ def serve(path, stages):
     from skippy.cache.config import CacheConfig
     from skippy.mesh.control.local import InProcessEngine
     from skippy.mesh.front.gateway import BackgroundServer, create_app
-    engine = Counting(InProcessEngine(path, stages, cache=CacheConfig(), model_name="smollm2"))
+    engine = Counting(InProcessEngine(path, stages, cache=CacheConfig(), model_name="smollm2",
+                                     weight_format="int4"))
     return engine, BackgroundServer(create_app(engine, api_keys=()))
 
 

@@ -54,7 +54,7 @@ class CountingEngine:
 
 def local_engine(path, cache):
     return InProcessEngine(path, 2, cache=cache or CacheConfig(enabled=False),
-                           model_name="smollm2")
+                           model_name="smollm2", weight_format="int4")
 
 
 @pytest.fixture(scope="module")

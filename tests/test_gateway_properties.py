@@ -169,7 +169,7 @@ def requests(draw, model: str = "smollm2", tools: bool = False) -> tuple[str, by
 
 # -- the server --------------------------------------------------------------------------------------
 def serving(path, name: str):
-    engine = InProcessEngine(path, 2, cache=CacheConfig(), model_name=name)
+    engine = InProcessEngine(path, 2, cache=CacheConfig(), model_name=name, weight_format="int4")
     with BackgroundServer(create_app(engine, api_keys=())) as srv:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             yield c

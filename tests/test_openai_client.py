@@ -25,7 +25,8 @@ def tok(smollm2):
 
 @pytest.fixture(scope="module")
 def pipe(smollm2):
-    return InProcessEngine(smollm2, 2, cache=CacheConfig(enabled=False), model_name="smollm2")
+    return InProcessEngine(smollm2, 2, cache=CacheConfig(enabled=False), model_name="smollm2",
+                           weight_format="int4")
 
 
 @pytest.fixture(scope="module")

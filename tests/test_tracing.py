@@ -129,7 +129,8 @@ def traced(collector):
 
 @pytest.fixture(scope="module")
 def client(traced, smollm2):
-    engine = InProcessEngine(smollm2, 2, cache=CacheConfig(), model_name="smollm2")
+    engine = InProcessEngine(smollm2, 2, cache=CacheConfig(), model_name="smollm2",
+                             weight_format="int4")
     with BackgroundServer(create_app(engine, api_keys=())) as srv, \
             httpx.Client(base_url=srv.url, timeout=120) as c:
         yield c
