@@ -220,7 +220,8 @@ def leave_ray(host: Host, head: Host, timeout: float = 60) -> None:
 def join_ray(host: Host, head: Host, memory: int, *, num_cpus: int = 1) -> str:
     """`host` (again) joins the cluster at `head` as a new node, with a fresh temp dir;
     returns its node id."""
-    temp = host.root / f"ray-{time.monotonic_ns()}"
+    # a short name: Ray's socket paths under it must fit 107 bytes
+    temp = host.root / f"rj{sum(1 for _ in host.root.glob('rj*'))}"
     temp.mkdir()
     _ray_start(host, [f"--address={head.ip}:{RAY_PORT}"], memory, num_cpus, temp)
     deadline = time.monotonic() + 60
