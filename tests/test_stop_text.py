@@ -37,6 +37,12 @@ def test_earliest_of_several_stops_wins():
     assert feed(["bcd", "cx"], ["ab", "cd"]) == ("a", True)
 
 
+def test_the_stop_string_that_ended_the_text_is_named():
+    s = StopStrings(["cx", "bcd", "zz"])
+    assert s.matched is None and s.push("ab") == "a" and s.matched is None
+    assert s.push("cd") == "" and s.matched == "bcd"  # Anthropic's stop_sequence
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_any_split_equals_cutting_the_whole_text(seed):
     rng = random.Random(seed)

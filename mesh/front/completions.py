@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ..control.engine import Engine, GenerationRequest
+from . import anthropic_api
 from .admission import RequestAdmission
 from .body_budget import BodyBudget
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
@@ -30,13 +31,14 @@ from .edge import TENANT
 from .generation import Generation, RunContext, all_of, total_usage
 from .limits import GatewayLimits
 from .openai_api import ApiError, ParsedRequest, ResponseShape, parse_json, parse_request
-from .rendering import ClosingStream, sse_events, whole_body
+from .rendering import ClosingStream, message_events, sse_events, whole_body, whole_message
 from .request_building import ModelView, build_requests
 from .tool_calls import ToolCallFormat
 from .tool_choice import CheckedSchemas
 
 
 REFUSAL_HOLD_S = 1.0  # a request over its caller's body budget waits this long for its 429
+COMPLETIONS, CHAT, MESSAGES = "completions", "chat", "messages"  # the APIs answered
 
 
 @dataclasses.dataclass
@@ -58,8 +60,28 @@ class Completions:
         self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
 
     async def complete(self, request: Request, chat: bool) -> Response:
-        """The answer to one POST, by its deadline, unless the client leaves first (then
-        its work stops and nobody reads what we send)."""
+        """The answer to one POST of OpenAI's API, by its deadline, unless the client
+        leaves first (then its work stops and nobody reads what we send)."""
+        return await self._within_deadline(request, CHAT if chat else COMPLETIONS)
+
+    async def message(self, request: Request) -> Response:
+        """The answer to one POST /v1/messages (Anthropic's API), as `complete`."""
+        return await self._within_deadline(request, MESSAGES)
+
+    async def count_tokens(self, request: Request) -> dict:
+        """POST /v1/messages/count_tokens: the prompt's tokens, as a Messages request
+        with that body would have them."""
+        tenant = request.scope.get(TENANT, "")
+        body = await self._read_body(request)
+
+        def count() -> int:
+            chat = anthropic_api.to_chat(body, count_only=True)
+            parsed = parse_request(chat, chat=True, schemas=self.schemas.checker(tenant))
+            return len(build_requests(parsed, self.view, self.limits, tenant)
+                       .requests[0].tokens)
+        return {"input_tokens": await asyncio.to_thread(count)}
+
+    async def _within_deadline(self, request: Request, api: str) -> Response:
         arrived = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         tenant = request.scope.get(TENANT, "")
@@ -67,7 +89,7 @@ class Completions:
             async with asyncio.timeout_at(deadline) as within:
                 body = await self._read_body(request)
                 return await unless_client_leaves(request.receive, self._answer(
-                    body, chat, tenant, arrived, deadline))
+                    body, api, tenant, arrived, deadline))
         except TimeoutError:
             if not within.expired():
                 raise
@@ -105,31 +127,34 @@ class Completions:
             await asyncio.sleep(REFUSAL_HOLD_S)
             raise
 
-    async def _answer(self, body: dict, chat: bool, tenant: str, arrived: float,
+    async def _answer(self, body: dict, api: str, tenant: str, arrived: float,
                       deadline: float) -> Response:
         # off the event loop, where the streams of other requests run: checking tool
         # schemas and compiling a response_format's grammar (parse_request), and templates
         # and tokenizers on long prompts (build_requests)
-        parsed = await asyncio.to_thread(parse_request, body, chat=chat,
-                                         schemas=self.schemas.checker(tenant))
+        def parse() -> ParsedRequest:
+            chat_body = anthropic_api.to_chat(body) if api == MESSAGES else body
+            return parse_request(chat_body, chat=api != COMPLETIONS,
+                                 schemas=self.schemas.checker(tenant))
+        parsed = await asyncio.to_thread(parse)
         built = await asyncio.to_thread(build_requests, parsed, self.view, self.limits,
                                         tenant)
         release = await self.admission.admit(len(built.requests))
         try:
             requests = [dataclasses.replace(r, admitted=True) for r in built.requests]
             return await self._respond(parsed, requests, arrived, release, deadline,
-                                       built.tool_format, tenant)
+                                       built.tool_format, tenant, api)
         except BaseException:
             release()
             raise
 
     async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
                        arrived: float, release: Callable[[], None], deadline: float,
-                       fmt: ToolCallFormat | None, tenant: str) -> Response:
-        """Run the choices and answer; `release` ends the request's slot and lanes once
-        the answer is complete (a stream's when its last event is sent or the client
-        left). `fmt`: the tool-call format replies are read in (None: they are plain
-        content); `tenant`: the caller's, whose status page lists these runs."""
+                       fmt: ToolCallFormat | None, tenant: str, api: str) -> Response:
+        """Run the choices and answer in `api`'s shape; `release` ends the request's slot
+        and lanes once the answer is complete (a stream's when its last event is sent or
+        the client left). `fmt`: the tool-call format replies are read in (None: they are
+        plain content); `tenant`: the caller's, whose status page lists these runs."""
         runs = [Generation(self.runs, r, parsed.stop, arrived, tenant, i % parsed.n == 0)
                 for i, r in enumerate(requests)]
 
@@ -143,10 +168,13 @@ class Completions:
         except BaseException:
             await close()
             raise
+        usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
+        if api == MESSAGES:
+            return await self._message(runs[0], usage, fmt, parsed.stream, deadline, close,
+                                       release)
         tokenizer = self.view.tokenizer
         shape = ResponseShape(parsed.chat, self.view.model,
                               lambda t: tokenizer.piece(t, special=True), self.fingerprint)
-        usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
         if parsed.stream:
             events = sse_events(runs, shape, usage, parsed.include_usage, fmt, deadline,
                                 self.admission.timed_out)
@@ -155,6 +183,20 @@ class Completions:
         try:
             body = await whole_body(runs, shape, usage, fmt,
                                     parsed.sampling.logprobs is not None)
+        finally:
+            release()
+        return JSONResponse(body)
+
+    async def _message(self, run: Generation, usage, fmt: ToolCallFormat | None,
+                       stream: bool, deadline: float, close, release) -> Response:
+        shape = anthropic_api.MessageShape(self.view.model)
+        if stream:
+            events = message_events(run, shape, usage, fmt, deadline,
+                                    self.admission.timed_out)
+            return ClosingStream(events, on_close=close, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+        try:
+            body = await whole_message(run, shape, usage, fmt)
         finally:
             release()
         return JSONResponse(body)

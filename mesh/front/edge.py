@@ -6,7 +6,8 @@ A pure ASGI middleware (Starlette's BaseHTTPMiddleware would wrap streams), in o
   point its own host name at 127.0.0.1 (DNS rebinding) and then reach a loopback server
   as if it were that site; the Host header still names the page's site, so anything but
   localhost / 127.x / [::1] is refused (400, as RFC 9110 asks for an invalid Host).
-- API keys (when there are any): Bearer keys, compared in constant time. The key's
+- API keys (when there are any): Bearer keys (or `x-api-key`, as Anthropic's clients
+  send them), compared in constant time. The key's
   tenant tag goes with the request (`scope[TENANT]`), so its cache namespace is its own.
 - Operator keys: what spans tenants (`/metrics`, the cluster's figures in
   `/status.json`) is for the operator. Once a server has keys, a tenant's key reads only
@@ -30,18 +31,18 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from fastapi.responses import JSONResponse
-
 from skippy.mesh.private_file import read_private
 from skippy.topology.errors import UserError
 
+from . import http_errors
 from .openai_api import ApiError
 
 TENANT = "skippy.tenant"  # the ASGI scope key for the caller's tenant tag ("" unkeyed)
 OPERATOR = "skippy.operator"  # the scope key: the caller may read what spans tenants
 # probes stay reachable without a key, and the status page (its data needs the key)
 OPEN_PATHS = frozenset({"/health", "/ready", "/"})
-JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions"})
+JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages",
+                        "/v1/messages/count_tokens"})
 OPERATOR_PATHS = frozenset({"/metrics"})  # with keys on, an operator key's alone
 
 
@@ -107,12 +108,15 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self._tags)
 
-    def caller(self, authorization: str | None) -> tuple[str, bool] | None:
+    def caller(self, authorization: str | None, api_key: str | None = None
+               ) -> tuple[str, bool] | None:
         """(tenant tag, whether an operator's) of a valid `Authorization: Bearer <key>`,
+        or else of a valid `x-api-key: <key>` (`api_key`: Anthropic's clients send that),
         or None."""
         scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        token = token or (api_key or "").strip()
+        if not token:
             return None
         sent = token.encode("latin-1")
         # compare against every key in constant time: no early exit that leaks which matched
@@ -217,7 +221,7 @@ class Edge:
             if refusal is None:
                 await self.app(scope, receive, counting_send)
             else:
-                await JSONResponse(refusal.envelope(), status_code=refusal.status)(
+                await http_errors.answer(scope.get("path", ""), refusal)(
                     scope, receive, counting_send)
         finally:
             self.count(scope.get("path", ""), status[0])
@@ -232,10 +236,11 @@ class Edge:
                             code="invalid_host")
         tenant, operator = "", not self.keys  # a server without keys has one user
         if self.keys and path not in OPEN_PATHS:
-            who = self.keys.caller(_header(scope, b"authorization"))
+            who = self.keys.caller(_header(scope, b"authorization"),
+                                   _header(scope, b"x-api-key"))
             if who is None:
                 return ApiError(401, "missing or invalid API key (Authorization: Bearer "
-                                     "<key>)", code="invalid_api_key")
+                                     "<key>, or x-api-key: <key>)", code="invalid_api_key")
             tenant, operator = who
             if path in OPERATOR_PATHS and not operator:
                 return ApiError(403, f"{path} spans every tenant: it needs an operator key "

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP gateway over any `Engine` (DESIGN.md §4, §8): its routes,
+"""The OpenAI-compatible HTTP gateway over any `Engine` (DESIGN.md §4, §8), which also
+speaks Anthropic's Messages API (anthropic_api): its routes,
 the edge every request passes (host, keys, content type: edge.py) and the server that
 runs it.
 
@@ -46,8 +47,9 @@ __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/ready",
-              "/metrics", "/", "/status.json"}
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+              "/v1/messages/count_tokens", "/health", "/ready", "/metrics", "/",
+              "/status.json"}
 
 
 async def _guarded(awaitable):
@@ -151,6 +153,14 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _guarded(completions.complete(request, chat=True))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await _guarded(completions.message(request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await _guarded(completions.count_tokens(request))
 
 
 # -- running it ---------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class RunContext:
 class Outcome:
     usage: TokenUsage
     finish_reason: str = "length"
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 class Generation:
@@ -123,6 +124,7 @@ class Generation:
                     yield delta, (pending if wanted else None)
                     pending = []
                 if text.stopped:
+                    self.outcome.stop_sequence = text.matched
                     break
             else:
                 ran_out = True

@@ -1,4 +1,5 @@
-"""Every failure as the client's answer in OpenAI's error envelope, decided here only.
+"""Every failure as the client's answer in its API's error envelope (OpenAI's, or
+Anthropic's under /v1/messages), decided here only.
 
 By type (topology/errors.py), never by a builtin one:
 
@@ -29,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from skippy.topology.errors import (OverCapacity, RequestError, StageUnavailable, log_ours,
                                     new_error_id, one_line)
 
+from . import anthropic_api
 from .openai_api import ApiError, bad, sse
 
 log = logging.getLogger(__name__)
@@ -69,26 +71,32 @@ def internal(e: BaseException) -> ApiError:
                     code="internal_error")
 
 
+def answer(path: str, e: ApiError) -> JSONResponse:
+    """`e` as the response to a request for `path`: in Anthropic's envelope under
+    /v1/messages, in OpenAI's everywhere else."""
+    body = anthropic_api.envelope(e) if anthropic_api.is_messages(path) else e.envelope()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
 def install(app: FastAPI) -> None:
-    """Answer what escapes the routes in OpenAI's envelope too."""
+    """Answer what escapes the routes in the same envelopes too."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request, e: ApiError):
-        return JSONResponse(e.envelope(), status_code=e.status, headers=e.headers)
+    async def _api_error(request, e: ApiError):
+        return answer(request.url.path, e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, e: StarletteHTTPException):
+    async def _http_error(request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).envelope(),
-                            status_code=e.status_code)
+        return answer(request.url.path, ApiError(e.status_code, str(e.detail), code=code))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, e: RequestValidationError):
-        return JSONResponse(bad(f"invalid request: {one_line(e)}").envelope(), 400)
+    async def _validation_error(request, e: RequestValidationError):
+        return answer(request.url.path, bad(f"invalid request: {one_line(e)}"))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request, e: Exception):
-        return JSONResponse(internal(e).envelope(), status_code=500)
+    async def _unexpected(request, e: Exception):
+        return answer(request.url.path, internal(e))
 
 
 def _stage_unavailable(e: StageUnavailable) -> ApiError:

@@ -1,5 +1,6 @@
 """A request's choices, as they run, rendered as OpenAI answers: one JSON body, or an SSE
-stream of chunks (openai_api.ResponseShape writes each object).
+stream of chunks (openai_api.ResponseShape writes each object); or one choice as
+Anthropic's Message or its stream of events (anthropic_api writes those).
 
 A stream interleaves the choices' chunks as their texts grow (each with its index;
 content or tool-call deltas), a finish chunk per choice, the usage if asked, then [DONE].
@@ -14,7 +15,8 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from . import http_errors
+from . import anthropic_api, http_errors
+from .anthropic_api import MessageEvents, MessageShape
 from .generation import Generation, all_of, collect, pump
 from .openai_api import ApiError, ResponseShape, TokenUsage, sse
 from .tool_calls import ReplyDeltas, ToolCallFormat, whole_reply
@@ -73,6 +75,50 @@ async def sse_events(runs: list[Generation], shape: ResponseShape,
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
     yield sse("[DONE]")
+
+
+async def whole_message(run: Generation, shape: MessageShape,
+                        usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None) -> dict:
+    """One choice's whole reply as Anthropic's Message."""
+    parts: list = []
+    await collect(run.texts(), parts)
+    content, reason, calls = whole_reply(fmt, "".join(t for t, _ in parts),
+                                         run.outcome.finish_reason)
+    return shape.full(content, reason, calls, run.outcome.stop_sequence, usage())
+
+
+async def message_events(run: Generation, shape: MessageShape,
+                         usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None,
+                         deadline: float, timed_out: Callable[[], ApiError]
+                         ) -> AsyncIterator[bytes]:
+    """One choice's reply as the Messages stream: message_start, its content blocks as
+    they grow, message_delta (stop reason, usage), message_stop; a failure once the
+    headers are sent as an error event."""
+    reply, blocks = ReplyDeltas(fmt), MessageEvents()
+    texts = run.texts()
+
+    def out(deltas) -> list[bytes]:
+        return [e for content, call, _ in deltas
+                for e in (blocks.call(call) if call is not None else blocks.text(content))]
+    try:
+        yield shape.start(usage())
+        yield anthropic_api.event("ping", {"type": "ping"})
+        while True:
+            try:
+                text, logprobs = await _by(deadline, anext(texts), timed_out)
+            except StopAsyncIteration:
+                break
+            for e in out(reply.push(text, logprobs)):
+                yield e
+        for e in out(reply.finish()) + blocks.close():
+            yield e
+        for e in anthropic_api.stream_end(reply.finish_reason(run.outcome.finish_reason),
+                                          run.outcome.stop_sequence, usage()):
+            yield e
+    except Exception as e:  # noqa: BLE001 - headers are gone: an error event
+        yield anthropic_api.error_event(http_errors.api_error(e))
+    finally:
+        await texts.aclose()
 
 
 async def _by(deadline: float, awaitable, timed_out: Callable[[], ApiError]):

@@ -23,6 +23,7 @@ class StopStrings:
             raise ValueError("stop strings must not be empty")
         self.stops = tuple(stops)
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self._held = ""
 
     def push(self, text: str) -> str:
@@ -34,10 +35,11 @@ class StopStrings:
         if self.stopped:
             return ""
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped, self._held = True, ""
-            return buf[:min(hits)]
+            return buf[:at]
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep]
@@ -67,6 +69,11 @@ class StopText:
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.matched
 
     def push(self, token: int) -> str:
         return self._stops.push(self._decoder.push(token))
