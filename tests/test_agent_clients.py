@@ -1,7 +1,8 @@
 """Agent frameworks' tool loops against the served model, as their users write them: a
-LangChain agent (langchain-openai's ChatOpenAI with bind_tools) and LiteLLM's tool-call
-path (litellm.completion with an openai/ model and api_base), each in two steps: a call
-to one of two tools, then the tool's result sent back and a final answer.
+LangChain agent (langchain-openai's ChatOpenAI, and langchain-anthropic's ChatAnthropic
+over the Messages API, with bind_tools) and LiteLLM's tool-call path (litellm.completion
+with an openai/ model and api_base), each in two steps: a call to one of two tools, then
+the tool's result sent back and a final answer.
 
 The gateway is real uvicorn on loopback (BackgroundServer, what `skippy serve` runs) over
 a random-weight qwen3 whose chat template knows tools (conftest: qwen3_tools), in 2
@@ -85,6 +86,26 @@ def test_langchain_agent_calls_a_tool_and_answers(chat_model, lc_tools, streamed
     answer = chat_model.bind_tools(tools, tool_choice="none").invoke(
         [*history, ai, result])
     assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["invoke", "stream"])
+def test_langchain_chat_anthropic_calls_a_tool_and_answers(url, lc_tools, streamed):
+    """The same loop through LangChain's ChatAnthropic: Anthropic's Messages API."""
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.messages import HumanMessage
+    model = ChatAnthropic(model=MODEL, base_url=url, api_key="x", max_tokens=96,
+                          max_retries=0, temperature=0, streaming=streamed)
+    tools = list(lc_tools.values())
+    history = [HumanMessage(QUESTION)]
+    ai = model.bind_tools(tools, tool_choice="any", parallel_tool_calls=False).invoke(history)
+    assert not ai.invalid_tool_calls
+    [call] = ai.tool_calls
+    tool = lc_tools[call["name"]]
+    tool.args_schema.model_validate(call["args"])
+    assert ai.response_metadata.get("stop_reason") == "tool_use"
+    result = tool.invoke(call)
+    answer = model.invoke([*history, ai, result])  # no tools offered: text
+    assert answer.text and not answer.tool_calls
 
 
 # -- LiteLLM ---------------------------------------------------------------------------------------
