@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ..control.engine import Engine, GenerationRequest
-from . import anthropic_api
+from . import anthropic_api, tokenize_api
 from .admission import RequestAdmission
 from .body_budget import BodyBudget
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
@@ -80,6 +80,15 @@ class Completions:
             return len(build_requests(parsed, self.view, self.limits, tenant)
                        .requests[0].tokens)
         return {"input_tokens": await asyncio.to_thread(count)}
+
+    async def tokenize(self, request: Request, *, detokenize: bool = False) -> dict:
+        """POST /tokenize or /detokenize (tokenize_api): nothing runs on the engine."""
+        tenant = request.scope.get(TENANT, "")
+        body = await self._read_body(request)
+        if detokenize:
+            return await asyncio.to_thread(tokenize_api.detokenize, body, self.view)
+        return await asyncio.to_thread(tokenize_api.tokenize, body, self.view, self.limits,
+                                       tenant)
 
     async def _within_deadline(self, request: Request, api: str) -> Response:
         arrived = time.perf_counter()

@@ -48,8 +48,8 @@ __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
-              "/v1/messages/count_tokens", "/health", "/ready", "/metrics", "/",
-              "/status.json"}
+              "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/health", "/ready",
+              "/metrics", "/", "/status.json"}
 
 
 async def _guarded(awaitable):
@@ -161,6 +161,14 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await _guarded(completions.count_tokens(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _guarded(completions.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _guarded(completions.tokenize(request, detokenize=True))
 
 
 # -- running it ---------------------------------------------------------------------------------------
