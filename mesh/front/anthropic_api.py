@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from .openai_api import ApiError, TokenUsage, bad
+from .openai_api import ApiError, TokenUsage, bad, model_of
 
 PATH = "/v1/messages"
 
@@ -50,11 +50,7 @@ def event(name: str, data: dict) -> bytes:
 def to_chat(body: Mapping, *, count_only: bool = False) -> dict:
     """The OpenAI chat body a Messages body means; ApiError (400) for what it cannot.
     `count_only`: a count_tokens body (no max_tokens, never run)."""
-    if not isinstance(body, Mapping):
-        raise bad("the body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise bad("model is required and must be a string", "model")
+    model = model_of(body)
     max_tokens = body.get("max_tokens")
     if count_only:
         max_tokens = 1

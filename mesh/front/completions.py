@@ -23,22 +23,25 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ..control.engine import Engine, GenerationRequest
-from . import anthropic_api, tokenize_api
+from . import anthropic_api, responses_api, tokenize_api
 from .admission import RequestAdmission
 from .body_budget import BodyBudget
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from .edge import TENANT
 from .generation import Generation, RunContext, all_of, total_usage
 from .limits import GatewayLimits
-from .openai_api import ApiError, ParsedRequest, ResponseShape, parse_json, parse_request
-from .rendering import ClosingStream, message_events, sse_events, whole_body, whole_message
+from .openai_api import ApiError, ParsedRequest, ResponseShape, bad, parse_json, parse_request
+from .rendering import (ClosingStream, message_events, response_events, sse_events,
+                        whole_body, whole_message, whole_response)
+from .responses_api import ResponseStore
 from .request_building import ModelView, build_requests
 from .tool_calls import ToolCallFormat
 from .tool_choice import CheckedSchemas
 
 
 REFUSAL_HOLD_S = 1.0  # a request over its caller's body budget waits this long for its 429
-COMPLETIONS, CHAT, MESSAGES = "completions", "chat", "messages"  # the APIs answered
+# the APIs answered
+COMPLETIONS, CHAT, MESSAGES, RESPONSES = "completions", "chat", "messages", "responses"
 
 
 @dataclasses.dataclass
@@ -55,6 +58,7 @@ class Completions:
     def __post_init__(self):
         self.budget = BodyBudget(self.limits.body_bytes_per_s, 2 * self.limits.max_body_bytes)
         self.schemas = CheckedSchemas()  # each tenant's tool schemas, checked once
+        self.stored = ResponseStore()    # each tenant's stored Responses API responses
         # the split and the weights it serves (a new one means a seeded request may
         # answer differently)
         self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
@@ -67,6 +71,10 @@ class Completions:
     async def message(self, request: Request) -> Response:
         """The answer to one POST /v1/messages (Anthropic's API), as `complete`."""
         return await self._within_deadline(request, MESSAGES)
+
+    async def response(self, request: Request) -> Response:
+        """The answer to one POST /v1/responses (OpenAI's Responses API), as `complete`."""
+        return await self._within_deadline(request, RESPONSES)
 
     async def count_tokens(self, request: Request) -> dict:
         """POST /v1/messages/count_tokens: the prompt's tokens, as a Messages request
@@ -141,25 +149,31 @@ class Completions:
         # off the event loop, where the streams of other requests run: checking tool
         # schemas and compiling a response_format's grammar (parse_request), and templates
         # and tokenizers on long prompts (build_requests)
-        def parse() -> ParsedRequest:
-            chat_body = anthropic_api.to_chat(body) if api == MESSAGES else body
+        def parse() -> tuple[ParsedRequest, responses_api.Turn | None]:
+            turn, chat_body = None, body
+            if api == MESSAGES:
+                chat_body = anthropic_api.to_chat(body)
+            elif api == RESPONSES:
+                turn = responses_api.to_chat(body, self._previous(body, tenant))
+                chat_body = turn.chat
             return parse_request(chat_body, chat=api != COMPLETIONS,
-                                 schemas=self.schemas.checker(tenant))
-        parsed = await asyncio.to_thread(parse)
+                                 schemas=self.schemas.checker(tenant)), turn
+        parsed, turn = await asyncio.to_thread(parse)
         built = await asyncio.to_thread(build_requests, parsed, self.view, self.limits,
                                         tenant)
         release = await self.admission.admit(len(built.requests))
         try:
             requests = [dataclasses.replace(r, admitted=True) for r in built.requests]
             return await self._respond(parsed, requests, arrived, release, deadline,
-                                       built.tool_format, tenant, api)
+                                       built.tool_format, tenant, api, turn)
         except BaseException:
             release()
             raise
 
     async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
                        arrived: float, release: Callable[[], None], deadline: float,
-                       fmt: ToolCallFormat | None, tenant: str, api: str) -> Response:
+                       fmt: ToolCallFormat | None, tenant: str, api: str,
+                       turn: responses_api.Turn | None = None) -> Response:
         """Run the choices and answer in `api`'s shape; `release` ends the request's slot
         and lanes once the answer is complete (a stream's when its last event is sent or
         the client left). `fmt`: the tool-call format replies are read in (None: they are
@@ -181,6 +195,9 @@ class Completions:
         if api == MESSAGES:
             return await self._message(runs[0], usage, fmt, parsed.stream, deadline, close,
                                        release)
+        if api == RESPONSES:
+            return await self._response(runs[0], usage, fmt, parsed.stream, deadline, close,
+                                        release, turn, tenant)
         tokenizer = self.view.tokenizer
         shape = ResponseShape(parsed.chat, self.view.model,
                               lambda t: tokenizer.piece(t, special=True), self.fingerprint)
@@ -199,13 +216,42 @@ class Completions:
     async def _message(self, run: Generation, usage, fmt: ToolCallFormat | None,
                        stream: bool, deadline: float, close, release) -> Response:
         shape = anthropic_api.MessageShape(self.view.model)
+        return await self._one_choice(
+            stream, lambda: message_events(run, shape, usage, fmt, deadline,
+                                           self.admission.timed_out),
+            lambda: whole_message(run, shape, usage, fmt), close, release)
+
+    def _previous(self, body: dict, tenant: str) -> responses_api.Stored | None:
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        if previous is None:
+            return None
+        if not isinstance(previous, str):
+            raise bad("previous_response_id must be a string", "previous_response_id")
+        return self.stored.get(tenant, previous)
+
+    async def _response(self, run: Generation, usage, fmt: ToolCallFormat | None,
+                        stream: bool, deadline: float, close, release,
+                        turn: responses_api.Turn, tenant: str) -> Response:
+        shape = responses_api.ResponseShape(self.view.model, turn)
+
+        def keep(response: dict) -> dict:
+            if turn.echo["store"]:
+                self.stored.put(tenant, shape.stored(response))
+            return response
+        return await self._one_choice(
+            stream, lambda: response_events(run, shape, usage, fmt, deadline,
+                                            self.admission.timed_out, keep),
+            lambda: whole_response(run, shape, usage, fmt), close, release, keep)
+
+    async def _one_choice(self, stream: bool, events, whole, close, release,
+                          then=lambda body: body) -> Response:
+        """A one-choice answer (Messages, Responses): `events()` streamed, or the body
+        `whole()` gives, passed through `then`."""
         if stream:
-            events = message_events(run, shape, usage, fmt, deadline,
-                                    self.admission.timed_out)
-            return ClosingStream(events, on_close=close, media_type="text/event-stream",
+            return ClosingStream(events(), on_close=close, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
         try:
-            body = await whole_message(run, shape, usage, fmt)
+            body = await whole()
         finally:
             release()
-        return JSONResponse(body)
+        return JSONResponse(then(body))

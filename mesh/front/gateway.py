@@ -34,7 +34,7 @@ from ..tokenizer import Tokenizer
 from . import http_errors
 from .admission import RequestAdmission
 from .completions import Completions
-from .edge import ApiKeys, Edge, is_loopback, keys_for_bind, load_api_keys, \
+from .edge import TENANT, ApiKeys, Edge, is_loopback, keys_for_bind, load_api_keys, \
     load_operator_keys
 from .generation import RunContext
 from .limits import DEFAULT_PORT, GatewayLimits
@@ -47,7 +47,8 @@ __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+_ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+              "/v1/messages",
               "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/health", "/ready",
               "/metrics", "/", "/status.json"}
 
@@ -109,7 +110,8 @@ def _counter(metrics: GatewayMetrics):
     def count(path: str, status: int) -> None:
         """One answer, by endpoint and status (the edge calls this for every request)."""
         endpoint = path if path in _ENDPOINTS else (
-            "/v1/models" if path.startswith("/v1/models/") else "other")
+            "/v1/models" if path.startswith("/v1/models/") else
+            "/v1/responses" if path.startswith("/v1/responses/") else "other")
         metrics.requests.labels(endpoint, str(status)).inc()
     return count
 
@@ -154,6 +156,13 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
     async def chat_completions(request: Request):
         return await _guarded(completions.complete(request, chat=True))
 
+    _agent_routes(app, completions)
+
+
+def _agent_routes(app: FastAPI, completions: Completions) -> None:
+    """The APIs agents speak beside chat (Responses, Anthropic's Messages) and the
+    tokenizer's own routes."""
+
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await _guarded(completions.message(request))
@@ -161,6 +170,19 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await _guarded(completions.count_tokens(request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _guarded(completions.response(request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(request: Request, response_id: str):
+        return completions.stored.get(request.scope.get(TENANT, ""), response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        completions.stored.delete(request.scope.get(TENANT, ""), response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -65,6 +65,16 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code)
 
 
+def model_of(body) -> str:
+    """The `model` a body names; a 400 unless it is an object that names one."""
+    if not isinstance(body, Mapping):
+        raise bad("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("model is required and must be a string", "model")
+    return model
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     """A /v1/completions or /v1/chat/completions body, validated, not yet tokenized."""

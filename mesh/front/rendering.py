@@ -1,6 +1,7 @@
 """A request's choices, as they run, rendered as OpenAI answers: one JSON body, or an SSE
 stream of chunks (openai_api.ResponseShape writes each object); or one choice as
-Anthropic's Message or its stream of events (anthropic_api writes those).
+Anthropic's Message or its stream of events (anthropic_api writes those), or as a
+Responses API Response or its stream (responses_api).
 
 A stream interleaves the choices' chunks as their texts grow (each with its index;
 content or tool-call deltas), a finish chunk per choice, the usage if asked, then [DONE].
@@ -15,8 +16,10 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from . import anthropic_api, http_errors
+from . import anthropic_api, http_errors, responses_api
 from .anthropic_api import MessageEvents, MessageShape
+from .responses_api import ResponseEvents
+from .responses_api import ResponseShape as ResponseObjects
 from .generation import Generation, all_of, collect, pump
 from .openai_api import ApiError, ResponseShape, TokenUsage, sse
 from .tool_calls import ReplyDeltas, ToolCallFormat, whole_reply
@@ -77,13 +80,46 @@ async def sse_events(runs: list[Generation], shape: ResponseShape,
     yield sse("[DONE]")
 
 
+async def _whole_reply(run: Generation, fmt: ToolCallFormat | None
+                       ) -> tuple[str | None, str, list[dict]]:
+    """One choice's whole reply: (content, finish reason, tool calls read in `fmt`)."""
+    parts: list = []
+    await collect(run.texts(), parts)
+    return whole_reply(fmt, "".join(t for t, _ in parts), run.outcome.finish_reason)
+
+
+class _Deltas:
+    """One choice's reply as it grows, as (content, tool-call delta) pairs (tool calls
+    read in `fmt`), each piece awaited by the deadline; `finish_reason()` once it ends."""
+
+    def __init__(self, run: Generation, fmt: ToolCallFormat | None, deadline: float,
+                 timed_out: Callable[[], ApiError]):
+        self.run, self.reply = run, ReplyDeltas(fmt)
+        self.deadline, self.timed_out = deadline, timed_out
+
+    async def __aiter__(self):
+        texts = self.run.texts()
+        try:
+            while True:
+                try:
+                    text, logprobs = await _by(self.deadline, anext(texts), self.timed_out)
+                except StopAsyncIteration:
+                    break
+                for content, call, _ in self.reply.push(text, logprobs):
+                    yield content, call
+            for content, call, _ in self.reply.finish():
+                yield content, call
+        finally:
+            await texts.aclose()
+
+    def finish_reason(self) -> str:
+        return self.reply.finish_reason(self.run.outcome.finish_reason)
+
+
 async def whole_message(run: Generation, shape: MessageShape,
                         usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None) -> dict:
     """One choice's whole reply as Anthropic's Message."""
-    parts: list = []
-    await collect(run.texts(), parts)
-    content, reason, calls = whole_reply(fmt, "".join(t for t, _ in parts),
-                                         run.outcome.finish_reason)
+    content, reason, calls = await _whole_reply(run, fmt)
     return shape.full(content, reason, calls, run.outcome.stop_sequence, usage())
 
 
@@ -94,31 +130,50 @@ async def message_events(run: Generation, shape: MessageShape,
     """One choice's reply as the Messages stream: message_start, its content blocks as
     they grow, message_delta (stop reason, usage), message_stop; a failure once the
     headers are sent as an error event."""
-    reply, blocks = ReplyDeltas(fmt), MessageEvents()
-    texts = run.texts()
-
-    def out(deltas) -> list[bytes]:
-        return [e for content, call, _ in deltas
-                for e in (blocks.call(call) if call is not None else blocks.text(content))]
+    blocks, deltas = MessageEvents(), _Deltas(run, fmt, deadline, timed_out)
     try:
         yield shape.start(usage())
         yield anthropic_api.event("ping", {"type": "ping"})
-        while True:
-            try:
-                text, logprobs = await _by(deadline, anext(texts), timed_out)
-            except StopAsyncIteration:
-                break
-            for e in out(reply.push(text, logprobs)):
+        async for content, call in deltas:
+            for e in blocks.call(call) if call is not None else blocks.text(content):
                 yield e
-        for e in out(reply.finish()) + blocks.close():
-            yield e
-        for e in anthropic_api.stream_end(reply.finish_reason(run.outcome.finish_reason),
-                                          run.outcome.stop_sequence, usage()):
+        for e in blocks.close() + anthropic_api.stream_end(
+                deltas.finish_reason(), run.outcome.stop_sequence, usage()):
             yield e
     except Exception as e:  # noqa: BLE001 - headers are gone: an error event
         yield anthropic_api.error_event(http_errors.api_error(e))
-    finally:
-        await texts.aclose()
+
+
+async def whole_response(run: Generation, shape: ResponseObjects,
+                         usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None) -> dict:
+    """One choice's whole reply as a Responses API Response object."""
+    content, reason, calls = await _whole_reply(run, fmt)
+    status = responses_api.status_of(reason)
+    return shape.response(shape.output(content, calls, status), status, usage())
+
+
+async def response_events(run: Generation, shape: ResponseObjects,
+                          usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None,
+                          deadline: float, timed_out: Callable[[], ApiError],
+                          done: Callable[[dict], None]) -> AsyncIterator[bytes]:
+    """One choice's reply as the Responses stream: response.created, its output items'
+    events as they grow, then response.completed (or .incomplete) with the whole
+    Response, which `done` receives; a failure once the headers are sent as an error
+    event."""
+    events, deltas = ResponseEvents(shape), _Deltas(run, fmt, deadline, timed_out)
+    try:
+        for e in events.start():
+            yield e
+        async for content, call in deltas:
+            for e in events.call(call) if call is not None else events.text(content):
+                yield e
+        last, response = events.end(responses_api.status_of(deltas.finish_reason()),
+                                    usage())
+        done(response)
+        for e in last:
+            yield e
+    except Exception as e:  # noqa: BLE001 - headers are gone: an error event
+        yield events.failed(http_errors.api_error(e))
 
 
 async def _by(deadline: float, awaitable, timed_out: Callable[[], ApiError]):
