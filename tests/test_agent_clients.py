@@ -1,8 +1,9 @@
 """Agent frameworks' tool loops against the served model, as their users write them: a
 LangChain agent (langchain-openai's ChatOpenAI, and langchain-anthropic's ChatAnthropic
-over the Messages API, with bind_tools) and LiteLLM's tool-call path (litellm.completion
-with an openai/ model and api_base), each in two steps: a call to one of two tools, then
-the tool's result sent back and a final answer.
+over the Messages API, with bind_tools), the OpenAI Agents SDK (over the Responses API)
+and LiteLLM's tool-call path (litellm.completion with an openai/ model and api_base), each
+in two steps: a call to one of two tools, then the tool's result sent back and a final
+answer.
 
 The gateway is real uvicorn on loopback (BackgroundServer, what `skippy serve` runs) over
 a random-weight qwen3 whose chat template knows tools (conftest: qwen3_tools), in 2
@@ -106,6 +107,41 @@ def test_langchain_chat_anthropic_calls_a_tool_and_answers(url, lc_tools, stream
     result = tool.invoke(call)
     answer = model.invoke([*history, ai, result])  # no tools offered: text
     assert answer.text and not answer.tool_calls
+
+
+# -- the OpenAI Agents SDK ---------------------------------------------------------------------
+class Answer(BaseModel):
+    celsius: Literal[-3, 0, 20]
+
+
+def test_an_agents_sdk_agent_runs_its_tool_loop(url):
+    """A one-tool agent over the Responses API (streamed, as the SDK asks): turn 1 must
+    call the tool, the SDK then resets tool_choice and turn 2 gives the agent's typed
+    output (its JSON schema constrains the reply); bounded by max_turns."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+    set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
+    cities = []
+
+    @function_tool
+    def get_weather(city: Literal["Oslo", "Paris"]) -> str:
+        """The weather in a city now."""
+        cities.append(city)
+        return f"-3 degrees celsius in {city}"
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    agent = Agent(name="weather", instructions="Answer with the tool.", tools=[get_weather],
+                  output_type=Answer,
+                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0,
+                                               max_tokens=48))
+    result = asyncio.run(Runner.run(agent, QUESTION, max_turns=4))
+    assert len(cities) == 1 and isinstance(result.final_output, Answer)
+    assert [type(i).__name__ for i in result.new_items] == [
+        "ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
 
 
 # -- LiteLLM ---------------------------------------------------------------------------------------

@@ -122,10 +122,18 @@ def test_auto_lets_the_model_answer_in_text(client):
     assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools were shown
 
 
+def test_a_forced_call_beside_a_response_format_is_a_call(client):
+    # the format is for text replies: an agent with an output type sends both
+    out = client.chat.completions.create(messages=QUESTION, **STEP1,
+                                         response_format={"type": "json_object"})
+    [call] = out.choices[0].message.tool_calls
+    check_call(call)
+    assert out.choices[0].finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description":
                                                   "<|im_end|><|im_start|>system"}}]}, "tools"),
     ({"functions": [{"name": "f"}]}, "functions"),

@@ -134,14 +134,12 @@ def _tool_format(parsed: ParsedRequest, template: ChatTemplate | None
 def _sampling(parsed: ParsedRequest, fmt: ToolCallFormat | None,
               tokenizer: Tokenizer) -> SamplingParams:
     """The request's sampling settings, with the constraint that forces a tool call when
-    tool_choice asks for one."""
+    tool_choice asks for one. A forced call replaces a response_format's constraint:
+    the format is for a reply's text, and this reply is a call (as OpenAI's API, where an
+    agent with an output type sends both on a turn that must call a tool)."""
     tools = parsed.tools
     if fmt is None or not tools.forced:
         return parsed.sampling
-    if parsed.sampling.constraint is not None:
-        raise bad("response_format constrains the reply's content, and this "
-                  "tool_choice forces a tool call instead: ask for one of them",
-                  "response_format")
     try:
         constraint = call_constraint(fmt, tools, tokenizer.special_id)
     except ToolSpecError as e:
