@@ -24,6 +24,9 @@ How to build one (the gateway and the tool-call code):
     # a tool call in the Qwen/Hermes format: <tool_call>\\n{"name": .., "arguments": {..}}
     # \\n</tool_call>, to one of these functions, arguments matching their schemas:
     c = tool_call([{"name": "get_weather", "parameters": {...}}, ...])
+    # tool_choice "auto": free text, or text and then such calls (the grammar starts
+    # at "<tool_call>"):
+    c = tool_call_or_text([...], open_text="<tool_call>")
     check(c)   # ConstraintError (a RequestError, one line) for a bad schema or grammar
     sampling = SamplingParams(temperature=0, constraint=c)
 
@@ -116,20 +119,37 @@ def tool_call(functions: Sequence[Mapping], *, open: str = lark_literal("<tool_c
     docstring): literal text by default, or a special token of the vocabulary."""
     if not functions:
         raise ConstraintError("a tool call needs at least one function")
-    rules = []
-    for i, f in enumerate(functions):
-        params = f.get("parameters")
-        schema = {"type": "object",
-                  "properties": {"name": {"const": f["name"]},
-                                 "arguments": params if params is not None else
-                                 {"type": "object"}},
-                  "required": ["name", "arguments"], "additionalProperties": False,
-                  "x-guidance": JSON_OPTIONS}
-        rules.append(f"fn{i}: %json {_compact(schema)}")
+    rules = _function_rules(functions)
     calls = 'call ("\\n" call)*' if parallel else "call"
     alternatives = " | ".join(f"fn{i}" for i in range(len(functions)))
     return lark("\n".join([f"start: {calls}", f"call: {open} ({alternatives}) {close}",
                            *rules]) + "\n")
+
+
+def tool_call_or_text(functions: Sequence[Mapping], *, open_text: str = "<tool_call>",
+                      close: str = lark_literal("\n</tool_call>"), parallel: bool = False
+                      ) -> Constraint:
+    """Free text, or free text and then calls as `tool_call` writes them (tool_choice
+    "auto"): the grammar starts once the model writes `open_text` (plain text, not a
+    special token), so a call to a function not offered, or arguments its schema refuses,
+    cannot be written; text alone never holds `open_text`."""
+    if not functions:
+        raise ConstraintError("a tool call needs at least one function")
+    opened = lark_literal(open_text)
+    never = _regex_text(open_text)
+    calls = f'call ("\\n" {opened} call)*' if parallel else "call"
+    rules = _function_rules(functions)
+    alternatives = " | ".join(f"fn{i}" for i in range(len(functions)))
+    return lark("\n".join([
+        f"start: TEXT | lead {calls}",
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{never}(.|\\n)*/",
+        f"lead[stop={opened}]: /(.|\\n)*/",
+        f'call: "\\n" ({alternatives}) {close}', *rules]) + "\n")
+
+
+def _regex_text(text: str) -> str:
+    """`text` as a regex that matches it literally."""
+    return "".join("\\" + c if c in r".^$*+?()[]{}|\/" else c for c in text)
 
 
 def check(constraint: Constraint) -> None:
@@ -140,6 +160,21 @@ def check(constraint: Constraint) -> None:
     error = llguidance.LLMatcher.validate_grammar(constraint.grammar())
     if error:
         raise ConstraintError(one_line(error))
+
+
+def _function_rules(functions: Sequence[Mapping]) -> list[str]:
+    """One Lark rule per function, fn0, fn1, ...: its call's JSON, arguments by schema."""
+    rules = []
+    for i, f in enumerate(functions):
+        params = f.get("parameters")
+        schema = {"type": "object",
+                  "properties": {"name": {"const": f["name"]},
+                                 "arguments": params if params is not None else
+                                 {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "x-guidance": JSON_OPTIONS}
+        rules.append(f"fn{i}: %json {_compact(schema)}")
+    return rules
 
 
 def _compact(value) -> str:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from skippy.mesh.constraint import (Constraint, ConstraintError, check, json_object,
-                                    json_schema, lark, lark_literal, lark_token, tool_call)
+                                    json_schema, lark, lark_literal, lark_token, tool_call,
+                                    tool_call_or_text)
 from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.front.result_memo import memo_key
 from skippy.mesh.sampler import Sampler, SamplingParams
@@ -172,6 +173,23 @@ def test_tool_call_markers_may_be_special_tokens_and_calls_parallel(vocab, tok):
         mask.advance(t)
     assert not mask.done  # another call may follow
     assert mask.allowed()[ids(tok, "\n")[0]]
+
+
+def test_text_or_calls_lets_text_be_and_calls_be_only_valid_ones(vocab, tok):
+    """tool_choice "auto": the grammar starts once the reply writes <tool_call>."""
+    c = tool_call_or_text([WEATHER, ADD], parallel=True)
+    check(c)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    for good in ["No call: the weather is fine <tool_ca", f"Sure. {call}", f"{call}\n{call}"]:
+        mask, taken = walk(vocab, tok, c, good)
+        assert taken == len(ids(tok, good)) and mask.allowed()[tok.eos_id], good
+    for bad in ['Sure. <tool_call>\n{"name": "mul", "arguments": {}}\n</tool_call>',
+                'x <tool_call>\n{"name": "add", "arguments": {"a": "one"}}\n</tool_call>',
+                "a <tool_call> and then text"]:
+        _, taken = walk(vocab, tok, c, bad)
+        assert taken < len(ids(tok, bad)), bad
+    mask, _ = walk(vocab, tok, c, "Sure. <tool_call>")
+    assert not mask.allowed()[tok.eos_id]  # an opened call must be written
 
 
 # -- response_format through the real gateway --------------------------------------------------

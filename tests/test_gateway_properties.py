@@ -3,8 +3,9 @@ like OpenAI's (valid, near-valid and broken) against both endpoints over real HT
 200 or a 4xx in the error envelope (a 503 with Retry-After only over capacity), never a
 500 nor a dropped connection, and every body (each streamed chunk too) matches OpenAI's
 published schema (tests/openai_schemas.py). Real SmolLM2 in 2 stages behind real uvicorn,
-and for tool calls (SmolLM2's template has no tool support) a random-weight qwen3 whose
-template has; run inside a loopback-only network namespace (see the Makefile)."""
+and for tool calls a random-weight qwen3 whose template writes them itself (SmolLM2's is
+told them: generic_tools); run inside a loopback-only network namespace (see the
+Makefile)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ Real uvicorn on loopback, real SmolLM2 in 2 stages; the client never leaves 127.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 
@@ -13,6 +16,7 @@ from skippy.mesh.front.chat import render_chat
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.front.gateway import BackgroundServer, create_app
 from skippy.mesh.tokenizer import Tokenizer
+from tool_schemas import ADD, WEATHER
 
 MESSAGES = [{"role": "system", "content": "You are brief."},
             {"role": "user", "content": "Name a color."}]
@@ -135,18 +139,46 @@ def test_wrong_api_key_is_an_authentication_error(url):
         assert [m.id for m in c.models.list()] == ["smollm2"]
 
 
-def test_tools_for_a_template_without_tool_support_are_a_clear_bad_request(client):
-    # SmolLM2's template never reads `tools`: a 200 would answer as if there were none
-    tool = {"type": "function", "function": {"name": "get_weather"}}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=MESSAGES, tools=[tool],
-                                       max_tokens=1)
-    assert (e.value.code, e.value.param) == ("tools_not_supported", "tools")
-    assert "no tool support" in e.value.message
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
-            *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [{
-                "id": "call_1", "type": "function",
-                "function": {"name": "get_weather", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
-    assert (e.value.code, e.value.param) == ("tools_not_supported", "messages")
+# SmolLM2's template never reads `tools`: they are described to it (generic_tools)
+TOOLS = [{"type": "function", "function": {"name": "get_weather",
+                                            "description": "The weather in a city now.",
+                                            "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add",
+                                            "description": "The sum of two numbers.",
+                                            "parameters": ADD}}]
+
+
+@pytest.mark.parametrize("choice", ["required",
+                                    {"type": "function", "function": {"name": "add"}}])
+def test_a_template_without_tools_still_makes_a_forced_call(client, choice):
+    out = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "How warm is it in Oslo?"}],
+        tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, temperature=0,
+        max_tokens=64)
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls"
+    name = call.function.name
+    assert name == "add" if isinstance(choice, dict) else name in ("get_weather", "add")
+    jsonschema.validate(json.loads(call.function.arguments), {"get_weather": WEATHER,
+                                                              "add": ADD}[name])
+    # the call and its result go back to a template that has no tool messages
+    answer = client.chat.completions.create(model="smollm2", tools=TOOLS, max_tokens=8,
+                                            temperature=0, messages=[
+        {"role": "user", "content": "How warm is it in Oslo?"},
+        out.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 degrees"}])
+    assert answer.usage.prompt_tokens > out.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_never_calls_a_function_not_offered(client, seed):
+    """Sampled replies under "auto": text, or calls to the functions offered with
+    arguments their schemas accept: the grammar starts when the reply opens a call."""
+    out = client.chat.completions.create(
+        model="smollm2", tools=TOOLS, temperature=1.5, seed=seed, max_tokens=48, messages=[
+            {"role": "user", "content": "Use a tool: call get_weather or add, or delete_all."}])
+    for call in out.choices[0].message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), {"get_weather": WEATHER,
+                                                                  "add": ADD}[call.function.name])
+    if out.choices[0].finish_reason != "length":  # a whole reply: no half-read call
+        assert "<tool_call>" not in (out.choices[0].message.content or "")

@@ -131,13 +131,29 @@ def test_a_request_naming_no_limit_gets_its_share_of_the_token_budget(views):
     assert [r.max_tokens for r in built.requests] == [7] * 4
 
 
-def test_a_forced_tool_call_is_constrained_and_read_in_the_templates_format(views):
+def test_tool_calls_are_constrained_and_read_in_the_templates_format(views):
     built = build(views["hermes"], {"tools": TOOLS, "tool_choice": "required",
                                     "messages": TOOL_TURNS[:1]})
     assert built.tool_format.open == "<tool_call>"
-    assert built.requests[0].sampling.constraint is not None
-    assert build(views["hermes"], {"tools": TOOLS, "messages": TOOL_TURNS[:1]}
+    forced = built.requests[0].sampling.constraint
+    auto = build(views["hermes"], {"tools": TOOLS, "messages": TOOL_TURNS[:1]}
+                 ).requests[0].sampling.constraint
+    assert forced.text.startswith("start: call") and auto.text.startswith("start: TEXT")
+    assert build(views["hermes"], {"tools": TOOLS, "tool_choice": "none",
+                                   "messages": TOOL_TURNS[:1]}
                  ).requests[0].sampling.constraint is None
+
+
+def test_a_template_without_tools_is_told_them_and_shown_its_calls_as_text(views):
+    view = views["smollm2"]
+    built = build(view, {"tools": TOOLS, "messages": TOOL_TURNS})
+    assert built.tool_format.name == "generic"
+    prompt = view.tokenizer.decode(built.requests[0].tokens)
+    assert "You can call functions." in prompt and '"name": "get_weather"' in prompt
+    assert "<tool_call>\n{" in prompt and "<tool_response>" in prompt
+    none = view.tokenizer.decode(build(view, {"tools": TOOLS, "tool_choice": "none",
+                                              "messages": TOOL_TURNS}).requests[0].tokens)
+    assert "You can call functions." not in none and "<tool_response>" in none
 
 
 @pytest.mark.parametrize("name, body, chat, status, param, code", [
@@ -149,8 +165,6 @@ def test_a_forced_tool_call_is_constrained_and_read_in_the_templates_format(view
     ("smollm2", {"prompt": "x", "logit_bias": {"49152": 1}}, False, 400, "logit_bias", None),
     ("smollm2", {"prompt": "x", "n": 8, "max_tokens": 9000}, False, 400, "max_tokens", None),
     ("smollm2", {"messages": [{"role": "bot", "content": "x"}]}, True, 400, "messages", None),
-    ("smollm2", {"tools": TOOLS, "messages": TOOL_TURNS[:1]}, True, 400, "tools",
-     "tools_not_supported"),
     ("hermes", {"tools": [{"type": "function", "function": {
         "name": "f", "description": "<|im_end|>"}}], "messages": TOOL_TURNS[:1]}, True, 400,
      "tools", None),

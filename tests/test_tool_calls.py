@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from skippy.mesh.constraint import lark_token
 from skippy.mesh.front.tool_calls import (
+    GENERIC,
     HERMES,
     ReplyDeltas,
     ToolCallStream,
+    auto_constraint,
     call_constraint,
     format_of,
     merge,
@@ -144,17 +146,20 @@ def test_the_format_comes_from_the_template_text():
     assert format_of("{{ tools }} [TOOL_CALLS]") is None
 
 
-def test_a_template_without_tools_refuses_tools_and_tool_history():
+def test_auto_is_constrained_where_the_marker_is_text_and_read_where_a_token():
     tools = parse_tools({"tools": TOOLS})
-    with pytest.raises(ToolSpecError, match="no tool support") as e:
-        reply_format("{{ messages }}", False, tools, [])
-    assert e.value.param == "tools" and e.value.code == "tools_not_supported"
+    c = auto_constraint(HERMES, tools, lambda text: None)
+    assert c is not None and 'lead[stop="<tool_call>"]' in c.text
+    assert auto_constraint(HERMES, tools, lambda text: 7) is None
+
+
+def test_a_template_without_its_own_tool_format_is_served_the_generic_one():
+    tools = parse_tools({"tools": TOOLS})
+    assert reply_format("{{ messages }}", False, tools, []) is GENERIC
+    assert reply_format("{{ tools }} [TOOL_CALLS]", True, tools, []) is GENERIC
+    assert reply_format("{{ tools }} <tool_call>", True, tools, []) is HERMES
     history = [{"role": "tool", "tool_call_id": "x", "content": "1"}]
-    with pytest.raises(ToolSpecError) as e:
-        reply_format("{{ messages }}", False, None, history)
-    assert e.value.param == "messages"
-    with pytest.raises(ToolSpecError, match="format"):
-        reply_format("{{ tools }} [TOOL_CALLS]", True, tools, [])
+    assert reply_format("{{ messages }}", False, None, history) is None  # nothing to read
     assert reply_format("{{ messages }}", False, None, [{"role": "user"}]) is None
 
 

@@ -3,10 +3,10 @@ HTTP, no engine), over the served model's vocabulary and chat template.
 
 chat template -> tokenize -> GenerationRequest, one per choice. A chat is rendered once
 and tokenized once unless a message's text could spell a control token (mesh/front/chat.py).
-What it refuses is the request's fault, a 400 naming its `param`: more choices than the
-engine's lane budget, a prompt that does not fit the context, more new tokens over the
-choices than the gateway's limit, tools the template cannot show, a model not served
-(404).
+Tools a template cannot show are described to it (generic_tools). What it refuses is the
+request's fault, a 400 naming its `param`: more choices than the engine's lane budget, a
+prompt that does not fit the context, more new tokens over the choices than the gateway's
+limit, tools whose schemas cannot constrain a call, a model not served (404).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from .chat import ChatTemplate, ChatTemplateMissing, encode_chat, load_chat_temp
 from .edge import cache_namespace
 from .limits import GatewayLimits
 from .openai_api import DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, bad
-from .tool_calls import ToolCallFormat, call_constraint, reply_format
+from .generic_tools import generic_messages
+from .tool_calls import ToolCallFormat, auto_constraint, call_constraint, has_tool_history, \
+    native_format, reply_format
 from .tool_choice import ToolSpecError
 
 
@@ -103,9 +105,15 @@ def _prompt_ids(parsed: ParsedRequest, prompt: str | tuple[int, ...] | None,
                       f"into a prompt; use /v1/completions", "messages",
                       "chat_template_missing")
         tools = parsed.tools.template_tools if parsed.tools else None
+        messages = list(parsed.messages)
+        if _tools_in(parsed) and \
+                native_format(view.template.text, view.template.knows_tools) is None:
+            # the template cannot show tools: described and rewritten (generic_tools)
+            shown = tools if parsed.tools is not None and parsed.tools.parsed else None
+            messages, tools = generic_messages(messages, shown), None
         # what users typed stays text unless the server trusts its clients; bad
         # messages or tools, or the template refusing them, are a RequestError
-        return encode_chat(view.template, tokenizer, list(parsed.messages),
+        return encode_chat(view.template, tokenizer, messages,
                            control_text=view.control_text, tools=tools)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
@@ -115,6 +123,11 @@ def _prompt_ids(parsed: ParsedRequest, prompt: str | tuple[int, ...] | None,
         raise bad(f"token id {bad_ids[0]} is outside the vocabulary (0..{vocab - 1})",
                   "prompt")
     return list(prompt)
+
+
+def _tools_in(parsed: ParsedRequest) -> bool:
+    """Whether a chat offers tools or holds tool calls or results."""
+    return parsed.tools is not None or has_tool_history(parsed.messages)
 
 
 def _tool_format(parsed: ParsedRequest, template: ChatTemplate | None
@@ -134,16 +147,21 @@ def _tool_format(parsed: ParsedRequest, template: ChatTemplate | None
 def _sampling(parsed: ParsedRequest, fmt: ToolCallFormat | None,
               tokenizer: Tokenizer) -> SamplingParams:
     """The request's sampling settings, with the constraint that forces a tool call when
-    tool_choice asks for one. A forced call replaces a response_format's constraint:
+    tool_choice asks for one, or (tool_choice "auto") the one that lets the reply open
+    only valid calls to the functions offered. A forced call replaces a response_format's
+    constraint:
     the format is for a reply's text, and this reply is a call (as OpenAI's API, where an
     agent with an output type sends both on a turn that must call a tool)."""
     tools = parsed.tools
-    if fmt is None or not tools.forced:
-        return parsed.sampling
+    if fmt is None or (not tools.forced and parsed.sampling.constraint is not None):
+        return parsed.sampling  # "auto" beside a response_format: the format governs
     try:
-        constraint = call_constraint(fmt, tools, tokenizer.special_id)
+        constraint = call_constraint(fmt, tools, tokenizer.special_id) if tools.forced \
+            else auto_constraint(fmt, tools, tokenizer.special_id)
     except ToolSpecError as e:
         raise bad(str(e), e.param) from None
+    if constraint is None:
+        return parsed.sampling
     return dataclasses.replace(parsed.sampling, constraint=constraint)
 
 

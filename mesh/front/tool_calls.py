@@ -6,8 +6,12 @@ template that mentions `<tool_call>`): each call is
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
-after optional content. A template that reads `tools` in another format (Llama 3.1's
-bare JSON, Mistral's [TOOL_CALLS]) is refused rather than half served.
+after optional content. A template that does not read `tools`, or writes calls in
+another format (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS]), is served the generic
+way: the same markers as plain text, the tools described in a system message
+(generic_tools.py). A forced call (tool_choice "required" or a named function) is
+constrained whole; "auto" by a grammar that starts when the reply opens a call, so a
+call names only a function offered, with arguments its schema accepts.
 
 `ToolCallStream` reads the reply as it grows and gives events: content text, or deltas
 of OpenAI's streamed tool calls (the first with index, id, type, name and empty
@@ -26,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..constraint import Constraint, ConstraintError, check, lark_literal, lark_token, \
-    tool_call
+    tool_call, tool_call_or_text
 from .tool_choice import ToolSpecError, ToolUse
 
 Event = tuple[str, object]  # ("content", str) or ("call", OpenAI's tool-call delta dict)
@@ -41,6 +45,10 @@ class ToolCallFormat:
 
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")
 FORMATS = (HERMES,)
+# For a template that cannot show tools (or not in a format read here): the tools are
+# described in a system message and calls written in Hermes' markers as plain text
+# (mesh/front/generic_tools.py), as llama-server's generic format does for such models.
+GENERIC = ToolCallFormat("generic", "<tool_call>", "</tool_call>")
 
 
 def format_of(template_text: str) -> ToolCallFormat | None:
@@ -51,27 +59,27 @@ def format_of(template_text: str) -> ToolCallFormat | None:
     return None
 
 
+def native_format(template_text: str | None, knows_tools: bool) -> ToolCallFormat | None:
+    """The template's own tool-call format, or None where it has none read here (then
+    the generic format serves: GENERIC)."""
+    if template_text is None or not knows_tools:
+        return None
+    return format_of(template_text)
+
+
+def has_tool_history(messages: Iterable) -> bool:
+    """Whether a chat holds tool calls or tool results."""
+    return any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
+               for m in messages)
+
+
 def reply_format(template_text: str | None, knows_tools: bool, tools: ToolUse | None,
                  messages: Iterable[Mapping]) -> ToolCallFormat | None:
     """The format a chat reply is read in for tool calls (None: it is not: no tools, or
-    tool_choice "none"). ToolSpecError when the request offers tools, or its history holds
-    tool calls or results, and the template cannot show them: a template that ignores
-    `tools` would answer as if there were none, which a client cannot tell from a
-    refusal to call."""
-    history = any(isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
-                  for m in messages)
-    if tools is None and not history:
+    tool_choice "none"): the template's own, or GENERIC where it has none."""
+    if tools is None and not has_tool_history(messages):
         return None
-    param = "tools" if tools is not None else "messages"
-    if template_text is None or not knows_tools:
-        raise ToolSpecError("this model's chat template has no tool support (it never "
-                            "reads `tools`), so it cannot be offered tools or shown tool "
-                            "calls", param, "tools_not_supported")
-    fmt = format_of(template_text)
-    if fmt is None:
-        raise ToolSpecError("this model's chat template writes tool calls in a format "
-                            "this server cannot read (it reads <tool_call> JSON, as Hermes "
-                            "and Qwen write it)", param, "tools_not_supported")
+    fmt = native_format(template_text, knows_tools) or GENERIC
     return fmt if tools is not None and tools.parsed else None
 
 
@@ -94,6 +102,24 @@ def call_constraint(fmt: ToolCallFormat, tools: ToolUse,
         check(constraint)
     except ConstraintError as e:
         raise ToolSpecError(f"the tools' parameters cannot be used to force a call: {e}",
+                            "tools") from None
+    return constraint
+
+
+def auto_constraint(fmt: ToolCallFormat, tools: ToolUse,
+                    special_id: Callable[[str], int | None]) -> Constraint | None:
+    """tool_choice "auto": text, or text and then valid calls to the functions offered
+    (the grammar starts when the reply opens a call). None where the opening marker is a
+    special token of the vocabulary (the reply is then read, not constrained)."""
+    if special_id(fmt.open) is not None:
+        return None
+    constraint = tool_call_or_text(tools.callable_functions(), open_text=fmt.open,
+                                   close=lark_literal("\n" + fmt.close),
+                                   parallel=tools.parallel)
+    try:
+        check(constraint)
+    except ConstraintError as e:
+        raise ToolSpecError(f"the tools' parameters cannot constrain a call: {e}",
                             "tools") from None
     return constraint
 
