@@ -1,4 +1,4 @@
-"""Whatever a client sends, the gateway answers in OpenAI's terms: generated bodies shaped
+"""Whatever a client sends, the gateway answers in its API's terms: generated bodies shaped
 like OpenAI's (valid, near-valid and broken) against both endpoints over real HTTP get a
 200 or a 4xx in the error envelope (a 503 with Retry-After only over capacity), never a
 500 nor a dropped connection, and every body (each streamed chunk too) matches OpenAI's
@@ -239,3 +239,94 @@ def test_any_body_with_tools_gets_a_200_or_a_4xx_in_the_envelope(tools_client, r
     if r.status_code == 200 and r.headers["content-type"].startswith("application/json"):
         event(f"finish_reason {r.json()['choices'][0]['finish_reason']}")
     check_answer(r, path)
+
+
+# -- the Responses and Messages APIs -----------------------------------------------------------
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": good_or(st.sampled_from(["user", "developer", "assistant"])),
+                           "content": good_or(TEXT | st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "input_image"]),
+                                "text": TEXT}), max_size=2))},
+                          optional={"type": good_or(st.just("message"))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": good_or(NAMES),
+                           "name": good_or(NAMES), "arguments": good_or(st.just("{}"))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"),
+                           "call_id": good_or(NAMES), "output": good_or(PLAIN)}),
+    st.fixed_dictionaries({"type": good_or(st.sampled_from(["reasoning", "item_reference"]))}))
+FLAT_TOOL = st.fixed_dictionaries({"type": good_or(st.just("function")), "name": good_or(NAMES),
+                                   "parameters": good_or(PARAMETERS, ODD_PARAMETERS | JUNK)})
+RESPONSES = {
+    "instructions": good_or(PLAIN), "temperature": good_or(UNIT), "top_p": good_or(UNIT),
+    "stream": good_or(st.booleans()), "store": good_or(st.booleans()),
+    "tools": good_or(st.lists(FLAT_TOOL, max_size=2)),
+    "tool_choice": good_or(st.sampled_from(["auto", "none", "required"]) | NAMES.map(
+        lambda name: {"type": "function", "name": name})),
+    "text": good_or(st.sampled_from([{"format": {"type": "text"}},
+                                     {"format": {"type": "json_object"}},
+                                     {"format": {"type": "json_schema", "name": "a",
+                                                 "schema": {"enum": [1, 2]}}}])),
+    "previous_response_id": good_or(st.just("resp_unknown")), "metadata": JUNK}
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": good_or(TEXT)}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": good_or(NAMES),
+                           "name": good_or(NAMES), "input": good_or(st.just({}))}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": good_or(NAMES),
+                           "content": good_or(PLAIN)}),
+    st.fixed_dictionaries({"type": good_or(st.sampled_from(["image", "thinking"]))}))
+MESSAGES_API = {
+    "system": good_or(PLAIN | st.lists(st.fixed_dictionaries(
+        {"type": st.just("text"), "text": PLAIN}), max_size=2)),
+    "temperature": good_or(UNIT), "top_k": good_or(st.integers(0, 50)),
+    "stop_sequences": good_or(st.lists(TEXT, max_size=2)), "stream": good_or(st.booleans()),
+    "tools": good_or(st.lists(st.fixed_dictionaries(
+        {"name": good_or(NAMES), "input_schema": good_or(PARAMETERS, ODD_PARAMETERS | JUNK)}),
+        max_size=2)),
+    "tool_choice": good_or(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                            {"type": "tool", "name": "add"}])),
+    "output_config": good_or(st.just({"format": {"type": "json_schema",
+                                                 "schema": {"enum": ["a", "b"]}}}))}
+
+
+@st.composite
+def agent_requests(draw) -> tuple[str, dict]:
+    """(path, body) for /v1/responses or /v1/messages, most fields right."""
+    if draw(st.booleans()):
+        body = {"model": draw(good_or(st.just("smollm2"))),
+                "max_output_tokens": draw(MAX_TOKENS),
+                "input": draw(good_or(TEXT | st.lists(ITEM, min_size=1, max_size=3)))}
+        fields, path = RESPONSES, "/v1/responses"
+    else:
+        turn = st.fixed_dictionaries({"role": good_or(st.sampled_from(["user", "assistant"])),
+                                      "content": good_or(TEXT | st.lists(BLOCK, max_size=2))})
+        body = {"model": draw(good_or(st.just("smollm2"))), "max_tokens": draw(MAX_TOKENS),
+                "messages": draw(good_or(st.lists(turn, min_size=1, max_size=3)))}
+        fields, path = MESSAGES_API, "/v1/messages"
+    for name in draw(st.sets(st.sampled_from(sorted(fields)), max_size=4)):
+        body[name] = draw(fields[name])
+    return path, body
+
+
+@settings(max_examples=120, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=agent_requests())
+def test_the_agent_apis_answer_any_body_with_a_200_or_a_4xx_in_their_envelope(client,
+                                                                              request):
+    path, body = request
+    r = client.post(path, content=json.dumps(body, allow_nan=True).encode(), headers=JSON)
+    event(f"{path} {r.status_code}")
+    if r.status_code == 200:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+            assert kinds and "error" not in kinds, r.text[-500:]
+            assert kinds[-1] in (("message_stop",) if path == "/v1/messages" else
+                                 ("response.completed", "response.incomplete"))
+        else:
+            assert r.json()["type" if path == "/v1/messages" else "object"] in (
+                "message", "response")
+        return
+    assert 400 <= r.status_code < 500 or (r.status_code == 503 and r.headers["Retry-After"])
+    if path == "/v1/messages":
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] and err["error"]["message"]
+    else:
+        assert r.json()["error"]["message"]
