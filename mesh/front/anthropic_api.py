@@ -80,6 +80,8 @@ def to_chat(body: Mapping, *, count_only: bool = False) -> dict:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, Mapping):
         raise bad("metadata must be an object", "metadata")
+    if body.get("structured_outputs") is not None:  # vLLM's grammar extension
+        chat["structured_outputs"] = body["structured_outputs"]
     if body.get("cache_salt") is not None:
         chat["cache_salt"] = body["cache_salt"]
     return chat
@@ -260,8 +262,10 @@ class MessageShape:
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
     def full(self, text: str | None, finish_reason: str, calls: list[dict],
-             stop_sequence: str | None, usage: TokenUsage) -> dict:
-        content = [{"type": "text", "text": text}] if text else []
+             stop_sequence: str | None, usage: TokenUsage, reasoning: str = "") -> dict:
+        content = [{"type": "thinking", "thinking": reasoning, "signature": ""}] \
+            if reasoning else []
+        content += [{"type": "text", "text": text}] if text else []
         content += [_tool_use(c) for c in calls]
         return {**self._head(), "content": content,
                 "stop_reason": stop_reason(finish_reason, stop_sequence),
@@ -277,21 +281,32 @@ class MessageShape:
 
 
 class MessageEvents:
-    """A streamed reply's deltas (text pieces and OpenAI tool-call deltas) in, the Messages
-    stream's content-block events out: a text block while text comes, a tool_use block
-    per call (its input as input_json_delta pieces), each closed when the next begins."""
+    """A streamed reply's parts (reasoning, text pieces, OpenAI tool-call deltas) in, the
+    Messages stream's content-block events out: a thinking block while reasoning comes, a
+    text block while text comes, a tool_use block per call (its input as input_json_delta
+    pieces), each closed when the next begins."""
 
     def __init__(self):
         self.index = -1
         self.open: str | None = None  # the kind of the block being written
 
-    def text(self, piece: str) -> list[bytes]:
+    def part(self, part) -> list[bytes]:
+        """One reasoning.Part's events."""
+        if part.reasoning is not None:
+            return self._text("thinking", part.reasoning)
+        if part.call is not None:
+            return self.call(part.call)
+        return self._text("text", part.content or "")
+
+    def _text(self, kind: str, piece: str) -> list[bytes]:
         if not piece:
             return []
-        out = self._begin("text", {"type": "text", "text": ""}) if self.open != "text" else []
+        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+            else {"type": "text", "text": ""}
+        out = self._begin(kind, block) if self.open != kind else []
         return out + [event("content_block_delta", {
             "type": "content_block_delta", "index": self.index,
-            "delta": {"type": "text_delta", "text": piece}})]
+            "delta": {"type": f"{kind}_delta", kind: piece}})]
 
     def call(self, delta: dict) -> list[bytes]:
         out = []

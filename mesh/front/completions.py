@@ -33,9 +33,9 @@ from .limits import GatewayLimits
 from .openai_api import ApiError, ParsedRequest, ResponseShape, bad, parse_json, parse_request
 from .rendering import (ClosingStream, message_events, response_events, sse_events,
                         whole_body, whole_message, whole_response)
+from .reasoning import ReplyFormat
 from .responses_api import ResponseStore
 from .request_building import ModelView, build_requests
-from .tool_calls import ToolCallFormat
 from .tool_choice import CheckedSchemas
 
 
@@ -165,14 +165,15 @@ class Completions:
         try:
             requests = [dataclasses.replace(r, admitted=True) for r in built.requests]
             return await self._respond(parsed, requests, arrived, release, deadline,
-                                       built.tool_format, tenant, api, turn)
+                                       ReplyFormat(built.tool_format, built.think), tenant,
+                                       api, turn)
         except BaseException:
             release()
             raise
 
     async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
                        arrived: float, release: Callable[[], None], deadline: float,
-                       fmt: ToolCallFormat | None, tenant: str, api: str,
+                       fmt: ReplyFormat, tenant: str, api: str,
                        turn: responses_api.Turn | None = None) -> Response:
         """Run the choices and answer in `api`'s shape; `release` ends the request's slot
         and lanes once the answer is complete (a stream's when its last event is sent or
@@ -213,7 +214,7 @@ class Completions:
             release()
         return JSONResponse(body)
 
-    async def _message(self, run: Generation, usage, fmt: ToolCallFormat | None,
+    async def _message(self, run: Generation, usage, fmt: ReplyFormat,
                        stream: bool, deadline: float, close, release) -> Response:
         shape = anthropic_api.MessageShape(self.view.model)
         return await self._one_choice(
@@ -229,7 +230,7 @@ class Completions:
             raise bad("previous_response_id must be a string", "previous_response_id")
         return self.stored.get(tenant, previous)
 
-    async def _response(self, run: Generation, usage, fmt: ToolCallFormat | None,
+    async def _response(self, run: Generation, usage, fmt: ReplyFormat,
                         stream: bool, deadline: float, close, release,
                         turn: responses_api.Turn, tenant: str) -> Response:
         shape = responses_api.ResponseShape(self.view.model, turn)

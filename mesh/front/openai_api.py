@@ -28,7 +28,7 @@ from typing import Any
 
 from ..constraint import Constraint
 from ..sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
-from .response_format import ResponseFormatError, response_constraint
+from .response_format import ResponseFormatError, response_constraint, structured_outputs
 from .tool_choice import ToolSpecError, ToolUse, check_schema, parse_tools
 
 # max_tokens when the request gives none: what is left of the context, at most this.
@@ -287,11 +287,18 @@ def _sampling(body: Mapping, logprobs: int | None = None) -> SamplingParams:
 
 
 def _constraint(body: Mapping) -> Constraint | None:
-    """What response_format asks the reply to be (mesh/front/response_format.py)."""
+    """What response_format (or vLLM's structured_outputs) asks the reply to be
+    (mesh/front/response_format.py)."""
+    param = "structured_outputs" if body.get("structured_outputs") is not None \
+        else "response_format"
+    if param == "structured_outputs" and body.get("response_format") is not None:
+        raise bad("give response_format or structured_outputs, not both", param)
     try:
+        if param == "structured_outputs":
+            return structured_outputs(body["structured_outputs"])
         return response_constraint(body.get("response_format"))
     except ResponseFormatError as e:
-        raise bad(str(e), "response_format") from None
+        raise bad(str(e), param) from None
 
 
 def _logit_bias(value: dict | None) -> tuple[tuple[int, float], ...]:
@@ -435,14 +442,18 @@ class ResponseShape:
     def full(self, choices: list[tuple], usage: TokenUsage) -> dict:
         """The whole response: (text, finish_reason, logprobs) per choice, in order; a
         chat choice may add its tool calls (OpenAI's tool_calls list) as a fourth item,
-        and then its text may be None."""
+        and then its text may be None, and its reasoning (a thinking model's) as a
+        fifth."""
         out = []
-        for index, (text, finish_reason, logprobs, *calls) in enumerate(choices):
+        for index, (text, finish_reason, logprobs, *more) in enumerate(choices):
             block = self.logprobs(logprobs, index)
+            calls, reasoning = (more + [None, None])[:2]
             if self.chat:
                 message = {"role": "assistant", "content": text, "refusal": None}
-                if calls and calls[0]:
-                    message["tool_calls"] = calls[0]
+                if reasoning:
+                    message["reasoning_content"] = reasoning
+                if calls:
+                    message["tool_calls"] = calls
                 out.append({"index": index, "message": message,
                             "logprobs": block, "finish_reason": finish_reason})
             else:
@@ -453,7 +464,7 @@ class ResponseShape:
     def chunk(self, text: str | None = None, finish_reason: str | None = None, *,
               first: bool = False, with_usage_field: bool = False,
               logprobs: Logprobs | None = None, index: int = 0,
-              tool_call: dict | None = None) -> dict:
+              tool_call: dict | None = None, reasoning: str | None = None) -> dict:
         """A stream chunk with a text delta (chat: the first one also carries the role)
         or a tool call's delta, and, when asked for, the log-probabilities of the tokens
         it came from."""
@@ -464,6 +475,8 @@ class ResponseShape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             if tool_call is not None:
                 delta["tool_calls"] = [tool_call]
             choice = {"index": index, "delta": delta, "logprobs": block,

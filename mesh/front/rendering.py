@@ -22,31 +22,32 @@ from .responses_api import ResponseEvents
 from .responses_api import ResponseShape as ResponseObjects
 from .generation import Generation, all_of, collect, pump
 from .openai_api import ApiError, ResponseShape, TokenUsage, sse
-from .tool_calls import ReplyDeltas, ToolCallFormat, whole_reply
+from .reasoning import ReplyFormat
 
 
 async def whole_body(runs: list[Generation], shape: ResponseShape,
-                     usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None,
+                     usage: Callable[[], TokenUsage], reply: ReplyFormat,
                      logprobs: bool) -> dict:
-    """Every choice's whole reply (tool calls read in `fmt`), once all have ended."""
+    """Every choice's whole reply (read as `reply` says), once all have ended."""
     pieces: list[list] = [[] for _ in runs]
     await all_of(collect(run.texts(), into) for run, into in zip(runs, pieces))
     choices = []
     for run, parts in zip(runs, pieces):
-        content, reason, calls = whole_reply(fmt, "".join(t for t, _ in parts),
-                                             run.outcome.finish_reason)
+        reasoning, content, reason, calls = reply.whole("".join(t for t, _ in parts),
+                                                        run.outcome.finish_reason)
         choices.append((content, reason,
-                        [e for _, lp in parts for e in lp] if logprobs else None, calls))
+                        [e for _, lp in parts for e in lp] if logprobs else None, calls,
+                        reasoning))
     return shape.full(choices, usage())
 
 
 async def sse_events(runs: list[Generation], shape: ResponseShape,
                      usage: Callable[[], TokenUsage], include_usage: bool,
-                     fmt: ToolCallFormat | None, deadline: float,
+                     reply_format: ReplyFormat, deadline: float,
                      timed_out: Callable[[], ApiError]) -> AsyncIterator[bytes]:
     """The stream (see the module docstring). `timed_out`: the deadline's error."""
     queue: asyncio.Queue = asyncio.Queue()
-    replies = [ReplyDeltas(fmt) for _ in runs]
+    replies = [reply_format.parts() for _ in runs]
     pumps = [asyncio.create_task(pump(i, run, queue)) for i, run in enumerate(runs)]
     try:
         if shape.chat:
@@ -60,9 +61,10 @@ async def sse_events(runs: list[Generation], shape: ResponseShape,
                 raise end
             ends = end is not None
             reply = replies[index]
-            for text, call, lp in reply.finish() if ends else reply.push(delta, logprobs):
-                yield sse(shape.chunk(text, with_usage_field=include_usage,
-                                      logprobs=lp, index=index, tool_call=call))
+            for part in reply.finish() if ends else reply.push(delta, logprobs):
+                yield sse(shape.chunk(part.content, with_usage_field=include_usage,
+                                      logprobs=part.logprobs, index=index,
+                                      tool_call=part.call, reasoning=part.reasoning))
             if not ends:
                 continue
             left -= 1
@@ -80,21 +82,21 @@ async def sse_events(runs: list[Generation], shape: ResponseShape,
     yield sse("[DONE]")
 
 
-async def _whole_reply(run: Generation, fmt: ToolCallFormat | None
-                       ) -> tuple[str | None, str, list[dict]]:
-    """One choice's whole reply: (content, finish reason, tool calls read in `fmt`)."""
+async def _whole_reply(run: Generation, reply: ReplyFormat
+                       ) -> tuple[str, str | None, str, list[dict]]:
+    """One choice's whole reply: (reasoning, content, finish reason, tool calls)."""
     parts: list = []
     await collect(run.texts(), parts)
-    return whole_reply(fmt, "".join(t for t, _ in parts), run.outcome.finish_reason)
+    return reply.whole("".join(t for t, _ in parts), run.outcome.finish_reason)
 
 
 class _Deltas:
-    """One choice's reply as it grows, as (content, tool-call delta) pairs (tool calls
-    read in `fmt`), each piece awaited by the deadline; `finish_reason()` once it ends."""
+    """One choice's reply as it grows, as Parts (read as `reply` says), each piece
+    awaited by the deadline; `finish_reason()` once it ends."""
 
-    def __init__(self, run: Generation, fmt: ToolCallFormat | None, deadline: float,
+    def __init__(self, run: Generation, reply: ReplyFormat, deadline: float,
                  timed_out: Callable[[], ApiError]):
-        self.run, self.reply = run, ReplyDeltas(fmt)
+        self.run, self.reply = run, reply.parts()
         self.deadline, self.timed_out = deadline, timed_out
 
     async def __aiter__(self):
@@ -105,10 +107,10 @@ class _Deltas:
                     text, logprobs = await _by(self.deadline, anext(texts), self.timed_out)
                 except StopAsyncIteration:
                     break
-                for content, call, _ in self.reply.push(text, logprobs):
-                    yield content, call
-            for content, call, _ in self.reply.finish():
-                yield content, call
+                for part in self.reply.push(text, logprobs):
+                    yield part
+            for part in self.reply.finish():
+                yield part
         finally:
             await texts.aclose()
 
@@ -117,25 +119,26 @@ class _Deltas:
 
 
 async def whole_message(run: Generation, shape: MessageShape,
-                        usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None) -> dict:
+                        usage: Callable[[], TokenUsage], reply: ReplyFormat) -> dict:
     """One choice's whole reply as Anthropic's Message."""
-    content, reason, calls = await _whole_reply(run, fmt)
-    return shape.full(content, reason, calls, run.outcome.stop_sequence, usage())
+    reasoning, content, reason, calls = await _whole_reply(run, reply)
+    return shape.full(content, reason, calls, run.outcome.stop_sequence, usage(),
+                      reasoning)
 
 
 async def message_events(run: Generation, shape: MessageShape,
-                         usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None,
+                         usage: Callable[[], TokenUsage], reply: ReplyFormat,
                          deadline: float, timed_out: Callable[[], ApiError]
                          ) -> AsyncIterator[bytes]:
     """One choice's reply as the Messages stream: message_start, its content blocks as
     they grow, message_delta (stop reason, usage), message_stop; a failure once the
     headers are sent as an error event."""
-    blocks, deltas = MessageEvents(), _Deltas(run, fmt, deadline, timed_out)
+    blocks, deltas = MessageEvents(), _Deltas(run, reply, deadline, timed_out)
     try:
         yield shape.start(usage())
         yield anthropic_api.event("ping", {"type": "ping"})
-        async for content, call in deltas:
-            for e in blocks.call(call) if call is not None else blocks.text(content):
+        async for part in deltas:
+            for e in blocks.part(part):
                 yield e
         for e in blocks.close() + anthropic_api.stream_end(
                 deltas.finish_reason(), run.outcome.stop_sequence, usage()):
@@ -145,27 +148,27 @@ async def message_events(run: Generation, shape: MessageShape,
 
 
 async def whole_response(run: Generation, shape: ResponseObjects,
-                         usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None) -> dict:
+                         usage: Callable[[], TokenUsage], reply: ReplyFormat) -> dict:
     """One choice's whole reply as a Responses API Response object."""
-    content, reason, calls = await _whole_reply(run, fmt)
+    reasoning, content, reason, calls = await _whole_reply(run, reply)
     status = responses_api.status_of(reason)
-    return shape.response(shape.output(content, calls, status), status, usage())
+    return shape.response(shape.output(content, calls, status, reasoning), status, usage())
 
 
 async def response_events(run: Generation, shape: ResponseObjects,
-                          usage: Callable[[], TokenUsage], fmt: ToolCallFormat | None,
+                          usage: Callable[[], TokenUsage], reply: ReplyFormat,
                           deadline: float, timed_out: Callable[[], ApiError],
                           done: Callable[[dict], None]) -> AsyncIterator[bytes]:
     """One choice's reply as the Responses stream: response.created, its output items'
     events as they grow, then response.completed (or .incomplete) with the whole
     Response, which `done` receives; a failure once the headers are sent as an error
     event."""
-    events, deltas = ResponseEvents(shape), _Deltas(run, fmt, deadline, timed_out)
+    events, deltas = ResponseEvents(shape), _Deltas(run, reply, deadline, timed_out)
     try:
         for e in events.start():
             yield e
-        async for content, call in deltas:
-            for e in events.call(call) if call is not None else events.text(content):
+        async for part in deltas:
+            for e in events.part(part):
                 yield e
         last, response = events.end(responses_api.status_of(deltas.finish_reason()),
                                     usage())

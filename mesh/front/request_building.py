@@ -21,6 +21,7 @@ from .chat import ChatTemplate, ChatTemplateMissing, encode_chat, load_chat_temp
 from .edge import cache_namespace
 from .limits import GatewayLimits
 from .openai_api import DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, bad
+from .reasoning import opened_in, thinks
 from .generic_tools import generic_messages
 from .tool_calls import ToolCallFormat, auto_constraint, call_constraint, has_tool_history, \
     native_format, reply_format
@@ -56,6 +57,7 @@ class ModelView:
 class BuiltRequest:
     requests: list[GenerationRequest]    # one per choice, in order
     tool_format: ToolCallFormat | None   # the format replies are read in for tool calls
+    think: bool | None = None            # a thinking model's: the reply starts in its block
 
 
 def build_requests(parsed: ParsedRequest, view: ModelView, limits: GatewayLimits,
@@ -85,7 +87,10 @@ def build_requests(parsed: ParsedRequest, view: ModelView, limits: GatewayLimits
                 sampling = dataclasses.replace(first.sampling, seed=(seed + copy) % 2**64)
                 out.append(dataclasses.replace(first, sampling=sampling))
     _check_tokens(out, limits.max_request_tokens)
-    return BuiltRequest(out, fmt)
+    think = None
+    if parsed.chat and view.template is not None and thinks(view.template.text):
+        think = opened_in(view.tokenizer.decode(out[0].tokens[-8:], special=True))
+    return BuiltRequest(out, fmt, think)
 
 
 def check_model(asked: str, served: str) -> None:

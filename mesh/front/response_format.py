@@ -6,7 +6,8 @@
                                                        one JSON value the schema accepts
 
 The schema is enforced by constrained decoding whatever `strict` says (a reply that does
-not match is never produced), so `strict` is accepted and needs nothing more. A schema
+not match is never produced), so `strict` is accepted and needs nothing more. vLLM's
+`structured_outputs` (`{"grammar": Lark}` or `{"regex": ...}`) is taken too. A schema
 the grammar engine cannot compile is the client's mistake: `ResponseFormatError`, which
 the caller turns into a 400 naming `response_format`.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from skippy.topology.errors import RequestError
 
-from ..constraint import Constraint, ConstraintError, check, json_object, json_schema
+from ..constraint import Constraint, ConstraintError, check, json_object, json_schema, lark
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 MAX_SCHEMA_CHARS = 64 * 1024  # compiling is bounded by the engine; this bounds the text
@@ -56,6 +57,28 @@ def response_constraint(value: Any) -> Constraint | None:
         check(constraint)
     except ConstraintError as e:
         raise ResponseFormatError(f"the JSON schema cannot be used: {e}") from None
+    return constraint
+
+
+def structured_outputs(value: Any) -> Constraint | None:
+    """vLLM's `structured_outputs` extension (None: absent): `{"grammar": <Lark, in
+    llguidance's dialect>}` or `{"regex": <pattern>}` for the whole reply."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or len(value) != 1 or \
+            not isinstance(value.get("grammar", value.get("regex")), str):
+        raise ResponseFormatError("structured_outputs takes one of grammar (Lark) or regex, "
+                                  "as a string")
+    if "grammar" in value:
+        constraint = lark(value["grammar"])
+    else:
+        constraint = lark(f"start: /{value['regex'].replace('/', chr(92) + '/')}/")
+    if len(constraint.text) > MAX_SCHEMA_CHARS:
+        raise ResponseFormatError(f"the grammar takes at most {MAX_SCHEMA_CHARS} characters")
+    try:
+        check(constraint)
+    except ConstraintError as e:
+        raise ResponseFormatError(f"the grammar cannot be used: {e}") from None
     return constraint
 
 

@@ -108,6 +108,8 @@ def to_chat(body: Mapping, previous: Stored | None) -> Turn:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("structured_outputs") is not None:  # vLLM's grammar extension
+        chat["structured_outputs"] = body["structured_outputs"]
     form = _format(body.get("text"))
     if form is not None:
         chat["response_format"] = form
@@ -260,8 +262,10 @@ class ResponseShape:
                 "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
                 **{k: v for k, v in echo.items()}}
 
-    def output(self, text: str | None, calls: list[dict], status: str) -> list[dict]:
-        items = [message_item(text, status)] if text else []
+    def output(self, text: str | None, calls: list[dict], status: str,
+               reasoning: str = "") -> list[dict]:
+        items = [reasoning_item(reasoning, status)] if reasoning else []
+        items += [message_item(text, status)] if text else []
         return items + [call_item(c) for c in calls]
 
     def stored(self, response: dict) -> Stored:
@@ -280,6 +284,11 @@ class ResponseShape:
 
 def status_of(finish_reason: str) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
+
+
+def reasoning_item(text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": _new_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def message_item(text: str, status: str, item_id: str | None = None) -> dict:
@@ -315,6 +324,25 @@ class ResponseEvents:
         head = self.shape.response([], "in_progress", None)
         return [self.event("response.created", response=head),
                 self.event("response.in_progress", response=head)]
+
+    def part(self, part) -> list[bytes]:
+        """One reasoning.Part's events."""
+        if part.reasoning is not None:
+            return self.reasoning(part.reasoning)
+        if part.call is not None:
+            return self.call(part.call)
+        return self.text(part.content or "")
+
+    def reasoning(self, piece: str) -> list[bytes]:
+        if not piece:
+            return []
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._close()
+            out += self._add(reasoning_item("", "in_progress"))
+        self.open["content"][0]["text"] += piece
+        return out + [self.event("response.reasoning_text.delta", **self._at(),
+                                 content_index=0, delta=piece)]
 
     def text(self, piece: str) -> list[bytes]:
         if not piece:
@@ -365,7 +393,10 @@ class ResponseEvents:
         if item is None:
             return []
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", **self._at(),
+                                  content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             text = item["content"][0]["text"]
             out += [self.event("response.output_text.done", **self._at(), content_index=0,
                                text=text, logprobs=[]),
