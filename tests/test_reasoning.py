@@ -121,6 +121,36 @@ def test_messages_give_a_thinking_block(url):
                                         ("text", m.content[1].text)]
 
 
+WORD = {"structured_outputs": {"grammar": 'start: /[A-Z][a-z]{2,6}/'}}
+
+
+def test_thinking_turned_off_where_the_template_allows_gives_only_an_answer(url):
+    """chat_template_kwargs (chat), thinking disabled (Messages), no reasoning effort
+    (Responses): the template writes an empty block itself, and the reply is answer."""
+    chat = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    on = chat.chat.completions.create(model="thinker", messages=ASK, max_tokens=8,
+                                      temperature=0, extra_body=WORD)
+    off = chat.chat.completions.create(
+        model="thinker", messages=ASK, max_tokens=8, temperature=0,
+        extra_body={**WORD, "chat_template_kwargs": {"enable_thinking": False}})
+    assert on.choices[0].message.reasoning_content and not on.choices[0].message.content
+    message = off.choices[0].message
+    assert not getattr(message, "reasoning_content", None) and message.content.isalpha()
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens  # the empty block, written
+    r = chat.responses.create(model="thinker", input=ASK[0]["content"], temperature=0,
+                              max_output_tokens=8, reasoning={"effort": "none"},
+                              extra_body=WORD)
+    assert [item.type for item in r.output] == ["message"]
+    m = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
+        model="thinker", messages=ASK, max_tokens=8, thinking={"type": "disabled"},
+        extra_body={"temperature": 0, **WORD})
+    assert [b.type for b in m.content] == ["text"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat.chat.completions.create(model="thinker", messages=ASK, max_tokens=1,
+                                     extra_body={"chat_template_kwargs": {"messages": 1}})
+    assert e.value.param == "chat_template_kwargs"
+
+
 def test_a_model_that_does_not_think_gives_no_reasoning(url, smollm2):
     # the same request shape on SmolLM2 (its template writes no think tags) is all answer
     del url

@@ -80,6 +80,10 @@ def to_chat(body: Mapping, *, count_only: bool = False) -> dict:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, Mapping):
         raise bad("metadata must be an object", "metadata")
+    thinking = body.get("thinking")
+    if isinstance(thinking, Mapping) and thinking.get("type") in ("enabled", "disabled"):
+        # where the template reads it (Qwen3's enable_thinking)
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
     if body.get("structured_outputs") is not None:  # vLLM's grammar extension
         chat["structured_outputs"] = body["structured_outputs"]
     if body.get("cache_salt") is not None:

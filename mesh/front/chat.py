@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -97,6 +97,13 @@ class ChatTemplate:
     eos_token: str
     add_bos: bool        # the tokenizer prepends BOS: a rendered leading BOS is dropped
     add_eos: bool        # the tokenizer appends EOS: a rendered trailing EOS is dropped
+    # a request's own template variables (chat_template_kwargs: enable_thinking, ...)
+    variables: tuple[tuple[str, object], ...] = ()
+
+    def with_variables(self, variables: Mapping) -> ChatTemplate:
+        """This template rendering with a request's own variables beside its messages
+        (never in place of what the gateway passes: messages, tools, tokens)."""
+        return replace(self, variables=tuple(sorted(variables.items())))
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                tools: list[dict] | None = None) -> str:
@@ -142,7 +149,7 @@ class ChatTemplate:
 
     def _render(self, checked: list[dict], add_generation_prompt: bool,
                 tools: list[dict] | None = None) -> str:
-        extra = {} if tools is None else {"tools": tools}
+        extra = {**dict(self.variables), **({} if tools is None else {"tools": tools})}
         try:
             text = _compile(self.text).render(
                 messages=checked, add_generation_prompt=add_generation_prompt,

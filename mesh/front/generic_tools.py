@@ -67,11 +67,14 @@ def _calls(calls) -> list[Mapping]:
 
 
 def _call_text(call: Mapping) -> str:
-    function = call.get("function") or {}
+    function = call["function"]
+    raw = function.get("arguments") or "{}"
+    if not isinstance(raw, str):
+        raise RequestError("a tool call's arguments must be a string (of JSON)", "messages")
     try:
-        arguments = json.loads(function.get("arguments") or "{}")
+        arguments = json.loads(raw)
     except ValueError:
-        arguments = function.get("arguments")
+        arguments = raw
     body = json.dumps({"name": function.get("name"), "arguments": arguments},
                       ensure_ascii=False)
     return f"{GENERIC.open}\n{body}\n{GENERIC.close}"
@@ -82,4 +85,8 @@ def _text(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    if isinstance(content, list) and all(isinstance(p, Mapping) and
+                                         isinstance(p.get("text", ""), str) for p in content):
+        return "".join(p.get("text", "") for p in content)
+    raise RequestError("a message's content must be a string or an array of text parts",
+                       "messages")

@@ -91,6 +91,7 @@ class ParsedRequest:
     include_usage: bool
     cache_salt: str                           # the client's part of its cache namespace
     tools: ToolUse | None = None              # chat: the tools offered, and tool_choice
+    template_kwargs: tuple = ()               # chat: chat_template_kwargs, sorted pairs
 
     @property
     def choices(self) -> int:
@@ -190,7 +191,8 @@ def parse_request(body: dict, *, chat: bool,
                          max_tokens=max_tokens, sampling=_sampling(body, _logprobs(body, chat)),
                          stop=_stop(body.get("stop")), stream=stream,
                          include_usage=stream and include_usage, cache_salt=salt,
-                         tools=_tools(body, schemas) if chat else None)
+                         tools=_tools(body, schemas) if chat else None,
+                         template_kwargs=_template_kwargs(body) if chat else ())
 
 
 def _tools(body: Mapping, schemas: Callable[[Mapping], None]) -> ToolUse | None:
@@ -240,6 +242,24 @@ def _unsupported(body: Mapping, chat: bool) -> None:
             raise bad("only best_of = 1 is supported", "best_of")
         if body.get("suffix"):
             raise bad("suffix is not supported by this server", "suffix")
+
+
+# what the gateway itself passes a chat template: a request cannot set these
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                           "eos_token", "raise_exception"})
+
+
+def _template_kwargs(body: Mapping) -> tuple:
+    """chat_template_kwargs (vLLM's and llama-server's): more variables for the chat
+    template, such as Qwen3's enable_thinking; JSON scalars only."""
+    kwargs = _field(body, "chat_template_kwargs", dict) or {}
+    for name, value in kwargs.items():
+        if name in _TEMPLATE_OWN or not name.isidentifier():
+            raise bad(f"chat_template_kwargs cannot set {name!r}", "chat_template_kwargs")
+        if not isinstance(value, (str, int, float, bool)) and value is not None:
+            raise bad(f"chat_template_kwargs.{name} must be a string, number, boolean or "
+                      f"null", "chat_template_kwargs")
+    return tuple(sorted(kwargs.items()))
 
 
 def _logprobs(body: Mapping, chat: bool) -> int | None:

@@ -111,6 +111,8 @@ def _prompt_ids(parsed: ParsedRequest, prompt: str | tuple[int, ...] | None,
                       "chat_template_missing")
         tools = parsed.tools.template_tools if parsed.tools else None
         messages = list(parsed.messages)
+        template = view.template.with_variables(dict(parsed.template_kwargs)) \
+            if parsed.template_kwargs else view.template
         if _tools_in(parsed) and \
                 native_format(view.template.text, view.template.knows_tools) is None:
             # the template cannot show tools: described and rewritten (generic_tools)
@@ -118,7 +120,7 @@ def _prompt_ids(parsed: ParsedRequest, prompt: str | tuple[int, ...] | None,
             messages, tools = generic_messages(messages, shown), None
         # what users typed stays text unless the server trusts its clients; bad
         # messages or tools, or the template refusing them, are a RequestError
-        return encode_chat(view.template, tokenizer, messages,
+        return encode_chat(template, tokenizer, messages,
                            control_text=view.control_text, tools=tools)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)

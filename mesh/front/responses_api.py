@@ -108,6 +108,10 @@ def to_chat(body: Mapping, previous: Stored | None) -> Turn:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+        # no effort is no thinking, where the template reads it (Qwen3's enable_thinking)
+        chat["chat_template_kwargs"] = {"enable_thinking": reasoning["effort"] != "none"}
     if body.get("structured_outputs") is not None:  # vLLM's grammar extension
         chat["structured_outputs"] = body["structured_outputs"]
     form = _format(body.get("text"))
