@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from openai_schemas import responses_conform
+
 from skippy.mesh.front.reasoning import ThinkSplit, opened_in, split, thinks
 
 REPLY = r'start: /[a-z]{2,6}( [a-z]{2,6}){0,2}/ "\n</think>\n\n" /[A-Z][a-z]{2,6}/'
@@ -94,6 +96,8 @@ def test_responses_give_a_reasoning_item(url):
                temperature=0, extra_body=GRAMMAR)
     r = client.responses.create(**ask)
     assert [item.type for item in r.output] == ["reasoning", "message"]
+    responses_conform(url + "/v1", {k: v for k, v in ask.items() if k != "extra_body"}
+                      | GRAMMAR)  # a reasoning item as OpenAI's schema publishes it
     parts(r.output[0].content[0].text, r.output_text)
     with client.responses.stream(**ask) as stream:
         kinds = [e.type for e in stream]

@@ -12,6 +12,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from openai_schemas import responses_conform
 
 from skippy.mesh.front.openai_api import ApiError
 from skippy.mesh.front.responses_api import ResponseStore, Stored, to_chat
@@ -174,6 +175,14 @@ def test_a_bad_body_is_a_400_in_the_envelope(client):
     assert e.value.body["param"] == "input"
 
 
+# -- OpenAI's published schemas --------------------------------------------------------------------
+def test_responses_and_their_events_match_openais_schemas(url):
+    responses_conform(url, {"model": "smollm2", "input": QUESTION, "instructions": "Be brief.",
+                        "max_output_tokens": 32, "temperature": 0}, KEYS[0])
+    responses_conform(url, {"model": "smollm2", "input": QUESTION, "max_output_tokens": 3,
+                        "temperature": 0}, KEYS[0])  # incomplete
+
+
 # -- a function-call round trip -------------------------------------------------------------------
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
           "parameters": WEATHER}]
@@ -190,6 +199,8 @@ def test_a_function_call_and_its_output_round_trip(qwen3_tools_url, streamed):
             r = stream.get_final_response()
     else:
         r = client.responses.create(**ask)
+    if streamed:  # the whole call and its events, as OpenAI's schemas publish them
+        responses_conform(qwen3_tools_url + "/v1", {**ask, "tools": TOOLS})
     [call] = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), WEATHER)

@@ -119,7 +119,8 @@ def to_chat(body: Mapping, previous: Stored | None) -> Turn:
         chat["response_format"] = form
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
+            "tools": [_echo_tool(t) for t in body.get("tools") or []],
+            "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}},
             "metadata": body.get("metadata") or {}, "user": body.get("user"),
@@ -209,6 +210,13 @@ def _tools(tools) -> list[dict]:
     return out
 
 
+def _echo_tool(tool: Mapping) -> dict:
+    """A function tool as a Response object lists it (strict by default, as OpenAI's)."""
+    return {"type": "function", "name": tool["name"],
+            "description": tool.get("description"), "parameters": tool.get("parameters"),
+            "strict": tool.get("strict", True)}
+
+
 def _tool_choice(choice):
     if isinstance(choice, str):
         return choice  # auto, none, required: the chat API checks them
@@ -235,9 +243,15 @@ def _format(text) -> dict | None:
 
 
 # -- answers ---------------------------------------------------------------------------------
+# settings a Response object says null for when unset (the others are left out)
+_NULLABLE = frozenset({"instructions", "max_output_tokens", "temperature", "top_p",
+                       "previous_response_id"})
+
+
 def _usage(usage: TokenUsage) -> dict:
     return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
@@ -257,14 +271,16 @@ class ResponseShape:
 
     def response(self, output: list[dict], status: str, usage: TokenUsage | None) -> dict:
         echo = self.turn.echo
-        return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": status, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"}
-                if status == "incomplete" else None,
-                "model": self.model, "output": output, "usage":
-                _usage(usage) if usage is not None else None,
-                "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
-                **{k: v for k, v in echo.items()}}
+        out = {"id": self.id, "object": "response", "created_at": self.created,
+               "status": status, "error": None,
+               "incomplete_details": {"reason": "max_output_tokens"}
+               if status == "incomplete" else None,
+               "model": self.model, "output": output,
+               "truncation": "disabled", "reasoning": {"effort": None, "summary": None},
+               **{k: v for k, v in echo.items() if v is not None or k in _NULLABLE}}
+        if usage is not None:  # known once it ends
+            out["usage"] = _usage(usage)
+        return out
 
     def output(self, text: str | None, calls: list[dict], status: str,
                reasoning: str = "") -> list[dict]:
@@ -408,7 +424,7 @@ class ResponseEvents:
                                part=self._part(text))]
         else:
             out.append(self.event("response.function_call_arguments.done", **self._at(),
-                                  arguments=item["arguments"]))
+                                  name=item["name"], arguments=item["arguments"]))
         item["status"] = status
         out.append(self.event("response.output_item.done", output_index=len(self.items) - 1,
                               item=item))

@@ -12,7 +12,8 @@ import sys
 
 import yaml
 
-ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
+ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "Response",
+         "ResponseStreamEvent",
          "CreateCompletionResponse", "ErrorResponse", "ListModelsResponse", "Model"]
 # documentation only: dropped (the keys of a `properties` map are names, always kept)
 DOC_KEYS = ("description", "x-oaiMeta", "example", "examples", "x-stainless-const",
