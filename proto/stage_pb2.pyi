@@ -97,7 +97,7 @@ class PlanReply(_message.Message):
     def __init__(self, start: _Optional[int] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "start", "frame", "sampling", "probe", "namespace", "max_tokens", "replay")
+    __slots__ = ("tokens", "start", "frame", "sampling", "probe", "namespace", "max_tokens", "replay", "embed")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Prefill(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start: int
     frame: Frame
@@ -114,7 +115,8 @@ class Prefill(_message.Message):
     namespace: str
     max_tokens: int
     replay: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ..., replay: _Optional[bool] = ...) -> None: ...
+    embed: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ..., replay: _Optional[bool] = ..., embed: _Optional[str] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("token", "frame", "replay")
@@ -182,17 +184,25 @@ class Error(_message.Message):
     error_id: str
     def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ..., busy: _Optional[bool] = ..., invalid: _Optional[bool] = ..., param: _Optional[str] = ..., error_id: _Optional[str] = ...) -> None: ...
 
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: bytes
+    def __init__(self, values: _Optional[bytes] = ...) -> None: ...
+
 class StageResult(_message.Message):
-    __slots__ = ("plan", "token", "error", "done")
+    __slots__ = ("plan", "token", "error", "done", "embedding")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     plan: PlanReply
     token: Token
     error: Error
     done: Done
-    def __init__(self, plan: _Optional[_Union[PlanReply, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    embedding: Embedding
+    def __init__(self, plan: _Optional[_Union[PlanReply, _Mapping]] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ...) -> None: ...
 
 class BlockRequest(_message.Message):
     __slots__ = ("hashes",)

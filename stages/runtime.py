@@ -53,6 +53,7 @@ class LaneState:
 class StageOutput:
     frame: Frame | None = None          # non-final stages
     logits: torch.Tensor | None = None  # final stage: [vocab] ("last") or [n, vocab] ("all")
+    hidden: torch.Tensor | None = None  # final stage, "hidden": [n, hidden] after the norm
     # prefill(snapshots=...): the lane's state for [0, b) at each requested boundary b
     snapshots: dict[int, LaneState] = field(default_factory=dict)
 
@@ -138,8 +139,8 @@ def check_prefill(start: int, n: int, *, chunk: int, boundary: int, n_ctx: int,
     if start % chunk or start > boundary:
         raise StageError(f"prefill start {start} must be a multiple of {chunk} and at most "
                          f"{boundary}")
-    if logits not in ("last", "all", "none"):
-        raise StageError(f"logits must be last, all or none, not {logits!r}")
+    if logits not in ("last", "all", "none", "hidden"):
+        raise StageError(f"logits must be last, all, none or hidden, not {logits!r}")
     if n == 0:
         raise StageError("prefill needs at least one row")
     end = start + n

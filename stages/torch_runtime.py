@@ -377,6 +377,8 @@ class TorchStageRuntime(StageRuntime):
             out.frame = to_wire(start, hidden, self.spec.wire_dtype, tokens=tok_in)
         elif logits == "last":
             out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
+        elif logits == "hidden":  # embeddings: each row after the output norm
+            out.hidden = self.norm(hidden[:, :self.cfg.hidden])
         elif logits == "all":  # an fp32 head on a row-invariant stage: decode's groups
             fixed = free and not isinstance(self.head, RescoredHead)
             out.logits = self._logits(hidden, self.spec.lane_batch if fixed else self.spec.chunk)

@@ -12,6 +12,7 @@ import random
 import signal
 
 import pytest
+import torch
 
 pytest.importorskip("ray")
 
@@ -89,6 +90,12 @@ def test_in_process_and_ray_stages_answer_alike(local_engine, ray_engine):
     assert want[5][0][1] is not None               # log-probs came back
     assert want[8] == want[0]                      # the repeat is the same answer
     assert ray_engine.stats()["rebuilds"] == NO_REBUILDS
+
+
+def test_embeddings_from_ray_stages_are_the_in_process_ones(local_engine, ray_engine):
+    for pooling in ("mean", "last"):
+        want = asyncio.run(local_engine.embed(tuple(PROMPTS[1]), pooling))
+        assert torch.equal(asyncio.run(ray_engine.embed(tuple(PROMPTS[1]), pooling)), want)
 
 
 def test_an_overflowing_temperature_beside_greedy_streams_is_greedy(ray_engine):

@@ -144,6 +144,36 @@ async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int]
             await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
 
 
+async def embed(pipe: Pipeline, tokens: tuple[int, ...], pooling: str,
+                namespace: str = "") -> torch.Tensor:
+    """An embedding of `tokens`: every row computed from the start (no stage reuses a
+    prefix, so the bits are those of a cold run whatever the caches hold), the last
+    stage's final hidden rows pooled (`pooling`: mean or last). A stage fault is
+    rebuilt as a generation's is: the request simply runs again."""
+    failures = 0
+    while True:
+        generation = pipe.generation
+        link = await pipe.open()
+        try:
+            plan = pb.StageCall(plan=pb.Plan(tokens=tokens, limit=0, namespace=namespace))
+            start = _expect(await _ask(link, plan), "plan").plan.start
+            reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
+                tokens=tokens, start=start, namespace=namespace, embed=pooling)))
+            values = _expect(reply, "embedding").embedding.values
+            return torch.frombuffer(bytearray(values), dtype=torch.float32)
+        except StageFault as e:
+            failures += 1
+            if failures > REBUILD_ATTEMPTS:
+                raise StageUnavailable(f"the pipeline failed {failures} times: {e}",
+                                       e.error_id) from e
+            log.warning("stage fault (%s); running the embedding again", e)
+        finally:
+            await link.close()
+        await pipe.repair(generation)
+        if not pipe.healthy:
+            await asyncio.sleep(min(0.2 * 2 ** failures, 5.0))
+
+
 class _Traced:
     """A link whose calls carry the request's trace context to the stages."""
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from skippy.topology.errors import RequestError
 from skippy.topology.planner import DEFAULT_LANES
 
 from ..sampler import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,11 @@ class Engine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[Step]:
         """The continuation, a token at a time; a stop id ends it without a Step.
         Cancelling the iteration (client gone) frees the request's lanes."""
+
+    async def embed(self, tokens: tuple[int, ...], pooling: str = "mean",
+                    namespace: str = "") -> torch.Tensor:
+        """The final hidden state of `tokens` after the output norm, pooled (mean or
+        last): the /v1/embeddings vector, before any normalization."""
 
     async def reserve(self, lanes: int) -> Callable[[], None]:
         """Reserve `lanes` lanes at once for a request's choices (each then sent with

@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 
+import torch
+
 from .engine import EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
 from .admission import LaneAdmission
-from .driver import Pipeline, drive
+from .driver import Pipeline, drive, embed
 
 
 class PipelinesEngine:
@@ -53,6 +55,22 @@ class PipelinesEngine:
         finally:
             if not request.admitted:
                 self.admission.release()
+
+    async def embed(self, tokens: tuple[int, ...], pooling: str = "mean",
+                    namespace: str = "") -> torch.Tensor:
+        """The pooled final hidden state of `tokens` (driver.embed), in a lane of its
+        own on the least loaded pipeline."""
+        check_fits(GenerationRequest(tokens, 1), self.info.n_ctx)
+        await self.admission.acquire()
+        try:
+            route = self.router.route(tokens, namespace,
+                                      [i for i, pipe in enumerate(self.pipes) if pipe.healthy])
+            try:
+                return await embed(self.pipes[route.pipeline], tokens, pooling, namespace)
+            finally:
+                self.router.finished(route.pipeline)
+        finally:
+            self.admission.release()
 
     def _peers(self, holder: int | None) -> list[str]:
         """Where the holder pipeline's stages listen, for this request's stages to pull

@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from ..control.engine import Engine, GenerationRequest
-from . import anthropic_api, responses_api, tokenize_api
+from . import anthropic_api, embeddings_api, responses_api, tokenize_api
 from .admission import RequestAdmission
 from .body_budget import BodyBudget
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
-from .edge import TENANT
+from .edge import TENANT, cache_namespace
 from .generation import Generation, RunContext, all_of, total_usage
 from .limits import GatewayLimits
 from .openai_api import ApiError, ParsedRequest, ResponseShape, bad, parse_json, parse_request
@@ -59,6 +59,7 @@ class Completions:
         self.budget = BodyBudget(self.limits.body_bytes_per_s, 2 * self.limits.max_body_bytes)
         self.schemas = CheckedSchemas()  # each tenant's tool schemas, checked once
         self.stored = ResponseStore()    # each tenant's stored Responses API responses
+        self.pooling = embeddings_api.model_pooling(self.engine.info.path)
         # the split and the weights it serves (a new one means a seeded request may
         # answer differently)
         self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
@@ -88,6 +89,20 @@ class Completions:
             return len(build_requests(parsed, self.view, self.limits, tenant)
                        .requests[0].tokens)
         return {"input_tokens": await asyncio.to_thread(count)}
+
+    async def embeddings(self, request: Request) -> dict:
+        """POST /v1/embeddings (embeddings_api): every input at once, each in a lane."""
+        tenant = request.scope.get(TENANT, "")
+        body = await self._read_body(request)
+        parsed = await asyncio.to_thread(embeddings_api.parse, body, self.view, self.limits,
+                                         self.pooling)
+        namespace = cache_namespace(tenant, "")  # the prefills leave entries there
+        async with asyncio.timeout(self.limits.request_timeout_s):
+            vectors = await asyncio.gather(*(self.engine.embed(ids, parsed.pooling,
+                                                               namespace)
+                                             for ids in parsed.inputs))
+        return await asyncio.to_thread(embeddings_api.render, parsed, vectors,
+                                       self.view.model)
 
     async def tokenize(self, request: Request, *, detokenize: bool = False) -> dict:
         """POST /tokenize or /detokenize (tokenize_api): nothing runs on the engine."""

@@ -42,8 +42,8 @@ OPERATOR = "skippy.operator"  # the scope key: the caller may read what spans te
 # probes stay reachable without a key, and the status page (its data needs the key)
 OPEN_PATHS = frozenset({"/health", "/ready", "/"})
 JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
-                        "/v1/messages", "/v1/messages/count_tokens", "/tokenize",
-                        "/detokenize"})
+                        "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens",
+                        "/tokenize", "/detokenize"})
 OPERATOR_PATHS = frozenset({"/metrics"})  # with keys on, an operator key's alone
 
 

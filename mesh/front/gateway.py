@@ -48,6 +48,7 @@ __all__ = ["BackgroundServer", "create_app", "load_api_keys", "serve"]
 log = logging.getLogger(__name__)
 
 _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+              "/v1/embeddings",
               "/v1/messages",
               "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/health", "/ready",
               "/metrics", "/", "/status.json"}
@@ -183,6 +184,10 @@ def _agent_routes(app: FastAPI, completions: Completions) -> None:
     async def delete_response(request: Request, response_id: str):
         completions.stored.delete(request.scope.get(TENANT, ""), response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await _guarded(completions.embeddings(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

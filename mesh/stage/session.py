@@ -165,8 +165,12 @@ class StageSession:
         self.span.set_attribute("skippy.rows", len(tokens) - start)
         if p.replay:
             self.span.set_attribute("skippy.replay", True)
+        embed = p.embed if self.last else ""
         out = self.loop.compute("prefill", tracing.carried(self._restore_and_prefill), tokens,
-                                inputs, start, p.probe, p.namespace, rows=len(tokens) - start)
+                                inputs, start, p.probe, p.namespace, rows=len(tokens) - start,
+                                logits="hidden" if embed else "last")
+        if embed:  # answered here: nothing is sampled nor decoded
+            return pb.StageResult(embedding=pb.Embedding(values=pooled(out.hidden, embed)))
         self._start_decoding()
         if self.last:
             if not p.probe:
@@ -176,7 +180,8 @@ class StageSession:
                 return pb.StageResult(done=pb.Done(cached_tokens=start))
             return pb.StageResult(token=self.loop.call(self._sample, out.logits, start))
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
-                          probe=p.probe, namespace=p.namespace, replay=p.replay)
+                          probe=p.probe, namespace=p.namespace, replay=p.replay,
+                          embed=p.embed)
         sent.frame.CopyFrom(frame_to_proto(out.frame))
         reply = self._ask_down(pb.StageCall(prefill=sent))
         kind = reply.WhichOneof("result")
@@ -242,7 +247,8 @@ class StageSession:
                 with self.server.lane_freed:  # the next session's close wakes this
                     self.server.lane_freed.wait(timeout=0.5)
 
-    def _restore_and_prefill(self, tokens, inputs, start: int, probe: bool, namespace: str):
+    def _restore_and_prefill(self, tokens, inputs, start: int, probe: bool, namespace: str,
+                             logits: str = "last"):
         """On the loop thread. A planned restore cannot fail for lack of its entry (the
         plan pinned it); one that fails anyway (a corrupt block) is a stage fault."""
         restoring = tracing.OFF if not start else tracing.span(
@@ -251,7 +257,7 @@ class StageSession:
             if not self.cache.restore(self.lane, tokens, start, namespace=namespace):
                 raise RuntimeError(f"cached state for {start} tokens went away before the "
                                    f"prefill")
-        return self.cache.prefill(self.lane, tokens, inputs, start, probe=probe,
+        return self.cache.prefill(self.lane, tokens, inputs, start, logits, probe=probe,
                                   namespace=namespace,
                                   downstream=self.downstream_start if not self.last else None,
                                   between_chunks=self.loop.run_waiting_rows)
@@ -292,3 +298,15 @@ class StageSession:
         if self.down is not None:
             down, self.down = self.down, None
             down.close()
+
+
+def pooled(hidden: torch.Tensor | None, pooling: str) -> bytes:
+    """An embedding request's answer: its rows' final hidden states pooled (the mean of
+    every row, or the last row), f32 little-endian."""
+    if hidden is None:
+        raise StageError("this stage's runtime gives no hidden rows: embeddings need the "
+                         "torch runtime")
+    if pooling not in ("mean", "last"):
+        raise RequestError(f"pooling must be mean or last, not {pooling!r}", "pooling")
+    row = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
+    return row.to(torch.float32).contiguous().numpy().tobytes()
