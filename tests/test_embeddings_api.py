@@ -12,6 +12,7 @@ import base64
 import numpy as np
 import openai
 import pytest
+from openai_schemas import conforms
 
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
@@ -70,6 +71,13 @@ def test_close_to_llama_cpps_embeddings_in_both_poolings(clients, smollm2):
         assert cosines.min() > 0.995, (pooling, cosines)  # int4 weights against Q4_1
     assert not (vectors(on, TEXTS[0]) == vectors(on, TEXTS[0],
                                                  extra_body={"pooling": "last"})).all()
+
+
+def test_the_body_is_openais_published_shape(clients):
+    import httpx
+    body = httpx.post(str(clients[0].base_url).rstrip("/") + "/embeddings", timeout=60,
+                      json={"model": "smollm2", "input": TEXTS[:2]}).json()
+    conforms("CreateEmbeddingResponse", body)
 
 
 def test_token_ids_embed_as_their_text_does(clients, smollm2):

@@ -241,7 +241,7 @@ def test_any_body_with_tools_gets_a_200_or_a_4xx_in_the_envelope(tools_client, r
     check_answer(r, path)
 
 
-# -- the Responses and Messages APIs -----------------------------------------------------------
+# -- the Responses, Messages and embeddings APIs -----------------------------------------------------------
 ITEM = st.one_of(
     st.fixed_dictionaries({"role": good_or(st.sampled_from(["user", "developer", "assistant"])),
                            "content": good_or(TEXT | st.lists(st.fixed_dictionaries(
@@ -289,8 +289,19 @@ MESSAGES_API = {
 
 @st.composite
 def agent_requests(draw) -> tuple[str, dict]:
-    """(path, body) for /v1/responses or /v1/messages, most fields right."""
-    if draw(st.booleans()):
+    """(path, body) for /v1/responses, /v1/messages or /v1/embeddings, most fields
+    right."""
+    api = draw(st.sampled_from(["responses", "messages", "embeddings"]))
+    if api == "embeddings":
+        body = {"model": draw(good_or(st.just("smollm2"))), "input": draw(good_or(
+            TEXT | st.lists(TEXT, min_size=1, max_size=3)
+            | st.lists(st.integers(-5, 60000), min_size=1, max_size=6)))}
+        for name, value in (("encoding_format", st.sampled_from(["float", "base64"])),
+                            ("pooling", st.sampled_from(["mean", "last"]))):
+            if draw(st.booleans()):
+                body[name] = draw(good_or(value))
+        return "/v1/embeddings", body
+    if api == "responses":
         body = {"model": draw(good_or(st.just("smollm2"))),
                 "max_output_tokens": draw(MAX_TOKENS),
                 "input": draw(good_or(TEXT | st.lists(ITEM, min_size=1, max_size=3)))}
@@ -309,7 +320,7 @@ def agent_requests(draw) -> tuple[str, dict]:
 @settings(max_examples=120, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(request=agent_requests())
-def test_the_agent_apis_answer_any_body_with_a_200_or_a_4xx_in_their_envelope(client,
+def test_the_newer_apis_answer_any_body_with_a_200_or_a_4xx_in_their_envelope(client,
                                                                               request):
     path, body = request
     r = client.post(path, content=json.dumps(body, allow_nan=True).encode(), headers=JSON)
@@ -322,7 +333,7 @@ def test_the_agent_apis_answer_any_body_with_a_200_or_a_4xx_in_their_envelope(cl
                                  ("response.completed", "response.incomplete"))
         else:
             assert r.json()["type" if path == "/v1/messages" else "object"] in (
-                "message", "response")
+                "message", "response", "list")
         return
     assert 400 <= r.status_code < 500 or (r.status_code == 503 and r.headers["Retry-After"])
     if path == "/v1/messages":

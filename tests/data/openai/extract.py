@@ -13,6 +13,7 @@ import sys
 import yaml
 
 ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "Response",
+         "CreateEmbeddingResponse",
          "ResponseStreamEvent",
          "CreateCompletionResponse", "ErrorResponse", "ListModelsResponse", "Model"]
 # documentation only: dropped (the keys of a `properties` map are names, always kept)
