@@ -65,7 +65,8 @@ def test_the_page_is_public_and_its_data_follows_the_key_rule(server):
         r = httpx.get(f"{server.url}/status.json", headers=headers)
         assert r.status_code == 401
         assert r.json() == {"error": {
-            "message": "missing or invalid API key (Authorization: Bearer <key>)",
+            "message": "missing or invalid API key (Authorization: Bearer <key>, or "
+                       "x-api-key: <key>)",
             "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
     data = httpx.get(f"{server.url}/status.json", headers=AUTH).json()
     assert data["model"] == "smollm2" and data["serving"] is True

@@ -59,7 +59,7 @@ class Completions:
         self.budget = BodyBudget(self.limits.body_bytes_per_s, 2 * self.limits.max_body_bytes)
         self.schemas = CheckedSchemas()  # each tenant's tool schemas, checked once
         self.stored = ResponseStore()    # each tenant's stored Responses API responses
-        self.pooling = embeddings_api.model_pooling(self.engine.info.path)
+        self.pooling = embeddings_api.model_pooling(self.view.tokenizer.path)  # a package too
         # the split and the weights it serves (a new one means a seeded request may
         # answer differently)
         self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
