@@ -84,6 +84,22 @@ def test_the_store_keeps_each_tenants_own_and_drops_its_oldest():
         assert e.value.status == 404
 
 
+def test_the_store_bounds_each_tenants_bytes():
+    turn = ({"role": "user", "content": "x" * 1000},)
+    store = ResponseStore(bytes_per_tenant=3500)
+    for i in range(5):  # ~1 KB each: the oldest go once a tenant holds over 3.5 KB
+        store.put("a", Stored({"id": f"r{i}"}, turn))
+    store.put("b", Stored({"id": "rb"}, turn * 3))
+    assert store.get("a", "r4") and store.get("a", "r2") and store.get("b", "rb")
+    with pytest.raises(ApiError):
+        store.get("a", "r1")
+    store.delete("a", "r4")
+    store.put("a", Stored({"id": "big"}, turn * 9))  # over the bound alone: not kept,
+    with pytest.raises(ApiError):                     # and the others stay
+        store.get("a", "big")
+    assert store.get("a", "r2") and store.get("a", "r3")
+
+
 # -- SmolLM2 over HTTP ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def url(smollm2):

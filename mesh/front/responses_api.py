@@ -29,6 +29,9 @@ from typing import Any
 from .openai_api import ApiError, TokenUsage, bad, model_of
 
 STORED_PER_TENANT = 1024  # responses a tenant may keep; the oldest go first
+# and their bytes: each keeps its whole conversation, so a long previous_response_id chain
+# holds every earlier turn once per response
+STORED_BYTES_PER_TENANT = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,22 @@ class Stored:
     response: dict             # as GET /v1/responses/{id} gives it
     conversation: tuple        # chat messages through its output, without instructions
 
+    def size(self) -> int:
+        """About the bytes it holds (its JSON)."""
+        return len(json.dumps([self.response, self.conversation], ensure_ascii=False,
+                              default=str))
+
 
 class ResponseStore:
     """Stored responses by tenant, each tenant's least recently used dropped past
-    `per_tenant`: no tenant sees or pushes out another's."""
+    `per_tenant` responses or `bytes_per_tenant`: no tenant sees or pushes out
+    another's."""
 
-    def __init__(self, per_tenant: int = STORED_PER_TENANT):
-        self.per_tenant = per_tenant
-        self._by: dict[str, OrderedDict[str, Stored]] = {}
+    def __init__(self, per_tenant: int = STORED_PER_TENANT,
+                 bytes_per_tenant: int = STORED_BYTES_PER_TENANT):
+        self.per_tenant, self.bytes_per_tenant = per_tenant, bytes_per_tenant
+        self._by: dict[str, OrderedDict[str, tuple[Stored, int]]] = {}
+        self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def get(self, tenant: str, response_id: str) -> Stored:
@@ -52,19 +63,27 @@ class ResponseStore:
             if response_id not in own:
                 raise not_found(response_id)
             own.move_to_end(response_id)
-            return own[response_id]
+            return own[response_id][0]
 
     def put(self, tenant: str, stored: Stored) -> None:
+        size = stored.size()
+        if size > self.bytes_per_tenant:  # kept, it would push out all the others
+            return
         with self._lock:
             own = self._by.setdefault(tenant, OrderedDict())
-            own[stored.response["id"]] = stored
-            while len(own) > self.per_tenant:
-                own.popitem(last=False)
+            own[stored.response["id"]] = (stored, size)
+            self._bytes[tenant] = self._bytes.get(tenant, 0) + size
+            while own and (len(own) > self.per_tenant or
+                           self._bytes[tenant] > self.bytes_per_tenant):
+                _, (_, dropped) = own.popitem(last=False)
+                self._bytes[tenant] -= dropped
 
     def delete(self, tenant: str, response_id: str) -> None:
         with self._lock:
-            if self._by.get(tenant, {}).pop(response_id, None) is None:
+            gone = self._by.get(tenant, {}).pop(response_id, None)
+            if gone is None:
                 raise not_found(response_id)
+            self._bytes[tenant] -= gone[1]
 
 
 def not_found(response_id: str) -> ApiError:
