@@ -9,6 +9,7 @@ import time
 
 from skippy.cache.telemetry import CacheStats
 from skippy.mesh.control.engine import EngineInfo
+from skippy.mesh.control.model_set import ModelSet
 from skippy.mesh.control.pipelines import node_figures
 from skippy.mesh.front.in_flight import InFlight
 from skippy.mesh.front.metrics import GatewayMetrics
@@ -98,7 +99,7 @@ def board(clock, pipelines: int = 1):
     memo = CacheStats("results", 0, 0, 0, 0, 0, {"hits": 0, "misses": 0})
     metrics = GatewayMetrics(engine.stats, lambda: memo,
                              lambda: {"in_use": 0, "waiting": 0, "refused": 0})
-    return engine, metrics, StatusBoard(engine, metrics, InFlight(), clock=clock)
+    return engine, metrics, StatusBoard(ModelSet.of(engine), metrics, InFlight(), clock=clock)
 
 
 def exported(metrics: GatewayMetrics) -> dict[str, float]:

@@ -174,6 +174,12 @@ def cluster_nodes(model: Path | None = None, model_digest: str = "") -> list[Nod
     return [node for node, here in zip(out, held) if here]
 
 
+def free_nodes(model: Path, model_digest: str, reserved: Counter) -> list[NodeSpec]:
+    """`cluster_nodes`, less the bytes `reserved` on each (other models' stages)."""
+    return [dataclasses.replace(n, memory=max(0, n.memory - reserved.get(n.name, 0)))
+            for n in cluster_nodes(model, model_digest)]
+
+
 @dataclasses.dataclass
 class _Launch:
     """How to start each stage's actor: what a re-created actor needs again."""
@@ -186,6 +192,8 @@ class _Launch:
     credentials: ClusterCredentials  # issues each actor its own
     host: str | None  # where stage servers listen (None: Ray's address of their node)
     parts: PartSources | None = None  # serving a package: where stages get their parts
+    # bytes other models' stages hold on each node (a gateway serving several)
+    reserved: Callable[[], Counter] = Counter
     # (pipeline, stage) -> the node its actor was put on
     placed: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
 
@@ -234,7 +242,7 @@ class _Launch:
         """The alive node with the most memory left that can hold pipeline r's stage i
         (serving a package: holding its parts); None if none can."""
         st = self.plan.stages[i]
-        held = Counter()
+        held = Counter(self.reserved())
         for (q, j), node in self.placed.items():
             if (q, j) != (r, i):
                 held[node] += self.plan.stages[j].total_bytes
@@ -287,16 +295,19 @@ class RayEngine(PipelinesEngine):
                  weight_format: str = REFERENCE_FORMAT, lane_batch: int = 1,
                  lanes: int = DEFAULT_LANES, ranges: list[tuple[int, int]] | None = None,
                  restarts: int = RESTARTS, secret: str | None = None,
-                 stage_tls: str = "auto", progress: Callable[[str], None] = log.info):
+                 stage_tls: str = "auto", progress: Callable[[str], None] = log.info,
+                 reserved: Callable[[], Counter] = Counter):
         """`secret`: what every stage call must carry (default: a new random one);
-        `stage_tls`: auto (on when the cluster has more than one node), on, off."""
+        `stage_tls`: auto (on when the cluster has more than one node), on, off;
+        `reserved`: the bytes other models hold on each node (by node id), which this
+        one's plan and placements leave free."""
         _check_options(pipelines, stage_tls)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
         # Every pipeline uses the same plan: the same ranges compute the same numbers, so
         # one topology digest names them all (the gateway's exact results rely on it).
         self.model = ServedModel.open(
-            model_path, runtime, functools.partial(cluster_nodes, Path(model_path)),
+            model_path, runtime, lambda digest: free_nodes(Path(model_path), digest, reserved()),
             stages=n_stages, ranges=ranges,
             wire_dtype=wire_dtype, n_ctx=n_ctx, lanes=lanes * pipelines,
             weight_format=weight_format)
@@ -311,7 +322,7 @@ class RayEngine(PipelinesEngine):
         progress(f"stage network: {'mutual TLS' if self.stage_tls else 'plain TCP'} on "
                  f"{host or 'each node address'}, calls carry the cluster secret")
         self._launch = _Launch(self.model, self.cache, pipelines, restarts, threads,
-                               lane_batch, cluster, host)
+                               lane_batch, cluster, host, reserved=reserved)
         for st in self.plan.stages:
             progress(_placement(st, path))
         driver = cluster.issue()
@@ -327,6 +338,14 @@ class RayEngine(PipelinesEngine):
         self._serve(self.pipelines, lanes, self.cache.stride)
         self.info = self.model.info(model_name, lanes, pipelines=pipelines,
                                     weight_format=weight_format, lane_batch=lane_batch)
+
+    def held_bytes(self) -> Counter:
+        """The bytes the plan holds on each node (by node id): every pipeline's stages
+        where they run now."""
+        held = Counter()
+        for (_, i), node in self._launch.placed.items():
+            held[node] += self.plan.stages[i].total_bytes
+        return held
 
     @property
     def actors(self) -> list:

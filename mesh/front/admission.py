@@ -31,10 +31,11 @@ READY_PROBE_INTERVAL_S = 5.0   # /ready probes the engine at most this often
 class RequestAdmission:
     """The gateway's concurrent-request slots and its word on readiness."""
 
-    def __init__(self, engine: Engine, limits: GatewayLimits, probe_ids: tuple[int, ...]):
+    def __init__(self, engine: Engine, limits: GatewayLimits, probe_ids: tuple[int, ...],
+                 slots: LaneAdmission | None = None):
+        """`slots`: the gateway's (shared by the models it serves; new by default)."""
         self.engine, self.limits = engine, limits
-        n = limits.max_concurrent_requests
-        self.slots = LaneAdmission(n, queue=n, wait_s=limits.queue_timeout_s)
+        self.slots = slots or request_slots(limits)
         self._probe_ids = probe_ids  # a 1-token probe's prompt
         self._ready_at = 0.0
         self._ready_lock = asyncio.Lock()
@@ -102,10 +103,20 @@ class RequestAdmission:
         return True
 
     def timed_out(self) -> ApiError:
-        # 504, not 408: 408 says the client was slow to send its request (and invites it
-        # to resend at once); here the stages did not finish in time. OpenAI's clients
-        # raise their InternalServerError for it, which callers already handle and the
-        # clients retry with backoff, as for OpenAI's own timeouts.
-        return ApiError(504, f"the request did not finish within this server's limit of "
-                             f"{self.limits.request_timeout_s:g} s", code="timeout")
+        return timed_out(self.limits)
+
+
+def request_slots(limits: GatewayLimits) -> LaneAdmission:
+    """The gateway's concurrent-request slots, and as many places to wait for one."""
+    n = limits.max_concurrent_requests
+    return LaneAdmission(n, queue=n, wait_s=limits.queue_timeout_s)
+
+
+def timed_out(limits: GatewayLimits) -> ApiError:
+    # 504, not 408: 408 says the client was slow to send its request (and invites it
+    # to resend at once); here the stages did not finish in time. OpenAI's clients
+    # raise their InternalServerError for it, which callers already handle and the
+    # clients retry with backoff, as for OpenAI's own timeouts.
+    return ApiError(504, f"the request did not finish within this server's limit of "
+                         f"{limits.request_timeout_s:g} s", code="timeout")
 

@@ -13,6 +13,7 @@ or as soon as its client leaves (disconnect), and its lanes are free then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import time
@@ -22,20 +23,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from ..control.engine import Engine, GenerationRequest
+from ..control.engine import GenerationRequest
 from . import anthropic_api, embeddings_api, responses_api, tokenize_api
-from .admission import RequestAdmission
+from .admission import timed_out
 from .body_budget import BodyBudget
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from .edge import TENANT, cache_namespace
-from .generation import Generation, RunContext, all_of, total_usage
+from .fronts import Fronts, ModelFront
+from .generation import Generation, all_of, total_usage
 from .limits import GatewayLimits
 from .openai_api import ApiError, ParsedRequest, ResponseShape, bad, parse_json, parse_request
 from .rendering import (ClosingStream, message_events, response_events, sse_events,
                         whole_body, whole_message, whole_response)
 from .reasoning import ReplyFormat
 from .responses_api import ResponseStore
-from .request_building import ModelView, build_requests
+from .request_building import build_requests
 from .tool_choice import CheckedSchemas
 
 
@@ -46,23 +48,16 @@ COMPLETIONS, CHAT, MESSAGES, RESPONSES = "completions", "chat", "messages", "res
 
 @dataclasses.dataclass
 class Completions:
-    """What every completion reads: the engine, the model's view, the limits, admission,
-    the runs' context, and the answers' system_fingerprint."""
+    """What every completion reads: the models' fronts (each request's by the model it
+    names: fronts.py) and the gateway's limits."""
 
-    engine: Engine
-    view: ModelView
+    fronts: Fronts
     limits: GatewayLimits
-    admission: RequestAdmission
-    runs: RunContext
 
     def __post_init__(self):
         self.budget = BodyBudget(self.limits.body_bytes_per_s, 2 * self.limits.max_body_bytes)
         self.schemas = CheckedSchemas()  # each tenant's tool schemas, checked once
         self.stored = ResponseStore()    # each tenant's stored Responses API responses
-        self.pooling = embeddings_api.model_pooling(self.view.tokenizer.path)  # a package too
-        # the split and the weights it serves (a new one means a seeded request may
-        # answer differently)
-        self.fingerprint = "fp_" + self.engine.info.topology_digest[:12]
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """The answer to one POST of OpenAI's API, by its deadline, unless the client
@@ -83,35 +78,47 @@ class Completions:
         tenant = request.scope.get(TENANT, "")
         body = await self._read_body(request)
 
-        def count() -> int:
+        def count(front: ModelFront) -> int:
             chat = anthropic_api.to_chat(body, count_only=True)
             parsed = parse_request(chat, chat=True, schemas=self.schemas.checker(tenant))
-            return len(build_requests(parsed, self.view, self.limits, tenant)
+            return len(build_requests(parsed, front.view, self.limits, tenant)
                        .requests[0].tokens)
-        return {"input_tokens": await asyncio.to_thread(count)}
+        async with self._front(body) as front:
+            return {"input_tokens": await asyncio.to_thread(count, front)}
 
     async def embeddings(self, request: Request) -> dict:
         """POST /v1/embeddings (embeddings_api): every input at once, each in a lane."""
         tenant = request.scope.get(TENANT, "")
         body = await self._read_body(request)
-        parsed = await asyncio.to_thread(embeddings_api.parse, body, self.view, self.limits,
-                                         self.pooling)
         namespace = cache_namespace(tenant, "")  # the prefills leave entries there
-        async with asyncio.timeout(self.limits.request_timeout_s):
-            vectors = await asyncio.gather(*(self.engine.embed(ids, parsed.pooling,
-                                                               namespace)
+        async with asyncio.timeout(self.limits.request_timeout_s), \
+                self._front(body) as front:
+            parsed = await asyncio.to_thread(embeddings_api.parse, body, front.view,
+                                             self.limits, front.pooling)
+            vectors = await asyncio.gather(*(front.engine.embed(ids, parsed.pooling,
+                                                                namespace)
                                              for ids in parsed.inputs))
         return await asyncio.to_thread(embeddings_api.render, parsed, vectors,
-                                       self.view.model)
+                                       front.view.model)
 
     async def tokenize(self, request: Request, *, detokenize: bool = False) -> dict:
         """POST /tokenize or /detokenize (tokenize_api): nothing runs on the engine."""
         tenant = request.scope.get(TENANT, "")
         body = await self._read_body(request)
-        if detokenize:
-            return await asyncio.to_thread(tokenize_api.detokenize, body, self.view)
-        return await asyncio.to_thread(tokenize_api.tokenize, body, self.view, self.limits,
-                                       tenant)
+        async with self._front(body) as front:
+            if detokenize:
+                return await asyncio.to_thread(tokenize_api.detokenize, body, front.view)
+            return await asyncio.to_thread(tokenize_api.tokenize, body, front.view,
+                                           self.limits, tenant)
+
+    @contextlib.asynccontextmanager
+    async def _front(self, body: dict):
+        """The front of the model `body` names, held while the block runs."""
+        front, release = await self.fronts.hold(model_named(body))
+        try:
+            yield front
+        finally:
+            release()
 
     async def _within_deadline(self, request: Request, api: str) -> Response:
         arrived = time.perf_counter()
@@ -120,12 +127,17 @@ class Completions:
         try:
             async with asyncio.timeout_at(deadline) as within:
                 body = await self._read_body(request)
-                return await unless_client_leaves(request.receive, self._answer(
-                    body, api, tenant, arrived, deadline))
+                front, held = await self.fronts.hold(model_named(body))
+                try:
+                    return await unless_client_leaves(request.receive, self._answer(
+                        front, held, body, api, tenant, arrived, deadline))
+                except BaseException:
+                    held()
+                    raise
         except TimeoutError:
             if not within.expired():
                 raise
-            raise self.admission.timed_out() from None
+            raise timed_out(self.limits) from None
         except (ClientGone, ClientDisconnect):
             return Response(status_code=CLIENT_GONE_STATUS)
 
@@ -159,8 +171,9 @@ class Completions:
             await asyncio.sleep(REFUSAL_HOLD_S)
             raise
 
-    async def _answer(self, body: dict, api: str, tenant: str, arrived: float,
-                      deadline: float) -> Response:
+    async def _answer(self, front: ModelFront, held: Callable[[], None], body: dict,
+                      api: str, tenant: str, arrived: float, deadline: float) -> Response:
+        """`held`: the hold on `front`'s model, ended with the request's slot."""
         # off the event loop, where the streams of other requests run: checking tool
         # schemas and compiling a response_format's grammar (parse_request), and templates
         # and tokenizers on long prompts (build_requests)
@@ -174,19 +187,26 @@ class Completions:
             return parse_request(chat_body, chat=api != COMPLETIONS,
                                  schemas=self.schemas.checker(tenant)), turn
         parsed, turn = await asyncio.to_thread(parse)
-        built = await asyncio.to_thread(build_requests, parsed, self.view, self.limits,
+        built = await asyncio.to_thread(build_requests, parsed, front.view, self.limits,
                                         tenant)
-        release = await self.admission.admit(len(built.requests))
+        admitted = await front.admission.admit(len(built.requests))
+
+        def release() -> None:
+            try:
+                admitted()
+            finally:
+                held()
         try:
             requests = [dataclasses.replace(r, admitted=True) for r in built.requests]
-            return await self._respond(parsed, requests, arrived, release, deadline,
+            return await self._respond(front, parsed, requests, arrived, release, deadline,
                                        ReplyFormat(built.tool_format, built.think), tenant,
                                        api, turn)
         except BaseException:
             release()
             raise
 
-    async def _respond(self, parsed: ParsedRequest, requests: list[GenerationRequest],
+    async def _respond(self, front: ModelFront, parsed: ParsedRequest,
+                       requests: list[GenerationRequest],
                        arrived: float, release: Callable[[], None], deadline: float,
                        fmt: ReplyFormat, tenant: str, api: str,
                        turn: responses_api.Turn | None = None) -> Response:
@@ -194,7 +214,7 @@ class Completions:
         and lanes once the answer is complete (a stream's when its last event is sent or
         the client left). `fmt`: the tool-call format replies are read in (None: they are
         plain content); `tenant`: the caller's, whose status page lists these runs."""
-        runs = [Generation(self.runs, r, parsed.stop, arrived, tenant, i % parsed.n == 0)
+        runs = [Generation(front.runs, r, parsed.stop, arrived, tenant, i % parsed.n == 0)
                 for i, r in enumerate(requests)]
 
         async def close() -> None:
@@ -208,18 +228,19 @@ class Completions:
             await close()
             raise
         usage = functools.partial(total_usage, runs, parsed.n)  # read once the choices end
+        model = front.view.model
         if api == MESSAGES:
-            return await self._message(runs[0], usage, fmt, parsed.stream, deadline, close,
-                                       release)
+            return await self._message(runs[0], model, usage, fmt, parsed.stream, deadline,
+                                       close, release)
         if api == RESPONSES:
-            return await self._response(runs[0], usage, fmt, parsed.stream, deadline, close,
-                                        release, turn, tenant)
-        tokenizer = self.view.tokenizer
-        shape = ResponseShape(parsed.chat, self.view.model,
-                              lambda t: tokenizer.piece(t, special=True), self.fingerprint)
+            return await self._response(runs[0], model, usage, fmt, parsed.stream, deadline,
+                                        close, release, turn, tenant)
+        tokenizer = front.view.tokenizer
+        shape = ResponseShape(parsed.chat, model,
+                              lambda t: tokenizer.piece(t, special=True), front.fingerprint)
         if parsed.stream:
             events = sse_events(runs, shape, usage, parsed.include_usage, fmt, deadline,
-                                self.admission.timed_out)
+                                self._timed_out)
             return ClosingStream(events, on_close=close, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
         try:
@@ -229,12 +250,15 @@ class Completions:
             release()
         return JSONResponse(body)
 
-    async def _message(self, run: Generation, usage, fmt: ReplyFormat,
+    def _timed_out(self) -> ApiError:
+        return timed_out(self.limits)
+
+    async def _message(self, run: Generation, model: str, usage, fmt: ReplyFormat,
                        stream: bool, deadline: float, close, release) -> Response:
-        shape = anthropic_api.MessageShape(self.view.model)
+        shape = anthropic_api.MessageShape(model)
         return await self._one_choice(
             stream, lambda: message_events(run, shape, usage, fmt, deadline,
-                                           self.admission.timed_out),
+                                           self._timed_out),
             lambda: whole_message(run, shape, usage, fmt), close, release)
 
     def _previous(self, body: dict, tenant: str) -> responses_api.Stored | None:
@@ -245,10 +269,10 @@ class Completions:
             raise bad("previous_response_id must be a string", "previous_response_id")
         return self.stored.get(tenant, previous)
 
-    async def _response(self, run: Generation, usage, fmt: ReplyFormat,
+    async def _response(self, run: Generation, model: str, usage, fmt: ReplyFormat,
                         stream: bool, deadline: float, close, release,
                         turn: responses_api.Turn, tenant: str) -> Response:
-        shape = responses_api.ResponseShape(self.view.model, turn)
+        shape = responses_api.ResponseShape(model, turn)
 
         def keep(response: dict) -> dict:
             if turn.echo["store"]:
@@ -256,7 +280,7 @@ class Completions:
             return response
         return await self._one_choice(
             stream, lambda: response_events(run, shape, usage, fmt, deadline,
-                                            self.admission.timed_out, keep),
+                                            self._timed_out, keep),
             lambda: whole_response(run, shape, usage, fmt), close, release, keep)
 
     async def _one_choice(self, stream: bool, events, whole, close, release,
@@ -271,3 +295,10 @@ class Completions:
         finally:
             release()
         return JSONResponse(then(body))
+
+
+def model_named(body: object) -> str | None:
+    """The model a body names (None: the default; a missing or wrong one is the parse's
+    to refuse)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None

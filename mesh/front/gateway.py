@@ -30,16 +30,17 @@ from skippy.topology.errors import UserError
 
 from .. import tracing
 from ..control.engine import Engine
-from ..tokenizer import Tokenizer
+from ..control.model_set import ModelSet
 from . import http_errors
-from .admission import RequestAdmission
+from .admission import request_slots
 from .completions import Completions
 from .edge import TENANT, ApiKeys, Edge, is_loopback, keys_for_bind, load_api_keys, \
     load_operator_keys
-from .generation import RunContext
+from .fronts import Fronts, Shared
+from .in_flight import InFlight
 from .limits import DEFAULT_PORT, GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
-from .request_building import ModelView, check_model
+from .request_building import not_served
 from .result_memo import ResultMemo
 from .status import StatusBoard, add_status_routes
 
@@ -63,12 +64,13 @@ async def _guarded(awaitable):
         raise http_errors.api_error(e) from None
 
 
-def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = None,
+def create_app(engine: Engine | ModelSet, *, api_keys: Iterable[str] | str | Path | None = None,
                limits: GatewayLimits | None = None, memo: ResultMemo | None = None,
                close_engine: bool = False, bind_host: str = "127.0.0.1",
                control_text: bool = False, tenant_secret: str | None = None,
                operator_keys: Iterable[str] | str | Path | None = None) -> FastAPI:
-    """The gateway app for `engine`.
+    """The gateway app for `engine`, or for each model of a set (mesh/control/model_set.py:
+    a request's `model` picks one, loaded on demand).
 
     api_keys: see `load_api_keys` (None reads $SKIPPY_API_KEYS). limits: what it admits
     (the defaults by default). memo: the exact-results store (a fresh bounded one by
@@ -80,25 +82,26 @@ def create_app(engine: Engine, *, api_keys: Iterable[str] | str | Path | None = 
     cache namespace (see `ApiKeys`). operator_keys: the keys that may also read what
     spans tenants (`load_operator_keys`; None reads $SKIPPY_OPERATOR_KEYS)."""
 
+    models = engine if isinstance(engine, ModelSet) else ModelSet.of(engine)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         if close_engine:
-            await engine.close()
+            await models.close()
 
     limits, memo = limits or GatewayLimits(), memo or ResultMemo()
-    tokenizer = Tokenizer(engine.info.path)
-    admission = RequestAdmission(engine, limits, tuple(tokenizer.encode("Hello") or [0]))
-    metrics = GatewayMetrics(engine.stats, memo.stats, admission.slots.stats)
-    runs = RunContext(engine, memo, metrics, tokenizer)
-    completions = Completions(engine, ModelView.of(engine.info, tokenizer, control_text),
-                              limits, admission, runs)
+    slots, in_flight = request_slots(limits), InFlight()
+    metrics = GatewayMetrics(models.stats, memo.stats, slots.stats)
+    fronts = Fronts(models, Shared(limits, memo, metrics, slots, in_flight, control_text))
+    fronts.loaded()  # the loaded models' tokenizers and templates: read before serving
+    completions = Completions(fronts, limits)
     app = FastAPI(title="skippy-mesh", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.limits = limits  # the server's connections keep them too (connections.py)
     http_errors.install(app)
     _routes(app, completions, metrics)
-    add_status_routes(app, StatusBoard(engine, metrics, runs.in_flight))
+    add_status_routes(app, StatusBoard(models, metrics, in_flight))
     keys = ApiKeys(load_api_keys(api_keys), tenant_secret, load_operator_keys(operator_keys))
     app.add_middleware(Edge, keys=keys,
                        loopback=is_loopback(bind_host), count=_counter(metrics))
@@ -118,20 +121,27 @@ def _counter(metrics: GatewayMetrics):
 
 
 def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> None:
-    admission, info, created = completions.admission, completions.engine.info, int(time.time())
+    fronts, created = completions.fronts, int(time.time())
+    models = fronts.models
 
-    def model_card() -> dict:
-        return {"id": info.model, "object": "model", "created": created,
-                "owned_by": "skippy-mesh", "max_model_len": info.n_ctx}
+    def model_card(name: str) -> dict:
+        info = models.info(name)
+        card = {"id": name, "object": "model", "created": created,
+                "owned_by": "skippy-mesh"}
+        if info is not None:
+            card["max_model_len"] = info.n_ctx
+        if len(models.names) > 1:  # llama-server's router says the same
+            card["status"] = {"value": "loaded" if info is not None else "unloaded"}
+        return card
 
     @app.get("/health")
     async def health():
-        return admission.health()
+        return fronts.health()
 
     @app.get("/ready")
     async def ready():
         # the body says only that: the reason is logged
-        if await admission.ready():
+        if await fronts.ready():
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
@@ -141,13 +151,14 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+    async def model_list():
+        return {"object": "list", "data": [model_card(name) for name in models.names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
-        check_model(model, info.model)
-        return model_card()
+        if model not in models.slots:
+            raise not_served(model, models.names)
+        return model_card(model)
 
     @app.post("/v1/completions")
     async def completions_route(request: Request):

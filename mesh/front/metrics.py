@@ -33,7 +33,8 @@ _STAGE_COUNTS = ("prefill_rows", "decode_rows", "restore_failures", "restores_de
                  "leases_expired", "exports", "adopted")
 _BY_KIND = {"seconds": ("skippy_stage_compute_seconds", "Seconds a stage spent computing"),
             "steps": ("skippy_stage_steps", "Runtime calls a stage made")}
-_KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", *_CACHE_BYTES,
+_KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", "index",
+          *_CACHE_BYTES,
           *_STAGE_COUNTS, *_BY_KIND}
 
 
@@ -103,7 +104,7 @@ def stage_families(stats: dict, memo: CacheStats) -> Iterator[Metric]:
 
     _engine_figures(stats, family)
     for i, stage in enumerate(stats.get("stages", [])):
-        _stage_figures(str(i), stage, family)
+        _stage_figures(stage_label(i, stage), stage, family)
     for k, v in memo.counters.items():
         family(CounterMetricFamily, f"skippy_gateway_results_{k}",
                f"Gateway exact results event count: {k}", []).add_metric([], v)
@@ -112,6 +113,12 @@ def stage_families(stats: dict, memo: CacheStats) -> Iterator[Metric]:
                f"Gateway exact results {k.replace('_', ' ')}", []
                ).add_metric([], getattr(memo, k))
     yield from families.values()
+
+
+def stage_label(i: int, stage: dict) -> str:
+    """A stage's `stage` label: its index, or "model/index" where a gateway serves
+    several models (their stages are listed together: mesh/control/model_set.py)."""
+    return str(stage.get("label") or i)
 
 
 def _stage_figures(i: str, stage: dict, family) -> None:

@@ -95,9 +95,15 @@ def build_requests(parsed: ParsedRequest, view: ModelView, limits: GatewayLimits
 
 def check_model(asked: str, served: str) -> None:
     if asked != served:
-        shown = asked if len(asked) <= 100 else asked[:100] + "..."
-        raise ApiError(404, f"the model '{shown}' does not exist; this server serves "
-                            f"'{served}'", param="model", code="model_not_found")
+        raise not_served(asked, [served])
+
+
+def not_served(asked: str, served: list[str]) -> ApiError:
+    """The 404 for a model this server does not serve."""
+    shown = asked if len(asked) <= 100 else asked[:100] + "..."
+    names = ", ".join(f"'{n}'" for n in served)
+    return ApiError(404, f"the model '{shown}' does not exist; this server serves {names}",
+                    param="model", code="model_not_found")
 
 
 def _prompt_ids(parsed: ParsedRequest, prompt: str | tuple[int, ...] | None,

@@ -31,10 +31,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client.core import Metric
 
-from ..control.engine import Engine
+from ..control.model_set import ModelSet
 from .edge import OPERATOR, TENANT
 from .in_flight import InFlight
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, stage_label
 
 RATE_WINDOW_S = 5.0      # rows per second: over about the last this many seconds
 RECENT_WINDOW_S = 300.0  # "recent" errors: within about the last this many seconds
@@ -114,9 +114,9 @@ class _History:
 class StatusBoard:
     """Assembles /status.json for one gateway."""
 
-    def __init__(self, engine: Engine, metrics: GatewayMetrics, in_flight: InFlight,
+    def __init__(self, models: ModelSet, metrics: GatewayMetrics, in_flight: InFlight,
                  clock=time.monotonic):
-        self.engine, self.metrics, self.in_flight = engine, metrics, in_flight
+        self.models, self.metrics, self.in_flight = models, metrics, in_flight
         self._clock = clock  # when each reading was taken: rates divide by it
         self._history = _History()
 
@@ -124,18 +124,15 @@ class StatusBoard:
         """The page's data now but the requests in flight (blocking: the engine's
         figures may come from Ray); `in_flight.snapshot()` adds those on the event loop."""
         try:
-            stats = self.engine.stats()
+            stats = self.models.stats()
         except Exception:  # noqa: BLE001 (the page shows what it can; /metrics logs it)
             stats = {}
         serving = self._serving()
         t = self._clock()
         series = _Series(self.metrics.families(stats))
         self._history.add(t, series.values)
-        info = self.engine.info
         return {
-            "model": info.model, "topology": info.topology_digest, "n_ctx": info.n_ctx,
-            "lanes": info.lanes, "runtime": info.extra.get("runtime"),
-            "policy": info.extra.get("policy"), "pipelines": info.extra.get("pipelines", 1),
+            **self._model(), "models": self.models.figures(),
             "serving": serving, "updated": time.time(),
             "plan": _plan(stats),
             "stages": self._stages(stats, series, t),
@@ -148,13 +145,27 @@ class StatusBoard:
     def tenant_view(self) -> dict:
         """What any tenant may read (blocking, as `snapshot`): the model and whether it
         is served; no engine figures, which are every tenant's together."""
-        info = self.engine.info
-        return {"model": info.model, "n_ctx": info.n_ctx, "lanes": info.lanes,
+        model = self._model()
+        return {**{k: model[k] for k in ("model", "n_ctx", "lanes")},
+                "models": [{k: m[k] for k in ("model", "loaded")}
+                           for m in self.models.figures()],
                 "serving": self._serving(), "updated": time.time()}
+
+    def _model(self) -> dict:
+        """The default model's facts (with several models, the names of them all)."""
+        info = self.models.info()
+        names = ", ".join(self.models.names)
+        if info is None:
+            return {"model": names, "topology": None, "n_ctx": None, "lanes": None,
+                    "runtime": None, "policy": None, "pipelines": None}
+        return {"model": names, "topology": info.topology_digest, "n_ctx": info.n_ctx,
+                "lanes": info.lanes, "runtime": info.extra.get("runtime"),
+                "policy": info.extra.get("policy"),
+                "pipelines": info.extra.get("pipelines", 1)}
 
     def _serving(self) -> bool:
         try:
-            return bool(self.engine.status()["serving"])
+            return bool(self.models.status()["serving"])
         except Exception:  # noqa: BLE001 (the page shows what it can; /metrics logs it)
             return False
 
@@ -162,12 +173,12 @@ class StatusBoard:
         before = self._history.baseline(t, RATE_WINDOW_S)
         out = []
         for i, stage in enumerate(stats.get("stages") or []):
-            label = str(i)
+            label = stage_label(i, stage)
 
             def own(key: str) -> dict | None:
                 return series.fig(f"skippy_stage_{key}", stage=label)
 
-            row = {"stage": i, "layers": stage.get("layers"),
+            row = {"stage": i, "model": stage.get("model"), "layers": stage.get("layers"),
                    "weight_format": stage.get("weight_format"),
                    **{k: own(k) for k in ("lanes_busy", "lanes_free", "lanes_warm",
                                           "sessions", "queue_rows", "queue_prefills")},
@@ -196,9 +207,11 @@ class StatusBoard:
         other = {f"rebuilds_{cause}": series.fig("skippy_engine_rebuilds_total", cause=cause)
                  for cause in (stats.get("rebuilds") or {})}
         other["refused"] = series.fig("skippy_gateway_requests_refused_total")
-        for i in range(len(stats.get("stages") or [])):
+        for i, stage in enumerate(stats.get("stages") or []):
+            label = stage_label(i, stage)
             for k in ("restore_failures", "restores_declined", "leases_expired"):
-                other[f"stage{i}_{k}"] = series.fig(f"skippy_stage_{k}_total", stage=str(i))
+                other[f"stage{label}_{k}"] = series.fig(f"skippy_stage_{k}_total",
+                                                        stage=label)
         return {"window_s": None if before is None else round(t - before[0], 1),
                 "answers": answers, "other": other}
 
@@ -248,9 +261,10 @@ def _gateway(series: _Series) -> dict:
 
 def _plan(stats: dict) -> dict:
     plan = stats.get("plan") or {"nodes": [], "stages": []}
-    formats = [s.get("weight_format") for s in stats.get("stages") or []]
-    stages = [{**row, "weight_format": formats[row["stage"]]
-               if row["stage"] < len(formats) else None} for row in plan["stages"]]
+    formats = {(s.get("model"), s.get("index", i)): s.get("weight_format")
+               for i, s in enumerate(stats.get("stages") or [])}
+    stages = [{**row, "weight_format": formats.get((row.get("model"), row["stage"]))}
+              for row in plan["stages"]]
     return {"nodes": plan["nodes"], "stages": stages}
 
 
