@@ -17,37 +17,116 @@ from .usage import Parser, UsageError, port_arg, runtime_arg, runtime_names, say
 def cmd_serve(args) -> int:
     from skippy.topology.model_package import is_package
     from .cache_flags import cache_config
-    from .models import resolve_model
     from .stage.security import load_secret
 
     stages = _check_serve(args)
     secret = load_secret(args.cluster_secret_file)  # an empty or unreadable file: one line
     gateway = gateway_options(args, secret)  # refused binds and bad key files: before Ray
     _trace(args)  # before the engine: its stages export where this process does
-    path = resolve_model(args.package or args.model)
-    if is_package(path):
-        _check_package(path, args.runtime)
+    models = served_models(args)
+    for _, path in models:
+        if is_package(path):
+            _check_package(path, args.runtime)
     cache = cache_config(args)
-    say(f"skippy: loading {path.name} ({args.runtime.name} runtime) ...")
-    from .front.gateway import serve
-    from .control.ray_engine import RayEngine, start_ray
-    if args.wait_nodes:  # RayEngine then plans in the cluster joined here
-        from .control.node_wait import wait_for_nodes
-        start_ray(args.address)
-        wait_for_nodes(args.wait_nodes, lambda m: say(f"skippy: {m}"))
-    from .progress import Console
-    engine = RayEngine(path, stages, pipelines=args.pipelines,
-                       weight_format=args.weight_format, lane_batch=args.lane_batch,
-                       lanes=args.lanes,
-                       model_name=args.model_name or (path.name if args.package else args.model),
-                       address=args.address, secret=secret, stage_tls=args.stage_tls,
-                       cache=cache, runtime=args.runtime, wire_dtype=args.wire,
-                       n_ctx=args.ctx, progress=Console(prefix="skippy: "))
-    say(f"skippy: serving {engine.info.model} on http://{args.host}:{args.port}/v1 "
-        f"({engine.info.n_stages} stage(s), context {engine.info.n_ctx}); Ctrl-C stops")
-    say(f"skippy: status page on http://{args.host}:{args.port}/")
-    serve(engine, args.host, args.port, **gateway)
+    from .control.ray_engine import start_ray
+    owns_ray = start_ray(args.address)  # the models' engines share it
+    try:
+        _serve_models(args, models, stages, secret, cache, gateway)
+    finally:
+        if owns_ray:
+            import ray
+            ray.shutdown()
     return 0
+
+
+def _serve_models(args, models, stages, secret, cache, gateway) -> None:
+    from .front.gateway import serve
+    if args.wait_nodes:  # then planned in the cluster joined here
+        from .control.node_wait import wait_for_nodes
+        wait_for_nodes(args.wait_nodes, lambda m: say(f"skippy: {m}"))
+    served = _model_set(args, models, stages, secret, cache)
+    served.load_at_start()
+    first = served.info()
+    names = ", ".join(served.names)
+    say(f"skippy: serving {names} on http://{args.host}:{args.port}/v1 "
+        f"({first.n_stages} stage(s), context {first.n_ctx}); Ctrl-C stops"
+        if len(models) == 1 else
+        f"skippy: serving {names} on http://{args.host}:{args.port}/v1 (a request's "
+        f"\"model\" picks one); Ctrl-C stops")
+    say(f"skippy: status page on http://{args.host}:{args.port}/")
+    serve(served, args.host, args.port, **gateway)
+
+
+def served_models(args) -> list[tuple[str, Path]]:
+    """(name clients ask for, path) of each model to serve, checked: every --model, then
+    each model in --models-dir (its .gguf files by stem, its packages by folder name)."""
+    from skippy.topology.model_package import is_package
+    from .models import resolve_model
+    named = [(spec, spec) for spec in args.model or []]  # (name, what resolves)
+    if args.package:
+        named.append((Path(args.package).name, args.package))
+    if args.models_dir:
+        folder = Path(args.models_dir).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"--models-dir {args.models_dir}: not a folder")
+        found = sorted(p for p in folder.iterdir()
+                       if (p.is_file() and p.suffix == ".gguf") or is_package(p))
+        if not found:
+            raise UsageError(f"--models-dir {args.models_dir}: no .gguf file or model "
+                             f"package in it")
+        named += [(p.stem if p.is_file() else p.name, str(p)) for p in found]
+    named = named or [("smollm2", "smollm2")]
+    if args.model_name and len(named) > 1:
+        raise UsageError("--model-name names one model: with several, each is asked for "
+                         "by its --model (or its file's stem in --models-dir)")
+    out = [(args.model_name or name, resolve_model(spec)) for name, spec in named]
+    names = [n for n, _ in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"two models are named {', '.join(twice)}: each name must be one "
+                         f"model's")
+    return out
+
+
+def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret: str,
+               cache):
+    """The models as a set whose engines load on demand (mesh/control/model_set.py)."""
+    from collections import Counter
+    from .control.model_set import ModelSet, ModelSlot
+    from .control.ray_engine import RayEngine, plan_model, planned_bytes
+    from .progress import Console
+    progress, slots = Console(prefix="skippy: "), []
+
+    def others(me: str) -> Counter:
+        return sum((s.engine.held_bytes() for s in slots
+                    if s.name != me and s.engine is not None), Counter())
+
+    def loader(name: str, path: Path):
+        def load():
+            say(f"skippy: loading {path.name} ({args.runtime.name} runtime) ...")
+            return RayEngine(path, stages, pipelines=args.pipelines,
+                             weight_format=args.weight_format, lane_batch=args.lane_batch,
+                             lanes=args.lanes, model_name=name, address=args.address,
+                             secret=secret, stage_tls=args.stage_tls, cache=cache,
+                             runtime=args.runtime, wire_dtype=args.wire, n_ctx=args.ctx,
+                             progress=progress, reserved=lambda: others(name))
+
+        def size() -> int:  # planned on the whole cluster: what it holds loaded alone
+            return planned_bytes(plan_model(path, args.runtime, stages,
+                                            pipelines=args.pipelines, lanes=args.lanes,
+                                            wire_dtype=args.wire, n_ctx=args.ctx,
+                                            weight_format=args.weight_format),
+                                 args.pipelines)
+        return ModelSlot(name, load, size)
+
+    slots += [loader(name, path) for name, path in models]
+    budget = None if args.models_memory is None else int(args.models_memory * 2**30)
+    served = ModelSet(slots, budget_bytes=budget, idle_unload_s=args.unload_idle,
+                      say=progress)
+    if len(slots) > 1:
+        for slot in slots:  # a model that can never fit fails here, at start
+            say(f"skippy: model {slot.name}: {slot.bytes / 2**30:.2f} GiB planned")
+    return served
 
 
 def _check_serve(args) -> int | None:
@@ -62,6 +141,10 @@ def _check_serve(args) -> int | None:
         raise UsageError("--wait-nodes needs --address: an embedded Ray has one node")
     if args.lanes < 1:
         raise UsageError(f"--lanes must be at least 1, not {args.lanes}")
+    if args.models_memory is not None and args.models_memory <= 0:
+        raise UsageError(f"--models-memory must be above 0, not {args.models_memory:g}")
+    if args.unload_idle is not None and args.unload_idle <= 0:
+        raise UsageError(f"--unload-idle must be above 0, not {args.unload_idle:g}")
     if args.lane_batch is None:
         # One row: the lone request's step is fastest. Torch fp32 decodes fastest one row
         # at a time; llama.cpp then still decodes lanes under 256 tokens together, exactly
@@ -125,10 +208,21 @@ def add_serve_parser(sub) -> None:
 
 
 def _serve_arguments(srv) -> None:
-    srv.add_argument("--model", default="smollm2", help="model name, path to a .gguf, or a "
-                     "package directory")
+    srv.add_argument("--model", action="append", help="model name, path to a .gguf, or a "
+                     "package directory (default: smollm2); again to serve several, each "
+                     "asked for by what was given here")
     srv.add_argument("--package", metavar="DIR", help="serve a package (as --model DIR)")
-    srv.add_argument("--model-name", help="the name clients ask for (default: --model)")
+    srv.add_argument("--models-dir", metavar="DIR", help="serve every .gguf file (by its "
+                     "stem) and model package (by its folder name) in DIR too")
+    srv.add_argument("--model-name", help="the name clients ask for (default: --model; "
+                     "one model only)")
+    srv.add_argument("--models-memory", type=float, metavar="GIB",
+                     help="the most memory the loaded models' plans may hold together; a "
+                          "model asked for beyond it first unloads idle ones, least "
+                          "recently used first (default: what the cluster's nodes hold)")
+    srv.add_argument("--unload-idle", type=float, metavar="S",
+                     help="unload a model no request has used for S seconds; it loads "
+                          "again on its next request (default: only to make room)")
     srv.add_argument("--stages", type=int, help="stages to split into (default: the fewest "
                      "that fit the cluster)")
     srv.add_argument("--runtime", type=runtime_arg, default="torch", metavar="NAME",

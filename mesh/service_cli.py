@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from . import service
-from .serve_cli import gateway_options, parse_serve_args
+from .serve_cli import gateway_options, parse_serve_args, served_models
 from .usage import UsageError
 
 NO_SERVICE = "no gateway service runs (start one: skippy service start -- <serve options>)"
@@ -22,10 +22,9 @@ def serve_url(serve_args: list[str]) -> str:
     """The URL `skippy serve SERVE_ARGS` listens on, once they pass serve's own checks
     (flags, port, bind without keys, key file, model): a mistake is reported here, in
     one line, not later in a log."""
-    from .models import resolve_model
     args = parse_serve_args(serve_args)
     gateway_options(args, secret="")
-    resolve_model(args.package or args.model)
+    served_models(args)
     host = f"[{args.host}]" if ":" in args.host else args.host
     return f"http://{host}:{args.port}"
 

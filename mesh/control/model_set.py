@@ -119,11 +119,11 @@ class ModelSet:
         slot.users -= 1
         slot.last_used = time.monotonic()
 
-    async def load_at_start(self) -> None:
-        """The models in their order while they fit the budget: the first always (its
-        failure is the start's), the rest until one would need an unload."""
+    def load_at_start(self) -> None:
+        """The models in their order while they fit (before serving; blocking): the first
+        always (its failure is the start's), the rest until one would need an unload."""
         first, *rest = self.slots.values()
-        await self._load(first)
+        self._load_now(first)
         for slot in rest:
             if self.budget_bytes is not None and \
                     self._held() + slot.bytes > self.budget_bytes:
@@ -131,11 +131,11 @@ class ModelSet:
                           f"({_gib(slot.bytes)}; the budget holds {_gib(self.budget_bytes)})")
                 continue
             try:
-                await self._load(slot, evict=False)
-            except (PlanError, OverCapacity) as e:
+                self._load_now(slot)
+            except PlanError as e:
                 self._say(f"model {slot.name} loads on its first request: {e}")
 
-    async def _load(self, slot: ModelSlot, evict: bool = True) -> Engine:
+    async def _load(self, slot: ModelSlot) -> Engine:
         async with self._lock:
             if slot.engine is not None:
                 return slot.engine
@@ -144,21 +144,20 @@ class ModelSet:
                     raise OverCapacity(f"model {slot.name} needs {_gib(slot.bytes)}, more "
                                        f"than the models' budget of "
                                        f"{_gib(self.budget_bytes)}")
-                while evict and self._held() + slot.bytes > self.budget_bytes:
+                while self._held() + slot.bytes > self.budget_bytes:
                     await self._unload_idle_one(slot)
             while True:  # the cluster's own memory: the planner says when it is short
                 try:
-                    return await self._start(slot)
+                    return await asyncio.to_thread(self._load_now, slot)
                 except PlanError:
-                    others = [s for s in self.loaded() if s is not slot]
-                    if not evict or not others:
+                    if not any(s is not slot for s in self.loaded()):
                         raise  # it does not fit alone: the start said so already
                     await self._unload_idle_one(slot)
 
-    async def _start(self, slot: ModelSlot) -> Engine:
+    def _load_now(self, slot: ModelSlot) -> Engine:
         t = time.monotonic()
         self._say(f"loading model {slot.name} ...")
-        engine = await asyncio.to_thread(slot.load)
+        engine = slot.load()
         slot.engine, slot.loads = engine, slot.loads + 1
         slot.last_used = time.monotonic()
         self._say(f"model {slot.name} loaded in {time.monotonic() - t:.1f} s")

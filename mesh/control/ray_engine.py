@@ -174,6 +174,27 @@ def cluster_nodes(model: Path | None = None, model_digest: str = "") -> list[Nod
     return [node for node, here in zip(out, held) if here]
 
 
+def plan_model(model_path: str | Path, runtime: RuntimeKind, n_stages: int | None, *,
+               pipelines: int, lanes: int, ranges: list[tuple[int, int]] | None = None,
+               wire_dtype: str = "f16", n_ctx: int = DEFAULT_N_CTX,
+               weight_format: str = REFERENCE_FORMAT,
+               reserved: Counter | None = None) -> ServedModel:
+    """The model planned onto the alive nodes, less what `reserved` holds on each, as a
+    RayEngine with these options serves it. Every pipeline uses the same plan: the same
+    ranges compute the same numbers, so one topology digest names them all (the
+    gateway's exact results rely on it)."""
+    path = Path(model_path)
+    return ServedModel.open(
+        path, runtime, lambda digest: free_nodes(path, digest, reserved or Counter()),
+        stages=n_stages, ranges=ranges, wire_dtype=wire_dtype, n_ctx=n_ctx,
+        lanes=lanes * pipelines, weight_format=weight_format)
+
+
+def planned_bytes(model: ServedModel, pipelines: int) -> int:
+    """What a RayEngine serving `model` holds: each stage's plan, once per pipeline."""
+    return pipelines * sum(st.total_bytes for st in model.plan.stages)
+
+
 def free_nodes(model: Path, model_digest: str, reserved: Counter) -> list[NodeSpec]:
     """`cluster_nodes`, less the bytes `reserved` on each (other models' stages)."""
     return [dataclasses.replace(n, memory=max(0, n.memory - reserved.get(n.name, 0)))
@@ -304,13 +325,10 @@ class RayEngine(PipelinesEngine):
         _check_options(pipelines, stage_tls)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
-        # Every pipeline uses the same plan: the same ranges compute the same numbers, so
-        # one topology digest names them all (the gateway's exact results rely on it).
-        self.model = ServedModel.open(
-            model_path, runtime, lambda digest: free_nodes(Path(model_path), digest, reserved()),
-            stages=n_stages, ranges=ranges,
-            wire_dtype=wire_dtype, n_ctx=n_ctx, lanes=lanes * pipelines,
-            weight_format=weight_format)
+        self.model = plan_model(model_path, runtime, n_stages, pipelines=pipelines,
+                                lanes=lanes, ranges=ranges, wire_dtype=wire_dtype,
+                                n_ctx=n_ctx, weight_format=weight_format,
+                                reserved=reserved())
         self.plan, path, n = self.model.plan, self.model.path, len(self.model.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")

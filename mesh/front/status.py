@@ -178,7 +178,8 @@ class StatusBoard:
             def own(key: str) -> dict | None:
                 return series.fig(f"skippy_stage_{key}", stage=label)
 
-            row = {"stage": i, "model": stage.get("model"), "layers": stage.get("layers"),
+            row = {"stage": stage.get("index", i), "model": stage.get("model"),
+                   "layers": stage.get("layers"),
                    "weight_format": stage.get("weight_format"),
                    **{k: own(k) for k in ("lanes_busy", "lanes_free", "lanes_warm",
                                           "sessions", "queue_rows", "queue_prefills")},
