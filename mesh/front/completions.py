@@ -182,7 +182,11 @@ class Completions:
             if api == MESSAGES:
                 chat_body = anthropic_api.to_chat(body)
             elif api == RESPONSES:
-                turn = responses_api.to_chat(body, self._previous(body, tenant))
+                given = body
+                if isinstance(body, dict) and body.get("model") is None:
+                    # optional in the Responses API: the model that `front` serves
+                    given = {**body, "model": front.view.model}
+                turn = responses_api.to_chat(given, self._previous(given, tenant))
                 chat_body = turn.chat
             return parse_request(chat_body, chat=api != COMPLETIONS,
                                  schemas=self.schemas.checker(tenant)), turn
