@@ -109,7 +109,8 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
                              lanes=args.lanes, model_name=name, address=args.address,
                              secret=secret, stage_tls=args.stage_tls, cache=cache,
                              runtime=args.runtime, wire_dtype=args.wire, n_ctx=args.ctx,
-                             progress=progress, reserved=lambda: others(name))
+                             progress=progress, reserved=lambda: others(name),
+                             speculate=args.speculate == "on")
 
         def size() -> int:  # planned on the whole cluster: what it holds loaded alone
             return planned_bytes(plan_model(path, args.runtime, stages,
@@ -260,6 +261,10 @@ def _serve_arguments(srv) -> None:
                           "requests share a step): 1 (default) is fastest alone, 8 gives the "
                           "most tokens/s to many clients. llama.cpp: 1 decodes lanes past "
                           "255 tokens alone, 2 or more decodes every lane together")
+    srv.add_argument("--speculate", choices=("on", "off"), default="on",
+                     help="decode steps verify tokens proposed by prompt lookup where every "
+                          "stage keeps the row-invariant contract: the same text, fewer "
+                          "trips through the stages (default: %(default)s)")
     srv.add_argument("--lanes", type=int, default=DEFAULT_LANES, metavar="N",
                      help="a pipeline's lane budget: requests it runs at once (each stage "
                           "holds this many lanes' KV); more wait, then get a 503 "

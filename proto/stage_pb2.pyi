@@ -91,10 +91,12 @@ class Plan(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("start",)
+    __slots__ = ("start", "verify")
     START_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     start: int
-    def __init__(self, start: _Optional[int] = ...) -> None: ...
+    verify: bool
+    def __init__(self, start: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("tokens", "start", "frame", "sampling", "probe", "namespace", "max_tokens", "replay", "embed")
@@ -119,14 +121,18 @@ class Prefill(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ..., replay: _Optional[bool] = ..., embed: _Optional[str] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("token", "frame", "replay")
+    __slots__ = ("token", "frame", "replay", "proposed", "length")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     token: int
     frame: Frame
     replay: bool
-    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ...) -> None: ...
+    proposed: _containers.RepeatedScalarFieldContainer[int]
+    length: int
+    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ..., proposed: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
 
 class StageCall(_message.Message):
     __slots__ = ("plan", "prefill", "decode", "traceparent")
@@ -141,18 +147,20 @@ class StageCall(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits")
+    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     cached_tokens: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[Alternative]
     logits: bytes
-    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ...) -> None: ...
+    more: _containers.RepeatedCompositeFieldContainer[Token]
+    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("cached_tokens",)

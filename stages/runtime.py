@@ -116,6 +116,14 @@ class StageRuntime(abc.ABC):
         """One new position for each (lane, input); input is a token id (0-d tensor) or a
         one-row Frame. Returns one output per step, in order."""
 
+    def rewind(self, lane: int, n_tokens: int) -> None:
+        """The lane's state becomes its state at `n_tokens` (at most its length): the rows
+        of proposed tokens a verify step computed and the sampler rejected are dropped.
+        A runtime that cannot keeps its lanes where they are (any other length raises)."""
+        if n_tokens != self.lane_length(lane):
+            raise StageError(f"this runtime cannot rewind lane {lane} from "
+                             f"{self.lane_length(lane)} to {n_tokens} tokens")
+
     @abc.abstractmethod
     def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
         """dst's state becomes src's state for positions [0, n_tokens)."""

@@ -360,10 +360,16 @@ class StageCache:
             raise StageError(f"no cached frame rows [{downstream}, {start})")
         return _rows(whole, downstream, n)
 
-    def note_decoded(self, lane: int, token: int) -> None:
-        """A decode step appended a row: reused by a later prefill where the runtime keeps
-        the row-invariant contract, never on a chunked one (DESIGN.md §5.3)."""
-        self.lanes.info(lane).tokens.append(int(token))
+    def note_decoded(self, lane: int, tokens: Sequence[int]) -> None:
+        """A decode step appended rows (a verify step's proposed tokens too): reused by a
+        later prefill where the runtime keeps the row-invariant contract, never on a
+        chunked one (DESIGN.md §5.3)."""
+        self.lanes.info(lane).tokens.extend(int(t) for t in tokens)
+
+    def rewind(self, lane: int, n_tokens: int) -> None:
+        """The lane back to its first n_tokens (a verify step's rejected rows dropped)."""
+        self.runtime.rewind(lane, n_tokens)
+        del self.lanes.info(lane).tokens[n_tokens:]
 
     def _admitted(self, tokens, start: int, probe: bool, scope: bytes) -> list[int]:
         """Boundaries past the restored start that have now been seen often enough."""

@@ -69,6 +69,10 @@ class _Lane:
     # Recurrent families: the conv state at each chunk boundary a prefill snapshotted
     # (references: LaneKv replaces conv tensors instead of writing into them).
     saved: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # Recurrent families: the lane's last decode step of several rows (a verify step):
+    # its start, the recurrent state there, and its inputs, so that a rewind inside it
+    # takes the state back and runs the kept rows again (the same bits: row-invariant)
+    step: tuple[int, list[torch.Tensor], object] | None = None
 
 
 class TorchStageRuntime(StageRuntime):
@@ -422,6 +426,8 @@ class TorchStageRuntime(StageRuntime):
                                  "the chunked contract" if k else "decode needs a row per lane")
             if st.length + k > self.n_ctx:
                 raise StageError(f"lane {lane} is full ({self.n_ctx} tokens)")
+            if self.recurrent:
+                st.step = (st.length, list(st.kv.conv), inp) if k > 1 else None
             st.kv.ensure(st.length + k)
             segments.append(Segment(st.kv, len(positions), k, st.length))
             positions += range(st.length, st.length + k)
@@ -453,6 +459,32 @@ class TorchStageRuntime(StageRuntime):
             st.prefilled += seg.n  # a decode row is the prefill row: reusable as one
         st.length += seg.n
         return out
+
+    def rewind(self, lane: int, n_tokens: int) -> None:
+        """Attention rows past n_tokens are simply dropped (the next rows overwrite them).
+        Recurrent state exists at the lane's end and its snapshots: inside the lane's last
+        verify step it is taken back to the step's start and the kept rows run again."""
+        st = self._lane(lane)
+        if n_tokens == st.length:
+            return
+        if not 0 <= n_tokens < st.length:
+            raise StageError(f"lane {lane} holds {st.length} tokens: it cannot rewind to "
+                             f"{n_tokens}")
+        redo = None
+        if self.recurrent:
+            if st.step is None or n_tokens < st.step[0]:
+                raise StageError(f"recurrent state of lane {lane} exists at {st.length} and "
+                                 f"its snapshots, not at {n_tokens} tokens")
+            start, conv, inputs = st.step
+            st.kv.conv = list(conv)
+            redo, n_tokens = _first_rows(inputs, n_tokens - start), start
+        st.length = n_tokens
+        st.prefilled = min(st.prefilled, n_tokens)
+        st.saved = {b: c for b, c in st.saved.items() if b <= n_tokens}
+        st.step = None
+        if redo is not None:
+            self._decode_group([(lane, redo)], SMALL_ROWS if self.free_groups
+                               else self.spec.lane_batch)
 
     # -- state -----------------------------------------------------------------------------
     def copy_lane(self, src: int, dst: int, n_tokens: int) -> None:
@@ -554,6 +586,17 @@ class TorchStageRuntime(StageRuntime):
                 "lane_batch": "any" if self.free_groups else spec.lane_batch,
             },
         }
+
+
+def _first_rows(inputs: torch.Tensor | Frame, n: int) -> torch.Tensor | Frame | None:
+    """A decode step's first n input rows (token ids or a frame's rows); None for none."""
+    if n == 0:
+        return None
+    if isinstance(inputs, Frame):
+        return Frame(inputs.start, inputs.rows[:n],
+                     None if inputs.scale is None else inputs.scale[:n],
+                     None if inputs.tokens is None else inputs.tokens[:n])
+    return torch.as_tensor(inputs).reshape(-1)[:n]
 
 
 def _padded(rows: torch.Tensor, n: int) -> torch.Tensor:

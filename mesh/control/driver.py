@@ -33,6 +33,7 @@ from skippy.topology.errors import OverCapacity, RequestError, StageUnavailable
 
 from .. import tracing
 from .engine import GenerationRequest, Step
+from .speculation import Speculator
 from ..wire import sampling_to_proto, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -71,27 +72,29 @@ class Pipeline(Protocol):
 
 def drive(pipe: Pipeline, request: GenerationRequest,
           on_rebuild=lambda reason: None,
-          peers: Callable[[bool], list[str]] = lambda rebuilding: []
-          ) -> AsyncIterator[Step]:
+          peers: Callable[[bool], list[str]] = lambda rebuilding: [],
+          speculate: bool = False) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
     iteration (client gone) closes the session, which frees the lanes down the chain.
     `peers(rebuilding)`: another pipeline's stage addresses, for this try's stages to pull
     the prompt's state from (a stage re-placed after a fault starts empty).
     Traced (mesh/tracing.py), the request's life is one `generate` span (a probe's is not
-    traced), and each call to stage 0 carries it as the parent of the stages' spans."""
+    traced), and each call to stage 0 carries it as the parent of the stages' spans.
+    `speculate`: decode steps carry proposed tokens to verify (speculation.py): the same
+    tokens, fewer trips through the stages."""
     if request.probe or not tracing.enabled():
-        return _drive(pipe, request, [], on_rebuild, peers, tracing.OFF)
-    return _traced(pipe, request, on_rebuild, peers)
+        return _drive(pipe, request, [], on_rebuild, peers, tracing.OFF, speculate)
+    return _traced(pipe, request, on_rebuild, peers, speculate)
 
 
-async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers
-                  ) -> AsyncIterator[Step]:
+async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
+                  speculate: bool) -> AsyncIterator[Step]:
     span = tracing.start("generate", {"skippy.prompt_tokens": len(request.tokens),
                                       "skippy.max_tokens": request.max_tokens})
     produced: list[int] = []
     try:
         async with contextlib.aclosing(_drive(pipe, request, produced, on_rebuild, peers,
-                                              span)) as steps:
+                                              span, speculate)) as steps:
             async for step in steps:
                 yield step
     except (StageUnavailable, OverCapacity, StageFault) as e:
@@ -103,7 +106,7 @@ async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers
 
 
 async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int],
-                 on_rebuild, peers, span) -> AsyncIterator[Step]:
+                 on_rebuild, peers, span, speculate: bool = False) -> AsyncIterator[Step]:
     """`drive`'s tries: each on a fresh session, after a repair when a stage failed."""
     traceparent = tracing.traceparent(span)
     failures = 0
@@ -114,7 +117,8 @@ async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int]
             link = await pipe.open()
             if traceparent:
                 link = _Traced(link, traceparent)
-            async for step in _attempt(link, request, produced, peers(failures > 0)):
+            async for step in _attempt(link, request, produced, peers(failures > 0),
+                                       speculate):
                 produced.append(step.token)
                 yield step
             return
@@ -189,8 +193,9 @@ class _Traced:
 
 
 async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
-                   peers: list[str]) -> AsyncIterator[Step]:
-    """One try: plan, prefill (or rebuild what `produced` already holds), then decode.
+                   peers: list[str], speculate: bool = False) -> AsyncIterator[Step]:
+    """One try: plan, prefill (or rebuild what `produced` already holds), then decode,
+    with proposals to verify where `speculate` and every stage can (speculation.py).
     The caller appends each yielded token to `produced`."""
     prompt = list(request.tokens)
     reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers))
@@ -201,23 +206,40 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
         if len(produced) >= request.max_tokens:
             return
         reply = await _ask(link, _plan(request, produced, results=False, peers=peers))
-    start = _expect(reply, "plan").plan.start
+    plan = _expect(reply, "plan").plan
     sampling = _sampling(request, produced)
     reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
-        tokens=prompt, start=start, sampling=sampling, probe=request.probe,
+        tokens=prompt, start=plan.start, sampling=sampling, probe=request.probe,
         namespace=request.namespace, replay=bool(produced))))
     first = not produced
     if produced:
         for token in produced[:-1]:
             _expect(await _ask(link, _decode(token, replay=True)), "done")
         reply = await _ask(link, _decode(produced[-1]))
-    token = _expect(reply, "token").token
-    while token.id not in request.stop_ids:
-        yield _step(token, token.cached_tokens if first else 0)
-        first = False
-        if len(produced) >= request.max_tokens:
-            return
-        token = _expect(await _ask(link, _decode(token.id)), "token").token
+    spec = Speculator(prompt) if speculate and plan.verify and not request.probe else None
+    seen = 0  # produced tokens the speculator has seen
+    tokens = _tokens(_expect(reply, "token").token)
+    while True:
+        for token in tokens:
+            if token.id in request.stop_ids:
+                return
+            yield _step(token, token.cached_tokens if first else 0)
+            first = False
+            if len(produced) >= request.max_tokens:
+                return
+        proposed = [] if spec is None else \
+            spec.propose(produced[seen:], request.max_tokens - len(produced) - 1)
+        seen = len(produced)
+        call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
+                       if spec is not None else None)
+        tokens = _tokens(_expect(await _ask(link, call), "token").token)
+        if spec is not None:
+            spec.observe(len(proposed), len(tokens) - 1)
+
+
+def _tokens(token: pb.Token) -> list[pb.Token]:
+    """A step's tokens: the one sampled, and a verify step's further ones."""
+    return [token, *token.more]
 
 
 def _plan(request: GenerationRequest, produced: list[int], results: bool,
@@ -234,8 +256,12 @@ def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:
     return msg
 
 
-def _decode(token: int, replay: bool = False) -> pb.StageCall:
-    return pb.StageCall(decode=pb.Decode(token=token, replay=replay))
+def _decode(token: int, proposed: list[int] = (), length: int | None = None,
+            replay: bool = False) -> pb.StageCall:
+    """A decode step appending `token` at position `length` (None: where the lanes are),
+    with the tokens `proposed` after it to verify."""
+    return pb.StageCall(decode=pb.Decode(token=token, replay=replay, proposed=proposed,
+                                         length=length))
 
 
 def _step(token: pb.Token, cached: int) -> Step:

@@ -34,6 +34,9 @@ class GenerationRequest:
     logits: bool = False             # return each step's raw logits row (tests, evals)
     admitted: bool = False           # its lane is already reserved (Engine.reserve)
     pipeline: int | None = None      # run on this pipeline, wherever its prefix is (evals)
+    # decode steps carry proposed tokens to verify (the same tokens either way); None:
+    # the engine's default
+    speculate: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class InProcessEngine(PipelinesEngine):
                  wire_dtype: str = "f16", model_name: str | None = None,
                  ranges: list[tuple[int, int]] | None = None, lanes: int = DEFAULT_LANES,
                  n_ctx: int = DEFAULT_N_CTX, weight_format: str = REFERENCE_FORMAT,
-                 policy: str | None = None, **spec_options):
+                 policy: str | None = None, speculate: bool = True, **spec_options):
         """The plan the Ray engine would make on one node, this machine (`ranges`: exactly
         those). `policy` overrides the family's cache policy (tests of the payload path on
         a dense model); `spec_options` are the stages' other StageSpec fields."""
@@ -102,7 +102,7 @@ class InProcessEngine(PipelinesEngine):
         self.servers = servers
         # Loop threads hold their stages: they end with the engine (or its close).
         self._stop = weakref.finalize(self, _stop_loops, servers)
-        self._serve([InProcessPipeline(servers)], lanes, self.cache.stride)
+        self._serve([InProcessPipeline(servers)], lanes, self.cache.stride, speculate)
         self.info = self.model.info(model_name, lanes, pipelines=1)
 
     def complete(self, tokens, max_tokens: int, **fields) -> list[Step]:

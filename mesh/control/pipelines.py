@@ -20,8 +20,12 @@ from .driver import Pipeline, drive, embed
 class PipelinesEngine:
     info: EngineInfo
 
-    def _serve(self, pipelines: list[Pipeline], lanes: int, stride: int) -> None:
+    def _serve(self, pipelines: list[Pipeline], lanes: int, stride: int,
+               speculate: bool = True) -> None:
+        """`speculate`: requests that do not say verify proposed tokens where every stage
+        can (mesh/control/speculation.py)."""
         self.pipes = pipelines
+        self.speculate = speculate
         self.router = Router(len(pipelines), stride)
         self.admission = LaneAdmission(lanes * len(pipelines))
         # requests rebuilt, by cause: a stage fault, or state evicted before its restore
@@ -47,8 +51,11 @@ class PipelinesEngine:
                         request.tokens, request.namespace, exclude=p)
                         if rebuilding else route.holder)
 
+                speculate = self.speculate if request.speculate is None \
+                    else request.speculate
                 async for step in drive(self.pipes[p], request,
-                                        lambda reason: self._rebuilt(p, reason), peers):
+                                        lambda reason: self._rebuilt(p, reason), peers,
+                                        speculate):
                     yield step
             finally:
                 self.router.finished(p)

@@ -34,6 +34,7 @@ _STAGE_COUNTS = ("prefill_rows", "decode_rows", "restore_failures", "restores_de
 _BY_KIND = {"seconds": ("skippy_stage_compute_seconds", "Seconds a stage spent computing"),
             "steps": ("skippy_stage_steps", "Runtime calls a stage made")}
 _KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", "index",
+          "speculation",
           *_CACHE_BYTES,
           *_STAGE_COUNTS, *_BY_KIND}
 
@@ -146,6 +147,10 @@ def _stage_figures(i: str, stage: dict, family) -> None:
         for kind, v in (stage.get(key) or {}).items():
             family(CounterMetricFamily, name, f"{doc}, by kind (prefill, decode)",
                    ["stage", "kind"]).add_metric([i, str(kind)], v)
+    for k, v in (stage.get("speculation") or {}).items():
+        family(CounterMetricFamily, f"skippy_speculation_{k}",
+               f"Speculative decoding at the last stage: {k.replace('_', ' ')}", ["stage"]
+               ).add_metric(label, v)
     for k, v in _numbers(stage.get("blocks") or {}):
         family(GaugeMetricFamily, f"skippy_stage_block_store_{k}",
                f"Stage block store: {k}", ["stage"]).add_metric(label, v)

@@ -49,6 +49,8 @@ class StageServer:
         # The grammar engine's view of the model's tokens: the last stage masks
         # constrained requests' logits with it (built on the first such request).
         self.vocabulary = Vocabulary(partial(Tokenizer, spec.model_path))
+        # The last stage's verify steps: tokens proposed, and those its draws accepted
+        self.speculation = {"verify_steps": 0, "proposed_tokens": 0, "accepted_tokens": 0}
 
     # -- the chain -----------------------------------------------------------------------
     def link_next(self, opener: Callable[[], object] | None) -> None:
@@ -79,6 +81,12 @@ class StageServer:
             raise RequestError(f"the context of {self.spec.n_ctx} tokens is full",
                                "max_tokens", "context_length_exceeded")
 
+    def speculated(self, proposed: int, accepted: int) -> None:
+        """A verify step's outcome (on the loop thread)."""
+        self.speculation["verify_steps"] += 1
+        self.speculation["proposed_tokens"] += proposed
+        self.speculation["accepted_tokens"] += accepted
+
     # -- blocks and figures --------------------------------------------------------------
     def blocks(self, hashes: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:
         """Each asked block's bytes, empty where this stage's store lacks it (the asker
@@ -102,6 +110,8 @@ class StageServer:
         s = self.loop.call(self.cache.stats)
         if self.puller is not None:
             s["pulls"] = self.puller.stats()
+        if self.spec.is_last:
+            s["speculation"] = dict(self.speculation)
         s.update(stage_index=self.spec.stage_index,
                  layers=[self.spec.layer_start, self.spec.layer_end],
                  weight_format=self.spec.weight_format, **self.loop.figures())

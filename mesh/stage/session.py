@@ -33,6 +33,7 @@ import torch
 
 from skippy.proto import stage_pb2 as pb
 from skippy.stages.runtime import StageError
+from skippy.stages.stage_spec import Exactness
 from skippy.topology.errors import RequestError, log_ours, new_error_id, one_line
 
 from .. import tracing
@@ -146,7 +147,9 @@ class StageSession:
                                namespace=p.namespace)
         self.downstream_start = d
         self.span.set_attribute("skippy.start", start)
-        return pb.StageResult(plan=pb.PlanReply(start=start))
+        verify = self.server.runtime.exactness is Exactness.ROW_INVARIANT and \
+            (self.last or reply.plan.verify)
+        return pb.StageResult(plan=pb.PlanReply(start=start, verify=verify))
 
     def _prefill(self, p: pb.Prefill) -> pb.StageResult:
         tokens, start = list(p.tokens), p.start
@@ -191,30 +194,54 @@ class StageSession:
         return reply
 
     def _decode(self, d: pb.Decode) -> pb.StageResult:
+        """One row, or a verify step: the row of `token` and one for each proposed token
+        after it; the lane first cut back to `length` (a last step's rejected rows)."""
         if self.lane is None or not self.decoding:
             raise StageError("decode before prefill")
-        x = torch.tensor(d.token) if self.server.spec.is_first else \
-            replace(frame_from_proto(d.frame), tokens=torch.tensor([d.token]))
-        token, replay = d.token, d.replay
+        if d.HasField("length"):
+            self.loop.call(self.cache.rewind, self.lane, d.length)
+        tokens = [d.token, *d.proposed]
+        ids = torch.tensor(tokens) if len(tokens) > 1 else torch.tensor(d.token)
+        x = ids if self.server.spec.is_first else \
+            replace(frame_from_proto(d.frame), tokens=torch.tensor(tokens))
+        replay = d.replay
 
-        def finish(out):  # on the loop thread, this row alone
-            self.cache.note_decoded(self.lane, token)
+        def finish(out):  # on the loop thread, this lane's rows alone
+            self.cache.note_decoded(self.lane, tokens)
             if not self.last:
                 return out.frame
             if replay:
                 return None
-            return self._sample(out.logits)
+            return self._verify(out.logits, d.proposed) if d.proposed else \
+                self._sample(out.logits)
 
         row = Row(self.lane, x, finish)
         out = self.loop.decode(row)
         self.span.set_attribute("skippy.batch", row.batch)
+        if d.proposed:
+            self.span.set_attribute("skippy.proposed", len(d.proposed))
         if replay:
             self.span.set_attribute("skippy.replay", True)
         if self.last:
             return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
-        sent = pb.Decode(token=token, replay=replay)
+        sent = pb.Decode(token=d.token, replay=replay, proposed=d.proposed)
+        if d.HasField("length"):
+            sent.length = d.length
         sent.frame.CopyFrom(frame_to_proto(out))
         return self._ask_down(pb.StageCall(decode=sent))
+
+    def _verify(self, logits: torch.Tensor, proposed) -> pb.Token:
+        """A verify step's tokens: each row sampled in order exactly as a decode step
+        would (the same sampler, grammar and generator), until a draw differs from the
+        token proposed for the next position; that draw is the last one. Every token
+        emitted is the token decoding without proposals emits there."""
+        first = self._sample(logits[0])
+        for i, proposal in enumerate(proposed):
+            if (first.more[-1] if first.more else first).id != proposal:
+                break
+            first.more.append(self._sample(logits[i + 1]))
+        self.server.speculated(len(proposed), len(first.more))
+        return first
 
     # -- pieces --------------------------------------------------------------------------
     def _pull(self, p: pb.Plan, tokens: list[int]) -> threading.Thread | None:

@@ -1,0 +1,166 @@
+"""Exact speculative decoding (mesh/control/speculation.py, the verify step in
+mesh/stage/session.py): with speculation on, every token, log-prob and logits row is
+bitwise what decoding without it gives, greedy and seeded, through 1 and 2 stages, for a
+dense family (SmolLM2) and a hybrid one (LFM2: recurrent state rewound inside a verify
+step), whatever the proposals are: besides prompt lookup's own, a proposer that knows the
+answer and is wrong on purpose every third token puts rejections at every position of a
+step. Over HTTP, the
+gateway's requests (n choices, stop strings, penalties, logprobs, a json_schema) answer
+the same with a speculating engine as without. The proposer and its k policy have unit
+tests of their own.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from skippy.cache.config import CacheConfig
+from skippy.mesh.control import driver
+from skippy.mesh.control.local import InProcessEngine
+from skippy.mesh.control.speculation import MAX_PROPOSED, PromptLookup, Speculator
+from skippy.mesh.sampler import SamplingParams
+from skippy.mesh.tokenizer import Tokenizer
+
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n\n")
+PROMPT = "Repeat this code exactly:\n" + CODE + "\nHere it is again:\n"
+
+
+# -- the proposer ---------------------------------------------------------------------------
+def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
+    lookup = PromptLookup([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3])
+    assert lookup.propose(2) == [5, 6]       # "2 3" last followed by 5 6 (not 4)
+    lookup.extend([4])
+    assert lookup.propose(3) == [9, 2, 3]    # "2 3 4" matched before the shorter "3 4"
+    assert lookup.propose(0) == []
+    assert PromptLookup([1, 2, 3]).propose(4) == []  # no n-gram of 2 repeats
+
+
+def test_the_number_proposed_follows_what_was_accepted():
+    spec = Speculator([5, 6, 7, 8] * 4)
+    assert len(spec.propose([], room=100)) == 4   # FIRST_K
+    spec.observe(4, 4)
+    assert spec.k == 8 and len(spec.propose([], room=100)) == 8
+    assert len(spec.propose([], room=3)) == 3     # never past max_tokens
+    spec.observe(8, 8)
+    assert spec.k == MAX_PROPOSED
+    spec.observe(8, 2)
+    assert spec.k == 3
+    spec.observe(3, 0)                            # a miss: a pause, then k = 1
+    assert spec.propose([], room=100) == []
+    assert len(spec.propose([], room=100)) == 1
+    spec.observe(1, 0)                            # two misses: a longer pause
+    assert [spec.propose([], room=100) for _ in range(3)] == [[], [], []]
+
+
+# -- exactness through the stages -----------------------------------------------------------
+class Oracle(Speculator):
+    """Proposes the run's own continuation (`truth`: the tokens decoding without
+    proposals gave, after `prompt` tokens) with every third token made wrong, so that
+    verify steps accept runs and reject at every position of a step."""
+
+    truth: list[int] = []
+    prompt = 0
+    calls = 0
+
+    def propose(self, context_tail, room):
+        super().propose(context_tail, room)
+        at = len(self.lookup.tokens) - Oracle.prompt
+        out = Oracle.truth[at:at + min(room, 4)]
+        Oracle.calls += 1
+        return [t if (i + Oracle.calls) % 3 else (t + 1) % 1000 for i, t in enumerate(out)]
+
+
+def _runs(engine, prompt, sampling, max_tokens=40):
+    off = engine.complete(prompt, max_tokens, sampling=sampling, speculate=False,
+                          logits=True)
+    Oracle.truth, Oracle.prompt = [s.token for s in off], len(prompt)
+    return {False: off, True: engine.complete(prompt, max_tokens, sampling=sampling,
+                                              speculate=True, logits=True)}
+
+
+def _same(runs) -> None:
+    off, on = runs[False], runs[True]
+    assert [s.token for s in on] == [s.token for s in off]
+    assert [s.logprobs for s in on] == [s.logprobs for s in off]
+    for a, b in zip(off, on):
+        assert a.logits is not None and b.logits is not None
+        assert a.logits.numpy().tobytes() == b.logits.numpy().tobytes()
+
+
+SAMPLINGS = [SamplingParams(temperature=0.0, logprobs=3),
+             SamplingParams(temperature=0.9, seed=11, top_k=40, logprobs=2,
+                            presence_penalty=0.3)]
+
+
+@pytest.mark.parametrize("family,stages", [("smollm2", 1), ("smollm2", 2), ("lfm2", 2)])
+@pytest.mark.parametrize("proposer", ["lookup", "oracle"])
+def test_speculation_gives_the_same_tokens_logprobs_and_logits(family, stages, proposer,
+                                                               request, monkeypatch):
+    path = request.getfixturevalue("smollm2" if family == "smollm2" else "lfm2_f32")
+    if proposer == "oracle":
+        monkeypatch.setattr(driver, "Speculator", Oracle)
+    engine = InProcessEngine(path, stages, weight_format="int4",
+                             cache=CacheConfig(enabled=False))
+    prompt = tuple(Tokenizer(path).encode(PROMPT))
+    for sampling in SAMPLINGS:
+        _same(_runs(engine, prompt, sampling))
+    figures = engine.servers[-1].speculation
+    if proposer == "oracle":  # runs accepted, and rejections at several positions
+        assert 0 < figures["accepted_tokens"] < figures["proposed_tokens"], figures
+    elif family == "smollm2":  # its answer repeats the prompt's code: lookup finds it
+        assert figures["accepted_tokens"] > 10, figures
+
+
+def test_a_verify_step_never_runs_past_max_tokens_or_the_stop(smollm2):
+    engine = InProcessEngine(smollm2, 2, weight_format="int4",
+                             cache=CacheConfig(enabled=False))
+    prompt = tuple(Tokenizer(smollm2).encode(PROMPT))
+    for n in (1, 2, 5, 17):
+        runs = _runs(engine, prompt, SamplingParams(temperature=0.0), max_tokens=n)
+        assert len(runs[True]) == len(runs[False]) == n
+        assert [s.token for s in runs[True]] == [s.token for s in runs[False]]
+    stop = engine.complete(prompt, 30, speculate=False)[12].token
+    runs = {spec: engine.complete(prompt, 30, speculate=spec, stop_ids=frozenset({stop}))
+            for spec in (False, True)}
+    assert [s.token for s in runs[True]] == [s.token for s in runs[False]]
+    assert stop not in [s.token for s in runs[True]]
+
+
+# -- over HTTP ------------------------------------------------------------------------------
+BODIES = [
+    {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "logprobs": 2},
+    {"prompt": PROMPT, "max_tokens": 48, "temperature": 0.8, "seed": 3, "n": 2,
+     "frequency_penalty": 0.5, "stop": ["mul"]},
+    {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40,
+     "temperature": 0, "logprobs": True, "top_logprobs": 2},
+    {"messages": [{"role": "user", "content": "Give the code's function names as JSON:\n"
+                   + CODE}], "max_tokens": 40, "temperature": 0,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "names", "schema": {
+         "type": "object", "properties": {"names": {"type": "array",
+                                                    "items": {"type": "string"}}},
+         "required": ["names"]}}}},
+]
+
+
+def test_gateway_answers_are_the_same_with_speculation_on_and_off(smollm2):
+    from skippy.mesh.front.gateway import BackgroundServer, create_app
+    answers = {}
+    for spec in (False, True):
+        engine = InProcessEngine(smollm2, 2, weight_format="int4", model_name="smollm2",
+                                 cache=CacheConfig(enabled=False), speculate=spec)
+        with BackgroundServer(create_app(engine, api_keys=())) as srv:
+            out = []
+            for body in BODIES:
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                r = httpx.post(srv.url + path, json={"model": "smollm2", **body}, timeout=120)
+                assert r.status_code == 200, r.text
+                answer = r.json()
+                out.append([(c.get("text") or c["message"]["content"], c["finish_reason"],
+                             c.get("logprobs")) for c in answer["choices"]])
+            answers[spec] = out
+            figures = engine.servers[-1].speculation
+        if spec:
+            assert figures["verify_steps"] > 0, figures
+    assert answers[True] == answers[False]
