@@ -79,11 +79,17 @@ REQUEST_TIMEOUT_S = 900.0
 TARGETS = {"repeat": 1.5, "file_order": 1.2, "interleaved": 5.0, "concurrent": 2.0}
 # ... and the split torch path (issue 18: the split path at llama.cpp's speed)
 SPLIT_TARGETS = {"file_order": 1.0, "concurrent": 1.0}
-SCENARIOS = ("repeat", "file_order", "interleaved", "next_turn", "concurrent", "stream")
+SCENARIOS = ("repeat", "file_order", "interleaved", "next_turn", "concurrent", "stream",
+             "long_stream")
 LABELS = {"repeat": "(a) exact repeat 128 tok", "file_order": "(b) corpus, file order",
           "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok",
-          "stream": "(e) one stream, ms/token", "next_turn": "(f) the next chat turn"}
+          "stream": "(e) one stream, ms/token", "next_turn": "(f) the next chat turn",
+          "long_stream": "(g) 256-token streams, ms/token"}
 STREAM_TOKENS, STREAMS = 64, 3  # (e): streamed chats alone, after one warm-up
+# (g): greedy 256-token answers to corpus records of these use cases, streamed one at a
+# time (speculation pays where answers repeat their input: code; open chat must not lose)
+LONG_TOKENS, LONG_RECORDS = 256, 2
+LONG_USE_CASES = ("code_refinement", "issue_fixing", "open_chat")
 # (f): records (round-robin over use cases), the reply's length, and the next message
 NEXT_TURNS, REPLY_TOKENS = 8, 32
 NEXT_MESSAGE = "Thanks. Now put that in one short sentence."
@@ -115,17 +121,18 @@ class ServerConfig:
     stages: int = 1
     runtime: str = "llama.cpp"
     targets: dict | None = None   # the speedups this configuration must reach
+    extra: tuple[str, ...] = ()   # more of the server's own flags
 
     def command(self, model_path: Path, model_name: str, port: int, n_ctx: int) -> list[str]:
         if self.ours:
             return [sys.executable, "-m", "skippy.mesh.cli", "serve", "--model", str(model_path),
                     "--model-name", model_name, "--stages", str(self.stages),
                     "--runtime", self.runtime, "--host", HOST, "--port", str(port),
-                    "--ctx", str(n_ctx)]
+                    "--ctx", str(n_ctx), *self.extra]
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path),
                 "--model_alias", model_name, "--n_ctx", str(n_ctx),
                 "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
-                "--flash_attn", "true", "--host", HOST, "--port", str(port)]
+                "--flash_attn", "true", "--host", HOST, "--port", str(port), *self.extra]
 
     @property
     def ready_path(self) -> str:
@@ -137,6 +144,13 @@ OURS = (ServerConfig("ours_1_llama.cpp", "ours 1 stage llama.cpp", True, 1, "lla
                      TARGETS),
         ServerConfig("ours_1_torch", "ours 1 stage torch", True, 1, "torch"),
         ServerConfig("ours_2_torch", "ours 2 stages torch", True, 2, "torch", SPLIT_TARGETS))
+# speculation's comparisons (--server KEY): llama.cpp's own prompt lookup, ours without it
+REFERENCE_LOOKUP = ServerConfig("reference_lookup", "llama.cpp server, prompt lookup",
+                                ours=False, extra=("--draft_model", "prompt-lookup-decoding",
+                                                   "--draft_model_num_pred_tokens", "10"))
+OURS_NO_SPECULATION = ServerConfig("ours_2_torch_nospec", "ours 2 stages torch, no "
+                                   "speculation", True, 2, "torch", extra=("--speculate", "off"))
+ALL = (REFERENCE, *OURS, REFERENCE_LOOKUP, OURS_NO_SPECULATION)
 
 
 # -- scenarios (pure) -------------------------------------------------------------------------
@@ -233,6 +247,8 @@ def comparisons(servers: dict, configs: Iterable[ServerConfig] = OURS) -> list[d
     ref = servers.get(REFERENCE.key, {}).get("scenarios", {})
     rows = []
     for scenario in SCENARIOS:
+        if scenario == "long_stream":  # by use case, every server: its own table
+            continue
         for cfg in configs:
             ours = servers.get(cfg.key, {}).get("scenarios", {}).get(scenario)
             if ours is None or scenario not in ref:
@@ -279,6 +295,7 @@ def table(result: dict) -> str:
         met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
         lines.append(f"{LABELS[row['scenario']]:<26} {row['label']:<24} {' '.join(cells)} "
                      f"{row['speedup']:>7.2f}x {target:>7} {met:>4}")
+    lines += long_stream_lines(result["servers"])
     errors = [f"{key} {name}: {sc['errors']}" for key, srv in result["servers"].items()
               for name, sc in srv.get("scenarios", {}).items() if sc.get("errors")]
     if errors:
@@ -293,6 +310,22 @@ def table(result: dict) -> str:
     if speed:
         lines.append(speed)
     return "\n".join(lines)
+
+
+def long_stream_lines(servers: dict) -> list[str]:
+    """(g): each server's median ms per token by use case, and each one's speculation
+    figures where it reports them."""
+    ran = {srv["label"]: srv["scenarios"]["long_stream"]["by_use_case"]
+           for srv in servers.values() if "long_stream" in srv.get("scenarios", {})}
+    if not ran:
+        return []
+    lines = ["", f"{LABELS['long_stream']} (greedy, {LONG_RECORDS} records per use case, "
+             f"median ms/token)", f"{'server':<40} " + " ".join(
+                 f"{u:>16}" for u in LONG_USE_CASES)]
+    for label, cases in ran.items():
+        lines.append(f"{label:<40} " + " ".join(
+            f"{cases.get(u, {}).get('median_ms', math.nan):>16.1f}" for u in LONG_USE_CASES))
+    return lines
 
 
 # -- plot ---------------------------------------------------------------------------------------
@@ -675,6 +708,18 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
                      for n in work.sweep if n < len(work.concurrent)]
             out[scenario] = run(work.concurrent, scenario)
             out[scenario]["sweep"] = [{k: r[k] for k in SWEEP_KEYS} for r in sweep]
+        elif scenario == "long_stream":
+            by = {}
+            for use_case in LONG_USE_CASES:
+                records = [r for r in work.file_order if r["use_case"] == use_case]
+                bodies = [{**chat_body(work.model, r["messages"], LONG_TOKENS),
+                           "stream": True} for r in records[:LONG_RECORDS]]
+                by[use_case] = run_streams(base_url, [salted(b, scenario) for b in bodies],
+                                           warmup=0)
+            out[scenario] = {"by_use_case": by,
+                             "errors": sum(r["errors"] for r in by.values()),
+                             "first_error": next((r["first_error"] for r in by.values()
+                                                  if r["first_error"]), None)}
         elif scenario == "stream":
             bodies = [{**chat_body(work.model, [{"role": "user", "content": q}],
                                    STREAM_TOKENS), "stream": True}
@@ -771,7 +816,7 @@ def bench(args) -> dict:
     work, facts = build_workload(path, args.model, args.data, n_ctx=args.ctx, limit=args.limit,
                                  repeats=args.repeats, clients=args.clients,
                                  requests=args.requests)
-    configs = [c for c in (REFERENCE, *OURS) if c.key in args.servers]
+    configs = [c for c in ALL if c.key in args.servers]
     result = {"settings": {"model": args.model, "file": str(path), "n_ctx": args.ctx,
                            "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
                            "clients": max(args.clients), "clients_sweep": args.clients,
@@ -834,7 +879,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "scenario with each count, fewer first (tokens/s vs clients)")
     p.add_argument("--requests", type=int, default=4, help="requests per client (4)")
     p.add_argument("--server", action="append", dest="servers",
-                   choices=[c.key for c in (REFERENCE, *OURS)],
+                   choices=[c.key for c in ALL],
                    help="bench only these servers (repeatable; default: all four)")
     p.add_argument("--ours-arg", action="append", dest="ours_args", default=[],
                    metavar="ARG", help="one more `skippy serve` argument for our servers "

@@ -209,21 +209,7 @@ def add_serve_parser(sub) -> None:
 
 
 def _serve_arguments(srv) -> None:
-    srv.add_argument("--model", action="append", help="model name, path to a .gguf, or a "
-                     "package directory (default: smollm2); again to serve several, each "
-                     "asked for by what was given here")
-    srv.add_argument("--package", metavar="DIR", help="serve a package (as --model DIR)")
-    srv.add_argument("--models-dir", metavar="DIR", help="serve every .gguf file (by its "
-                     "stem) and model package (by its folder name) in DIR too")
-    srv.add_argument("--model-name", help="the name clients ask for (default: --model; "
-                     "one model only)")
-    srv.add_argument("--models-memory", type=float, metavar="GIB",
-                     help="the most memory the loaded models' plans may hold together; a "
-                          "model asked for beyond it first unloads idle ones, least "
-                          "recently used first (default: what the cluster's nodes hold)")
-    srv.add_argument("--unload-idle", type=float, metavar="S",
-                     help="unload a model no request has used for S seconds; it loads "
-                          "again on its next request (default: only to make room)")
+    _model_arguments(srv)
     srv.add_argument("--stages", type=int, help="stages to split into (default: the fewest "
                      "that fit the cluster)")
     srv.add_argument("--runtime", type=runtime_arg, default="torch", metavar="NAME",
@@ -270,6 +256,25 @@ def _serve_arguments(srv) -> None:
                           "holds this many lanes' KV); more wait, then get a 503 "
                           "(default: %(default)s)")
     _serve_limits(srv)
+
+
+def _model_arguments(srv) -> None:
+    """Which models, by what names, and how many stay loaded."""
+    srv.add_argument("--model", action="append", help="model name, path to a .gguf, or a "
+                     "package directory (default: smollm2); again to serve several, each "
+                     "asked for by what was given here")
+    srv.add_argument("--package", metavar="DIR", help="serve a package (as --model DIR)")
+    srv.add_argument("--models-dir", metavar="DIR", help="serve every .gguf file (by its "
+                     "stem) and model package (by its folder name) in DIR too")
+    srv.add_argument("--model-name", help="the name clients ask for (default: --model; "
+                     "one model only)")
+    srv.add_argument("--models-memory", type=float, metavar="GIB",
+                     help="the most memory the loaded models' plans may hold together; a "
+                          "model asked for beyond it first unloads idle ones, least "
+                          "recently used first (default: what the cluster's nodes hold)")
+    srv.add_argument("--unload-idle", type=float, metavar="S",
+                     help="unload a model no request has used for S seconds; it loads "
+                          "again on its next request (default: only to make room)")
 
 
 def _serve_limits(srv) -> None:

@@ -207,6 +207,7 @@ def test_every_scenario_runs_against_our_gateway(gateway, smollm2, tmp_path):
     assert out["interleaved"]["ids"] == ["a-0", "b-0", "a-1", "b-1"]
     assert out["interleaved"]["tags"] == ["a", "b", "a", "b"]  # each sample's use case
     assert out["next_turn"]["n"] == 2 and len(out["next_turn"]["cached_tokens"]) == 2
+    assert set(out["long_stream"]["by_use_case"]) == set(bg.LONG_USE_CASES)
     c = out["concurrent"]
     assert c["requests"] == 4 and c["n"] == 4
     assert 0 < c["completion_tokens"] <= 4 * 16 and c["tokens_per_s"] > 0

@@ -171,7 +171,9 @@ async def _gather(fn, requests):
 def test_a_poisoned_row_fails_only_its_request(smollm2):
     engine = InProcessEngine(smollm2, 2, n_ctx=512, weight_format="int4",
                              cache=CacheConfig(enabled=False))
-    requests = [GenerationRequest(tuple(p), 10) for p in PROMPTS[:4]]
+    # one row per step and lane: a step of proposed tokens would carry the victim's
+    # token among others' rows (tests/test_speculation.py covers those steps)
+    requests = [GenerationRequest(tuple(p), 10, speculate=False) for p in PROMPTS[:4]]
     want = asyncio.run(_all(engine, requests))
     fed = [[t for t, _ in w[:-1]] for w in want]   # the tokens each request decodes
     k, victim = next((i, t) for i, f in enumerate(fed) for t in f

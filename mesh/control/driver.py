@@ -73,7 +73,7 @@ class Pipeline(Protocol):
 def drive(pipe: Pipeline, request: GenerationRequest,
           on_rebuild=lambda reason: None,
           peers: Callable[[bool], list[str]] = lambda rebuilding: [],
-          speculate: bool = False) -> AsyncIterator[Step]:
+          speculate: Callable[[], bool] | bool = False) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
     iteration (client gone) closes the session, which frees the lanes down the chain.
     `peers(rebuilding)`: another pipeline's stage addresses, for this try's stages to pull
@@ -81,14 +81,15 @@ def drive(pipe: Pipeline, request: GenerationRequest,
     Traced (mesh/tracing.py), the request's life is one `generate` span (a probe's is not
     traced), and each call to stage 0 carries it as the parent of the stages' spans.
     `speculate`: decode steps carry proposed tokens to verify (speculation.py): the same
-    tokens, fewer trips through the stages."""
+    tokens, fewer trips through the stages; a callable is asked before each step (the
+    engine's: only while the request decodes alone, where batching does not pay more)."""
     if request.probe or not tracing.enabled():
         return _drive(pipe, request, [], on_rebuild, peers, tracing.OFF, speculate)
     return _traced(pipe, request, on_rebuild, peers, speculate)
 
 
 async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
-                  speculate: bool) -> AsyncIterator[Step]:
+                  speculate) -> AsyncIterator[Step]:
     span = tracing.start("generate", {"skippy.prompt_tokens": len(request.tokens),
                                       "skippy.max_tokens": request.max_tokens})
     produced: list[int] = []
@@ -106,7 +107,7 @@ async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
 
 
 async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int],
-                 on_rebuild, peers, span, speculate: bool = False) -> AsyncIterator[Step]:
+                 on_rebuild, peers, span, speculate=False) -> AsyncIterator[Step]:
     """`drive`'s tries: each on a fresh session, after a repair when a stage failed."""
     traceparent = tracing.traceparent(span)
     failures = 0
@@ -193,9 +194,11 @@ class _Traced:
 
 
 async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
-                   peers: list[str], speculate: bool = False) -> AsyncIterator[Step]:
+                   peers: list[str], speculate: Callable[[], bool] | bool = False
+                   ) -> AsyncIterator[Step]:
     """One try: plan, prefill (or rebuild what `produced` already holds), then decode,
-    with proposals to verify where `speculate` and every stage can (speculation.py).
+    with proposals to verify where every stage can and `speculate` says so (before each
+    step, where it is a callable: speculation.py).
     The caller appends each yielded token to `produced`."""
     prompt = list(request.tokens)
     reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers))
@@ -216,6 +219,7 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
         for token in produced[:-1]:
             _expect(await _ask(link, _decode(token, replay=True)), "done")
         reply = await _ask(link, _decode(produced[-1]))
+    now = speculate if callable(speculate) else (lambda: bool(speculate))
     spec = Speculator(prompt) if speculate and plan.verify and not request.probe else None
     seen = 0  # produced tokens the speculator has seen
     tokens = _tokens(_expect(reply, "token").token)
@@ -227,8 +231,8 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
             first = False
             if len(produced) >= request.max_tokens:
                 return
-        proposed = [] if spec is None else \
-            spec.propose(produced[seen:], request.max_tokens - len(produced) - 1)
+        room = request.max_tokens - len(produced) - 1 if spec is not None and now() else 0
+        proposed = [] if spec is None else spec.propose(produced[seen:], room)
         seen = len(produced)
         call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
                        if spec is not None else None)

@@ -51,8 +51,11 @@ class PipelinesEngine:
                         request.tokens, request.namespace, exclude=p)
                         if rebuilding else route.holder)
 
-                speculate = self.speculate if request.speculate is None \
+                wanted = self.speculate if request.speculate is None \
                     else request.speculate
+                # verify steps only while this request decodes alone on its pipeline:
+                # with others there, their rows batch into every step already
+                speculate = wanted and (lambda: self.router.load[p] <= 1)
                 async for step in drive(self.pipes[p], request,
                                         lambda reason: self._rebuilt(p, reason), peers,
                                         speculate):

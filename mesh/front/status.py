@@ -46,6 +46,7 @@ _TRACKED = ("skippy_stage_prefill_rows_total", "skippy_stage_decode_rows_total",
 # Answers the page lists: the API's, and any endpoint's errors (not the 200s of its own
 # polling or of scrapes, which move every second).
 _API = ("/v1/",)
+SPECULATION = ("verify_steps", "proposed_tokens", "accepted_tokens")
 _CACHE_COUNTERS = ("lookups", "hits", "misses", "hit_tokens", "evictions")
 _NODE_BYTES = ("resident_bytes", "logical_bytes", "physical_bytes", "saved_bytes",
                "disk_bytes", "fetched_bytes")
@@ -184,7 +185,10 @@ class StatusBoard:
                    **{k: own(k) for k in ("lanes_busy", "lanes_free", "lanes_warm",
                                           "sessions", "queue_rows", "queue_prefills")},
                    **{k: own(f"{k}_total") for k in ("prefill_rows", "decode_rows")},
-                   "cache": _stage_cache(label, series)}
+                   "cache": _stage_cache(label, series),
+                   "speculation": {k: series.fig(f"skippy_speculation_{k}_total",
+                                                 stage=label)
+                                   for k in SPECULATION} if "speculation" in stage else None}
             for kind in ("prefill", "decode"):
                 row[f"{kind}_rows_per_s"] = _rate(row[f"{kind}_rows"], before, t)
             out.append(row)
