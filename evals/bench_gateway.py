@@ -312,6 +312,18 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def speculation_figures(base_url: str) -> dict:
+    """Our server's verify steps and the tokens they proposed and accepted, summed over
+    every scenario it ran (its /metrics)."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("skippy_speculation_") and "_total" in line:
+            name = line.split("{")[0].split(" ")[0][len("skippy_speculation_"):-len("_total")]
+            out[name] = out.get(name, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def long_stream_lines(servers: dict) -> list[str]:
     """(g): each server's median ms per token by use case, and each one's speculation
     figures where it reports them."""
@@ -325,6 +337,13 @@ def long_stream_lines(servers: dict) -> list[str]:
     for label, cases in ran.items():
         lines.append(f"{label:<40} " + " ".join(
             f"{cases.get(u, {}).get('median_ms', math.nan):>16.1f}" for u in LONG_USE_CASES))
+    for srv in servers.values():
+        sp = srv.get("speculation") or {}
+        if sp.get("proposed_tokens"):
+            lines.append(f"{srv['label']}: {sp['accepted_tokens']:.0f} of "
+                         f"{sp['proposed_tokens']:.0f} proposed tokens accepted "
+                         f"({sp['accepted_tokens'] / sp['proposed_tokens']:.0%}) in "
+                         f"{sp['verify_steps']:.0f} verify steps")
     return lines
 
 
@@ -842,6 +861,8 @@ def bench(args) -> dict:
             say(f"[{cfg.label}] ready in {entry['start_s']:.1f} s")
             entry["scenarios"] = run_scenarios(server.url, work, ours=cfg.ours,
                                                scenarios=args.scenarios, say=say)
+            if cfg.ours:
+                entry["speculation"] = speculation_figures(server.url)
         except RuntimeError as e:
             entry["error"] = str(e).splitlines()[0]
             say(f"[{cfg.label}] failed: {e}")
