@@ -7,6 +7,7 @@ Runs inside the loopback-only namespace (DESIGN.md §9)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -162,6 +163,35 @@ def test_a_restarted_stage_takes_the_prompt_state_from_the_other_pipeline(ray_en
     assert asyncio.run(killed()) == want
     stage = ray_engine.pipeline_stats(0)[1]          # the new process
     assert stage["pulls"]["pulls"] >= 1 and stage["pulls"]["pulled_tokens"] >= 256
+
+
+def test_a_stage_killed_under_speculation_costs_no_token(ray_engine, smollm2):
+    """A stream alone, so that its steps verify proposed tokens (a code answer repeats
+    its prompt: most are accepted), with a stage killed mid-stream: the rebuilt request
+    replays what it made and speculates on, and every token and log-prob is the one
+    decoding without speculation and without the fault gives."""
+    from skippy.mesh.tokenizer import Tokenizer
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    prompt = tuple(Tokenizer(smollm2).encode("Repeat this code:\n" + code + "Again:\n"))
+    plain = GenerationRequest(prompt, 40, SamplingParams(logprobs=1), pipeline=0,
+                              speculate=False)
+    want = asyncio.run(_collect(ray_engine, plain))
+    fast = dataclasses.replace(plain, speculate=True)
+    assert asyncio.run(_collect(ray_engine, fast)) == want
+    figures = ray_engine.pipeline_stats(0)[1]["speculation"]
+    assert figures["accepted_tokens"] >= 10, figures
+    pid = ray.get(ray_engine.pipelines[0].actors[0].pid.remote(), timeout=900)
+    before = ray_engine.stats()["rebuilds_by_pipeline"][0]
+
+    async def killed():
+        out = []
+        async for s in ray_engine.generate(fast):
+            out.append((s.token, s.logprobs))
+            if len(out) == 15:
+                os.kill(pid, signal.SIGKILL)
+        return out
+    assert asyncio.run(killed()) == want
+    assert ray_engine.stats()["rebuilds_by_pipeline"][0] > before
 
 
 async def _gather(fn, requests):
