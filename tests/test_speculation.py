@@ -164,3 +164,14 @@ def test_gateway_answers_are_the_same_with_speculation_on_and_off(smollm2):
         if spec:
             assert figures["verify_steps"] > 0, figures
     assert answers[True] == answers[False]
+
+
+def test_the_pipeline_bench_runs_and_its_answers_agree(corpus, tmp_path):
+    from skippy.evals import bench_speculation
+    out = bench_speculation.main(["--stages", "2", "--hop-ms", "1", "--tokens", "24",
+                                  "--records", "1", "--use-case", "code_refinement",
+                                  "--json", str(tmp_path / "spec.json")])
+    run, = out["runs"]
+    assert run["same"] and run["on"][0]["tokens"] == 24
+    assert run["on"][0]["steps"] < run["off"][0]["steps"]  # its code answer repeats
+    assert run["predicted_ms"] > 0 and run["measured_ms"] > 0

@@ -9,6 +9,7 @@ import asyncio
 import os
 import sys
 import threading
+import time
 import weakref
 from concurrent import futures
 from pathlib import Path
@@ -30,15 +31,23 @@ _SESSIONS = futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="sess
 
 
 class LocalLink:
-    """A stage's session at the next stage, by direct call."""
+    """A stage's session at the next stage, by direct call; `hop_s`: a one-way delay
+    each way (evals: a network's latency between hosts)."""
 
-    def __init__(self, server: StageServer):
+    def __init__(self, server: StageServer, hop_s: float = 0.0):
         self._session = server.open_session()
         self._lock = threading.Lock()  # a call and the close never overlap
+        self._hop_s = hop_s
 
     def ask(self, call: pb.StageCall) -> pb.StageResult:
         with self._lock:
-            return self._session.handle(call)
+            if self._hop_s:
+                time.sleep(self._hop_s)
+            try:
+                return self._session.handle(call)
+            finally:
+                if self._hop_s:
+                    time.sleep(self._hop_s)
 
     def close(self) -> None:
         with self._lock:
@@ -63,13 +72,13 @@ class InProcessPipeline:
     """Stage servers chained by direct calls. In-process stages do not die: a fault is
     rebuilt on the same objects."""
 
-    def __init__(self, servers: list[StageServer]):
+    def __init__(self, servers: list[StageServer], hop_s: float = 0.0):
         self.servers = servers
         self.generation = 0
         self.healthy = True
         self.addresses: list[str] = []  # in-process stages take no peer calls
         for here, after in zip(servers, servers[1:]):
-            here.link_next(lambda after=after: LocalLink(after))
+            here.link_next(lambda after=after: LocalLink(after, hop_s))
 
     async def open(self) -> AsyncLocalLink:
         return AsyncLocalLink(self.servers[0])
@@ -85,10 +94,13 @@ class InProcessEngine(PipelinesEngine):
                  wire_dtype: str = "f16", model_name: str | None = None,
                  ranges: list[tuple[int, int]] | None = None, lanes: int = DEFAULT_LANES,
                  n_ctx: int = DEFAULT_N_CTX, weight_format: str = REFERENCE_FORMAT,
-                 policy: str | None = None, speculate: bool = True, **spec_options):
+                 policy: str | None = None, speculate: bool = True, hop_s: float = 0.0,
+                 **spec_options):
         """The plan the Ray engine would make on one node, this machine (`ranges`: exactly
         those). `policy` overrides the family's cache policy (tests of the payload path on
-        a dense model); `spec_options` are the stages' other StageSpec fields."""
+        a dense model); `speculate`: decode steps verify proposed tokens (driver.py);
+        `hop_s`: a one-way delay on every stage-to-stage message (evals of a pipeline
+        across hosts); `spec_options` are the stages' other StageSpec fields."""
         self.cache = cache or CacheConfig()
         # Stages in this process need no process of their own: no per-stage overhead.
         self.model = ServedModel.open(model_path, runtime, lambda _digest: [_this_machine()],
@@ -102,7 +114,7 @@ class InProcessEngine(PipelinesEngine):
         self.servers = servers
         # Loop threads hold their stages: they end with the engine (or its close).
         self._stop = weakref.finalize(self, _stop_loops, servers)
-        self._serve([InProcessPipeline(servers)], lanes, self.cache.stride, speculate)
+        self._serve([InProcessPipeline(servers, hop_s)], lanes, self.cache.stride, speculate)
         self.info = self.model.info(model_name, lanes, pipelines=1)
 
     def complete(self, tokens, max_tokens: int, **fields) -> list[Step]:
