@@ -95,7 +95,9 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
     from .control.model_set import ModelSet, ModelSlot
     from .control.ray_engine import RayEngine, plan_model, planned_bytes
     from .progress import Console
+    from .models import resolve_model
     progress, slots = Console(prefix="skippy: "), []
+    draft = resolve_model(args.draft_model) if args.draft_model else None
 
     def others(me: str) -> Counter:
         return sum((s.engine.held_bytes() for s in slots
@@ -110,7 +112,7 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
                              secret=secret, stage_tls=args.stage_tls, cache=cache,
                              runtime=args.runtime, wire_dtype=args.wire, n_ctx=args.ctx,
                              progress=progress, reserved=lambda: others(name),
-                             speculate=args.speculate == "on")
+                             speculate=args.speculate == "on", draft=draft)
 
         def size() -> int:  # planned on the whole cluster: what it holds loaded alone
             return planned_bytes(plan_model(path, args.runtime, stages,
@@ -251,6 +253,9 @@ def _serve_arguments(srv) -> None:
                      help="decode steps verify tokens proposed by prompt lookup where every "
                           "stage keeps the row-invariant contract: the same text, fewer "
                           "trips through the stages (default: %(default)s)")
+    srv.add_argument("--draft-model", metavar="MODEL", help="propose those tokens with this "
+                     "small model of the same vocabulary, run in the gateway (default: "
+                     "prompt lookup)")
     srv.add_argument("--lanes", type=int, default=DEFAULT_LANES, metavar="N",
                      help="a pipeline's lane budget: requests it runs at once (each stage "
                           "holds this many lanes' KV); more wait, then get a 503 "

@@ -128,6 +128,36 @@ def test_a_verify_step_never_runs_past_max_tokens_or_the_stop(smollm2):
     assert stop not in [s.token for s in runs[True]]
 
 
+# -- a draft model as the proposer ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_draft(smollm2, tmp_path_factory):
+    """A 2-layer random-weight llama of SmolLM2's vocabulary: a draft whose proposals
+    are mostly wrong."""
+    from skippy.stages.synth import write_synthetic
+    out = tmp_path_factory.mktemp("draft") / "llama-draft-L2.gguf"
+    return write_synthetic("llama", layers=2, seed=5, out=out, tokenizer_from=smollm2)
+
+
+@pytest.mark.parametrize("draft", ["itself", "random"])
+def test_a_draft_model_proposes_and_the_answer_stays_the_same(smollm2, llama_draft, draft):
+    engine = InProcessEngine(smollm2, 2, weight_format="int4",
+                             cache=CacheConfig(enabled=False),
+                             draft=smollm2 if draft == "itself" else llama_draft)
+    prompt = tuple(Tokenizer(smollm2).encode("Write a short story about a robot."))
+    for sampling in SAMPLINGS:
+        _same(_runs(engine, prompt, sampling, max_tokens=24))
+    figures = engine.servers[-1].speculation
+    assert figures["verify_steps"] > 0, figures
+    if draft == "itself":  # the same weights in one stage: its greedy tokens mostly hold
+        assert figures["accepted_tokens"] >= figures["proposed_tokens"] // 2, figures
+
+
+def test_a_draft_of_another_vocabulary_is_refused(smollm2, gemma3):
+    from skippy.topology.errors import UserError
+    with pytest.raises(UserError, match="another vocabulary"):
+        InProcessEngine(smollm2, 1, weight_format="int4", draft=gemma3)
+
+
 # -- over HTTP ------------------------------------------------------------------------------
 BODIES = [
     {"prompt": PROMPT, "max_tokens": 48, "temperature": 0, "logprobs": 2},

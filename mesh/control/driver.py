@@ -33,6 +33,7 @@ from skippy.topology.errors import OverCapacity, RequestError, StageUnavailable
 
 from .. import tracing
 from .engine import GenerationRequest, Step
+from .draft import DraftModel
 from .speculation import Speculator
 from ..wire import sampling_to_proto, token_logprobs
 
@@ -73,7 +74,8 @@ class Pipeline(Protocol):
 def drive(pipe: Pipeline, request: GenerationRequest,
           on_rebuild=lambda reason: None,
           peers: Callable[[bool], list[str]] = lambda rebuilding: [],
-          speculate: Callable[[], bool] | bool = False) -> AsyncIterator[Step]:
+          speculate: Callable[[], bool] | bool = False,
+          draft: DraftModel | None = None) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
     iteration (client gone) closes the session, which frees the lanes down the chain.
     `peers(rebuilding)`: another pipeline's stage addresses, for this try's stages to pull
@@ -82,10 +84,23 @@ def drive(pipe: Pipeline, request: GenerationRequest,
     traced), and each call to stage 0 carries it as the parent of the stages' spans.
     `speculate`: decode steps carry proposed tokens to verify (speculation.py): the same
     tokens, fewer trips through the stages; a callable is asked before each step (the
-    engine's: only while the request decodes alone, where batching does not pay more)."""
+    engine's: only while the request decodes alone, where batching does not pay more);
+    `draft`: a draft model proposes them (else prompt lookup)."""
+    speculate = _Speculation(speculate, draft)
     if request.probe or not tracing.enabled():
         return _drive(pipe, request, [], on_rebuild, peers, tracing.OFF, speculate)
     return _traced(pipe, request, on_rebuild, peers, speculate)
+
+
+class _Speculation:
+    """Whether a request's steps verify proposals now, and where they come from."""
+
+    def __init__(self, now: Callable[[], bool] | bool, draft: DraftModel | None):
+        self.now = now if callable(now) else (lambda: bool(now))
+        self.wanted, self.draft = bool(now), draft
+
+    def start(self, prompt: list[int]) -> Speculator:
+        return Speculator(prompt, None if self.draft is None else self.draft.session())
 
 
 async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
@@ -107,7 +122,7 @@ async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
 
 
 async def _drive(pipe: Pipeline, request: GenerationRequest, produced: list[int],
-                 on_rebuild, peers, span, speculate=False) -> AsyncIterator[Step]:
+                 on_rebuild, peers, span, speculate: _Speculation) -> AsyncIterator[Step]:
     """`drive`'s tries: each on a fresh session, after a repair when a stage failed."""
     traceparent = tracing.traceparent(span)
     failures = 0
@@ -194,7 +209,7 @@ class _Traced:
 
 
 async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
-                   peers: list[str], speculate: Callable[[], bool] | bool = False
+                   peers: list[str], speculate: _Speculation | None = None
                    ) -> AsyncIterator[Step]:
     """One try: plan, prefill (or rebuild what `produced` already holds), then decode,
     with proposals to verify where every stage can and `speculate` says so (before each
@@ -219,26 +234,39 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
         for token in produced[:-1]:
             _expect(await _ask(link, _decode(token, replay=True)), "done")
         reply = await _ask(link, _decode(produced[-1]))
-    now = speculate if callable(speculate) else (lambda: bool(speculate))
-    spec = Speculator(prompt) if speculate and plan.verify and not request.probe else None
-    seen = 0  # produced tokens the speculator has seen
     tokens = _tokens(_expect(reply, "token").token)
-    while True:
-        for token in tokens:
-            if token.id in request.stop_ids:
-                return
-            yield _step(token, token.cached_tokens if first else 0)
-            first = False
-            if len(produced) >= request.max_tokens:
-                return
-        room = request.max_tokens - len(produced) - 1 if spec is not None and now() else 0
-        proposed = [] if spec is None else spec.propose(produced[seen:], room)
-        seen = len(produced)
-        call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
-                       if spec is not None else None)
-        tokens = _tokens(_expect(await _ask(link, call), "token").token)
-        if spec is not None:
-            spec.observe(len(proposed), len(tokens) - 1)
+    speculating = speculate is not None and speculate.wanted and plan.verify and \
+        not request.probe
+    spec = speculate.start(prompt + produced) if speculating else None
+    seen = len(produced)  # produced tokens the speculator has seen
+    try:
+        while True:
+            for token in tokens:
+                if token.id in request.stop_ids:
+                    return
+                yield _step(token, token.cached_tokens if first else 0)
+                first = False
+                if len(produced) >= request.max_tokens:
+                    return
+            proposed = [] if spec is None else await _proposals(
+                spec, produced[seen:], request.max_tokens - len(produced) - 1
+                if speculate.now() else 0)
+            seen = len(produced)
+            call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
+                           if spec is not None else None)
+            tokens = _tokens(_expect(await _ask(link, call), "token").token)
+            if spec is not None:
+                spec.observe(len(proposed), len(tokens) - 1)
+    finally:
+        if spec is not None and spec.draft is not None:
+            await asyncio.to_thread(spec.draft.close)
+
+
+async def _proposals(spec: Speculator, tail: list[int], room: int) -> list[int]:
+    """The next step's proposals (a draft model computes: off the event loop)."""
+    if spec.draft is None or room <= 0:
+        return spec.propose(tail, room)
+    return await asyncio.to_thread(spec.propose, tail, room)
 
 
 def _tokens(token: pb.Token) -> list[pb.Token]:

@@ -95,12 +95,12 @@ class InProcessEngine(PipelinesEngine):
                  ranges: list[tuple[int, int]] | None = None, lanes: int = DEFAULT_LANES,
                  n_ctx: int = DEFAULT_N_CTX, weight_format: str = REFERENCE_FORMAT,
                  policy: str | None = None, speculate: bool = True, hop_s: float = 0.0,
-                 **spec_options):
+                 draft: str | Path | None = None, **spec_options):
         """The plan the Ray engine would make on one node, this machine (`ranges`: exactly
         those). `policy` overrides the family's cache policy (tests of the payload path on
         a dense model); `speculate`: decode steps verify proposed tokens (driver.py);
         `hop_s`: a one-way delay on every stage-to-stage message (evals of a pipeline
-        across hosts); `spec_options` are the stages' other StageSpec fields."""
+        across hosts); `draft`: a draft model's GGUF proposes the tokens; `spec_options` are the stages' other StageSpec fields."""
         self.cache = cache or CacheConfig()
         # Stages in this process need no process of their own: no per-stage overhead.
         self.model = ServedModel.open(model_path, runtime, lambda _digest: [_this_machine()],
@@ -114,7 +114,8 @@ class InProcessEngine(PipelinesEngine):
         self.servers = servers
         # Loop threads hold their stages: they end with the engine (or its close).
         self._stop = weakref.finalize(self, _stop_loops, servers)
-        self._serve([InProcessPipeline(servers, hop_s)], lanes, self.cache.stride, speculate)
+        self._serve([InProcessPipeline(servers, hop_s)], lanes, self.cache.stride, speculate,
+                    None if draft is None else Path(draft))
         self.info = self.model.info(model_name, lanes, pipelines=1)
 
     def complete(self, tokens, max_tokens: int, **fields) -> list[Step]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 
 import torch
 
 from .engine import EngineInfo, GenerationRequest, Step, check_fits
 from .router import Router
 from .admission import LaneAdmission
+from .draft import DraftModel
 from .driver import Pipeline, drive, embed
 
 
@@ -21,11 +23,16 @@ class PipelinesEngine:
     info: EngineInfo
 
     def _serve(self, pipelines: list[Pipeline], lanes: int, stride: int,
-               speculate: bool = True) -> None:
+               speculate: bool = True, draft: Path | None = None) -> None:
         """`speculate`: requests that do not say verify proposed tokens where every stage
-        can (mesh/control/speculation.py)."""
+        can (mesh/control/speculation.py); `draft`: a draft model's GGUF proposes them
+        (mesh/control/draft.py; default: prompt lookup)."""
         self.pipes = pipelines
         self.speculate = speculate
+        self.draft = None if draft is None else DraftModel(
+            draft, self.model.path, n_ctx=self.model.plan.n_ctx,
+            weight_format=self.model.weight_format if self.model.weight_format != "fp32"
+            else "int4")
         self.router = Router(len(pipelines), stride)
         self.admission = LaneAdmission(lanes * len(pipelines))
         # requests rebuilt, by cause: a stage fault, or state evicted before its restore
@@ -58,7 +65,7 @@ class PipelinesEngine:
                 speculate = wanted and (lambda: self.router.load[p] <= 1)
                 async for step in drive(self.pipes[p], request,
                                         lambda reason: self._rebuilt(p, reason), peers,
-                                        speculate):
+                                        speculate, self.draft):
                     yield step
             finally:
                 self.router.finished(p)

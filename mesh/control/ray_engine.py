@@ -317,12 +317,14 @@ class RayEngine(PipelinesEngine):
                  lanes: int = DEFAULT_LANES, ranges: list[tuple[int, int]] | None = None,
                  restarts: int = RESTARTS, secret: str | None = None,
                  stage_tls: str = "auto", progress: Callable[[str], None] = log.info,
-                 reserved: Callable[[], Counter] = Counter, speculate: bool = True):
+                 reserved: Callable[[], Counter] = Counter, speculate: bool = True,
+                 draft: str | Path | None = None):
         """`secret`: what every stage call must carry (default: a new random one);
         `stage_tls`: auto (on when the cluster has more than one node), on, off;
         `reserved`: the bytes other models hold on each node (by node id), which this
         one's plan and placements leave free; `speculate`: decode steps verify proposed
-        tokens where every stage can (the same text, fewer trips through the stages)."""
+        tokens where every stage can (the same text, fewer trips through the stages);
+        `draft`: a draft model's GGUF, run in this process, proposes them."""
         _check_options(pipelines, stage_tls)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
@@ -354,7 +356,8 @@ class RayEngine(PipelinesEngine):
         _load(self.pipelines, self.plan, progress)
         for i, how in enumerate(ray.get([a.compute.remote() for a in self.actors], timeout=60)):
             progress(f"stage {i} computes with {how}")
-        self._serve(self.pipelines, lanes, self.cache.stride, speculate)
+        self._serve(self.pipelines, lanes, self.cache.stride, speculate,
+                    None if draft is None else Path(draft))
         self.info = self.model.info(model_name, lanes, pipelines=pipelines,
                                     weight_format=weight_format, lane_batch=lane_batch)
 

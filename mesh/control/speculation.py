@@ -8,7 +8,8 @@ the sampler draws exactly as often as without proposals, so the text and its log
 the same with speculation on or off, greedy or seeded; a pipeline just pays its hops once
 per accepted run instead of once per token.
 
-Proposals come from prompt lookup: the tokens that followed the latest earlier occurrence
+Proposals come from a draft model where the engine has one (mesh/control/draft.py), else
+from prompt lookup: the tokens that followed the latest earlier occurrence
 of the context's last n tokens (n from MAX_NGRAM down to MIN_NGRAM), which pays where
 answers repeat spans of their input (code edits, RAG answers, agent loops). How many to
 send adapts per request: a run accepted whole doubles k (up to MAX_PROPOSED); a rejection
@@ -19,7 +20,7 @@ as it would without speculation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 MAX_NGRAM = 4
 MIN_NGRAM = 2
@@ -63,10 +64,14 @@ class PromptLookup:
 
 
 class Speculator:
-    """One request's proposals and how many it sends (see the module docstring)."""
+    """One request's proposals and how many it sends (see the module docstring);
+    `draft`: where they come from instead of prompt lookup (draft.py: (context, k) -> a
+    draft model's k tokens; blocking)."""
 
-    def __init__(self, context: Iterable[int]):
+    def __init__(self, context: Iterable[int],
+                 draft: Callable[[list[int], int], list[int]] | None = None):
         self.lookup = PromptLookup(context)
+        self.draft = draft
         self.k = FIRST_K
         self._misses = 0
         self._pause = 0
@@ -79,6 +84,8 @@ class Speculator:
         if self._pause > 0:
             self._pause -= 1
             return []
+        if self.draft is not None:
+            return self.draft(self.lookup.tokens, min(self.k, room))
         return self.lookup.propose(min(self.k, room))
 
     def observe(self, proposed: int, accepted: int) -> None:
