@@ -94,10 +94,13 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
     from collections import Counter
     from .control.model_set import ModelSet, ModelSlot
     from .control.ray_engine import RayEngine, plan_model, planned_bytes
+    from .control.scaling import ScalingPolicy
     from .progress import Console
     from .models import resolve_model
     progress, slots = Console(prefix="skippy: "), []
     draft = resolve_model(args.draft_model) if args.draft_model else None
+    scaling = None if (args.max_pipelines or 0) <= args.pipelines else \
+        ScalingPolicy(args.pipelines, args.max_pipelines)
 
     def others(me: str) -> Counter:
         return sum((s.engine.held_bytes() for s in slots
@@ -112,7 +115,8 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
                              secret=secret, stage_tls=args.stage_tls, cache=cache,
                              runtime=args.runtime, wire_dtype=args.wire, n_ctx=args.ctx,
                              progress=progress, reserved=lambda: others(name),
-                             speculate=args.speculate == "on", draft=draft)
+                             speculate=args.speculate == "on", draft=draft,
+                             scaling=scaling)
 
         def size() -> int:  # planned on the whole cluster: what it holds loaded alone
             return planned_bytes(plan_model(path, args.runtime, stages,
@@ -140,6 +144,9 @@ def _check_serve(args) -> int | None:
     stages = args.runtime.stages(args.stages)
     if args.pipelines < 1:
         raise UsageError(f"--pipelines must be at least 1, not {args.pipelines}")
+    if args.max_pipelines is not None and args.max_pipelines < args.pipelines:
+        raise UsageError(f"--max-pipelines must be at least --pipelines ({args.pipelines}), "
+                         f"not {args.max_pipelines}")
     if args.wait_nodes and not args.address:
         raise UsageError("--wait-nodes needs --address: an embedded Ray has one node")
     if args.lanes < 1:
@@ -219,6 +226,10 @@ def _serve_arguments(srv) -> None:
     srv.add_argument("--pipelines", type=int, default=1,
                      help="copies of the whole chain; requests go where their prefix is "
                           "cached, else to the least loaded")
+    srv.add_argument("--max-pipelines", type=int, metavar="N",
+                     help="add pipelines, up to N, while requests wait for lanes and the "
+                          "cluster has room for a whole copy (a node that joins too); one "
+                          "added is released after a minute idle (default: --pipelines)")
     srv.add_argument("--address", help="join a Ray cluster ('auto' for the local one); "
                      "default: start an embedded Ray, listening on loopback only")
     srv.add_argument("--wait-nodes", type=int, default=0, metavar="N",

@@ -105,6 +105,12 @@ class LaneAdmission:
             self.in_use += waiter.k
             waiter.loop.call_soon_threadsafe(_grant, waiter.future)
 
+    def resize(self, lanes: int) -> None:
+        """A new budget (pipelines added or retired): waiters that now fit go on."""
+        with self._lock:
+            self.lanes = max(1, lanes)
+            self._grant_waiting()
+
     def stats(self) -> dict:
         return {"lanes": self.lanes, "in_use": self.in_use, "waiting": self.waiting,
                 "refused": self.refused}

@@ -128,7 +128,7 @@ class InProcessEngine(PipelinesEngine):
 
     def stats(self) -> dict:
         stages = self._with_free_lanes([s.stats() for s in self.servers])
-        plan = self.model.figures(1, lambda _r, i: self.model.plan.stages[i].node.name)
+        plan = self.model.figures([0], lambda _r, i: self.model.plan.stages[i].node.name)
         return {"stages": stages, "nodes": node_figures(("local", s) for s in stages),
                 "plan": plan, **self._figures()}
 

@@ -47,8 +47,7 @@ class PipelinesEngine:
         if not request.admitted:
             await self.admission.acquire()
         try:
-            route = self.router.route(request.tokens, request.namespace,
-                                      [i for i, pipe in enumerate(self.pipes) if pipe.healthy],
+            route = self.router.route(request.tokens, request.namespace, self._usable(),
                                       pinned=request.pipeline)
             p = route.pipeline
             try:
@@ -80,14 +79,35 @@ class PipelinesEngine:
         check_fits(GenerationRequest(tokens, 1), self.info.n_ctx)
         await self.admission.acquire()
         try:
-            route = self.router.route(tokens, namespace,
-                                      [i for i, pipe in enumerate(self.pipes) if pipe.healthy])
+            route = self.router.route(tokens, namespace, self._usable())
             try:
                 return await embed(self.pipes[route.pipeline], tokens, pooling, namespace)
             finally:
                 self.router.finished(route.pipeline)
         finally:
             self.admission.release()
+
+    def _usable(self) -> list[int]:
+        """The pipelines a new request may go to: serving, and not retired."""
+        return [i for i, pipe in enumerate(self.pipes)
+                if pipe.healthy and i not in self.router.retired]
+
+    def live(self) -> list[int]:
+        """The pipelines not retired (a retired one ends the requests it has)."""
+        return [i for i in range(len(self.pipes)) if i not in self.router.retired]
+
+    def _add_pipeline(self, pipe: Pipeline, lanes: int) -> int:
+        """A pipeline more, with `lanes` more lanes: new requests may go there at once."""
+        self.pipes.append(pipe)
+        self.rebuilds_by_pipeline.append(0)
+        p = self.router.add()
+        self.admission.resize(self.admission.lanes + lanes)
+        return p
+
+    def _retire_pipeline(self, p: int, lanes: int) -> None:
+        """No new request goes to pipeline p; its lanes leave the budget."""
+        self.router.retire(p)
+        self.admission.resize(self.admission.lanes - lanes)
 
     def _peers(self, holder: int | None) -> list[str]:
         """Where the holder pipeline's stages listen, for this request's stages to pull
@@ -114,8 +134,9 @@ class PipelinesEngine:
                 "in_flight": list(self.router.load)}
 
     def status(self) -> dict:
-        up = sum(p.healthy for p in self.pipes)
-        return {"serving": up > 0, "detail": f"{up} of {len(self.pipes)} pipeline(s) serving"}
+        live = self.live()
+        up = sum(self.pipes[p].healthy for p in live)
+        return {"serving": up > 0, "detail": f"{up} of {len(live)} pipeline(s) serving"}
 
 
 def node_figures(stages: Iterable[tuple[str, dict]]) -> dict[str, dict]:

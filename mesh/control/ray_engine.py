@@ -8,6 +8,7 @@ pipeline's stage 0 over a gRPC stream.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -39,6 +40,7 @@ from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_want
 from .part_sources import PartSources
 from .pipelines import PipelinesEngine, node_figures
 from .ray_pipeline import ACTOR_START_TIMEOUT, RayPipeline
+from .scaling import Scaler, ScalingPolicy
 from .served_model import ServedModel
 
 log = logging.getLogger(__name__)
@@ -254,6 +256,22 @@ class _Launch:
         self.placed[(r, i)] = node
         return node
 
+    def room_for(self, r: int) -> bool:
+        """Places a new pipeline r's stages where each has room (a node that joined
+        included); False, placing nothing, where one has none."""
+        for i in range(len(self.plan.stages)):
+            node = self._roomiest(r, i)
+            if node is None:
+                self.forget(r)
+                return False
+            self.placed[(r, i)] = node
+        return True
+
+    def forget(self, r: int) -> None:
+        """Pipeline r's stages are gone: their memory is free for later placements."""
+        for key in [k for k in self.placed if k[0] == r]:
+            del self.placed[key]
+
     def placement(self, r: int) -> str:
         return f"pipeline {r}: " + ", ".join(
             f"stage {i} on node {self.placed[(r, i)][:12]}"
@@ -307,6 +325,13 @@ class _Launch:
                   traces=tracing.exporting_to())  # stages trace where the driver does
 
 
+def _new_pipeline(launch: _Launch, n_stages: int, credentials, max_message: int,
+                  r: int) -> RayPipeline:
+    """Pipeline r's stage actors, placed (not yet loaded: `_load`)."""
+    return RayPipeline(functools.partial(launch.actor, r), n_stages, credentials=credentials,
+                       max_message=max_message)
+
+
 class RayEngine(PipelinesEngine):
     def __init__(self, model_path: str | Path, n_stages: int | None = None, *,
                  pipelines: int = 1, model_name: str | None = None,
@@ -318,13 +343,15 @@ class RayEngine(PipelinesEngine):
                  restarts: int = RESTARTS, secret: str | None = None,
                  stage_tls: str = "auto", progress: Callable[[str], None] = log.info,
                  reserved: Callable[[], Counter] = Counter, speculate: bool = True,
-                 draft: str | Path | None = None):
+                 draft: str | Path | None = None, scaling: ScalingPolicy | None = None):
         """`secret`: what every stage call must carry (default: a new random one);
         `stage_tls`: auto (on when the cluster has more than one node), on, off;
         `reserved`: the bytes other models hold on each node (by node id), which this
         one's plan and placements leave free; `speculate`: decode steps verify proposed
         tokens where every stage can (the same text, fewer trips through the stages);
-        `draft`: a draft model's GGUF, run in this process, proposes them."""
+        `draft`: a draft model's GGUF, run in this process, proposes them; `scaling`:
+        pipelines added while requests wait for lanes, released when idle (scaling.py).
+        """
         _check_options(pipelines, stage_tls)
         self._owns_ray = start_ray(address)
         self.cache = cache or CacheConfig()
@@ -346,11 +373,10 @@ class RayEngine(PipelinesEngine):
                                lane_batch, cluster, host, reserved=reserved)
         for st in self.plan.stages:
             progress(_placement(st, path))
-        driver = cluster.issue()
-        limit = message_limit(str(path), self.plan.n_ctx, wire_dtype)
-        self.pipelines = [RayPipeline(functools.partial(self._launch.actor, r), n,
-                                      credentials=driver, max_message=limit)
-                          for r in range(pipelines)]
+        self._new_pipeline = functools.partial(
+            _new_pipeline, self._launch, n, cluster.issue(),
+            message_limit(str(path), self.plan.n_ctx, wire_dtype))
+        self.pipelines = [self._new_pipeline(r) for r in range(pipelines)]
         for r in range(1, pipelines):
             progress(self._launch.placement(r))
         _load(self.pipelines, self.plan, progress)
@@ -360,6 +386,46 @@ class RayEngine(PipelinesEngine):
                     None if draft is None else Path(draft))
         self.info = self.model.info(model_name, lanes, pipelines=pipelines,
                                     weight_format=weight_format, lane_batch=lane_batch)
+        self._lanes, self._progress = lanes, progress
+        self.scaler = None if scaling is None else Scaler(self, scaling, progress)
+
+    # -- capacity that follows load (scaling.py) -----------------------------------------
+    async def reserve(self, lanes: int):
+        if self.scaler is not None:
+            self.scaler.start()
+        return await super().reserve(lanes)
+
+    async def generate(self, request):
+        if self.scaler is not None:
+            self.scaler.start()
+        async for step in super().generate(request):
+            yield step
+
+    async def grow(self) -> int | None:
+        """One pipeline more, where every stage of a whole copy has room (None: none);
+        its index once it serves."""
+        return await asyncio.to_thread(self._grow)
+
+    def _grow(self) -> int | None:
+        # joined here, not by the caller: a pipeline that loaded serves even where the
+        # caller was cancelled meanwhile
+        r = len(self.pipelines)
+        if not self._launch.room_for(r):
+            return None
+        pipe = self._new_pipeline(r)
+        self._progress(self._launch.placement(r))
+        _load([pipe], self.plan, self._progress)
+        return self._add_pipeline(pipe, self._lanes)
+
+    async def shrink(self, p: int) -> None:
+        """Pipeline p takes no new request, ends those it has, then its stages go."""
+        self._retire_pipeline(p, self._lanes)
+        for _ in range(600):  # a request routed there just before: let it end
+            if not self.router.load[p]:
+                break
+            await asyncio.sleep(0.1)
+        await self.pipelines[p].close()
+        self._launch.forget(p)
 
     def held_bytes(self) -> Counter:
         """The bytes the plan holds on each node (by node id): every pipeline's stages
@@ -385,29 +451,36 @@ class RayEngine(PipelinesEngine):
 
     def stats(self) -> dict:
         """Per-stage figures, summed over pipelines stage by stage."""
+        live = self.live()
         try:
-            per = [ray.get([a.stats.remote() for a in pipe.actors], timeout=10)
-                   for pipe in self.pipelines]
+            per = [ray.get([a.stats.remote() for a in self.pipelines[r].actors], timeout=10)
+                   for r in live]
         except Exception as e:  # a stage restarting: figures are best effort
             log.warning("stage figures unavailable: %s", e)
             per = [[]]
         stages = per[0] if len(per) == 1 else [_sum(col) for col in zip(*per)]
+        scaling = {} if self.scaler is None else {
+            "scaling": {"pipelines": len(live), "added": self.scaler.added,
+                        "released": self.scaler.released}}
         return {"stages": self._with_free_lanes(stages),
                 "recreated": sum(p.recreated for p in self.pipelines),
-                "nodes": self._by_node(per), "plan": self._plan_figures(), **self._figures()}
+                "nodes": self._by_node(live, per), "plan": self._plan_figures(live),
+                **scaling, **self._figures()}
 
-    def _plan_figures(self) -> dict:
+    def _plan_figures(self, live: list[int]) -> dict:
         """The plan's stages where they run now (a lost node's stages move)."""
-        return self.model.figures(len(self.pipelines), lambda r, i: self._launch.placed.get(
+        return self.model.figures(live, lambda r, i: self._launch.placed.get(
             (r, i), self.plan.stages[i].node.name))
 
-    def _by_node(self, per: list[list[dict]]) -> dict[str, dict]:
+    def _by_node(self, live: list[int], per: list[list[dict]]) -> dict[str, dict]:
         return node_figures((self._launch.placed.get((r, i), "")[:12], s)
-                            for r, stages in enumerate(per) for i, s in enumerate(stages))
+                            for r, stages in zip(live, per) for i, s in enumerate(stages))
 
     async def close(self) -> None:
-        for pipe in self.pipelines:
-            await pipe.close()
+        if self.scaler is not None:
+            await self.scaler.close()
+        for r in self.live():
+            await self.pipelines[r].close()
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

@@ -36,7 +36,21 @@ class Router:
         self.stride, self.max_imbalance = stride, max_imbalance
         self.load = [0] * n_pipelines
         self._seen: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(n_pipelines)]
+        self.retired: set[int] = set()  # pipelines that take no new request
         self._lock = threading.Lock()
+
+    def add(self) -> int:
+        """A pipeline more (the engine grew): its index."""
+        with self._lock:
+            self.load.append(0)
+            self._seen.append(OrderedDict())
+            return len(self.load) - 1
+
+    def retire(self, pipeline: int) -> None:
+        """No new request goes to `pipeline` (its requests in flight end there)."""
+        with self._lock:
+            self.retired.add(pipeline)
+            self._seen[pipeline].clear()
 
     def _digests(self, tokens: Sequence[int], namespace: str) -> dict[int, bytes]:
         lengths = range(self.stride, len(tokens) + 1, self.stride)
@@ -54,9 +68,9 @@ class Router:
         with self._lock:
             if pinned is not None and not 0 <= pinned < len(self.load):
                 raise ValueError(f"no pipeline {pinned}: there are {len(self.load)}")
+            live = [p for p in range(len(self.load)) if p not in self.retired]
             candidates = [pinned] if pinned is not None else \
-                [p for p in (usable or ()) if 0 <= p < len(self.load)] or \
-                list(range(len(self.load)))
+                [p for p in (usable or ()) if p in live] or live
             held = self._held(digests)
             idlest = min(candidates, key=lambda p: (self.load[p], p))
             best, best_len = idlest, 0

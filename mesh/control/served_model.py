@@ -73,12 +73,12 @@ class ServedModel:
                           extra={"runtime": self.runtime.name, "policy": self.policy,
                                  **extra})
 
-    def figures(self, pipelines: int, where: Callable[[int, int], str]) -> dict:
-        """The plan as the status page shows it: each pipeline's stages on the node
-        `where(pipeline, stage)` names (a lost node's stages move), with the bytes the plan
-        reserves for them, and those nodes with their memory and cores."""
+    def figures(self, pipelines: Sequence[int], where: Callable[[int, int], str]) -> dict:
+        """The plan as the status page shows it: each of these pipelines' stages on the
+        node `where(pipeline, stage)` names (a lost node's stages move), with the bytes
+        the plan reserves for them, and those nodes with their memory and cores."""
         planned = {st.node.name[:12]: st.node for st in self.plan.stages}
-        rows = [(r, st, where(r, st.index)[:12]) for r in range(pipelines)
+        rows = [(r, st, where(r, st.index)[:12]) for r in pipelines
                 for st in self.plan.stages]
         names = dict.fromkeys(node for _, _, node in rows)
         return {"nodes": [{"name": n, "memory": planned[n].memory if n in planned else None,

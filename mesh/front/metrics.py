@@ -178,6 +178,14 @@ def _engine_figures(stats: dict, family) -> None:
             family(GaugeMetricFamily, f"skippy_node_{k}",
                    f"Per node, its stages' state: {k.replace('_', ' ')}", ["node"]
                    ).add_metric([str(node)], v)
+    scaling = stats.get("scaling") or {}
+    if scaling:
+        family(GaugeMetricFamily, "skippy_engine_pipelines",
+               "Pipelines serving (scaling with the load)", []).add_metric(
+            [], scaling["pipelines"])
+        for k in ("added", "released"):
+            family(CounterMetricFamily, f"skippy_engine_pipelines_{k}",
+                   f"Pipelines {k} as the load changed", []).add_metric([], scaling[k])
     if "recreated" in stats:
         family(CounterMetricFamily, "skippy_engine_stages_recreated",
                "Stage actors the engine created again", []).add_metric([], stats["recreated"])
