@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from skippy.cache.config import CacheConfig
+from skippy.evals import plots
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.models import resolve_model
 from skippy.mesh.tokenizer import Tokenizer
@@ -90,6 +91,45 @@ def predicted(rows: list[dict], hop_s: float, stages: int, fixed_s: float) -> fl
     return per_step / (toks / steps) * 1e3
 
 
+def summary(hop_ms: float, use_case: str, off: list[dict], on: list[dict]) -> dict:
+    """One (hop, use case) row: medians of ms/token off and on, acceptance, tokens a step."""
+    a = [r for r in off if r["use_case"] == use_case]
+    b = [r for r in on if r["use_case"] == use_case]
+    return {"hop_ms": hop_ms, "use_case": use_case,
+            "off_ms": statistics.median(r["ms_per_token"] for r in a),
+            "on_ms": statistics.median(r["ms_per_token"] for r in b),
+            "accepted": sum(r["accepted_tokens"] for r in b) / max(
+                1, sum(r["proposed_tokens"] for r in b)),
+            "tokens_per_step": sum(r["tokens"] for r in b) / max(1, sum(r["steps"]
+                                                                        for r in b))}
+
+
+def line(r: dict) -> str:
+    return (f"hop {r['hop_ms']:g} ms  {r['use_case']:<16} off {r['off_ms']:6.1f} ms/token  "
+            f"on {r['on_ms']:6.1f}  ({r['off_ms'] / r['on_ms']:.2f}x; {r['accepted']:.0%} of "
+            f"proposals accepted, {r['tokens_per_step']:.2f} tokens a step)")
+
+
+def plot(result: dict):
+    """ms/token with speculation off and on, per use case, at each hop delay (left);
+    measured against predicted ms/token with speculation, per hop delay (right)."""
+    fig, ((bars, pred),) = plots.figure(1, 2, title=(
+        f"speculation through {result['stages']} stages ({result['model']}, "
+        f"{result['tokens']} greedy tokens)"))
+    rows = result["results"]
+    labels = [f"{r['use_case'].split('_')[0]}\n{r['hop_ms']:g} ms" for r in rows]
+    plots.bars(bars, labels, {"off": [r["off_ms"] for r in rows],
+                              "on": [r["on_ms"] for r in rows]},
+               colors=[plots.REFERENCE, plots.OURS])
+    plots.finish(bars, title="ms per token", ylabel="ms")
+    runs = result["runs"]
+    plots.bars(pred, [f"hop {r['hop_ms']:g} ms" for r in runs],
+               {"measured": [r["measured_ms"] for r in runs],
+                "predicted": [r["predicted_ms"] for r in runs]})
+    plots.finish(pred, title="with speculation: measured vs predicted", ylabel="ms/token")
+    return fig
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m skippy.evals.bench_speculation")
     p.add_argument("--model", default="smollm2")
@@ -101,44 +141,43 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--records", type=int, default=2, help="records per use case")
     p.add_argument("--use-case", action="append", dest="use_cases")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", help="also write the result as JSON here (and its figure)")
     args = p.parse_args(argv)
     path = resolve_model(args.model)
     work = prompts(path, args.data, args.use_cases or USE_CASES, args.records)
-    result = {"model": args.model, "stages": args.stages, "tokens": args.tokens, "runs": []}
+    result = {"model": args.model, "stages": args.stages, "tokens": args.tokens,
+              "runs": [], "results": []}
     for hop_ms in args.hops or [0.0, 10.0]:
-        engine = InProcessEngine(path, args.stages, weight_format="int4", n_ctx=4096,
-                                 cache=CacheConfig(enabled=False), hop_s=hop_ms / 1e3)
+        result["runs"].append(_one(path, args, work, hop_ms))
+        entry = result["runs"][-1]
+        print(f"hop {hop_ms:g} ms, {args.stages} stages, answers the same: {entry['same']}")
+        for use_case in dict.fromkeys(u for u, _ in work):
+            result["results"].append(summary(hop_ms, use_case, entry["off"], entry["on"]))
+            print("  " + line(result["results"][-1]))
+        print(f"  all, on: measured {entry['measured_ms']:.1f} ms/token, predicted "
+              f"{entry['predicted_ms']:.1f} ({entry['measured_ms'] / entry['predicted_ms']:.2f}x"
+              f"; a step's cost beyond compute and hops: {entry['overhead_ms']:.1f} ms)")
+    plots.write(result, args.json, "bench_speculation")
+    return result
+
+
+def _one(path: Path, args, work, hop_ms: float) -> dict:
+    """Speculation off, then on, at one hop delay: both runs and their comparison."""
+    engine = InProcessEngine(path, args.stages, weight_format="int4", n_ctx=4096,
+                             cache=CacheConfig(enabled=False), hop_s=hop_ms / 1e3)
+    try:
         off = run(engine, work, args.tokens, False)
         on = run(engine, work, args.tokens, True)
-        same = off["answers"] == on["answers"]
-        entry = {"hop_ms": hop_ms, "off": off["rows"], "on": on["rows"], "same": same,
-                 "overhead_ms": overhead(off["rows"], hop_ms / 1e3, args.stages) * 1e3}
-        entry["predicted_ms"] = predicted(on["rows"], hop_ms / 1e3, args.stages,
-                                          entry["overhead_ms"] / 1e3)
-        result["runs"].append(entry)
-        print(f"hop {hop_ms:g} ms, {args.stages} stages, answers the same: {same}")
-        for use_case in dict.fromkeys(u for u, _ in work):
-            a = [r for r in off["rows"] if r["use_case"] == use_case]
-            b = [r for r in on["rows"] if r["use_case"] == use_case]
-            ms_off = statistics.median(r["ms_per_token"] for r in a)
-            ms_on = statistics.median(r["ms_per_token"] for r in b)
-            acc = sum(r["accepted_tokens"] for r in b) / max(1, sum(r["proposed_tokens"]
-                                                                  for r in b))
-            print(f"  {use_case:<16} off {ms_off:6.1f} ms/token  on {ms_on:6.1f}  "
-                  f"({ms_off / ms_on:.2f}x; {acc:.0%} of proposals accepted, "
-                  f"{sum(r['tokens'] for r in b) / sum(r['steps'] for r in b):.2f} "
-                  f"tokens a step)")
-        measured = sum(r["wall_s"] for r in on["rows"]) / sum(
-            r["tokens"] for r in on["rows"]) * 1e3
-        print(f"  all, on: measured {measured:.1f} ms/token, predicted "
-              f"{entry['predicted_ms']:.1f} ({measured / entry['predicted_ms']:.2f}x; a step's "
-              f"cost beyond compute and hops: {entry['overhead_ms']:.1f} ms)")
-        entry["measured_ms"] = measured
+    finally:
         engine._stop()
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return result
+    entry = {"hop_ms": hop_ms, "off": off["rows"], "on": on["rows"],
+             "same": off["answers"] == on["answers"],
+             "overhead_ms": overhead(off["rows"], hop_ms / 1e3, args.stages) * 1e3,
+             "measured_ms": sum(r["wall_s"] for r in on["rows"]) / sum(
+                 r["tokens"] for r in on["rows"]) * 1e3}
+    entry["predicted_ms"] = predicted(on["rows"], hop_ms / 1e3, args.stages,
+                                      entry["overhead_ms"] / 1e3)
+    return entry
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ FIGURES_BY_EVAL = {
     "bench_cold_tier": Figure(
         (), 6, "TTFT of returning conversations with and without the disk tier; its bytes",
         loopback=True),
+    "bench_speculation": Figure(
+        (), 3, "ms/token with speculation off and on through 3 stages, hops of 0 and 10 "
+        "ms; measured against predicted"),
     "bench_cache": Figure(
         (), 1, "prefix-cache matching and lookup cost by entries and by shared prefix"),
 }

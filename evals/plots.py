@@ -21,7 +21,8 @@ from pathlib import Path
 
 # Every eval that writes JSON, by module name: the value of its JSON's "bench" key.
 BENCHES = ("bench_cache", "bench_cluster", "bench_cold_tier", "bench_constraint",
-           "bench_gateway", "bench_mesh", "bench_runtime", "bench_stage_cache",
+           "bench_gateway", "bench_mesh", "bench_runtime", "bench_speculation",
+           "bench_stage_cache",
            "cache_exactness", "certify_matrix", "family_matrix", "format_accuracy",
            "giant_proof", "numerics", "robustness", "wire_accuracy")
 DPI = 100
