@@ -22,6 +22,10 @@ class ScriptedEngine:
         self.room = room           # whole copies more the cluster can hold
         self.pipes = [0]
         self.retired: set[int] = set()
+        self.alive = 1  # nodes
+
+    def nodes(self) -> int:
+        return self.alive
 
     def live(self) -> list[int]:
         return [p for p in self.pipes if p not in self.retired]
@@ -86,6 +90,23 @@ def test_no_room_for_a_copy_waits_before_looking_again():
     asyncio.run(run())
 
 
+def test_a_node_that_joins_gets_a_pipeline_where_a_copy_fits():
+    async def run():
+        e = ScriptedEngine(room=0)
+        said: list[str] = []
+        s = Scaler(e, ScalingPolicy(1, 2, wait_s=1.0, idle_s=60.0), said.append)
+        await s.tick(0.0)                   # the first count: 1 node
+        e.alive, e.room = 2, 1              # a node joins, with room for a copy
+        await s.tick(1.0)
+        assert e.live() == [0]              # counted every 2 s
+        await s.tick(2.5)
+        assert e.live() == [0, 1] and said[-1].startswith("a node joined: pipeline 1")
+        e.alive = 3                         # another, but the bound is 2
+        await s.tick(5.0)
+        assert e.live() == [0, 1]
+    asyncio.run(run())
+
+
 def test_ray_engine_adds_a_pipeline_under_waiting_requests_and_releases_it(smollm2):
     from skippy.cache.config import CacheConfig
     from skippy.mesh.control.engine import GenerationRequest
@@ -120,7 +141,7 @@ def test_ray_engine_adds_a_pipeline_under_waiting_requests_and_releases_it(smoll
             engine.scaler.start()
             for _ in range(100):
                 await asyncio.sleep(0.1)
-                if engine.live() == [0]:
+                if engine.scaler.released:  # retired, and its stages gone
                     return
         asyncio.run(idle())
         assert engine.live() == [0] and engine.stats()["scaling"]["released"] == 1

@@ -417,6 +417,10 @@ class RayEngine(PipelinesEngine):
         _load([pipe], self.plan, self._progress)
         return self._add_pipeline(pipe, self._lanes)
 
+    def nodes(self) -> int:
+        """The cluster's alive nodes (a blocking call to Ray's GCS)."""
+        return sum(1 for n in ray.nodes() if n.get("Alive"))
+
     async def shrink(self, p: int) -> None:
         """Pipeline p takes no new request, ends those it has, then its stages go."""
         self._retire_pipeline(p, self._lanes)

@@ -1,5 +1,5 @@
-"""Capacity that follows load: a pipeline more while requests wait for lanes, released
-once idle.
+"""Capacity that follows load and nodes: a pipeline more while requests wait for lanes
+or when a node joins (where a whole copy fits), one added released once idle.
 
 Every pipeline runs the same plan (the same ranges, the same topology digest), so a new
 one answers exactly as the others and takes new requests at once; a retired one takes no
@@ -20,7 +20,8 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.25  # how often the load is looked at
+TICK_S = 0.25   # how often the load is looked at
+NODES_S = 2.0   # how often the cluster's nodes are counted (a joined one may hold a copy)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Scalable(Protocol):
 
     def live(self) -> list[int]: ...
 
+    def nodes(self) -> int: ...
+
     def grow(self) -> Awaitable[int | None]: ...
 
     def shrink(self, pipeline: int) -> Awaitable[None]: ...
@@ -50,6 +53,8 @@ class Scaler:
         self._waiting_since: float | None = None
         self._idle_since: dict[int, float] = {}
         self._no_room_until = 0.0
+        self._nodes: int | None = None   # the alive nodes when last counted
+        self._nodes_at = -NODES_S
         self.added = self.released = 0
 
     def start(self) -> None:
@@ -70,6 +75,12 @@ class Scaler:
     async def tick(self, now: float) -> None:
         e, p = self.engine, self.policy
         live = e.live()
+        if await self._joined(now) and len(live) < p.max_pipelines:
+            added = await e.grow()
+            if added is not None:
+                self.added += 1
+                self._say(f"a node joined: pipeline {added} added ({len(live) + 1} serving)")
+                return
         if e.admission.waiting and len(live) < p.max_pipelines and now >= self._no_room_until:
             if self._waiting_since is None:
                 self._waiting_since = now
@@ -97,6 +108,17 @@ class Scaler:
                 self._say(f"pipeline {q} idle {now - since:.0f} s: released "
                           f"({len(live) - 1} serving)")
                 return
+
+    async def _joined(self, now: float) -> bool:
+        """Whether the cluster has more alive nodes than when last counted (every
+        NODES_S); the first count only sets the mark."""
+        if now - self._nodes_at < NODES_S:
+            return False
+        self._nodes_at = now
+        n = await asyncio.to_thread(self.engine.nodes)
+        joined = self._nodes is not None and n > self._nodes
+        self._nodes = n
+        return joined
 
     async def close(self) -> None:
         if self._task is not None:
