@@ -139,13 +139,19 @@ def to_chat(body: Mapping, previous: Stored | None) -> Turn:
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "tools": [_echo_tool(t) for t in body.get("tools") or []],
-            "tool_choice": body.get("tool_choice", "auto"),
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            # null is "not given" in OpenAI's API: the defaults it stands for
+            "tool_choice": _given(body, "tool_choice", "auto"),
+            "parallel_tool_calls": _given(body, "parallel_tool_calls", True),
             "text": body.get("text") or {"format": {"type": "text"}},
             "metadata": body.get("metadata") or {}, "user": body.get("user"),
             "previous_response_id": body.get("previous_response_id"),
             "store": body.get("store", True) is not False}
     return Turn(chat, tuple(new), tuple(history), echo)
+
+
+def _given(body: Mapping, key: str, default):
+    value = body.get(key)
+    return default if value is None else value
 
 
 def _items(items: list) -> list[dict]:
