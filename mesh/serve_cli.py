@@ -129,7 +129,7 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
     slots += [loader(name, path) for name, path in models]
     budget = None if args.models_memory is None else int(args.models_memory * 2**30)
     served = ModelSet(slots, budget_bytes=budget, idle_unload_s=args.unload_idle,
-                      say=progress)
+                      wait_s=args.queue_timeout, say=progress)
     if len(slots) > 1:
         for slot in slots:  # a model that can never fit fails here, at start
             say(f"skippy: model {slot.name}: {slot.bytes / 2**30:.2f} GiB planned")

@@ -82,7 +82,7 @@ def test_a_model_beyond_the_budget_unloads_the_least_recently_used_idle_one():
 
 def test_a_model_in_use_is_never_unloaded():
     async def run():
-        models, _ = scripted_set({"a": 1, "b": 1, "c": 1}, budget=2)
+        models, _ = scripted_set({"a": 1, "b": 1, "c": 1}, budget=2, wait_s=0.2)
         models.load_at_start()
         _, end_a = await models.hold("a")
         _, end_b = await models.hold("b")
@@ -95,6 +95,19 @@ def test_a_model_in_use_is_never_unloaded():
         await use(models, "c")
         assert loaded(models) == ["b", "c"]
         end_b()
+    asyncio.run(run())
+
+
+def test_a_request_for_a_model_that_does_not_fit_waits_for_one_to_go_idle():
+    async def run():
+        models, said = scripted_set({"a": 1, "b": 1}, budget=1, wait_s=5.0)
+        models.load_at_start()
+        _, end_a = await models.hold("a")
+        asyncio.get_running_loop().call_later(0.3, end_a)  # a's request ends meanwhile
+        engine, release = await models.hold("b")
+        assert engine.info.model == "b" and loaded(models) == ["b"]
+        assert "unloading model a (to make room for b)" in said
+        release()
     asyncio.run(run())
 
 
@@ -142,6 +155,7 @@ def test_the_planner_finding_no_room_unloads_an_idle_model_first():
         await use(models, "b")
         assert loaded(models) == ["b"]
         _, release = await models.hold("b")
+        models.wait_s = 0.2
         with pytest.raises(OverCapacity):  # b is in use: a has nowhere to go
             await models.hold("a")
         release()

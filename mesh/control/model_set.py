@@ -6,9 +6,9 @@ holds (every stage's weights, KV and overhead). A request holds its model's slot
 arrival to its last byte; a model that no request holds is idle. Loading one that does
 not fit (the set's memory budget, or the cluster's own memory, which the planner checks
 against what the loaded models hold) first unloads idle models, least recently used
-first; if only models in use are left to unload, the request gets a 503. A model idle
-past `idle_unload_s` is unloaded even without pressure, so its memory goes back to the
-node's other users.
+first; if only models in use are left to unload, the request waits a while for one to
+go idle, then gets a 503. A model idle past `idle_unload_s` is unloaded even without
+pressure, so its memory goes back to the node's other users.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from skippy.topology.planner import PlanError
 from .engine import Engine, EngineInfo
 
 log = logging.getLogger(__name__)
+
+WAIT_S = 10.0   # a request for a model that does not fit waits this long for an idle one
+POLL_S = 0.05
 
 
 class UnknownModel(LookupError):
@@ -62,12 +65,16 @@ class ModelSet:
     none); see the module docstring."""
 
     def __init__(self, slots: list[ModelSlot], *, budget_bytes: int | None = None,
-                 idle_unload_s: float | None = None, say: Callable[[str], None] = log.info):
+                 idle_unload_s: float | None = None, wait_s: float = WAIT_S,
+                 say: Callable[[str], None] = log.info):
+        """`wait_s`: how long a request for a model that does not fit waits for one in
+        use to go idle (then a 503)."""
         names = [s.name for s in slots]
         if not slots or len(set(names)) != len(names):
             raise ValueError(f"a model set needs models with distinct names, not {names}")
         self.slots = {s.name: s for s in slots}
         self.budget_bytes, self.idle_unload_s, self._say = budget_bytes, idle_unload_s, say
+        self.wait_s = wait_s
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._reaper: asyncio.Task | None = None
 
@@ -169,11 +176,15 @@ class ModelSet:
                       key=lambda s: s.last_used)
 
     async def _unload_idle_one(self, wanted: ModelSlot) -> None:
-        idle = self._idle(wanted)
-        if not idle:
-            busy = ", ".join(s.name for s in self.loaded() if s is not wanted)
-            raise OverCapacity(f"model {wanted.name} does not fit while {busy} serve(s) "
-                               f"requests; retry later")
+        """The least recently used idle model goes, waiting up to `wait_s` for one in
+        use to go idle."""
+        deadline = time.monotonic() + self.wait_s
+        while not (idle := self._idle(wanted)):
+            if time.monotonic() >= deadline:
+                busy = ", ".join(s.name for s in self.loaded() if s is not wanted)
+                raise OverCapacity(f"model {wanted.name} does not fit while {busy} "
+                                   f"serve(s) requests; retry later")
+            await asyncio.sleep(POLL_S)
         await self._unload(idle[0], f"to make room for {wanted.name}")
 
     async def _unload(self, slot: ModelSlot, why: str) -> None:
