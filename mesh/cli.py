@@ -194,12 +194,13 @@ def cmd_package_verify(args) -> int:
 
 
 def build_parser() -> _Parser:
+    from .drain_cli import add_drain_parser
     from .serve_cli import add_serve_parser
     from .service_cli import add_service_parsers  # service start|stop|restart, status
     p = _Parser(prog="skippy", description="A staged, distributed LLM serving mesh.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_models_parser, _generate_parser, _certify_parser, _plan_parser,
-                _package_parser, add_serve_parser, add_service_parsers):
+                _package_parser, add_serve_parser, add_service_parsers, add_drain_parser):
         add(sub)
     return p
 

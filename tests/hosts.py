@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -395,3 +396,42 @@ def planned(serve_log: str) -> list[tuple[int, int, str]]:
                    in STAGE_LINE.findall(serve_log)})
     assert [r[0] for r in rows] == list(range(len(rows))), serve_log
     return [r[1:] for r in rows]
+
+
+class Streams:
+    """Greedy chat streams, one thread each, to the gateway at `base`: their text so far
+    (`got`), content chunks (`chunks`) and failures (`errors`)."""
+
+    def __init__(self, base: str, questions: Sequence[str], max_tokens: int):
+        import openai
+        self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0,
+                                    timeout=300)
+        self.questions, self.max_tokens = list(questions), max_tokens
+        self.got, self.chunks = [""] * len(questions), [0] * len(questions)
+        self.errors: list[BaseException] = []
+        self.runs = [threading.Thread(target=self._stream, args=(i,))
+                     for i in range(len(questions))]
+
+    def _stream(self, i: int) -> None:
+        try:
+            for chunk in self.client.chat.completions.create(
+                    model="smollm2", messages=[{"role": "user", "content": self.questions[i]}],
+                    max_tokens=self.max_tokens, temperature=0, stream=True):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    self.got[i] += chunk.choices[0].delta.content
+                    self.chunks[i] += 1
+        except BaseException as e:  # noqa: BLE001 - told by the main thread
+            self.errors.append(e)
+
+    def start(self, chunks: int, timeout: float = 120) -> None:
+        """Start them all; return once each has sent `chunks` content chunks."""
+        for r in self.runs:
+            r.start()
+        deadline = time.monotonic() + timeout
+        while min(self.chunks) < chunks and not self.errors:
+            assert time.monotonic() < deadline, self.chunks
+            time.sleep(0.01)
+
+    def join(self, timeout: float = 240) -> None:
+        for r in self.runs:
+            r.join(timeout)

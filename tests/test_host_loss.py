@@ -21,10 +21,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-import openai  # noqa: E402
-
-from hosts import (MEMORY, RAY_PORT, join_ray, kill_host, leave_ray,  # noqa: E402
-                   planned, probe_stage, ray_nodes, serving, stage_address)
+from hosts import (MEMORY, RAY_PORT, Streams, join_ray, kill_host,  # noqa: E402
+                   leave_ray, planned, probe_stage, ray_nodes, serving, stage_address)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -106,40 +104,18 @@ def test_a_lost_host_moves_its_stage_and_every_stream_keeps_its_answer(
     want = fault_free(smollm2, [(a, b) for a, b, _ in stages], QUESTIONS)
 
     base = f"http://{head.ip}:{PORT}"
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
-    got = [""] * len(QUESTIONS)
-    chunks = [0] * len(QUESTIONS)
-    errors: list[BaseException] = []
-
-    def stream(i: int) -> None:
-        try:
-            for chunk in client.chat.completions.create(
-                    model="smollm2", messages=[{"role": "user", "content": QUESTIONS[i]}],
-                    max_tokens=MAX_TOKENS, temperature=0, stream=True):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    got[i] += chunk.choices[0].delta.content
-                    chunks[i] += 1
-        except BaseException as e:  # noqa: BLE001 - told by the main thread
-            errors.append(e)
-
-    runs = [threading.Thread(target=stream, args=(i,)) for i in range(len(QUESTIONS))]
-    for r in runs:
-        r.start()
-    deadline = time.monotonic() + 120
-    while min(chunks) < 2 and not errors and any(r.is_alive() for r in runs):
-        assert time.monotonic() < deadline, (chunks, server.read_text()[-3000:])
-        time.sleep(0.01)
-    assert min(chunks) >= 2 and all(r.is_alive() for r in runs), (chunks, errors)
+    streams = Streams(base, QUESTIONS, MAX_TOKENS)
+    streams.start(chunks=2)
+    assert all(r.is_alive() for r in streams.runs), (streams.chunks, streams.errors)
 
     watch = ReadyWatch(f"{base}/ready")
     t = time.monotonic()
     kill_host(lost)
     watch.start()
-    for r in runs:
-        r.join(240)
+    streams.join()
     recovery = time.monotonic() - t
-    assert not errors, errors
-    assert got == want, server.read_text()[-3000:]
+    assert not streams.errors, streams.errors
+    assert streams.got == want, server.read_text()[-3000:]
 
     # /ready: 503 while the chain was broken, 200 again once it is whole
     deadline = time.monotonic() + 30

@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from skippy.cache.config import CacheConfig, format_bytes
 from skippy.stages.runtime import StageSpec
 from skippy.stages.runtime_kind import REFERENCE_FORMAT, TORCH, RuntimeKind
+from skippy.topology.errors import UserError
 from skippy.topology.model_package import is_package
 from skippy.topology.planner import DEFAULT_LANES, DEFAULT_N_CTX, NodeSpec, Plan, StagePlan
 
@@ -217,6 +218,8 @@ class _Launch:
     parts: PartSources | None = None  # serving a package: where stages get their parts
     # bytes other models' stages hold on each node (a gateway serving several)
     reserved: Callable[[], Counter] = Counter
+    # nodes being drained: no stage is placed there any more
+    excluded: set[str] = dataclasses.field(default_factory=set)
     # (pipeline, stage) -> the node its actor was put on
     placed: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
 
@@ -286,7 +289,7 @@ class _Launch:
             if (q, j) != (r, i):
                 held[node] += self.plan.stages[j].total_bytes
         fits = [n for n in cluster_nodes(self.path, self.plan.model_digest)
-                if n.memory - held[n.name] >= st.total_bytes
+                if n.name not in self.excluded and n.memory - held[n.name] >= st.total_bytes
                 and (not is_package(self.path) or set(range(st.start, st.end)) <= n.layers)]
         if not fits:
             return None
@@ -417,16 +420,50 @@ class RayEngine(PipelinesEngine):
         _load([pipe], self.plan, self._progress)
         return self._add_pipeline(pipe, self._lanes)
 
+    async def drain(self, node: str, wait_s: float = 600.0) -> dict:
+        """Every stage off `node` (a Ray node id, or its first characters): each pipeline
+        with a stage there is replaced by a copy placed on other nodes, then retired (its
+        requests in flight end there, waiting up to wait_s); no stage is placed there
+        again. UserError for a node this engine does not know or where no other node has
+        room (then nothing moved)."""
+        nid = self._node_named(node)
+        self._launch.excluded.add(nid)
+        moved = []
+        for r in self.live():
+            if nid not in (self._launch.placed.get((r, i)) for i in range(len(self.plan.stages))):
+                continue
+            new = await self.grow()
+            if new is None:
+                self._launch.excluded.discard(nid)
+                raise UserError(f"no other node has room for pipeline {r}'s stages: node "
+                                f"{nid[:12]} keeps them")
+            self._progress(f"draining node {nid[:12]}: pipeline {r} moves to pipeline {new} "
+                           f"({self._launch.placement(new)})")
+            await self.shrink(r, wait_s)
+            moved.append({"from": r, "to": new})
+        return {"node": nid, "moved": moved,
+                "held": [r for r in self.live() for i in range(len(self.plan.stages))
+                         if self._launch.placed.get((r, i)) == nid]}
+
+    def _node_named(self, node: str) -> str:
+        ids = {n["NodeID"] for n in ray.nodes()} | set(self._launch.placed.values())
+        found = [i for i in ids if i.startswith(node)] if node else []
+        if len(found) != 1:
+            raise UserError(f"node {node!r} names {len(found)} of the cluster's nodes "
+                            f"(give more of its id)" if found else
+                            f"no node of the cluster is named {node!r}")
+        return found[0]
+
     def nodes(self) -> int:
         """The cluster's alive nodes (a blocking call to Ray's GCS)."""
         return sum(1 for n in ray.nodes() if n.get("Alive"))
 
-    async def shrink(self, p: int) -> None:
-        """Pipeline p takes no new request, ends those it has, then its stages go."""
+    async def shrink(self, p: int, wait_s: float = 60.0) -> None:
+        """Pipeline p takes no new request, ends those it has (waiting up to wait_s),
+        then its stages go."""
         self._retire_pipeline(p, self._lanes)
-        for _ in range(600):  # a request routed there just before: let it end
-            if not self.router.load[p]:
-                break
+        deadline = time.monotonic() + wait_s
+        while self.router.load[p] and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await self.pipelines[p].close()
         self._launch.forget(p)

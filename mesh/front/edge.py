@@ -44,7 +44,8 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/"})
 JSON_POSTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
                         "/v1/embeddings", "/v1/messages", "/v1/messages/count_tokens",
                         "/tokenize", "/detokenize"})
-OPERATOR_PATHS = frozenset({"/metrics"})  # with keys on, an operator key's alone
+# with keys on, an operator key's alone
+OPERATOR_PATHS = frozenset({"/metrics", "/admin/drain"})
 
 
 class KeyFileError(UserError):

@@ -40,6 +40,7 @@ from .fronts import Fronts, Shared
 from .in_flight import InFlight
 from .limits import DEFAULT_PORT, GatewayLimits
 from .metrics import CONTENT_TYPE, GatewayMetrics
+from .openai_api import ApiError, parse_json
 from .request_building import not_served
 from .result_memo import ResultMemo
 from .status import StatusBoard, add_status_routes
@@ -52,7 +53,7 @@ _ENDPOINTS = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/resp
               "/v1/embeddings",
               "/v1/messages",
               "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/health", "/ready",
-              "/metrics", "/", "/status.json"}
+              "/metrics", "/", "/status.json", "/admin/drain"}
 
 
 async def _guarded(awaitable):
@@ -169,6 +170,29 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
         return await _guarded(completions.complete(request, chat=True))
 
     _agent_routes(app, completions)
+    _operator_routes(app, completions)
+
+
+def _operator_routes(app: FastAPI, completions: Completions) -> None:
+    """What the operator does to the cluster under load (an operator key, once keys are
+    on: edge.OPERATOR_PATHS)."""
+
+    @app.post("/admin/drain")
+    async def drain(request: Request):
+        body = parse_json(await request.body())
+        node = body.get("node") if isinstance(body, dict) else None
+        if not isinstance(node, str) or not node:
+            raise ApiError(400, "give the node to drain: {\"node\": \"<its Ray node id, or "
+                                "its first characters>\"}", param="node")
+        engines = [s.engine for s in completions.fronts.models.loaded()
+                   if hasattr(s.engine, "drain")]
+        if not engines:
+            raise ApiError(400, "this server's stages run in its own process: there is no "
+                                "node to drain", code="not_supported")
+        try:
+            return {"drained": [await e.drain(node) for e in engines]}
+        except UserError as e:
+            raise ApiError(409, str(e), param="node", code="cannot_drain") from None
 
 
 def _agent_routes(app: FastAPI, completions: Completions) -> None:
