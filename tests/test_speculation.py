@@ -128,6 +128,28 @@ def test_a_verify_step_never_runs_past_max_tokens_or_the_stop(smollm2):
     assert stop not in [s.token for s in runs[True]]
 
 
+def test_a_requests_choices_speculate_side_by_side(smollm2):
+    """n choices of one request (siblings) verify proposals side by side (two requests
+    of their own would not, while both decode: their rows batch already); the tokens
+    are the same either way."""
+    import asyncio
+    import dataclasses
+    from skippy.mesh.control.engine import GenerationRequest
+    engine = InProcessEngine(smollm2, 2, weight_format="int4",
+                             cache=CacheConfig(enabled=False))
+    prompt = tuple(Tokenizer(smollm2).encode(PROMPT))
+    one = GenerationRequest(prompt, 32, speculate=True)
+
+    async def together(requests):
+        async def run(r):
+            return [s.token async for s in engine.generate(r)]
+        return await asyncio.gather(*(run(r) for r in requests))
+    want = [s.token for s in engine.complete(prompt, 32, speculate=False)]
+    got = asyncio.run(together([dataclasses.replace(one, siblings=2)] * 2))
+    assert got == [want, want]
+    assert engine.servers[-1].speculation["accepted_tokens"] > 10
+
+
 # -- a draft model as the proposer ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_draft(smollm2, tmp_path_factory):

@@ -37,6 +37,7 @@ class GenerationRequest:
     # decode steps carry proposed tokens to verify (the same tokens either way); None:
     # the engine's default
     speculate: bool | None = None
+    siblings: int = 1                # choices of one HTTP request, run together (`n`)
 
 
 @dataclass(frozen=True)

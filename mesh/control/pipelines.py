@@ -59,9 +59,9 @@ class PipelinesEngine:
 
                 wanted = self.speculate if request.speculate is None \
                     else request.speculate
-                # verify steps only while this request decodes alone on its pipeline:
-                # with others there, their rows batch into every step already
-                speculate = wanted and (lambda: self.router.load[p] <= 1)
+                # verify steps only while this request (its choices together) decodes
+                # alone on its pipeline: others' rows batch into every step already
+                speculate = wanted and (lambda: self.router.load[p] <= request.siblings)
                 async for step in drive(self.pipes[p], request,
                                         lambda reason: self._rebuilt(p, reason), peers,
                                         speculate, self.draft):

@@ -196,7 +196,7 @@ def _request(parsed: ParsedRequest, ids: list[int], view: ModelView,
                   f"context of {n_ctx} tokens", "max_tokens", "context_length_exceeded")
     return GenerationRequest(tokens=tuple(ids), max_tokens=max_tokens,
                              sampling=parsed.sampling, stop_ids=view.tokenizer.eog_ids,
-                             namespace=namespace)
+                             namespace=namespace, siblings=parsed.choices)
 
 
 def _check_choices(parsed: ParsedRequest, lanes: int) -> None:
