@@ -21,9 +21,11 @@ typedef struct {
 
 /* pool.c */
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
-/* qmatmul.c; kind 4 or 8, with these flags where the scales / zeros are halves */
+/* qmatmul.c; kind 4 or 8, with these flags where the scales / zeros are halves, and
+ * SKQ_TEAM to run on torch's OpenMP team whatever the row count */
 #define SKQ_S16 16
 #define SKQ_Z16 32
+#define SKQ_TEAM 64
 int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t N,
                int64_t K, const float *x, int64_t M, float *y, int threads, int use_c);
 /* rowops.c */

@@ -63,14 +63,19 @@ static inline float half_float(uint16_t h)
 /* One block of 32 values: q (int8) with d = amax / 127, the sum of q, and d * sum(q). */
 static void quantize_block(const float *xb, int8_t *qb, float *d, int32_t *sum, float *dsum)
 {
+    /* fmaxf and lrintf as library calls kept this loop scalar (7 % of a 16-row prefill):
+     * a > amax ignores a NaN as fmaxf does, and rintf rounds half to even as lrintf does
+     * (an integral float of at most 127 converts exactly) */
     float amax = 0.0f;
-    for (int i = 0; i < QK; i++)
-        amax = fmaxf(amax, fabsf(xb[i]));
+    for (int i = 0; i < QK; i++) {
+        const float a = fabsf(xb[i]);
+        amax = a > amax ? a : amax;
+    }
     const float dd = amax / 127.0f;
     const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
     int32_t s = 0;
     for (int i = 0; i < QK; i++) {
-        const int32_t v = (int32_t)lrintf(xb[i] * id);
+        const int32_t v = (int32_t)rintf(xb[i] * id);
         qb[i] = (int8_t)v;
         s += v;
     }
@@ -402,7 +407,8 @@ const char *skq_isa(void)
 #endif
 }
 
-/* y[M][N] = x[M][K] @ W.T. kind 4 or 8, | SKQ_S16 and | SKQ_Z16 where s / z hold halves;
+/* y[M][N] = x[M][K] @ W.T. kind 4 or 8, | SKQ_S16 and | SKQ_Z16 where s / z hold halves,
+ * | SKQ_TEAM for the OpenMP team at any row count (a prefill's head row: its team is awake);
  * w, s, z (z may be NULL) packed as above, with ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
  * thread's.
  * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
@@ -423,7 +429,8 @@ int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t
     job J = {kind & 15, !!(kind & SKQ_S16), !!(kind & SKQ_Z16), w, s, z, N, K, nb, q, d, dsum,
              sum, y, M, use_c};
     const int64_t n_tiles = (N + TN - 1) / TN;
-    if (M > OMP_ROWS) { /* prefill: on torch's OpenMP team, which runs the ops around it */
+    if (M > OMP_ROWS || (kind & SKQ_TEAM)) { /* prefill: on torch's OpenMP team, which runs
+                                               * the ops around it */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < n_tiles; t++)
             tiles(&J, t, t + 1);

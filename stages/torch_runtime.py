@@ -20,6 +20,7 @@ import torch
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
+from . import qkernel
 from .ffn import make_ffn
 from .frame import Frame, from_wire, to_wire
 from .kv import LaneKv
@@ -380,7 +381,8 @@ class TorchStageRuntime(StageRuntime):
         if not self.spec.is_last:
             out.frame = to_wire(start, hidden, self.spec.wire_dtype, tokens=tok_in)
         elif logits == "last":
-            out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
+            with qkernel.openmp_team(hidden.shape[0] > qkernel.OMP_ROWS):
+                out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
         elif logits == "hidden":  # embeddings: each row after the output norm
             out.hidden = self.norm(hidden[:, :self.cfg.hidden])
         elif logits == "all":  # an fp32 head on a row-invariant stage: decode's groups

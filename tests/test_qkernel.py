@@ -70,6 +70,9 @@ def test_a_rows_bits_ignore_its_neighbours_and_the_threads(kind):
     threes = torch.cat([qkernel.matmul(lib, kind, w, s, z, 200, x[i:i + 3])
                         for i in range(0, 40, 3)])
     assert torch.equal(whole, threes)
+    with qkernel.openmp_team():  # a prefill's head row: few rows on the OpenMP team
+        assert torch.equal(whole, torch.cat([qkernel.matmul(lib, kind, w, s, z, 200, x[i:i + 2])
+                                             for i in range(0, 40, 2)]))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
