@@ -18,7 +18,7 @@ import pytest
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control import driver
 from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.control.speculation import MAX_PROPOSED, PromptLookup, Speculator
+from skippy.mesh.control.speculation import MAX_PROPOSED, PromptLookup, Speculator, StepCosts
 from skippy.mesh.sampler import SamplingParams
 from skippy.mesh.tokenizer import Tokenizer
 
@@ -52,6 +52,38 @@ def test_the_number_proposed_follows_what_was_accepted():
     assert len(spec.propose([], room=100)) == 1
     spec.observe(1, 0)                            # two misses: a longer pause
     assert [spec.propose([], room=100) for _ in range(3)] == [[], [], []]
+
+
+def costs(step_ms: float, row_ms: float) -> StepCosts:
+    c = StepCosts()
+    c.observe_step(1, step_ms / 1e3)
+    c.observe_step(5, (step_ms + 4 * row_ms) / 1e3)
+    return c
+
+
+def test_k_maximizes_expected_tokens_per_second_of_the_measured_costs():
+    assert StepCosts().best_k(0.9, 8) is None               # nothing measured yet
+    far = costs(step_ms=30.0, row_ms=1.0)                   # hops dominate: long runs
+    assert far.best_k(0.9, 8) == 8 and far.best_k(0.5, 8) >= 4
+    near = costs(step_ms=5.0, row_ms=4.0)                   # a row costs nearly a step
+    assert near.best_k(0.9, 8) >= 1 and near.best_k(0.3, 8) == 0
+    # the choice is the best of every k by the formula (1 + a + .. + a^k) / (step + k row)
+    a = 0.7
+    rates = [sum(a ** i for i in range(k + 1)) / (5.0 + 2.0 * k) for k in range(9)]
+    assert costs(5.0, 2.0).best_k(a, 8) == rates.index(max(rates))
+    drafted = costs(5.0, 0.5)
+    drafted.observe_draft(4, 0.008)                         # a draft's 2 ms a proposal
+    assert drafted.best_k(0.5, 8) < costs(5.0, 0.5).best_k(0.5, 8)
+
+
+def test_a_request_takes_k_from_its_pipelines_costs():
+    far = Speculator([5, 6, 7, 8] * 4, costs=costs(step_ms=30.0, row_ms=1.0))
+    far.observe(4, 4)
+    assert far.k == 8                                       # runs taken whole, hops dear
+    near = Speculator([5, 6, 7, 8] * 4, costs=costs(step_ms=5.0, row_ms=4.0))
+    near.observe(4, 1)                                      # a = 1/2 after this step
+    assert near.k == 1 and near.propose([], room=100) == []  # no k pays: held back
+    assert len(near.propose([], room=100)) == 1             # then one again
 
 
 # -- exactness through the stages -----------------------------------------------------------

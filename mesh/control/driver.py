@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -34,7 +35,7 @@ from skippy.topology.errors import OverCapacity, RequestError, StageUnavailable
 from .. import tracing
 from .engine import GenerationRequest, Step
 from .draft import DraftModel
-from .speculation import Speculator
+from .speculation import Speculator, StepCosts
 from ..wire import sampling_to_proto, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def drive(pipe: Pipeline, request: GenerationRequest,
           on_rebuild=lambda reason: None,
           peers: Callable[[bool], list[str]] = lambda rebuilding: [],
           speculate: Callable[[], bool] | bool = False,
-          draft: DraftModel | None = None) -> AsyncIterator[Step]:
+          draft: DraftModel | None = None,
+          costs: StepCosts | None = None) -> AsyncIterator[Step]:
     """The continuation a token at a time; a stop id ends it without a Step. Closing the
     iteration (client gone) closes the session, which frees the lanes down the chain.
     `peers(rebuilding)`: another pipeline's stage addresses, for this try's stages to pull
@@ -85,8 +87,9 @@ def drive(pipe: Pipeline, request: GenerationRequest,
     `speculate`: decode steps carry proposed tokens to verify (speculation.py): the same
     tokens, fewer trips through the stages; a callable is asked before each step (the
     engine's: only while the request decodes alone, where batching does not pay more);
-    `draft`: a draft model proposes them (else prompt lookup)."""
-    speculate = _Speculation(speculate, draft)
+    `draft`: a draft model proposes them (else prompt lookup); `costs`: the pipeline's
+    measured step costs, which choose how many (kept by the engine per pipeline)."""
+    speculate = _Speculation(speculate, draft, costs or StepCosts())
     if request.probe or not tracing.enabled():
         return _drive(pipe, request, [], on_rebuild, peers, tracing.OFF, speculate)
     return _traced(pipe, request, on_rebuild, peers, speculate)
@@ -95,12 +98,14 @@ def drive(pipe: Pipeline, request: GenerationRequest,
 class _Speculation:
     """Whether a request's steps verify proposals now, and where they come from."""
 
-    def __init__(self, now: Callable[[], bool] | bool, draft: DraftModel | None):
+    def __init__(self, now: Callable[[], bool] | bool, draft: DraftModel | None,
+                 costs: StepCosts):
         self.now = now if callable(now) else (lambda: bool(now))
-        self.wanted, self.draft = bool(now), draft
+        self.wanted, self.draft, self.costs = bool(now), draft, costs
 
     def start(self, prompt: list[int]) -> Speculator:
-        return Speculator(prompt, None if self.draft is None else self.draft.session())
+        return Speculator(prompt, None if self.draft is None else self.draft.session(),
+                          self.costs)
 
 
 async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
@@ -248,15 +253,22 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
                 first = False
                 if len(produced) >= request.max_tokens:
                     return
+            alone = spec is not None and speculate.now()  # steps timed: none batched in
+            t0 = time.perf_counter()
             proposed = [] if spec is None else await _proposals(
                 spec, produced[seen:], request.max_tokens - len(produced) - 1
-                if speculate.now() else 0)
+                if alone else 0)
+            t1 = time.perf_counter()
             seen = len(produced)
             call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
                            if spec is not None else None)
             tokens = _tokens(_expect(await _ask(link, call), "token").token)
             if spec is not None:
                 spec.observe(len(proposed), len(tokens) - 1)
+                if alone:
+                    if spec.draft is not None:
+                        speculate.costs.observe_draft(len(proposed), t1 - t0)
+                    speculate.costs.observe_step(1 + len(proposed), time.perf_counter() - t1)
     finally:
         if spec is not None and spec.draft is not None:
             await asyncio.to_thread(spec.draft.close)

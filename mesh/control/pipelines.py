@@ -17,6 +17,7 @@ from .router import Router
 from .admission import LaneAdmission
 from .draft import DraftModel
 from .driver import Pipeline, drive, embed
+from .speculation import StepCosts
 
 
 class PipelinesEngine:
@@ -33,6 +34,8 @@ class PipelinesEngine:
             draft, self.model.path, n_ctx=self.model.plan.n_ctx,
             weight_format=self.model.weight_format if self.model.weight_format != "fp32"
             else "int4")
+        # each pipeline's decode step costs, which choose how many tokens to propose
+        self.step_costs = [StepCosts() for _ in pipelines]
         self.router = Router(len(pipelines), stride)
         self.admission = LaneAdmission(lanes * len(pipelines))
         # requests rebuilt, by cause: a stage fault, or state evicted before its restore
@@ -64,7 +67,7 @@ class PipelinesEngine:
                 speculate = wanted and (lambda: self.router.load[p] <= request.siblings)
                 async for step in drive(self.pipes[p], request,
                                         lambda reason: self._rebuilt(p, reason), peers,
-                                        speculate, self.draft):
+                                        speculate, self.draft, self.step_costs[p]):
                     yield step
             finally:
                 self.router.finished(p)
@@ -100,6 +103,7 @@ class PipelinesEngine:
         """A pipeline more, with `lanes` more lanes: new requests may go there at once."""
         self.pipes.append(pipe)
         self.rebuilds_by_pipeline.append(0)
+        self.step_costs.append(StepCosts())
         p = self.router.add()
         self.admission.resize(self.admission.lanes + lanes)
         return p

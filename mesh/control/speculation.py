@@ -11,11 +11,19 @@ per accepted run instead of once per token.
 Proposals come from a draft model where the engine has one (mesh/control/draft.py), else
 from prompt lookup: the tokens that followed the latest earlier occurrence
 of the context's last n tokens (n from MAX_NGRAM down to MIN_NGRAM), which pays where
-answers repeat spans of their input (code edits, RAG answers, agent loops). How many to
-send adapts per request: a run accepted whole doubles k (up to MAX_PROPOSED); a rejection
-sets it to what was accepted plus one; a step that accepts nothing holds proposals back
-for a while, longer each time, so a request whose text does not repeat its input decodes
-as it would without speculation.
+answers repeat spans of their input (code edits, RAG answers, agent loops).
+
+How many to send (k) is chosen from what the request and its pipeline measure: the
+request's recent acceptance a (each proposal taken, each run cut short, older steps
+weighing less) and the pipeline's step costs (StepCosts: seconds of a one-row step, of
+each further row, of a draft's proposal), as the k that maximizes the expected tokens
+per second, (1 + a + ... + a^k) / (one row + k * (a row + a proposal)). A pipeline whose
+hops cost much against its rows sends long runs; one where a row costs nearly a step sends
+few or none. Until the pipeline has measured both costs, k adapts by rule: a run accepted
+whole doubles it (up to MAX_PROPOSED), a rejection sets it to what was accepted plus one.
+Where no k pays (or nothing is accepted) proposals are held back for a while, longer each
+time, so a request whose text does not repeat its input decodes as it would without
+speculation.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ MIN_NGRAM = 2
 MAX_PROPOSED = 8
 FIRST_K = 4
 MAX_PAUSE = 32  # steps without proposals after repeated misses, at most
+DECAY = 0.8  # the weight of a request's earlier verify steps in its acceptance, per step
+EWMA = 0.2  # the weight of a new step in a pipeline's measured costs
 
 
 class PromptLookup:
@@ -63,19 +73,68 @@ class PromptLookup:
         return []
 
 
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+class StepCosts:
+    """What one pipeline's decode steps cost, as its requests' drivers measure them while
+    they decode alone: seconds of a one-row step (the stages' compute, the hops, the
+    sessions), of each further row of a verify step, and of a draft model's proposal.
+    Shared by the pipeline's requests, so that a new one chooses k from its first step."""
+
+    def __init__(self):
+        self.step_s: float | None = None
+        self.row_s: float | None = None
+        self.draft_s: float | None = None
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self.step_s = _ewma(self.step_s, seconds)
+        elif self.step_s is not None:
+            self.row_s = _ewma(self.row_s, max(0.0, seconds - self.step_s) / (rows - 1))
+
+    def observe_draft(self, proposals: int, seconds: float) -> None:
+        if proposals:
+            self.draft_s = _ewma(self.draft_s, seconds / proposals)
+
+    def best_k(self, acceptance: float, most: int) -> int | None:
+        """The k in 0..most with the most expected tokens per second at `acceptance`;
+        None until a one-row step and a verify step were measured."""
+        if self.step_s is None or self.row_s is None:
+            return None
+        per = self.row_s + (self.draft_s or 0.0)
+        best, best_rate, expected = 0, 1.0 / self.step_s, 1.0
+        for k in range(1, most + 1):
+            expected += acceptance ** k
+            rate = expected / (self.step_s + per * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+
 class Speculator:
     """One request's proposals and how many it sends (see the module docstring);
     `draft`: where they come from instead of prompt lookup (draft.py: (context, k) -> a
-    draft model's k tokens; blocking)."""
+    draft model's k tokens; blocking); `costs`: its pipeline's measured step costs."""
 
     def __init__(self, context: Iterable[int],
-                 draft: Callable[[list[int], int], list[int]] | None = None):
+                 draft: Callable[[list[int], int], list[int]] | None = None,
+                 costs: StepCosts | None = None):
         self.lookup = PromptLookup(context)
         self.draft = draft
+        self.costs = costs
         self.k = FIRST_K
         self._misses = 0
         self._pause = 0
+        self._taken, self._cut = 1.0, 1.0  # the acceptance's prior: one of each, a = 1/2
         self.proposed = self.accepted = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Recent odds that a proposal is taken, given the one before it was (the
+        geometric model's estimate: taken / (taken + runs cut short))."""
+        return self._taken / (self._taken + self._cut)
 
     def propose(self, context_tail: Iterable[int], room: int) -> list[int]:
         """Proposals after the context grown by `context_tail`, at most `room` of them
@@ -94,10 +153,13 @@ class Speculator:
             return
         self.proposed += proposed
         self.accepted += accepted
-        if accepted == proposed:
-            self.k, self._misses = min(MAX_PROPOSED, 2 * self.k), 0
-        elif accepted:
-            self.k, self._misses = accepted + 1, 0
-        else:
+        self._taken = DECAY * self._taken + accepted
+        self._cut = DECAY * self._cut + (accepted < proposed)
+        k = None if self.costs is None else self.costs.best_k(self.acceptance, MAX_PROPOSED)
+        if k is None:  # the pipeline's costs not yet measured: by rule
+            k = min(MAX_PROPOSED, 2 * self.k) if accepted == proposed else accepted + 1
+        if k and accepted:
+            self.k, self._misses = k, 0
+        else:  # nothing taken, or no k pays: hold back, then try one again
             self.k, self._misses = 1, self._misses + 1
             self._pause = min(MAX_PAUSE, 2 ** self._misses - 1)
