@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from skippy.topology.errors import UserError
@@ -119,6 +119,22 @@ class CacheConfig:
                                 f"got {value}")
         if self.min_prefix > self.max_prefix:
             raise bad("min_prefix", f"{self.min_prefix} is above max_prefix ({self.max_prefix})")
+
+    @property
+    def stage_bytes(self) -> int:
+        """What one stage's caches may hold: resident state and activation frames (the
+        block store and the disk tier are the node's, shared by its stages)."""
+        return self.max_bytes + self.activation_max_bytes
+
+    def within(self, room: int | None) -> CacheConfig:
+        """These settings with the stage budgets scaled down, each in its share, to hold
+        at most `room` bytes (the plan's room for a stage whose node leaves less than
+        configured); unchanged where `room` is None or enough."""
+        want = self.stage_bytes
+        if room is None or room >= want:
+            return self
+        return replace(self, max_bytes=self.max_bytes * room // want,
+                       activation_max_bytes=self.activation_max_bytes * room // want)
 
     def candidate_lengths(self, n_tokens: int) -> list[int]:
         """Prefix lengths a lookup tries for an `n_tokens` prompt, longest first: multiples

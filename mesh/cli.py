@@ -161,8 +161,11 @@ def cmd_plan(args) -> int:
     fmt = weight_format(TORCH, args.weight_format)
     facts = ModelFacts.from_gguf(resolve_model(args.model),
                                  tensor_bytes=functools.partial(held_bytes, fmt))
+    from skippy.cache.config import CacheConfig
+    # each stage's cache budget as `skippy serve` would give it (SKIPPY_CACHE_* settings)
     result = plan(facts, nodes, wire_dtype=args.wire, n_ctx=args.ctx, lanes=args.lanes,
-                  stages=args.stages, max_stages=args.max_stages)
+                  stages=args.stages, max_stages=args.max_stages,
+                  cache_bytes=CacheConfig.from_env().stage_bytes)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
     return 0
 

@@ -177,6 +177,29 @@ def test_a_callers_ranges_are_planned_as_given():
         toy_plan(nodes, model=facts(keep=[(4, 8)]), ranges=[(0, 6), (6, 12)])
 
 
+def test_caches_get_their_budget_or_the_room_a_node_leaves():
+    nodes = [NodeSpec("big", 4000 * MiB), NodeSpec("small", 1100 * MiB)]
+    p = plan(facts(n_layers=8, layer=100 * MiB), nodes, stages=2, overhead_bytes=0,
+             cache_bytes=1000 * MiB)
+    by_node = {s.node.name: s for s in p.stages}
+    assert by_node["big"].cache_bytes == 1000 * MiB            # room for all it asks
+    small = by_node["small"]                                   # only what is left
+    assert small.cache_bytes == small.memory_share - small.total_bytes < 1000 * MiB
+    # caches never move a stage or refuse a model: the same cut with or without them
+    assert p.ranges == plan(facts(n_layers=8, layer=100 * MiB), nodes, stages=2,
+                            overhead_bytes=0).ranges
+    assert plan(facts(), [NodeSpec("n", 2000 * MiB)]).stages[0].cache_bytes is None
+
+
+def test_a_stages_cache_settings_are_scaled_into_its_room():
+    from skippy.cache.config import CacheConfig
+    c = CacheConfig(max_bytes=3 * GiB, activation_max_bytes=1 * GiB)
+    assert c.stage_bytes == 4 * GiB and c.within(None) is c and c.within(5 * GiB) is c
+    half = c.within(2 * GiB)
+    assert (half.max_bytes, half.activation_max_bytes) == (1536 * MiB, 512 * MiB)
+    assert half.stage_bytes <= 2 * GiB and half.block_store_max_bytes == c.block_store_max_bytes
+
+
 def test_overhead_is_counted_per_stage():
     p = plan(facts(), [node("a", 1300)], overhead_bytes=64 * MiB)
     assert p.stages[0].total_bytes == 1200 * MiB + 64 * MiB
@@ -330,9 +353,11 @@ def test_cli_plan_table(smollm2, tmp_path, capsys):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["STAGE", "NODE", "LAYERS"]
-    # fp32: more than one node holds at this context; the last stage has the fp32 head
-    assert lines[1].split() == ["0", "n0", "0-15", "246.4", "96.0", "854", "/", "1200"]
-    assert lines[2].split() == ["1", "n1", "16-29", "297.1", "84.0", "893", "/", "1200"]
+    # fp32: more than one node holds at this context; the last stage has the fp32 head;
+    # each stage's caches get what its node leaves (2.5 GiB asked: more than there is)
+    assert lines[0].split()[7:9] == ["CACHES", "MiB"]
+    assert lines[1].split() == ["0", "n0", "0-15", "246.4", "96.0", "346", "1200", "/", "1200"]
+    assert lines[2].split() == ["1", "n1", "16-29", "297.1", "84.0", "307", "1200", "/", "1200"]
     assert lines[-1].startswith("topology digest ") and len(lines[-1].split()[-1]) == 64
     # int4 (serve's default): the file's Q4_1 blocks with a scale (a half) and a zero per block,
     # (a bf16 copy for prefill only on torch's int kernels, without a C compiler): the
@@ -341,7 +366,8 @@ def test_cli_plan_table(smollm2, tmp_path, capsys):
                      "--lanes", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     weights, total = ("162.6", "855") if qkernel.library() is not None else ("373.1", "1065")
-    assert lines[1].split() == ["0", "n0", "0-29", weights, "180.0", total, "/", "1200"]
+    cache = str(1200 - int(total))
+    assert lines[1].split() == ["0", "n0", "0-29", weights, "180.0", cache, "1200", "/", "1200"]
 
 
 def test_cli_plan_json_with_stages(smollm2, capsys):

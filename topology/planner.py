@@ -314,6 +314,9 @@ class StagePlan:
     kv_bytes: int              # KV for n_ctx tokens and recurrent state, all lanes
     overhead_bytes: int
     memory_share: int          # node memory this stage may use (all of it, unless shared)
+    # what its caches (resident state, activation frames) may hold: the budget asked for,
+    # or what the share leaves after the rest where that is less; None: not planned
+    cache_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -348,16 +351,20 @@ class Plan:
                 "resources": dict(s.node.resources), "weight_bytes": s.weight_bytes,
                 "kv_bytes": s.kv_bytes, "overhead_bytes": s.overhead_bytes,
                 "total_bytes": s.total_bytes, "memory_share": s.memory_share,
-                "node_memory": s.node.memory,
+                "cache_bytes": s.cache_bytes, "node_memory": s.node.memory,
             } for s in self.stages],
         }
 
     def table(self) -> str:
-        rows = [("STAGE", "NODE", "LAYERS", "WEIGHTS MiB", "KV MiB", "TOTAL / NODE MiB")]
+        caches = any(s.cache_bytes is not None for s in self.stages)
+        rows = [("STAGE", "NODE", "LAYERS", "WEIGHTS MiB", "KV MiB")
+                + (("CACHES MiB",) if caches else ()) + ("TOTAL / NODE MiB",)]
         for s in self.stages:
+            cache = (f"{(s.cache_bytes or 0) / MiB:.0f}",) if caches else ()
             rows.append((str(s.index), s.node.name, f"{s.start}-{s.end - 1}",
-                         f"{s.weight_bytes / MiB:.1f}", f"{s.kv_bytes / MiB:.1f}",
-                         f"{s.total_bytes / MiB:.0f} / {s.memory_share / MiB:.0f}"))
+                         f"{s.weight_bytes / MiB:.1f}", f"{s.kv_bytes / MiB:.1f}", *cache,
+                         f"{(s.total_bytes + (s.cache_bytes or 0)) / MiB:.0f} / "
+                         f"{s.memory_share / MiB:.0f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
@@ -379,7 +386,7 @@ def check_cuts(ranges: Sequence[tuple[int, int]], groups: Iterable[tuple[int, in
 def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16",
          n_ctx: int = DEFAULT_N_CTX, lanes: int = DEFAULT_LANES, max_stages: int | None = None,
          stages: int | None = None, ranges: Sequence[tuple[int, int]] | None = None,
-         overhead_bytes: int = STAGE_OVERHEAD_BYTES) -> Plan:
+         overhead_bytes: int = STAGE_OVERHEAD_BYTES, cache_bytes: int | None = None) -> Plan:
     """Place `model` on `nodes`.
 
     Without `stages`: the fewest stages (at most `max_stages`, at most one per node) whose
@@ -390,7 +397,10 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
     cut inside a keep-together group. With `ranges`: exactly those (contiguous, covering
     every layer), placed and checked as a split of the planner's own. The node order, and
     so the ranges and digest, depend only on node memories, never on names or input
-    order. Raises PlanError saying why it cannot.
+    order. `cache_bytes`: what each stage's caches may hold; a stage gets it where its
+    node share has room after its weights, KV and overhead, else what room there is (a
+    cache never decides where a stage goes or whether the model fits: it holds what is
+    left). Raises PlanError saying why it cannot.
     """
     if not nodes:
         raise PlanError("no nodes to place the model on")
@@ -428,7 +438,8 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
             need = [sum(costs[a:b]) + share - cap
                     for (a, b), (_, share), cap in zip(split, slots, caps)]
             slots = _near_parts(model, slots, split, need)
-            return _build(model, slots, split, wire_dtype, n_ctx, lanes, overhead_bytes)
+            return _build(model, slots, split, wire_dtype, n_ctx, lanes, overhead_bytes,
+                          cache_bytes)
     raise PlanError(_why_not(model, ranked, costs, tries[-1], stages is not None,
                              overhead_bytes, n_ctx, lanes))
 
@@ -570,12 +581,14 @@ def stage_bytes(model: ModelFacts, ranges: Sequence[tuple[int, int]], *, n_ctx: 
 
 
 def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tuple[int, int]],
-           wire_dtype: str, n_ctx: int, lanes: int, overhead: int) -> Plan:
+           wire_dtype: str, n_ctx: int, lanes: int, overhead: int,
+           cache: int | None = None) -> Plan:
     check_cuts(ranges, model.keep_together)
     out = []
     sizes = stage_bytes(model, ranges, n_ctx=n_ctx, lanes=lanes)
     for i, ((node, share), (a, b), (weights, kv)) in enumerate(zip(slots, ranges, sizes)):
-        out.append(StagePlan(i, a, b, node, weights, kv, overhead, share))
+        room = None if cache is None else min(cache, max(0, share - weights - kv - overhead))
+        out.append(StagePlan(i, a, b, node, weights, kv, overhead, share, room))
     digest = topology_digest(model.model_digest, ranges, wire_dtype)
     return Plan(model.name, model.model_digest, wire_dtype, n_ctx, lanes, tuple(out), digest)
 

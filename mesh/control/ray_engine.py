@@ -181,7 +181,8 @@ def plan_model(model_path: str | Path, runtime: RuntimeKind, n_stages: int | Non
                pipelines: int, lanes: int, ranges: list[tuple[int, int]] | None = None,
                wire_dtype: str = "f16", n_ctx: int = DEFAULT_N_CTX,
                weight_format: str = REFERENCE_FORMAT,
-               reserved: Counter | None = None) -> ServedModel:
+               reserved: Counter | None = None, cache: CacheConfig | None = None
+               ) -> ServedModel:
     """The model planned onto the alive nodes, less what `reserved` holds on each, as a
     RayEngine with these options serves it. Every pipeline uses the same plan: the same
     ranges compute the same numbers, so one topology digest names them all (the
@@ -190,7 +191,8 @@ def plan_model(model_path: str | Path, runtime: RuntimeKind, n_stages: int | Non
     return ServedModel.open(
         path, runtime, lambda digest: free_nodes(path, digest, reserved or Counter()),
         stages=n_stages, ranges=ranges, wire_dtype=wire_dtype, n_ctx=n_ctx,
-        lanes=lanes * pipelines, weight_format=weight_format)
+        lanes=lanes * pipelines, weight_format=weight_format,
+        cache_bytes=None if cache is None else cache.stage_bytes)
 
 
 def planned_bytes(model: ServedModel, pipelines: int) -> int:
@@ -323,7 +325,8 @@ class _Launch:
                                                                soft=False),
             num_cpus=0, max_restarts=self.restarts, max_task_retries=-1,
             runtime_env={"env_vars": stage_env()},
-        ).remote(spec, self.cache, self.model.policy, self.model.runtime, self.host, burst,
+        ).remote(spec, self.cache.within(st.cache_bytes), self.model.policy,
+                  self.model.runtime, self.host, burst,
                   credentials=self.credentials.issue(), parts=self.parts_for(spec),
                   traces=tracing.exporting_to())  # stages trace where the driver does
 
@@ -361,7 +364,7 @@ class RayEngine(PipelinesEngine):
         self.model = plan_model(model_path, runtime, n_stages, pipelines=pipelines,
                                 lanes=lanes, ranges=ranges, wire_dtype=wire_dtype,
                                 n_ctx=n_ctx, weight_format=weight_format,
-                                reserved=reserved())
+                                reserved=reserved(), cache=self.cache)
         self.plan, path, n = self.model.plan, self.model.path, len(self.model.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")

@@ -36,11 +36,13 @@ class ServedModel:
              ranges: Sequence[tuple[int, int]] | None = None, wire_dtype: str = "f16",
              n_ctx: int = DEFAULT_N_CTX, lanes: int = DEFAULT_LANES,
              weight_format: str = REFERENCE_FORMAT, policy: str | None = None,
-             overhead_bytes: int = STAGE_OVERHEAD_BYTES) -> ServedModel:
+             overhead_bytes: int = STAGE_OVERHEAD_BYTES,
+             cache_bytes: int | None = None) -> ServedModel:
         """The model at `path` planned onto `nodes(model digest)`: `stages` of them (None:
         the fewest that fit), or exactly `ranges`; `lanes` is the lane budget of every
-        pipeline together. StageError where the runtime cannot serve it so, PlanError
-        where it does not fit."""
+        pipeline together; `cache_bytes`: each stage's cache budget, which the plan caps
+        at the room its node leaves. StageError where the runtime cannot serve it so,
+        PlanError where it does not fit."""
         path = Path(path)
         runtime.check_model(is_package(path))
         runtime.check_weight_format(weight_format)
@@ -53,7 +55,7 @@ class ServedModel:
         facts = ModelFacts.from_gguf(path, tensor_bytes=runtime.tensor_bytes(weight_format))
         planned = plan(facts, nodes(facts.model_digest), wire_dtype=wire_dtype, n_ctx=n_ctx,
                        lanes=lanes, stages=stages, ranges=ranges,
-                       overhead_bytes=overhead_bytes)
+                       overhead_bytes=overhead_bytes, cache_bytes=cache_bytes)
         return cls(path, runtime, policy, weight_format, planned)
 
     def spec(self, i: int, **options) -> StageSpec:
@@ -87,5 +89,5 @@ class ServedModel:
                 "stages": [{"pipeline": r, "stage": st.index, "node": node,
                             "layers": [st.start, st.end], "weight_bytes": st.weight_bytes,
                             "kv_bytes": st.kv_bytes, "overhead_bytes": st.overhead_bytes,
-                            "total_bytes": st.total_bytes}
+                            "total_bytes": st.total_bytes, "cache_bytes": st.cache_bytes}
                            for r, st, node in rows]}
