@@ -402,11 +402,15 @@ class Streams:
     """Greedy chat streams, one thread each, to the gateway at `base`: their text so far
     (`got`), content chunks (`chunks`) and failures (`errors`)."""
 
-    def __init__(self, base: str, questions: Sequence[str], max_tokens: int):
+    def __init__(self, base: str, questions: Sequence[str], max_tokens: int,
+                 salt: str | None = None):
+        """`salt`: the requests' cache_salt (a namespace of their own: nothing of earlier
+        requests' serves them, the gateway's exact results included)."""
         import openai
         self.client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0,
                                     timeout=300)
         self.questions, self.max_tokens = list(questions), max_tokens
+        self.extra = {"cache_salt": salt} if salt else None
         self.got, self.chunks = [""] * len(questions), [0] * len(questions)
         self.errors: list[BaseException] = []
         self.runs = [threading.Thread(target=self._stream, args=(i,))
@@ -416,7 +420,8 @@ class Streams:
         try:
             for chunk in self.client.chat.completions.create(
                     model="smollm2", messages=[{"role": "user", "content": self.questions[i]}],
-                    max_tokens=self.max_tokens, temperature=0, stream=True):
+                    max_tokens=self.max_tokens, temperature=0, stream=True,
+                    extra_body=self.extra):
                 if chunk.choices and chunk.choices[0].delta.content:
                     self.got[i] += chunk.choices[0].delta.content
                     self.chunks[i] += 1
