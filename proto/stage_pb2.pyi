@@ -73,7 +73,7 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("tokens", "limit", "probe", "namespace", "sampling", "results", "peers")
+    __slots__ = ("tokens", "limit", "probe", "namespace", "sampling", "results", "peers", "prefill")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class Plan(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     limit: int
     probe: bool
@@ -88,7 +89,8 @@ class Plan(_message.Message):
     sampling: Sampling
     results: bool
     peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefill: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ..., peers: _Optional[_Iterable[str]] = ..., prefill: _Optional[bool] = ...) -> None: ...
 
 class PlanReply(_message.Message):
     __slots__ = ("start", "verify")
@@ -147,20 +149,22 @@ class StageCall(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits", "more")
+    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits", "more", "plan")
     ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     id: int
     cached_tokens: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[Alternative]
     logits: bytes
     more: _containers.RepeatedCompositeFieldContainer[Token]
-    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
+    plan: PlanReply
+    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("cached_tokens",)

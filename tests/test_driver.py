@@ -44,3 +44,36 @@ def test_a_probe_facing_a_stage_fault_is_busy_at_once_and_starts_the_repair():
     answered, repairs = asyncio.run(run())
     assert answered < 0.25 and repairs == 1
 
+
+
+def test_a_first_try_plans_and_prefills_in_one_call(smollm2):
+    """The driver's first call of a request asks stage 0 to plan and prefill at once (one
+    round trip, not two); the answer is the one the uncached path gives."""
+    from skippy.cache.config import CacheConfig
+    from skippy.mesh.control.local import InProcessEngine
+
+    engine = InProcessEngine(smollm2, 2, cache=CacheConfig(enabled=False), speculate=False)
+    calls: list[tuple[str, bool]] = []
+    pipe = engine.pipes[0]
+    opened = pipe.open
+
+    async def counting_open():
+        link = await opened()
+        ask = link.ask
+
+        async def counted(call):
+            kind = call.WhichOneof("call")
+            calls.append((kind, kind == "plan" and call.plan.prefill))
+            return await ask(call)
+        link.ask = counted
+        return link
+    pipe.open = counting_open
+    try:
+        prompt = list(range(1000, 1040))
+        steps = engine.complete(prompt, 3)
+        assert calls == [("plan", True), ("decode", False), ("decode", False)], calls
+        assert steps[0].cached_tokens == 0
+        assert [s.token for s in steps] == \
+            [s.token for s in engine.complete(prompt, 3, probe=True)]  # a probe: no cache
+    finally:
+        asyncio.run(engine.close())

@@ -221,19 +221,23 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
     step, where it is a callable: speculation.py).
     The caller appends each yielded token to `produced`."""
     prompt = list(request.tokens)
-    reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers))
-    if reply.WhichOneof("result") == "token":  # an exact repeat, answered from results
-        if reply.token.id in request.stop_ids:
+    # a first try plans and prefills in one call; a rebuilt one replays, after its plan
+    reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers,
+                                   prefill=not produced))
+    if reply.WhichOneof("result") == "token" and not reply.token.HasField("plan"):
+        if reply.token.id in request.stop_ids:  # an exact repeat, answered from results
             return
         yield _step(reply.token, len(prompt))
         if len(produced) >= request.max_tokens:
             return
         reply = await _ask(link, _plan(request, produced, results=False, peers=peers))
-    plan = _expect(reply, "plan").plan
-    sampling = _sampling(request, produced)
-    reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
-        tokens=prompt, start=plan.start, sampling=sampling, probe=request.probe,
-        namespace=request.namespace, replay=bool(produced))))
+    if reply.WhichOneof("result") == "token":  # planned and prefilled at once
+        plan = reply.token.plan
+    else:
+        plan = _expect(reply, "plan").plan
+        reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
+            tokens=prompt, start=plan.start, sampling=_sampling(request, produced),
+            probe=request.probe, namespace=request.namespace, replay=bool(produced))))
     first = not produced
     if produced:
         for token in produced[:-1]:
@@ -287,11 +291,11 @@ def _tokens(token: pb.Token) -> list[pb.Token]:
 
 
 def _plan(request: GenerationRequest, produced: list[int], results: bool,
-          peers: list[str] = ()) -> pb.StageCall:
+          peers: list[str] = (), prefill: bool = False) -> pb.StageCall:
     return pb.StageCall(plan=pb.Plan(
         tokens=request.tokens, limit=len(request.tokens) - 1, probe=request.probe,
         namespace=request.namespace, sampling=_sampling(request, produced),
-        results=results and not request.probe, peers=peers))
+        results=results and not request.probe, peers=peers, prefill=prefill))
 
 
 def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:

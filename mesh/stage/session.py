@@ -3,7 +3,8 @@
 The stream's calls (proto/stage.proto):
 
     plan     -> ask downstream where it starts (d), plan our own start, answer it; the
-                last stage may answer an exact repeat of the prompt with its first token
+                last stage may answer an exact repeat of the prompt with its first token;
+                with `prefill` set, the prefill below follows at once (one round trip)
     prefill  -> restore, prefill, send rows [d, n) down; the last stage samples
     decode   -> one row, sent down; the last stage samples
 
@@ -74,6 +75,8 @@ class StageSession:
 
     def handle(self, call: pb.StageCall) -> pb.StageResult:
         kind = call.WhichOneof("call")
+        if kind == "plan" and call.plan.prefill:
+            return self._plan_and_prefill(call)
         if not call.traceparent:
             return self._handle(kind, call)
         with tracing.joined(call.traceparent, kind or "empty", self.trace_attributes) as span:
@@ -85,6 +88,24 @@ class StageSession:
             if result.WhichOneof("result") == "error":
                 span.fail(result.error.message)
             return result
+
+    def _plan_and_prefill(self, call: pb.StageCall) -> pb.StageResult:
+        """A plan that asks to prefill at once: the plan, then the prefill from its start,
+        each handled (and traced) as its own call would be; the prefill's token carries
+        the plan's reply."""
+        plain = pb.StageCall()
+        plain.CopyFrom(call)
+        plain.plan.prefill = False  # the stages below get a plain plan, then frames
+        reply = self.handle(plain)
+        if reply.WhichOneof("result") != "plan":
+            return reply  # an exact repeat's first token, or an error
+        p = call.plan
+        out = self.handle(pb.StageCall(traceparent=call.traceparent, prefill=pb.Prefill(
+            tokens=p.tokens, start=reply.plan.start, sampling=p.sampling, probe=p.probe,
+            namespace=p.namespace)))
+        if out.WhichOneof("result") == "token":
+            out.token.plan.CopyFrom(reply.plan)
+        return out
 
     def _handle(self, kind: str | None, call: pb.StageCall) -> pb.StageResult:
         try:
