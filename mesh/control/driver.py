@@ -231,13 +231,7 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
         if len(produced) >= request.max_tokens:
             return
         reply = await _ask(link, _plan(request, produced, results=False, peers=peers))
-    if reply.WhichOneof("result") == "token":  # planned and prefilled at once
-        plan = reply.token.plan
-    else:
-        plan = _expect(reply, "plan").plan
-        reply = await _ask(link, pb.StageCall(prefill=pb.Prefill(
-            tokens=prompt, start=plan.start, sampling=_sampling(request, produced),
-            probe=request.probe, namespace=request.namespace, replay=bool(produced))))
+    plan, reply = await _prefilled(link, request, produced, reply)
     first = not produced
     if produced:
         for token in produced[:-1]:
@@ -276,6 +270,19 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
     finally:
         if spec is not None and spec.draft is not None:
             await asyncio.to_thread(spec.draft.close)
+
+
+async def _prefilled(link: Link, request: GenerationRequest, produced: list[int],
+                     reply: pb.StageResult) -> tuple[pb.PlanReply, pb.StageResult]:
+    """The plan and the prefill's reply: as they came where stage 0 planned and
+    prefilled in one call, else the prefill (a replay once tokens were produced) sent
+    after the plan."""
+    if reply.WhichOneof("result") == "token":
+        return reply.token.plan, reply
+    plan = _expect(reply, "plan").plan
+    return plan, await _ask(link, pb.StageCall(prefill=pb.Prefill(
+        tokens=request.tokens, start=plan.start, sampling=_sampling(request, produced),
+        probe=request.probe, namespace=request.namespace, replay=bool(produced))))
 
 
 async def _proposals(spec: Speculator, tail: list[int], room: int) -> list[int]:
