@@ -113,11 +113,11 @@ def test_ray_engine_adds_a_pipeline_under_waiting_requests_and_releases_it(smoll
     from skippy.mesh.control.ray_engine import RayEngine
     engine = RayEngine(smollm2, 1, weight_format="int4", n_ctx=256, lanes=1,
                        cache=CacheConfig(enabled=False),
-                       scaling=ScalingPolicy(1, 2, wait_s=0.2, idle_s=1.0))
+                       scaling=ScalingPolicy(1, 2, wait_s=0.2, idle_s=5.0))
     try:
         # five requests of 200 tokens on one lane (four wait: the queue holds four a
-        # lane): seconds of waiting, longer than a
-        # pipeline takes to load
+        # lane): seconds of waiting, longer than a pipeline takes to load; the added
+        # one idles 5 s before its release, longer than the other may still be busy
         prompts = [(1, *[(i * 37 + k * 101) % 30000 + 50 for i in range(20)])
                    for k in range(5)]
         requests = [GenerationRequest(p, 200, speculate=False) for p in prompts]
@@ -139,7 +139,7 @@ def test_ray_engine_adds_a_pipeline_under_waiting_requests_and_releases_it(smoll
 
         async def idle():
             engine.scaler.start()
-            for _ in range(100):
+            for _ in range(200):
                 await asyncio.sleep(0.1)
                 if engine.scaler.released:  # retired, and its stages gone
                     return
