@@ -137,16 +137,18 @@ class Decode(_message.Message):
     def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ..., proposed: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ...) -> None: ...
 
 class StageCall(_message.Message):
-    __slots__ = ("plan", "prefill", "decode", "traceparent")
+    __slots__ = ("plan", "prefill", "decode", "traceparent", "last")
     PLAN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     plan: Plan
     prefill: Prefill
     decode: Decode
     traceparent: str
-    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    last: bool
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., traceparent: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("id", "cached_tokens", "logprob", "top", "logits", "more", "plan")

@@ -223,7 +223,8 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
     prompt = list(request.tokens)
     # a first try plans and prefills in one call; a rebuilt one replays, after its plan
     reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers,
-                                   prefill=not produced))
+                                   prefill=not produced,
+                                   last=not produced and request.max_tokens == 1))
     if reply.WhichOneof("result") == "token" and not reply.token.HasField("plan"):
         if reply.token.id in request.stop_ids:  # an exact repeat, answered from results
             return
@@ -236,7 +237,8 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
     if produced:
         for token in produced[:-1]:
             _expect(await _ask(link, _decode(token, replay=True)), "done")
-        reply = await _ask(link, _decode(produced[-1]))
+        reply = await _ask(link, _decode(produced[-1],
+                                         last=len(produced) + 1 >= request.max_tokens))
     tokens = _tokens(_expect(reply, "token").token)
     speculating = speculate is not None and speculate.wanted and plan.verify and \
         not request.probe
@@ -259,7 +261,8 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
             t1 = time.perf_counter()
             seen = len(produced)
             call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
-                           if spec is not None else None)
+                           if spec is not None else None,
+                           last=len(produced) + 1 >= request.max_tokens)
             tokens = _tokens(_expect(await _ask(link, call), "token").token)
             if spec is not None:
                 spec.observe(len(proposed), len(tokens) - 1)
@@ -298,8 +301,10 @@ def _tokens(token: pb.Token) -> list[pb.Token]:
 
 
 def _plan(request: GenerationRequest, produced: list[int], results: bool,
-          peers: list[str] = (), prefill: bool = False) -> pb.StageCall:
-    return pb.StageCall(plan=pb.Plan(
+          peers: list[str] = (), prefill: bool = False, last: bool = False) -> pb.StageCall:
+    """`last`: its token is the request's last (max_tokens 1): the stages end their
+    sessions with the answer."""
+    return pb.StageCall(last=last, plan=pb.Plan(
         tokens=request.tokens, limit=len(request.tokens) - 1, probe=request.probe,
         namespace=request.namespace, sampling=_sampling(request, produced),
         results=results and not request.probe, peers=peers, prefill=prefill))
@@ -312,11 +317,12 @@ def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:
 
 
 def _decode(token: int, proposed: list[int] = (), length: int | None = None,
-            replay: bool = False) -> pb.StageCall:
+            replay: bool = False, last: bool = False) -> pb.StageCall:
     """A decode step appending `token` at position `length` (None: where the lanes are),
-    with the tokens `proposed` after it to verify."""
-    return pb.StageCall(decode=pb.Decode(token=token, replay=replay, proposed=proposed,
-                                         length=length))
+    with the tokens `proposed` after it to verify; `last`: its token is the request's
+    last (max_tokens reached), so the stages end their sessions with the answer."""
+    return pb.StageCall(last=last, decode=pb.Decode(token=token, replay=replay,
+                                                    proposed=proposed, length=length))
 
 
 def _step(token: pb.Token, cached: int) -> Step:

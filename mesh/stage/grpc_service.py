@@ -66,6 +66,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"session idle for {IDLE_S:.0f} s")
                 yield session.handle(call)
+                if call.last:  # the session ended with its answer: so does the stream
+                    return
         finally:
             session.close()
 

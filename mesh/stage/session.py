@@ -10,7 +10,9 @@ The stream's calls (proto/stage.proto):
 
 A replayed prefill or decode (a request rebuilt after a fault) recomputes its rows exactly
 as they were made, and the last stage samples nothing. The lane is taken at the first
-call and freed by `close`, so a client that goes away frees every lane down the chain.
+call and freed by `close`, so a client that goes away frees every lane down the chain;
+a call marked `last` (the request's final token) closes the session before it answers,
+which saves the driver a close's round trip.
 Errors are replies (topology/errors.py): `invalid` with the `param` at fault when the
 request is (a RequestError: never retried), `busy` when no lane came free, `retryable`
 when a link or this stage failed (the driver rebuilds the request). Any other exception
@@ -66,6 +68,8 @@ class StageSession:
         self.probe, self.namespace = False, ""
         self.downstream_start: int | None = None
         self.decoding = False
+        self.ending = False  # the call being handled is the request's last
+        self.closed = False
         spec = server.spec
         self.trace_attributes = {"skippy.stage.index": spec.stage_index,
                                  "skippy.stage.layer_start": spec.layer_start,
@@ -74,7 +78,17 @@ class StageSession:
         self.loop.opened(1)
 
     def handle(self, call: pb.StageCall) -> pb.StageResult:
+        """The call's answer; a request's `last` call ends the session first (its lane
+        kept warm), at this stage and every stage below."""
+        try:
+            return self._handle_call(call)
+        finally:
+            if call.last:
+                self.close()
+
+    def _handle_call(self, call: pb.StageCall) -> pb.StageResult:
         kind = call.WhichOneof("call")
+        self.ending = call.last
         if kind == "plan" and call.plan.prefill:
             return self._plan_and_prefill(call)
         if not call.traceparent:
@@ -96,13 +110,15 @@ class StageSession:
         plain = pb.StageCall()
         plain.CopyFrom(call)
         plain.plan.prefill = False  # the stages below get a plain plan, then frames
-        reply = self.handle(plain)
+        plain.last = False
+        reply = self._handle_call(plain)
         if reply.WhichOneof("result") != "plan":
             return reply  # an exact repeat's first token, or an error
         p = call.plan
-        out = self.handle(pb.StageCall(traceparent=call.traceparent, prefill=pb.Prefill(
-            tokens=p.tokens, start=reply.plan.start, sampling=p.sampling, probe=p.probe,
-            namespace=p.namespace)))
+        out = self._handle_call(pb.StageCall(
+            traceparent=call.traceparent, last=call.last, prefill=pb.Prefill(
+                tokens=p.tokens, start=reply.plan.start, sampling=p.sampling, probe=p.probe,
+                namespace=p.namespace)))
         if out.WhichOneof("result") == "token":
             out.token.plan.CopyFrom(reply.plan)
         return out
@@ -132,6 +148,9 @@ class StageSession:
                 error_id=error_id))
 
     def close(self) -> None:
+        if self.closed:  # a last call ended it already
+            return
+        self.closed = True
         if self.decoding:
             self.loop.decoding_changed(-1)
             self.decoding = False
@@ -333,8 +352,10 @@ class StageSession:
             self.loop.decoding_changed(1)
 
     def _ask_down(self, call: pb.StageCall) -> pb.StageResult:
-        """A call to the next stage, under this call's span when it is traced."""
+        """A call to the next stage, under this call's span when it is traced; the
+        request's last prefill or decode is the last there too."""
         call.traceparent = tracing.traceparent()
+        call.last = self.ending and call.WhichOneof("call") != "plan"
         return self._downstream().ask(call)
 
     def _downstream(self):
