@@ -218,6 +218,30 @@ def test_a_closed_link_returns_once_the_stage_has_ended_the_session(stage):
         assert stats["lanes_warm"] >= 1
 
 
+def test_a_last_call_ends_the_session_before_its_answer_and_the_stream_after(stage):
+    """A request's last call (its final token) frees the lane, warm, before the answer
+    leaves the stage, and the stage ends the stream: the caller's close waits for
+    nothing, and a follow-up sent at once finds the lane warm."""
+    service, address = stage
+    settled(service)
+    tokens = [1] + [(i * 59) % 30000 + 50 for i in range(150)]
+    with grpc.insecure_channel(address) as channel:
+        q: queue.Queue = queue.Queue()
+        replies = session_stream(channel, q, CREDS.metadata)
+        q.put(pb.StageCall(last=True, plan=pb.Plan(tokens=tokens, limit=len(tokens) - 1,
+                                                   prefill=True)))
+        reply = next(replies)
+        stats = service.stats()
+        assert reply.WhichOneof("result") == "token" and reply.token.HasField("plan")
+        assert stats["sessions"] == 0 and stats["lanes_busy"] == 0, stats
+        with pytest.raises(StopIteration):  # ended by the stage, with nothing sent
+            next(replies)
+    follow = tokens + [7, 8]
+    token, cached = first_token(address, follow)
+    assert cached == 128  # the lane it left warm (two 64-row chunks)
+    assert first_token(address, follow, probe=True) == (token, 0)
+
+
 def _torch_threads(service: StageServer) -> int:
     import torch
     return service.loop.call(torch.get_num_threads)
