@@ -133,16 +133,19 @@ class StageLoop:
             self._cv.notify_all()
         return row.outcome()
 
-    def compute(self, kind: str, fn, *args, rows: int = 0, **kwargs):
-        """A prefill-like job of `rows` rows, timed and run at the loop's thread count."""
+    def compute(self, kind: str, fn, *args, rows: int = 0, then=None, **kwargs):
+        """A prefill-like job of `rows` rows, timed and run at the loop's thread count;
+        `then(result)`, untimed, in the same trip to the loop thread (its value is the
+        answer)."""
         def timed():
             self._posted(-1)
             self._fit_threads()
             t = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
             finally:
                 self.timing.add(kind, time.perf_counter() - t, rows)
+            return out if then is None else then(out)
         self._posted(1)  # waiting until timed() starts
         return self.call(timed)
 

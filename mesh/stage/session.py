@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -209,19 +210,16 @@ class StageSession:
         if p.replay:
             self.span.set_attribute("skippy.replay", True)
         embed = p.embed if self.last else ""
+        answer = self.last and not embed
         out = self.loop.compute("prefill", tracing.carried(self._restore_and_prefill), tokens,
                                 inputs, start, p.probe, p.namespace, rows=len(tokens) - start,
-                                logits="hidden" if embed else "last")
+                                logits="hidden" if embed else "last",
+                                then=partial(self._answer, tokens, p) if answer else None)
         if embed:  # answered here: nothing is sampled nor decoded
             return pb.StageResult(embedding=pb.Embedding(values=pooled(out.hidden, embed)))
         self._start_decoding()
-        if self.last:
-            if not p.probe:
-                self.loop.call(self.cache.remember_result, tokens, out.logits,
-                               namespace=p.namespace)
-            if p.replay:
-                return pb.StageResult(done=pb.Done(cached_tokens=start))
-            return pb.StageResult(token=self.loop.call(self._sample, out.logits, start))
+        if answer:
+            return out
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
                           probe=p.probe, namespace=p.namespace, replay=p.replay,
                           embed=p.embed)
@@ -328,6 +326,15 @@ class StageSession:
                                   namespace=namespace,
                                   downstream=self.downstream_start if not self.last else None,
                                   between_chunks=self.loop.run_waiting_rows)
+
+    def _answer(self, tokens: list[int], p: pb.Prefill, out) -> pb.StageResult:
+        """The last stage's answer to a prefill, on the loop thread in the prefill's own
+        trip there: the prompt's logits kept as its exact result, its first token."""
+        if not p.probe:
+            self.cache.remember_result(tokens, out.logits, namespace=p.namespace)
+        if p.replay:
+            return pb.StageResult(done=pb.Done(cached_tokens=p.start))
+        return pb.StageResult(token=self._sample(out.logits, p.start))
 
     def _new_sampler(self, sampling: pb.Sampling) -> None:
         params = sampling_from_proto(sampling)
