@@ -23,8 +23,10 @@ import torch
 log = logging.getLogger(__name__)
 
 # How long a row waits for the other decoding sessions' rows to join its step (other
-# work runs meanwhile): without it rows settle into groups that take turns and a batch
-# runs half-empty.
+# work runs meanwhile), counted from its arrival or the end of the last step, whichever
+# is later: without it rows settle into groups that take turns and a batch runs
+# half-empty. (From arrival alone, a row that came during a step ran alone after it,
+# while the step's own rows were still on their way back: two sessions took turns.)
 GATHER_S = 0.003
 
 
@@ -103,6 +105,7 @@ class StageLoop:
         self._jobs: deque[_Job] = deque()
         self._rows: list[Row] = []
         self._rows_since = 0.0     # when the oldest waiting row arrived
+        self._stepped = 0.0        # when the last decode step's rows were answered
         self._prefills_waiting = 0  # compute() jobs posted, not yet started
         self.decoding = 0          # sessions past their prefill: rows to expect
         self.sessions = 0          # open sessions (thread bursting)
@@ -213,7 +216,7 @@ class StageLoop:
         is up); other work runs while they gather; then wait."""
         with self._cv:
             while True:
-                wait = self._rows_since + GATHER_S - time.monotonic()
+                wait = max(self._rows_since, self._stepped) + GATHER_S - time.monotonic()
                 if self._rows and (len(self._rows) >= self.decoding or wait <= 0):
                     rows, self._rows = self._rows, []
                     return rows, None
@@ -255,6 +258,8 @@ class StageLoop:
                 row.settle(row.finish(out))
             except Exception as e:
                 row.settle(error=e)
+        with self._cv:
+            self._stepped = time.monotonic()
 
     def _fit_threads(self) -> None:
         if self._burst:
