@@ -9,8 +9,10 @@ runs over mutual TLS (mesh/stage/security.py).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -26,9 +28,9 @@ from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
 
+log = logging.getLogger(__name__)
 MAX_SESSIONS = 64   # concurrent request streams a stage serves (each holds a thread)
 IDLE_S = 600.0      # a session silent this long is closed and its lane freed
-_IDLE = object()
 
 HEADROOM = 1 << 20  # a message's fields besides rows and token ids (sampling, logit_bias)
 _VALUE_BYTES = {"f32": 4, "f16": 2, "q8": 1}
@@ -53,22 +55,26 @@ def message_limit(model_path: str, n_ctx: int, wire_dtype: str) -> int:
 class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, server: StageServer):
         self.server = server
+        self.idle = _IdleWatch()
 
     def Session(self, calls, context):
         session = self.server.open_session()
-        waiting = _Reader(calls)
+        watched = self.idle.watch(context)
         try:
-            while True:
-                call = waiting.next(IDLE_S)
-                if call is None:  # the client ended the stream
-                    return
-                if call is _IDLE:  # a client that holds a lane and says nothing
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"session idle for {IDLE_S:.0f} s")
-                yield session.handle(call)
+            # read here, not on a reader thread of its own: a call's way in is one
+            # thread hand-off shorter (the watch cancels a session that stays silent)
+            for call in calls:
+                watched.busy = True
+                try:
+                    yield session.handle(call)
+                finally:
+                    watched.seen()
                 if call.last:  # the session ended with its answer: so does the stream
                     return
+        except grpc.RpcError:  # the client went, or the watch cancelled a silent one
+            pass
         finally:
+            self.idle.forget(watched)
             session.close()
 
     def GetBlocks(self, request, context):
@@ -80,27 +86,50 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             list(request.tokens), request.limit, request.after, request.namespace))
 
 
-class _Reader:
-    """A session's incoming calls, read on a thread of their own so the handler can give
-    up on a silent client."""
+class _Watched:
+    def __init__(self, context):
+        self.context, self.busy = context, False
+        self.last = time.monotonic()
 
-    def __init__(self, calls):
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, args=(calls,), daemon=True).start()
+    def seen(self) -> None:
+        self.last, self.busy = time.monotonic(), False
 
-    def _read(self, calls) -> None:
-        try:
-            for call in calls:
-                self._q.put(call)
-        except Exception:  # the stream broke or was cancelled: the session ends
-            pass
-        self._q.put(None)
 
-    def next(self, timeout: float):
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            return _IDLE
+class _IdleWatch:
+    """Cancels a session whose client holds a lane and says nothing for IDLE_S: one
+    thread for the server's sessions, started with the first."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sessions: set[_Watched] = set()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, context) -> _Watched:
+        w = _Watched(context)
+        with self._lock:
+            self._sessions.add(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="session-idle-watch")
+                self._thread.start()
+        self._wake.set()  # IDLE_S may have changed (tests): the watch looks again
+        return w
+
+    def forget(self, w: _Watched) -> None:
+        with self._lock:
+            self._sessions.discard(w)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(IDLE_S / 4)
+            self._wake.clear()
+            now = time.monotonic()
+            with self._lock:
+                idle = [w for w in self._sessions if not w.busy and now - w.last > IDLE_S]
+            for w in idle:
+                log.info("a session idle for %.0f s is closed and its lane freed", IDLE_S)
+                w.context.cancel()
 
 
 class GrpcLink:
