@@ -213,6 +213,40 @@ def test_repeat_of_deterministic_request_skips_the_engine(client, engine):
     assert engine.calls == calls + 3 and longer["usage"]["completion_tokens"] == 7
 
 
+def test_a_repeated_body_is_built_once(client, engine, monkeypatch):
+    """The same bytes again skip validation, templating and tokenizing (built_memo.py);
+    other bytes, the same request written otherwise, are built again. Unseeded sampling
+    still reaches the engine each time (test below): nothing random is built."""
+    import skippy.mesh.front.completions as completions
+    real, built = completions.build_requests, []
+    monkeypatch.setattr(completions, "build_requests",
+                        lambda *a: built.append(1) or real(*a))
+    body = {**GREEDY, "prompt": "Count to three: one,", "max_tokens": 3}
+    first = client.post("/v1/completions", content=json.dumps(body), headers=JSON).json()
+    again = client.post("/v1/completions", content=json.dumps(body), headers=JSON).json()
+    assert len(built) == 1
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"] == first["usage"] | {"prompt_tokens_details": {
+        "cached_tokens": first["usage"]["prompt_tokens"]}}
+    client.post("/v1/completions", content=json.dumps(body, indent=1), headers=JSON)
+    assert len(built) == 2
+    chat = {**GREEDY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for _ in range(2):
+        client.post("/v1/chat/completions", json=chat)
+    assert len(built) == 3  # SmolLM2's template reads no clock
+
+
+def test_a_template_that_reads_the_clock_is_rendered_each_time():
+    from skippy.mesh.front.chat import ChatTemplate
+    from skippy.mesh.front.request_building import ModelView
+
+    def view(text):
+        return ModelView("m", 512, 1, None, ChatTemplate("m", "gguf", text, "", "", False,
+                                                         False))
+    assert view("{{ strftime_now('%d %b %Y') }}{{ messages }}").reads_clock
+    assert not view("{{ messages }}").reads_clock
+
+
 def test_seeded_sampling_repeats_and_is_served_from_known_tokens(client, engine):
     body = {"model": "smollm2", "prompt": "My favourite food is", "max_tokens": 5,
             "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 1234}

@@ -27,6 +27,7 @@ from ..control.engine import GenerationRequest
 from . import anthropic_api, embeddings_api, responses_api, tokenize_api
 from .admission import timed_out
 from .body_budget import BodyBudget
+from .built_memo import BuiltMemo
 from .disconnect import CLIENT_GONE_STATUS, ClientGone, unless_client_leaves
 from .edge import TENANT, cache_namespace
 from .fronts import Fronts, ModelFront
@@ -126,11 +127,12 @@ class Completions:
         tenant = request.scope.get(TENANT, "")
         try:
             async with asyncio.timeout_at(deadline) as within:
-                body = await self._read_body(request)
+                raw = await self._read_raw(request)
+                body = parse_json(raw)
                 front, held = await self.fronts.hold(model_named(body))
                 try:
                     return await unless_client_leaves(request.receive, self._answer(
-                        front, held, body, api, tenant, arrived, deadline))
+                        front, held, body, raw, api, tenant, arrived, deadline))
                 except BaseException:
                     held()
                     raise
@@ -142,6 +144,9 @@ class Completions:
             return Response(status_code=CLIENT_GONE_STATUS)
 
     async def _read_body(self, request: Request) -> dict:
+        return parse_json(await self._read_raw(request))
+
+    async def _read_raw(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
         limit = self.limits.max_body_bytes
         too_large = ApiError(413, f"the request body exceeds {limit} bytes",
@@ -160,7 +165,7 @@ class Completions:
                 raise too_large
         if declared is None:
             await self._spend(caller, len(raw))
-        return parse_json(bytes(raw))
+        return bytes(raw)
 
     async def _spend(self, caller: str, nbytes: int) -> None:
         try:
@@ -172,8 +177,10 @@ class Completions:
             raise
 
     async def _answer(self, front: ModelFront, held: Callable[[], None], body: dict,
-                      api: str, tenant: str, arrived: float, deadline: float) -> Response:
-        """`held`: the hold on `front`'s model, ended with the request's slot."""
+                      raw: bytes, api: str, tenant: str, arrived: float, deadline: float
+                      ) -> Response:
+        """`held`: the hold on `front`'s model, ended with the request's slot; `raw`:
+        the body's bytes (a body built before is not built again: built_memo.py)."""
         # off the event loop, where the streams of other requests run: checking tool
         # schemas and compiling a response_format's grammar (parse_request), and templates
         # and tokenizers on long prompts (build_requests)
@@ -190,9 +197,17 @@ class Completions:
                 chat_body = turn.chat
             return parse_request(chat_body, chat=api != COMPLETIONS,
                                  schemas=self.schemas.checker(tenant)), turn
-        parsed, turn = await asyncio.to_thread(parse)
-        built = await asyncio.to_thread(build_requests, parsed, front.view, self.limits,
-                                        tenant)
+        pure = api == COMPLETIONS or (api == CHAT and not front.view.reads_clock)
+        key = BuiltMemo.key(api, tenant, raw) if pure else None
+        known = None if key is None else front.built.get(key)
+        if known is not None:
+            (parsed, built), turn = known, None
+        else:
+            parsed, turn = await asyncio.to_thread(parse)
+            built = await asyncio.to_thread(build_requests, parsed, front.view,
+                                            self.limits, tenant)
+            if key is not None:
+                front.built.put(key, raw, parsed, built)
         admitted = await front.admission.admit(len(built.requests))
 
         def release() -> None:

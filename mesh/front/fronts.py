@@ -21,6 +21,7 @@ from ..control.model_set import ModelSet, UnknownModel
 from ..tokenizer import Tokenizer
 from . import embeddings_api
 from .admission import RequestAdmission
+from .built_memo import BuiltMemo
 from .generation import RunContext
 from .in_flight import InFlight
 from .limits import GatewayLimits
@@ -42,6 +43,7 @@ class ModelFront:
     admission: RequestAdmission
     pooling: str       # /v1/embeddings' default: the GGUF's, else mean
     fingerprint: str   # the split and weights served (a new one: seeded answers may change)
+    built: BuiltMemo   # requests built from bodies seen before (this load's view)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Fronts:
         return ModelFront(engine, view, RunContext(engine, s.memo, s.metrics, tokenizer,
                                                    s.in_flight), admission,
                           embeddings_api.model_pooling(tokenizer.path),  # a package too
-                          "fp_" + engine.info.topology_digest[:12])
+                          "fp_" + engine.info.topology_digest[:12], BuiltMemo())
 
     def loaded(self) -> list[ModelFront]:
         """The fronts of the models loaded now (built where not yet)."""

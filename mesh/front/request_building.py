@@ -52,6 +52,12 @@ class ModelView:
         return cls(info.model, info.n_ctx, info.lanes, tokenizer, template, missing,
                    control_text)
 
+    @property
+    def reads_clock(self) -> bool:
+        """Whether the chat template renders the time (`strftime_now`): the same
+        messages may then give another prompt another day."""
+        return self.template is not None and "strftime_now" in self.template.text
+
 
 @dataclass(frozen=True)
 class BuiltRequest:
