@@ -77,7 +77,7 @@ def latent_kv_shape(m: MlaConfig) -> tuple[int, int, int]:
 def _up_projections(p: str, m: MlaConfig, n_heads: int, t: StageTensors,
                     per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per head, f32 and contiguous: W_kb (q_nope -> latent space) and W_vb (attended
-    latent -> value), as [H, out, in] for qkernel.linear_f32 a head at a time (per_head),
+    latent -> value), as [H, out, in] for qkernel.linear_f32_heads (per_head),
     else transposed, [H, nope, kv_lora] and [H, kv_lora, v], for bmm."""
     # read through matrix(): the stage keeps only the per-head tensors made here
     if m.absorbed:
@@ -125,7 +125,6 @@ class MlaAttention:
         self.kv_a_norm = t[p + "attn_kv_a_norm.weight"]
         self.lib = qkernel.library()
         self.k_b, self.v_b = _up_projections(p, m, cfg.n_heads, t, self.lib is not None)
-        self.k_heads, self.v_heads = self.k_b.unbind(0), self.v_b.unbind(0)
         self.out = make_linear(t.matrix(p + "attn_output.weight"), fmt)
         # one kv head of [c, k_pe] whose first kv_lora_rank floats are the values; rope on
         # the k_pe / q_pe part at the end of each head; no q/k norms there (c is normed here)
@@ -180,9 +179,8 @@ class MlaAttention:
         q, ckv = q[mine], ckv[mine]
         rows = torch.empty(R, (H + 1) * D)
         heads = rows[:, :H * D].view(R, H, D)
-        # every head's views by one unbind: a decode step's time here is per-head Python
-        for x, w, y in zip(q[..., :m.nope].unbind(1), self.k_heads, heads[..., :L].unbind(1)):
-            qkernel.linear_f32(lib, x, w, out=y)
+        # every head in one kernel call (a call per head was a decode step's Python time)
+        qkernel.linear_f32_heads(lib, q[..., :m.nope], self.k_b, heads[..., :L])
         heads[:, :, L:] = q[:, :, m.nope:]
         rows[:, H * D:H * D + L] = rms_norm(ckv[:, :L], self.kv_a_norm, self.eps)
         rows[:, H * D + L:] = ckv[:, L:]
@@ -193,9 +191,8 @@ class MlaAttention:
         qkernel.attend_rows(lib, self.shape, rows, R, pos, caches, caches, attended)
         o = (torch.zeros if R < n else torch.empty)(n, H * m.v_head)
         got = o[mine] if isinstance(mine, slice) else torch.empty(R, H * m.v_head)
-        for x, w, y in zip(attended.view(R, H, L).unbind(1), self.v_heads,
-                           got.view(R, H, m.v_head).unbind(1)):
-            qkernel.linear_f32(lib, x, w, out=y)
+        qkernel.linear_f32_heads(lib, attended.view(R, H, L), self.v_b,
+                                 got.view(R, H, m.v_head))
         if not isinstance(mine, slice):
             o[mine] = got
         return o

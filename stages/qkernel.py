@@ -244,6 +244,9 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_gated.argtypes = [ctypes.c_int, p, p, i64, i64, i64, p, ctypes.c_int]
     lib.skr_linear_f32.restype = None
     lib.skr_linear_f32.argtypes = [p, i64, p, i64, i64, i64, p, i64, ctypes.c_int]
+    lib.skr_linear_f32_heads.restype = None
+    lib.skr_linear_f32_heads.argtypes = [p, i64, i64, p, i64, i64, i64, i64, i64, p, i64,
+                                         i64, ctypes.c_int]
     lib.skr_gate.restype = None
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skd_layers.restype = ctypes.c_int  # decoder.c
@@ -305,6 +308,23 @@ def linear_f32(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     lib.skr_linear_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), rows, k, n_out,
                        out.data_ptr(), out.stride(0), torch.get_num_threads())
     return out
+
+
+def linear_f32_heads(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+                     out: torch.Tensor) -> None:
+    """linear_f32 of each head in one call: x [rows, H, k] (rows and heads strided,
+    each head's k floats contiguous) times weight [H, n_out, k] (contiguous) into out
+    [rows, H, n_out] (likewise strided): head h's outputs bitwise linear_f32(x[:, h],
+    weight[h])."""
+    rows, heads, k = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        x = x.float().contiguous()
+    if not weight.is_contiguous() or out.stride(-1) != 1:
+        raise ValueError("linear_f32_heads: a contiguous weight and out's last dimension")
+    n_out = weight.shape[1]
+    lib.skr_linear_f32_heads(x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(),
+                             weight.stride(0), heads, rows, k, n_out, out.data_ptr(),
+                             out.stride(0), out.stride(1), torch.get_num_threads())
 
 
 GATES = {"softmax": 0, "sigmoid": 1, "sqrt_softplus": 2}  # rowops.c skr_gate's kinds

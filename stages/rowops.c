@@ -135,6 +135,20 @@ void skr_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t ro
             out[r * out_stride + o] = dot(x + r * x_stride, w + o * k, k);
 }
 
+/* skr_linear_f32 for each of `heads` heads in one call (latent attention's per-head up-
+ * projections): head h reads x + h * x_head against its own weight w + h * w_head and
+ * writes out + h * out_head. The same function per head: the same bits as one call each,
+ * without a Python call per head and layer. */
+void skr_linear_f32_heads(const float *x, int64_t x_stride, int64_t x_head, const float *w,
+                          int64_t w_head, int64_t heads, int64_t rows, int64_t k,
+                          int64_t n_out, float *out, int64_t out_stride, int64_t out_head,
+                          int threads)
+{
+    for (int64_t h = 0; h < heads; h++)
+        skr_linear_f32(x + h * x_head, x_stride, w + h * w_head, rows, k, n_out,
+                       out + h * out_head, out_stride, threads);
+}
+
 /* A router's gate over each row of n logits, alone: 0 softmax (max, exp(x - max), their
  * sum in order, each divided by it), 1 sigmoid 1 / (1 + exp(-x)), 2 sqrt(softplus(x))
  * (softplus x above 20, as torch's). torch's would round a vector's body and its tail

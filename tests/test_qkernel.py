@@ -224,3 +224,15 @@ def test_a_float32_product_is_the_formula_and_each_row_its_own():
     qkernel.linear_f32(lib, wide[:, 1], w, out=out[:, 1])
     assert torch.equal(out[:, 1], qkernel.linear_f32(lib, wide[:, 1].contiguous(), w))
     assert not out[:, 0].any()
+
+
+def test_every_heads_product_in_one_call_is_each_heads_own():
+    # latent attention's up-projections: heads are columns of wider rows, in and out
+    rows, heads, k, n = 6, 4, 40, 24
+    x = torch.randn(rows, heads, k + 8)[..., 3:3 + k]
+    w = torch.randn(heads, n, k)
+    out = torch.zeros(rows, heads + 1, n + 5)
+    qkernel.linear_f32_heads(lib, x, w, out[:, :heads, :n])
+    for h in range(heads):
+        assert torch.equal(out[:, h, :n], qkernel.linear_f32(lib, x[:, h].contiguous(), w[h]))
+    assert not out[:, heads].any() and not out[..., n:].any()
