@@ -43,6 +43,7 @@ from .tool_choice import CheckedSchemas
 
 
 REFUSAL_HOLD_S = 1.0  # a request over its caller's body budget waits this long for its 429
+INLINE_HASH_BYTES = 64 * 1024  # bodies up to this are hashed on the event loop (~16 us)
 # the APIs answered
 COMPLETIONS, CHAT, MESSAGES, RESPONSES = "completions", "chat", "messages", "responses"
 
@@ -198,7 +199,10 @@ class Completions:
             return parse_request(chat_body, chat=api != COMPLETIONS,
                                  schemas=self.schemas.checker(tenant)), turn
         pure = api == COMPLETIONS or (api == CHAT and not front.view.reads_clock)
-        key = BuiltMemo.key(api, tenant, raw) if pure else None
+        key = None
+        if pure:  # a big body is hashed off the event loop (about 1 ms a 4 MiB)
+            key = BuiltMemo.key(api, tenant, raw) if len(raw) <= INLINE_HASH_BYTES else \
+                await asyncio.to_thread(BuiltMemo.key, api, tenant, raw)
         known = None if key is None else front.built.get(key)
         if known is not None:
             (parsed, built), turn = known, None
