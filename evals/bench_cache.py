@@ -55,6 +55,7 @@ from skippy.cache.index import PrefixIndex
 from skippy.cache.prefix_cache import PrefixCache
 from skippy.mesh.progress import Console, tracked
 from skippy.evals import plots
+from skippy.evals.entry import guarded
 
 VOCAB = 49152
 QUERIES_PER_CASE = 32
@@ -409,4 +410,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

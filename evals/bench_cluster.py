@@ -52,6 +52,7 @@ from skippy.mesh.control.ray_engine import RayEngine
 from skippy.mesh.models import pull
 from skippy.mesh.progress import tracked
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.evals.entry import guarded
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -318,4 +319,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -37,6 +37,7 @@ from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
 from .bench_cluster import DEFAULT_DATA, corpus_ids
+from skippy.evals.entry import guarded
 
 MESSAGE = 32
 
@@ -151,4 +152,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -47,6 +47,7 @@ import torch
 
 from skippy.evals import plots
 from skippy.evals.json_schemas import schemas as generated_schemas
+from skippy.evals.entry import guarded
 
 MODELS = {"smollm2": "smollm2", "gemma3": "gemma3-270m"}
 SCALING = (16384, 32768, 65536, 131072)  # prefixes of Gemma's vocabulary
@@ -395,4 +396,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -64,6 +64,7 @@ import httpx
 
 from skippy.mesh.progress import tracked
 from skippy.evals import plots
+from skippy.evals.entry import guarded
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -949,4 +950,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

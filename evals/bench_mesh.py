@@ -36,6 +36,7 @@ from skippy.evals import plots
 from skippy.evals.bench_runtime import environment
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT
+from skippy.evals.entry import guarded
 
 HOP_SHAPES = ((1, 576), (128, 576))
 DECODE_TOKENS = 64
@@ -323,4 +324,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

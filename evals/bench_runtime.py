@@ -67,6 +67,7 @@ from skippy.stages.linear import WEIGHT_FORMATS, kernels
 from skippy.stages.qkernel import cpu_flags, cpu_name
 from skippy.stages.runtime import DEFAULT_WEIGHT_FORMAT, StageSpec
 from skippy.topology.families import LLAMA
+from skippy.evals.entry import guarded
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -821,4 +822,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

@@ -30,6 +30,7 @@ from skippy.evals import plots
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.models import resolve_model
 from skippy.mesh.tokenizer import Tokenizer
+from skippy.evals.entry import guarded
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "usecases.jsonl"
@@ -181,4 +182,4 @@ def _one(path: Path, args, work, hop_ms: float) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)

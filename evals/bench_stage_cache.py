@@ -59,6 +59,7 @@ from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.chain import StageChain
 from skippy.stages.runtime_kind import RUNTIMES as RUNTIME_KINDS, runtime_kind
+from skippy.evals.entry import guarded
 
 PREFIX, LONG_PREFIX, TAIL = 128, 1024, 16
 THREADS = 2
@@ -438,5 +439,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    guarded(main)
     sys.exit(0)

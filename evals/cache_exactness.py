@@ -28,6 +28,7 @@ from skippy.cache.config import CacheConfig
 from skippy.evals import plots
 from skippy.evals.numerics import first_of_each_use_case
 from skippy.mesh.control.local import InProcessEngine
+from skippy.evals.entry import guarded
 
 STEPS = 8
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
@@ -165,4 +166,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -36,6 +36,7 @@ from skippy.stages.certify import certify
 from skippy.stages.linear import WEIGHT_FORMATS
 from skippy.topology.families import SynthCase, synth_case, synth_cases
 from skippy.topology.planner import PlanError
+from skippy.evals.entry import guarded
 
 SHIPPED = ("smollm2", "gemma3-270m")  # the catalogue's real checkpoints (mesh/models.py)
 SPLITS = (1, 2, 3)
@@ -207,4 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -41,6 +41,7 @@ from skippy.evals.bench_stage_cache import PREFIX, TAIL, Family, Shape, bench
 from skippy.mesh.progress import Console, tracked
 from skippy.stages.certify import certify
 from skippy.topology.families import synth_cases
+from skippy.evals.entry import guarded
 
 CERTIFY_FORMATS = ("fp32", "int4")
 ROWS = ("exact_repeat", "changed_tail")
@@ -193,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

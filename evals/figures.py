@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from skippy.evals.entry import guarded
+
 EVALS = Path(__file__).resolve().parent
 OUT, FIGURES = EVALS / "out", EVALS / "figures"
 
@@ -114,4 +116,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -27,6 +27,7 @@ from skippy.evals.numerics import (DEFAULT_DATA, WINDOW, cosine, prompt_ids, rea
                                    whole_model)
 from skippy.evals.reference import LlamaCppReference
 from skippy.stages.linear import WEIGHT_FORMATS
+from skippy.evals.entry import guarded
 
 # llama.cpp's own Q4_0 arithmetic (rows quantized to 8 bits per block of 32, as ours)
 # agrees with the fp32 computation at 97.1 % (SmolLM2) and 97.4 % (Gemma 3): `python -m
@@ -156,4 +157,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    guarded(main, sys.argv[1:])

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from skippy.evals import plots
 from skippy.topology.families import DEEPSEEK2
+from skippy.evals.entry import guarded
 
 # The giant: deepseek2-shaped (multi-head latent attention, a dense first layer, then
 # mixture-of-experts layers with shared experts and grouped routing), the shape of today's
@@ -239,4 +240,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main()["passed"] else 1)
+    sys.exit(0 if guarded(main)["passed"] else 1)

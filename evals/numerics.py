@@ -27,6 +27,7 @@ from skippy.stages.runtime import StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
+from skippy.evals.entry import guarded
 
 WINDOW = 256
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "usecases.jsonl"
@@ -301,4 +302,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

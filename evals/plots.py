@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from skippy.evals.entry import guarded
+
 # Every eval that writes JSON, by module name: the value of its JSON's "bench" key.
 BENCHES = ("bench_cache", "bench_cluster", "bench_cold_tier", "bench_constraint",
            "bench_gateway", "bench_mesh", "bench_runtime", "bench_speculation",
@@ -171,4 +173,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

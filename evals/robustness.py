@@ -29,6 +29,7 @@ import sys
 import time
 
 from skippy.evals import plots
+from skippy.evals.entry import guarded
 
 TARGETS = {"health_s": 0.100, "gap_s": 0.250}
 KEY = "robustness"
@@ -202,4 +203,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -23,6 +23,7 @@ from skippy.evals import plots
 from skippy.evals.cache_exactness import prompt_ids
 from skippy.evals.numerics import DEFAULT_DATA, cosine, read_corpus
 from skippy.stages.chain import StageChain
+from skippy.evals.entry import guarded
 
 ACCEPT_TOP1 = 0.99
 
@@ -131,4 +132,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))
