@@ -18,13 +18,6 @@
 #include "kernels.h"
 
 typedef struct {
-    int kind; /* skq_matmul's: 4 or 8, and its half flags */
-    const uint8_t *w;
-    const void *s, *z; /* z may be NULL */
-    int64_t n, k;       /* outputs, inputs */
-} qmat;
-
-typedef struct {
     qmat qkv, out, gate_up, down;   /* gate_up: the gate's n / 2 outputs, then the up's */
     const float *qkv_bias;          /* [qkv.n] or NULL */
     const float *attn_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
@@ -32,11 +25,6 @@ typedef struct {
     int act;                        /* skr_gated's activation */
     float eps;                      /* the norms' */
 } dec_layer;
-
-static int matmul(const qmat *m, const float *x, int64_t rows, float *y, int threads)
-{
-    return skq_matmul(m->kind, m->w, m->s, m->z, m->n, m->k, x, rows, y, threads, 0);
-}
 
 /* x [rows][hidden] in place through layers [0, n_layers). kcache / vcache: per layer,
  * rows pointers (row r's lane cache of that layer), layer-major. Returns 0, or -1 when
@@ -64,7 +52,7 @@ int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t
             skr_rms_norm(x, d->attn_norm, rows, hidden, 1, d->eps, h);
             in = h;
         }
-        if ((rc = matmul(&d->qkv, in, rows, y, threads)))
+        if ((rc = qmat_run(&d->qkv, in, rows, y, threads)))
             break;
         if (d->qkv_bias)
             for (int64_t r = 0; r < rows; r++)
@@ -74,7 +62,7 @@ int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t
         if ((rc = skr_attend_rows(d->attn, y, rows, pos, kcache + (int64_t)l * rows,
                                   vcache + (int64_t)l * rows, o, threads)))
             break;
-        if ((rc = matmul(&d->out, o, rows, y, threads)))
+        if ((rc = qmat_run(&d->out, o, rows, y, threads)))
             break;
         const float *mixed = y;
         if (d->post_attn_norm) {
@@ -88,11 +76,11 @@ int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t
             skr_rms_norm(x, d->ffn_norm, rows, hidden, 1, d->eps, h);
             in = h;
         }
-        if ((rc = matmul(&d->gate_up, in, rows, y, threads)))
+        if ((rc = qmat_run(&d->gate_up, in, rows, y, threads)))
             break;
         const int64_t ff = d->gate_up.n / 2;
         skr_gated(d->act, y, y + ff, rows, ff, d->gate_up.n, o, threads);
-        if ((rc = matmul(&d->down, o, rows, y, threads)))
+        if ((rc = qmat_run(&d->down, o, rows, y, threads)))
             break;
         mixed = y;
         if (d->post_ffn_norm) {

@@ -18,22 +18,11 @@ from .norms import Norm
 from .transformer import Attention, DecoderLayer, Segment, _in_order, _positions
 
 
-class _Mat(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
-                ("z", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
-
-
 class _Layer(ctypes.Structure):
-    _fields_ = [(n, _Mat) for n in ("qkv", "out", "gate_up", "down")] \
+    _fields_ = [(n, qkernel.QMat) for n in ("qkv", "out", "gate_up", "down")] \
         + [(n, ctypes.c_void_p) for n in ("qkv_bias", "attn_norm", "post_attn_norm",
                                           "ffn_norm", "post_ffn_norm", "attn")] \
         + [("act", ctypes.c_int), ("eps", ctypes.c_float)]
-
-
-def _mat(lin: BlockLinear) -> _Mat:
-    return _Mat(qkernel.kind_word(lin.kind, lin.s, lin.z), lin.w.data_ptr(), lin.s.data_ptr(),
-                lin.z.data_ptr() if lin.z is not None else None,
-                lin.out_features, lin.in_features)
 
 
 def _norm(norm: Norm | None) -> tuple[bool, int | None]:
@@ -71,7 +60,7 @@ def _layer(layer: DecoderLayer) -> _Layer | None:
     bias = qkv.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    return _Layer(*map(_mat, lins), bias.data_ptr() if bias is not None else None,
+    return _Layer(*map(qkernel.qmat, lins), bias.data_ptr() if bias is not None else None,
                   *(ptr for _, ptr in norms), ctypes.addressof(mixer.shape),
                   qkernel.GATED[ffn.activation], eps.pop() if eps else 0.0)
 

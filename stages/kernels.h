@@ -19,6 +19,15 @@ typedef struct {
     int rope_at; /* where in each head its rope_dim rotated floats start (MLA: the end) */
 } attn_shape;
 
+/* A matrix on our integer kernel: skq_matmul's kind (4 or 8, and its half flags), blocks,
+ * scales, zeros (may be NULL); n outputs, k inputs. */
+typedef struct {
+    int kind;
+    const uint8_t *w;
+    const void *s, *z;
+    int64_t n, k;
+} qmat;
+
 /* pool.c */
 void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), void *arg);
 /* qmatmul.c; kind 4 or 8, with these flags where the scales / zeros are halves, and
@@ -28,6 +37,10 @@ void skp_run(int threads, int64_t items, void (*fn)(void *, int64_t, int64_t), v
 #define SKQ_TEAM 64
 int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t N,
                int64_t K, const float *x, int64_t M, float *y, int threads, int use_c);
+static inline int qmat_run(const qmat *m, const float *x, int64_t rows, float *y, int threads)
+{
+    return skq_matmul(m->kind, m->w, m->s, m->z, m->n, m->k, x, rows, y, threads, 0);
+}
 /* rowops.c */
 void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,
                   float eps, float *out);
@@ -35,8 +48,16 @@ void skr_rope(float *x, int heads, int hd, int dim, const float *c, const float 
               int style);
 void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,
                int64_t stride, float *out, int threads);
+void skr_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t rows, int64_t k,
+                    int64_t n_out, float *out, int64_t out_stride, int threads);
+void skr_gate(int kind, const float *x, int64_t rows, int64_t n, float *out);
 /* attention.c */
 int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
                     float *const *kcache, float *const *vcache, float *out, int threads);
+
+/* moe.c: a mixture-of-experts block (stages/moe.py builds its description) */
+typedef struct moe_block moe_block;
+int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *real, float *out,
+            int threads);
 
 #endif

@@ -18,6 +18,7 @@ decode. The chosen experts' outputs are added in selection order, as llama.cpp a
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -236,8 +237,11 @@ class MoeFfn:
                                     t.matrix(p + "ffn_down_shexp.weight"), fmt, activation)
         gate = t.get(p + "ffn_gate_inp_shexp.weight")
         self.shared_gate = RowLinear(gate.reshape(1, -1)) if gate is not None else None
+        self.block = OneCall.of(self)
 
     def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:
+        if self.block is not None and h.dtype == torch.float32:
+            return self.block(h, segments)
         decode = all(s.n == 1 for s in segments)
         out = self.routed(h, segments, decode)
         if self.shared is not None:
@@ -307,3 +311,96 @@ class MoeFfn:
         """Weight bytes the block holds: every expert (the planner's figure)."""
         shared = self.shared.nbytes if self.shared is not None else 0
         return self.router.nbytes + sum(e.nbytes for e in self.experts) + shared
+
+
+class _Block(ctypes.Structure):
+    """moe.c's moe_block."""
+
+    _fields_ = [("hidden", ctypes.c_int64)] \
+        + [(n, ctypes.c_int) for n in ("n_expert", "n_used", "gating", "norm")] \
+        + [("scale", ctypes.c_float), ("groups", ctypes.c_int), ("groups_used", ctypes.c_int)] \
+        + [(n, ctypes.c_void_p) for n in ("router", "bias", "gate_up", "down")] \
+        + [("act", ctypes.c_int)] \
+        + [(n, ctypes.c_void_p) for n in ("shared_gate_up", "shared_down", "shared_gate")]
+
+
+def _plain(expert: Expert | None) -> bool:
+    """Does the expert fit moe.c (integer-kernel products, gate and up in equal halves,
+    an activation of skr_gated, no per-expert scales)?"""
+    return expert is None or (isinstance(expert.gate_up, BlockLinear)
+                              and isinstance(expert.down, BlockLinear)
+                              and expert.split[0] == expert.split[1]
+                              and expert.activation in qkernel.GATED
+                              and expert.scales == (None,) * 3)
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+
+
+class OneCall:
+    """A block through moe.c in one call (the same bits as MoeFfn's own path: every step
+    the same function or float operation, in the same order); `of` gives None where the
+    block has another form (per-expert scales, float experts, gelu_f16)."""
+
+    def __init__(self, lib: ctypes.CDLL, block: MoeFfn):
+        self.lib, self.ffn = lib, block  # the block owns every tensor described here
+        r, experts = block.routing, block.experts
+        self.gate_up = (qkernel.QMat * len(experts))(*[qkernel.qmat(e.gate_up) for e in experts])
+        self.down = (qkernel.QMat * len(experts))(*[qkernel.qmat(e.down) for e in experts])
+        shared = block.shared
+        self.shared = (qkernel.qmat(shared.gate_up), qkernel.qmat(shared.down)) \
+            if shared is not None else None
+        ptr = ctypes.addressof
+        self.desc = _Block(
+            block.router.in_features, len(experts), r.n_used,
+            -1 if r.gating == "softmax_weight" else qkernel.GATES[r.gating], int(r.norm),
+            r.scale if r.scale not in (0.0, 1.0) else 0.0, r.groups, r.groups_used,
+            block.router.weight.data_ptr(),
+            block.bias.data_ptr() if block.bias is not None else None,
+            ptr(self.gate_up), ptr(self.down), qkernel.GATED[experts[0].activation],
+            ptr(self.shared[0]) if shared is not None else None,
+            ptr(self.shared[1]) if shared is not None else None,
+            block.shared_gate.weight.data_ptr() if block.shared_gate is not None else None)
+
+    @classmethod
+    def of(cls, block: MoeFfn) -> "OneCall | None":
+        lib = qkernel.library()
+        experts = block.experts
+        if lib is None or not experts \
+                or not all(_plain(e) for e in experts + [block.shared]) \
+                or len({e.activation for e in experts}) != 1 \
+                or (block.shared is not None
+                    and block.shared.activation != experts[0].activation) \
+                or not all(_f32(t) for t in (block.router.weight, block.bias)) \
+                or (block.shared_gate is not None and not _f32(block.shared_gate.weight)):
+            return None
+        return cls(lib, block)
+
+    def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:
+        """The block over h's rows; rows outside the segments' real rows get no routed
+        output (padding)."""
+        x = h.contiguous()
+        rows = x.shape[0]
+        real = None
+        if not _every_row_real(segments, rows):
+            real = torch.zeros(rows, dtype=torch.uint8)
+            for s in segments:
+                real[s.row0:s.row0 + s.n_real] = 1
+        out = torch.empty_like(x)
+        rc = self.lib.skm_moe(ctypes.addressof(self.desc), x.data_ptr(), rows,
+                              real.data_ptr() if real is not None else None, out.data_ptr(),
+                              torch.get_num_threads())
+        if rc:
+            raise MemoryError("mixture of experts: no scratch memory")
+        return out
+
+
+def _every_row_real(segments, rows: int) -> bool:
+    """Are the segments' rows 0 .. rows - 1 in order, every one real (no padding)?"""
+    row = 0
+    for s in segments:
+        if s.row0 != row or s.n_real != s.n:
+            return False
+        row += s.n
+    return row == rows

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c", "scan.c", "decoder.c")]
+           for n in ("qmatmul.c", "rowops.c", "attention.c", "pool.c", "scan.c", "decoder.c",
+                     "moe.c")]
 # included by the sources: part of the digest
 HEADERS = [Path(__file__).with_name(n) for n in ("fmath.h", "kernels.h")]
 TN, QK = 16, 32  # columns per packed tile, inputs per block (qmatmul.c)
@@ -183,6 +184,20 @@ def kind_word(kind: int, s: torch.Tensor, z: torch.Tensor | None) -> int:
         | (Z16 if z is not None and z.dtype == torch.float16 else 0)
 
 
+class QMat(ctypes.Structure):
+    """kernels.h's qmat: a matrix on our integer kernel (BlockLinear's tables)."""
+
+    _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p), ("s", ctypes.c_void_p),
+                ("z", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+def qmat(lin) -> QMat:
+    """A BlockLinear's tables as kernels.h's qmat (the linear keeps them alive)."""
+    return QMat(kind_word(lin.kind, lin.s, lin.z), lin.w.data_ptr(), lin.s.data_ptr(),
+                lin.z.data_ptr() if lin.z is not None else None,
+                lin.out_features, lin.in_features)
+
+
 def pack4(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes [N, K] (uint8 0..15) -> bytes [tiles, blocks, 4, TN, 4]: the low
     nibble input 4j + u of a block, the high nibble input 16 + 4j + u."""
@@ -251,6 +266,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skd_layers.restype = ctypes.c_int  # decoder.c
     lib.skd_layers.argtypes = [p, ctypes.c_int, p, i64, i64, p, p, p, ctypes.c_int]
+    lib.skm_moe.restype = ctypes.c_int  # moe.c
+    lib.skm_moe.argtypes = [p, p, i64, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
     # -- the recurrent mixers' scans (scan.c) --

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from skippy.stages.linear import BlockLinear, Matrix, held_bytes
+from skippy.stages.linear import BlockLinear, Matrix, held_bytes, row_invariant
 from skippy.stages.moe import MoeFfn, Routing
 from skippy.stages.transformer import Segment
 
@@ -258,3 +258,31 @@ def test_a_merged_gate_up_stack_is_the_same_block():
     a = MoeFfn(0, Cfg(routing), FakeTensors(t), "fp32")(h, seg)
     b = MoeFfn(0, Cfg(routing), FakeTensors(merged), "fp32")(h, seg)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("routing", [
+    Routing(2, "softmax", norm=True), Routing(2, "sigmoid", norm=True, scale=2.5),
+    Routing(3, "softmax", scale=2.5), Routing(2, "softmax_weight"),
+    Routing(2, "sqrt_softplus", norm=True, scale=1.5),
+    Routing(2, "sigmoid", norm=True, scale=2.5, groups=4, groups_used=2)])
+@pytest.mark.parametrize("shared, gated_shared", [(False, False), (True, True)])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_the_block_in_one_call_is_bitwise_its_own_path(routing, shared, gated_shared, fmt):
+    """moe.c's one call against the block's torch path: a chunk with a padding row, and
+    decode rows of lanes; a block with per-expert scales keeps its own path."""
+    if not row_invariant(fmt):
+        pytest.skip("no kernels of ours")
+    t = moe_layer(shared, gated_shared, scales=False)
+    ffn = MoeFfn(0, Cfg(routing), FakeTensors(t), fmt)
+    assert ffn.block is not None
+    h = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(5))
+    for segments in ([Segment(None, 0, 7, 0, n_real=6)],
+                     [Segment(None, r, 1, 10 + r) for r in range(7)],
+                     [Segment(None, 0, 3, 4), Segment(None, 3, 4, 9)]):
+        one_call = ffn(h, segments)
+        block, ffn.block = ffn.block, None
+        own = ffn(h, segments)
+        ffn.block = block
+        assert torch.equal(one_call, own), (one_call - own).abs().max().item()
+    scaled = moe_layer(shared, gated_shared, scales=True)
+    assert MoeFfn(0, Cfg(routing), FakeTensors(scaled), fmt).block is None
