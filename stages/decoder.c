@@ -1,15 +1,17 @@
 /* A stage's decoder layers in one call, for layers of the plain form: norm, QKV projection
- * (a bias or none), attention over the lanes' caches, output projection, optional post-norm,
- * residual; norm, gate and up projection, gated activation, down projection, optional
- * post-norm, residual; every matrix on our integer kernel (stages/decoder.py says which
- * layers qualify).
+ * (a bias or none, a clamp or none, RMS norms over the whole Q and K or none), attention
+ * over the lanes' caches, output projection, optional post-norm, residual; norm, FFN (gate
+ * and up, gated activation, down; or a mixture of experts, moe.c), optional post-norm,
+ * residual; every matrix on our integer kernel (stages/decoder.py says which layers
+ * qualify). A norm is RMS with a weight or LayerNorm without one (OLMo).
  *
  * Each step is the function the layers' Python path calls for it (skr_rms_norm,
- * skq_matmul, skr_attend_rows, skr_gated), with the same arguments, in the same order, and
- * the bias and residual adds are single float additions as torch's are: the same bits as
- * that path. What it saves is the path itself: about fifteen Python calls, tensor
- * allocations and ctypes conversions per layer, which on a one-row decode step of SmolLM2
- * cost as much as the layer's attention, norms and activation together. */
+ * skr_layer_norm, skq_matmul, skr_attend_rows, skr_gated, skm_moe), with the same
+ * arguments, in the same order, and the bias and residual adds and the clamp are single
+ * float operations as torch's are: the same bits as that path. What it saves is the path
+ * itself: about fifteen Python calls, tensor allocations and ctypes conversions per layer,
+ * which on a one-row decode step of SmolLM2 cost as much as the layer's attention, norms
+ * and activation together. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,19 +20,64 @@
 #include "kernels.h"
 
 typedef struct {
+    int kind;       /* 0: none, 1: RMS times w, 2: LayerNorm without weight or bias */
+    const float *w;
+} dec_norm;
+
+typedef struct {
     qmat qkv, out, gate_up, down;   /* gate_up: the gate's n / 2 outputs, then the up's */
     const float *qkv_bias;          /* [qkv.n] or NULL */
-    const float *attn_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm; /* NULL: none */
+    dec_norm attn_norm, post_attn_norm, ffn_norm, post_ffn_norm;
     const attn_shape *attn;
     int act;                        /* skr_gated's activation */
     float eps;                      /* the norms' */
+    float clamp;                    /* > 0: Q, K and V clamped to [-clamp, clamp] */
+    const float *q_norm, *k_norm;   /* RMS over the whole Q and the whole K, or NULL */
+    int64_t q_cols, k_cols;
+    const moe_block *moe;           /* the FFN's experts (gate_up, down unused), or NULL */
 } dec_layer;
 
+/* x normed into h (returned), or x itself where there is no norm. */
+static const float *normed(const dec_norm *n, const float *x, int64_t rows, int64_t hidden,
+                           float eps, float *h)
+{
+    if (n->kind == 1)
+        skr_rms_norm(x, n->w, rows, hidden, 1, eps, h);
+    else if (n->kind == 2)
+        skr_layer_norm(x, rows, hidden, eps, h);
+    return n->kind ? h : x;
+}
+
+/* The projection's bias, clamp and whole-Q / whole-K norms on y [rows][qkv.n], in place
+ * (h: scratch of a row). */
+static void project_tail(const dec_layer *d, float *y, int64_t rows, float *h)
+{
+    const int64_t n = d->qkv.n;
+    if (d->qkv_bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++)
+                y[r * n + i] += d->qkv_bias[i];
+    if (d->clamp > 0) {
+        const float lo = -d->clamp, hi = d->clamp;
+        for (int64_t i = 0; i < rows * n; i++) /* NaN stays NaN, as torch's clamp */
+            y[i] = y[i] < lo ? lo : (y[i] > hi ? hi : y[i]);
+    }
+    if (d->q_norm)
+        for (int64_t r = 0; r < rows; r++) {
+            float *q = y + r * n, *k = q + d->q_cols;
+            skr_rms_norm(q, d->q_norm, 1, d->q_cols, 1, d->eps, h);
+            memcpy(q, h, sizeof(float) * d->q_cols);
+            skr_rms_norm(k, d->k_norm, 1, d->k_cols, 1, d->eps, h);
+            memcpy(k, h, sizeof(float) * d->k_cols);
+        }
+}
+
 /* x [rows][hidden] in place through layers [0, n_layers). kcache / vcache: per layer,
- * rows pointers (row r's lane cache of that layer), layer-major. Returns 0, or -1 when
- * scratch memory could not be had. */
+ * rows pointers (row r's lane cache of that layer), layer-major. real: moe.c's (NULL: every
+ * row is real). Returns 0, or -1 when scratch memory could not be had. */
 int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t hidden,
-               const int64_t *pos, float *const *kcache, float *const *vcache, int threads)
+               const int64_t *pos, float *const *kcache, float *const *vcache,
+               const uint8_t *real, int threads)
 {
     int64_t wide = hidden; /* the widest row any step writes */
     for (int l = 0; l < n_layers; l++) {
@@ -47,46 +94,32 @@ int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t
     for (int l = 0; l < n_layers && !rc; l++) {
         const dec_layer *d = &L[l];
         const int64_t att = (int64_t)d->attn->heads * d->attn->v_head_dim;
-        const float *in = x;
-        if (d->attn_norm) {
-            skr_rms_norm(x, d->attn_norm, rows, hidden, 1, d->eps, h);
-            in = h;
-        }
+        const float *in = normed(&d->attn_norm, x, rows, hidden, d->eps, h);
         if ((rc = qmat_run(&d->qkv, in, rows, y, threads)))
             break;
-        if (d->qkv_bias)
-            for (int64_t r = 0; r < rows; r++)
-                for (int64_t i = 0; i < d->qkv.n; i++)
-                    y[r * d->qkv.n + i] += d->qkv_bias[i];
+        project_tail(d, y, rows, h);
         memset(o, 0, (size_t)(rows * att) * sizeof(float));
         if ((rc = skr_attend_rows(d->attn, y, rows, pos, kcache + (int64_t)l * rows,
                                   vcache + (int64_t)l * rows, o, threads)))
             break;
         if ((rc = qmat_run(&d->out, o, rows, y, threads)))
             break;
-        const float *mixed = y;
-        if (d->post_attn_norm) {
-            skr_rms_norm(y, d->post_attn_norm, rows, hidden, 1, d->eps, h);
-            mixed = h;
-        }
+        const float *mixed = normed(&d->post_attn_norm, y, rows, hidden, d->eps, h);
         for (int64_t i = 0; i < rows * hidden; i++)
             x[i] += mixed[i];
-        in = x;
-        if (d->ffn_norm) {
-            skr_rms_norm(x, d->ffn_norm, rows, hidden, 1, d->eps, h);
-            in = h;
+        in = normed(&d->ffn_norm, x, rows, hidden, d->eps, h);
+        if (d->moe) {
+            if ((rc = skm_moe(d->moe, in, rows, real, y, threads)))
+                break;
+        } else {
+            if ((rc = qmat_run(&d->gate_up, in, rows, y, threads)))
+                break;
+            const int64_t ff = d->gate_up.n / 2;
+            skr_gated(d->act, y, y + ff, rows, ff, d->gate_up.n, o, threads);
+            if ((rc = qmat_run(&d->down, o, rows, y, threads)))
+                break;
         }
-        if ((rc = qmat_run(&d->gate_up, in, rows, y, threads)))
-            break;
-        const int64_t ff = d->gate_up.n / 2;
-        skr_gated(d->act, y, y + ff, rows, ff, d->gate_up.n, o, threads);
-        if ((rc = qmat_run(&d->down, o, rows, y, threads)))
-            break;
-        mixed = y;
-        if (d->post_ffn_norm) {
-            skr_rms_norm(y, d->post_ffn_norm, rows, hidden, 1, d->eps, h);
-            mixed = h;
-        }
+        mixed = normed(&d->post_ffn_norm, y, rows, hidden, d->eps, h);
         for (int64_t i = 0; i < rows * hidden; i++)
             x[i] += mixed[i];
     }

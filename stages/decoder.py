@@ -1,7 +1,8 @@
 """A stage's decoder layers in one call of our kernel (stages/decoder.c), where each layer
-has the plain form: pre-norms (RMS, or none), a QKV projection with a bias or none,
-attention on our row kernel, optional post-norms, a gated FFN, every matrix on our integer
-kernel. decoder.c runs the same C functions the layers' Python path runs, in the same
+has the plain form: pre-norms (RMS, weightless LayerNorm, or none), a QKV projection with
+a bias or none, a clamp or none, whole-Q / whole-K norms or none, attention on our row
+kernel, optional post-norms, a gated FFN or a mixture of experts that moe.c runs, every
+matrix on our integer kernel. decoder.c runs the same C functions the layers' Python path runs, in the same
 order, so it computes the same bits (tests/test_decoder.py); a one-row decode step then
 pays one Python call for the stage instead of about fifteen per layer."""
 
@@ -14,55 +15,80 @@ import torch
 from . import qkernel
 from .ffn import FusedUpFfn, GatedFfn
 from .linear import BlockLinear
+from .moe import MoeFfn
 from .norms import Norm
 from .transformer import Attention, DecoderLayer, Segment, _in_order, _positions
 
 
+class _Norm(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p)]  # decoder.c's dec_norm
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(n, qkernel.QMat) for n in ("qkv", "out", "gate_up", "down")] \
-        + [(n, ctypes.c_void_p) for n in ("qkv_bias", "attn_norm", "post_attn_norm",
-                                          "ffn_norm", "post_ffn_norm", "attn")] \
-        + [("act", ctypes.c_int), ("eps", ctypes.c_float)]
+        + [("qkv_bias", ctypes.c_void_p)] \
+        + [(n, _Norm) for n in ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")] \
+        + [("attn", ctypes.c_void_p), ("act", ctypes.c_int), ("eps", ctypes.c_float),
+           ("clamp", ctypes.c_float), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+           ("q_cols", ctypes.c_int64), ("k_cols", ctypes.c_int64), ("moe", ctypes.c_void_p)]
 
 
-def _norm(norm: Norm | None) -> tuple[bool, int | None]:
-    """(fits, the weight's address or None for no norm)."""
+def _norm(norm: Norm | None) -> _Norm | None:
+    """decoder.c's description of a norm, or None where it has another form."""
     if norm is None:
-        return True, None
-    if norm.kind != "rms" or norm.weight is None or norm.weight.dtype != torch.float32 \
-            or not norm.weight.is_contiguous():
-        return False, None
-    return True, norm.weight.data_ptr()
+        return _Norm(0, None)
+    if norm.kind == "layer":
+        return _Norm(2, None)
+    if not _f32(norm.weight):
+        return None
+    return _Norm(1, norm.weight.data_ptr())
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _ffn(ffn) -> tuple[tuple, int, int | None] | None:
+    """(gate_up and down as qmats, the activation, the experts' description) or None."""
+    if type(ffn) is MoeFfn:
+        if ffn.block is None:
+            return None
+        return (qkernel.QMat(), qkernel.QMat()), 0, ctypes.addressof(ffn.block.desc)
+    if type(ffn) not in (GatedFfn, FusedUpFfn) or ffn.activation not in qkernel.GATED:
+        return None
+    if isinstance(ffn, GatedFfn) and ffn.gate_up_split[0] != ffn.gate_up_split[1]:
+        return None
+    if not all(isinstance(lin, BlockLinear) for lin in (ffn.gate_up, ffn.down)):
+        return None
+    return (qkernel.qmat(ffn.gate_up), qkernel.qmat(ffn.down)), qkernel.GATED[ffn.activation], None
 
 
 def _layer(layer: DecoderLayer) -> _Layer | None:
     """decoder.c's description of `layer`, or None where it has another form."""
-    mixer, ffn = layer.mixer, layer.ffn
+    mixer = layer.mixer
     if type(layer) is not DecoderLayer or type(mixer) is not Attention or mixer.lib is None:
         return None
-    qkv = mixer.qkv
-    if qkv.clamp > 0 or qkv.q_norm is not None or type(ffn) not in (GatedFfn, FusedUpFfn):
+    qkv, ffn = mixer.qkv, _ffn(layer.ffn)
+    if ffn is None or not all(isinstance(lin, BlockLinear) for lin in (qkv.linear, mixer.out)):
         return None
-    if isinstance(ffn, GatedFfn) and ffn.gate_up_split[0] != ffn.gate_up_split[1]:
+    layer_norms = (layer.attn_norm, layer.post_attn_norm, layer.ffn_norm, layer.post_ffn_norm)
+    norms = [_norm(n) for n in layer_norms]
+    if any(n is None for n in norms):
         return None
-    lins = (qkv.linear, mixer.out, ffn.gate_up, ffn.down)
-    if not all(isinstance(lin, BlockLinear) for lin in lins) \
-            or ffn.activation not in qkernel.GATED:
-        return None
-    norms = [_norm(n) for n in (layer.attn_norm, layer.post_attn_norm, layer.ffn_norm,
-                                layer.post_ffn_norm)]
-    if not all(fits for fits, _ in norms):
-        return None
-    eps = {n.eps for n in (layer.attn_norm, layer.post_attn_norm, layer.ffn_norm,
-                           layer.post_ffn_norm) if n is not None}
-    if len(eps) > 1:
-        return None
+    eps = {n.eps for n in layer_norms if n is not None}
+    if qkv.q_norm is not None:
+        if not (_f32(qkv.q_norm) and _f32(qkv.k_norm)):
+            return None
+        eps.add(qkv.eps)
     bias = qkv.bias
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if len(eps) > 1 or (bias is not None and not _f32(bias)):
         return None
-    return _Layer(*map(qkernel.qmat, lins), bias.data_ptr() if bias is not None else None,
-                  *(ptr for _, ptr in norms), ctypes.addressof(mixer.shape),
-                  qkernel.GATED[ffn.activation], eps.pop() if eps else 0.0)
+    (gate_up, down), act, moe = ffn
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    return _Layer(qkernel.qmat(qkv.linear), qkernel.qmat(mixer.out), gate_up, down, ptr(bias),
+                  *norms, ctypes.addressof(mixer.shape), act, eps.pop() if eps else 0.0,
+                  float(qkv.clamp) if qkv.clamp > 0 else 0.0, ptr(qkv.q_norm), ptr(qkv.k_norm),
+                  qkv.q_cols, qkv.k_cols, moe)
 
 
 class DecoderRun:
@@ -105,10 +131,16 @@ class DecoderRun:
             *[s.kv.k[slot].data_ptr() for slot in self.slots for s in per_row])
         values = (ctypes.c_void_p * (len(self.slots) * rows))(
             *[s.kv.v[slot].data_ptr() for slot in self.slots for s in per_row])
+        real = None  # padding rows get no experts (moe.c)
+        if any(s.n_real != s.n for s in segments):
+            real = (ctypes.c_uint8 * rows)()
+            for s in segments:
+                for r in range(s.row0, s.row0 + s.n_real):
+                    real[r] = 1
         out = x.to(torch.float32, copy=True).contiguous()
         rc = self.lib.skd_layers(self.table, len(self.slots), out.data_ptr(), rows,
                                  out.shape[1], (ctypes.c_int64 * rows)(*pos), keys, values,
-                                 torch.get_num_threads())
+                                 real, torch.get_num_threads())
         if rc:
             raise MemoryError("decoder layers: no scratch memory")
         return out

@@ -44,6 +44,7 @@ static inline int qmat_run(const qmat *m, const float *x, int64_t rows, float *y
 /* rowops.c */
 void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,
                   float eps, float *out);
+void skr_layer_norm(const float *x, int64_t rows, int64_t k, float eps, float *out);
 void skr_rope(float *x, int heads, int hd, int dim, const float *c, const float *s,
               int style);
 void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,

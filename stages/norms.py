@@ -7,6 +7,7 @@ import torch
 
 from skippy.topology.model_config import ModelConfig
 
+from . import qkernel
 from .layers import rms_norm
 from .weights import StageTensors
 
@@ -14,7 +15,11 @@ from .weights import StageTensors
 def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the last dimension, summed in double and rounded
     where ggml_norm rounds (the mean and the variance to float), so that a row's bits are
-    its own whatever rows come with it."""
+    its own whatever rows come with it: our kernel's (rowops.c, the sums in input order)
+    where it is built, else torch's ops."""
+    lib = qkernel.library()
+    if lib is not None and x.dtype == torch.float32:
+        return qkernel.layer_norm(lib, x, eps)
     n = x.shape[-1]
     mean = x.sum(-1, keepdim=True, dtype=torch.float64).to(torch.float32) / n
     y = x - mean

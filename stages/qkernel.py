@@ -265,7 +265,9 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_gate.restype = None
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skd_layers.restype = ctypes.c_int  # decoder.c
-    lib.skd_layers.argtypes = [p, ctypes.c_int, p, i64, i64, p, p, p, ctypes.c_int]
+    lib.skd_layers.argtypes = [p, ctypes.c_int, p, i64, i64, p, p, p, p, ctypes.c_int]
+    lib.skr_layer_norm.restype = None
+    lib.skr_layer_norm.argtypes = [p, i64, i64, ctypes.c_float, p]
     lib.skm_moe.restype = ctypes.c_int  # moe.c
     lib.skm_moe.argtypes = [p, p, i64, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
@@ -292,6 +294,15 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty_like(x)
     lib.skr_rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // k, k, w.numel() // k, eps,
                      out.data_ptr())
+    return out
+
+
+def layer_norm(lib: ctypes.CDLL, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the last dimension (rowops.c), no weight."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    k = x.shape[-1]
+    lib.skr_layer_norm(x.data_ptr(), x.numel() // k, k, eps, out.data_ptr())
     return out
 
 

@@ -32,6 +32,29 @@ void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64
     }
 }
 
+/* out[r] = (x[r] - mean) / sqrt(var + eps), no weight or bias (OLMo's LayerNorm): the mean
+ * and the variance summed in double in input order and rounded to float where ggml_norm
+ * rounds them. */
+void skr_layer_norm(const float *x, int64_t rows, int64_t k, float eps, float *out)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * k;
+        float *o = out + r * k;
+        double sum = 0.0;
+        for (int64_t i = 0; i < k; i++)
+            sum += (double)xr[i];
+        const float mean = (float)sum / (float)k;
+        double sq = 0.0;
+        for (int64_t i = 0; i < k; i++) {
+            o[i] = xr[i] - mean;
+            sq += (double)(o[i] * o[i]);
+        }
+        const float scale = 1.0f / sqrtf((float)(sq / (double)k) + eps);
+        for (int64_t i = 0; i < k; i++)
+            o[i] = o[i] * scale;
+    }
+}
+
 /* Rotate the first `dim` values of each of `heads` rows of length `hd` in place by the
  * angle table row (cos, sin: dim / 2 each). style 0: pairs (2i, 2i + 1); 1 (neox):
  * (i, i + dim / 2). */

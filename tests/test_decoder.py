@@ -17,11 +17,11 @@ from skippy.topology.model_config import ModelConfig
 pytestmark = pytest.mark.skipif(not row_invariant("int4"), reason="no kernels of ours")
 
 PROMPTS = [[(i * 37) % 900 + 40 for i in range(70)], [(i * 53) % 700 + 90 for i in range(23)]]
-# the plain form (pre-norm or post-norm RMS, bias or none, per-head norms, softcap, gate and
-# up in one matrix) and the forms it leaves to the layers' path
-FUSED = {"llama3", "qwen3", "gemma2", "glm4"}
-NOT_FUSED = {"olmo": "LayerNorm and a clamp", "olmo2": "norms over the whole projection",
-             "lfm2": "short conv layers", "qwen3moe": "experts"}
+# the plain form (pre-norm or post-norm RMS or OLMo's LayerNorm, bias or none, clamp, per-head
+# or whole-projection norms, softcap, gate and up in one matrix, experts) and the forms it
+# leaves to the layers' path
+FUSED = {"llama3", "qwen3", "gemma2", "glm4", "olmo", "olmo2", "qwen3moe", "minimax-m2"}
+NOT_FUSED = {"lfm2": "short conv layers", "deepseek2": "latent attention"}
 
 
 def run(rt: TorchStageRuntime) -> list[torch.Tensor]:
