@@ -109,7 +109,7 @@ int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t
             x[i] += mixed[i];
         in = normed(&d->ffn_norm, x, rows, hidden, d->eps, h);
         if (d->moe) {
-            if ((rc = skm_moe(d->moe, in, rows, real, y, threads)))
+            if ((rc = skm_moe(d->moe, in, rows, real, NULL, y, threads)))
                 break;
         } else {
             if ((rc = qmat_run(&d->gate_up, in, rows, y, threads)))

@@ -60,7 +60,8 @@ def _ffn(ffn) -> tuple[tuple, int, int | None] | None:
         return None
     if not all(isinstance(lin, BlockLinear) for lin in (ffn.gate_up, ffn.down)):
         return None
-    return (qkernel.qmat(ffn.gate_up), qkernel.qmat(ffn.down)), qkernel.GATED[ffn.activation], None
+    act = qkernel.gated_act(qkernel.library(), ffn.activation)
+    return (qkernel.qmat(ffn.gate_up), qkernel.qmat(ffn.down)), act, None
 
 
 def _layer(layer: DecoderLayer) -> _Layer | None:

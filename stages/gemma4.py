@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 from skippy.topology.model_config import ModelConfig
 
 from . import qkernel
-from .layers import Rope, attend, gelu_f16, rms_norm
+from .layers import Rope, attend, gated_activation, rms_norm
 from .linear import Int4Blocks, Int8Blocks, Matrix, fuse_linear, make_linear
 from .moe import MoeFfn
 from .runtime import StageError
@@ -56,27 +56,29 @@ class PerLayerInputs:
         self.proj = {i: make_linear(_rows(proj, i * P, (i + 1) * P), fmt)
                      for i in range(start, end)}
         del proj
-        self.table = {i: TableColumns(t, "per_layer_token_embd.weight", i * P, (i + 1) * P)
-                      for i in range(start, end)}
+        # the stage's layers' columns, looked up once per forward (a lookup dequantizes
+        # whole blocks: one per layer cost ~0.2 ms each at one row)
+        self.table = TableColumns(t, "per_layer_token_embd.weight", start * P, end * P)
+        self.start, self.P = start, P
         self.proj_scale = 1.0 / math.sqrt(cfg.hidden)
         self.table_scale = math.sqrt(P)
         self.mix_scale = 1.0 / math.sqrt(2.0)
         self._x0: torch.Tensor | None = None
-        self._ids: torch.Tensor | None = None
+        self._looked: torch.Tensor | None = None
 
     def set(self, x0: torch.Tensor, ids: torch.Tensor) -> None:
         """The rows of the forward about to run: their x0 and token ids."""
-        self._x0, self._ids = x0, ids
+        self._x0, self._looked = x0, self.table(ids) * self.table_scale
 
     def __call__(self, layer: int) -> torch.Tensor:
         p = self.proj[layer](self._x0) * self.proj_scale
         p = rms_norm(p, self.norm, self.eps)
-        return (p + self.table[layer](self._ids) * self.table_scale) * self.mix_scale
+        a = (layer - self.start) * self.P
+        return (p + self._looked[:, a:a + self.P]) * self.mix_scale
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.proj.values()) + \
-            sum(c.nbytes for c in self.table.values())
+        return sum(p.nbytes for p in self.proj.values()) + self.table.nbytes
 
 
 def _rows(m: Matrix, a: int, b: int) -> Matrix:
@@ -218,7 +220,7 @@ class Gemma4Ffn:
 
     def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         gate, up = self.gate_up(rms_norm(x, self.norm, self.eps)).split(self.split, dim=-1)
-        return self.down(gelu_f16(gate) * up)
+        return self.down(gated_activation(gate, up, "gelu_f16"))
 
     @property
     def nbytes(self) -> int:
@@ -250,8 +252,12 @@ class Gemma4MoeFfn:
 
         r = rms_norm(x, self.unit, eps) * self.inv_sqrt_hidden * self.router_scale
         logits = self.experts.router(r)  # each row alone, as MoeFfn routes
-        routed = self.experts.routed(rms_norm(x, self.pre_experts, eps), segments, decode,
-                                     logits=logits)
+        h = rms_norm(x, self.pre_experts, eps)
+        one_call = self.experts.block
+        if one_call is not None and self.experts.shared is None:
+            routed = one_call(h, segments, logits)  # the same bits (stages/moe.c)
+        else:
+            routed = self.experts.routed(h, segments, decode, logits=logits)
         return dense + rms_norm(routed, self.post_experts, eps)
 
     @property
@@ -293,7 +299,7 @@ class Gemma4Layer:
         x = x + rms_norm(h, self.post_attn_norm, eps)
         x = x + rms_norm(self.ffn(x, segments), self.post_ffn_norm, eps)
         if self.per_layer is not None:
-            g = gelu_f16(self.inp_gate(x)) * self.per_layer(self.index)
+            g = gated_activation(self.inp_gate(x), self.per_layer(self.index), "gelu_f16")
             x = x + rms_norm(self.inp_proj(g), self.inp_norm, eps)
         if self.out_scale is not None:
             x = x * self.out_scale

@@ -58,7 +58,7 @@ int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t
 
 /* moe.c: a mixture-of-experts block (stages/moe.py builds its description) */
 typedef struct moe_block moe_block;
-int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *real, float *out,
-            int threads);
+int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *real,
+            const float *given, float *out, int threads);
 
 #endif

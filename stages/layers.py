@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -61,24 +60,12 @@ def gelu_f16(x: torch.Tensor) -> torch.Tensor:
     rounded to f16 and looked up in a table of f16 results (GGML_GELU_FP16), 0 at or
     below -10 and x itself at or above 10. Exact GELU differs from it by up to an f16
     rounding, ~5e-4 of each value (tests/test_family_gemma4.py). A lookup gives an
-    element the same bits wherever the call's rows put it (torch's gelu would not)."""
+    element the same bits wherever the call's rows put it (torch's gelu would not); our
+    kernel's gated form (rowops.c, act 2) looks up the same table."""
     bits = x.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    y = _gelu_f16_table()[bits]
+    y = qkernel.gelu_f16_table()[bits]
     y = torch.where(x >= 10.0, x, y)
     return torch.where(x <= -10.0, torch.zeros_like(x), y)
-
-
-@lru_cache(maxsize=1)
-def _gelu_f16_table() -> torch.Tensor:
-    """GELU's tanh form of every f16 value, in double precision (libm's, the same on every
-    instruction set), rounded to f16: [65536] float32, indexed by the f16's bits."""
-    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
-    out = []
-    for v in values.tolist():
-        if math.isfinite(v):
-            v = 0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3)))
-        out.append(v)
-    return torch.tensor(out, dtype=torch.float64).to(torch.float16).to(torch.float32)
 
 
 class Rope:

@@ -29,6 +29,8 @@ struct moe_block {
     const float *router; /* [n_expert][hidden] */
     const float *bias;   /* [n_expert]: shifts the choice, not the weights; or NULL */
     const qmat *gate_up, *down; /* [n_expert] each; gate_up: the gate's n / 2, then the up's */
+    const float *gate_scale, *up_scale, *down_scale; /* [n_expert]: each expert's products
+                                                      * scaled (llama.cpp's .scale), or NULL */
     int act;             /* skr_gated's activation */
     const qmat *shared_gate_up, *shared_down; /* NULL: no shared experts */
     const float *shared_gate; /* [hidden]: the shared output times sigmoid(h . it); or NULL */
@@ -74,10 +76,14 @@ static void best_groups(const moe_block *B, float *score)
 
 /* Each real row's experts and weights, as moe.py's Routing computes them. */
 static void route(const moe_block *B, const float *x, int64_t rows, const uint8_t *real,
-                  float *logits, float *scores, int32_t *experts, float *weights, int threads)
+                  const float *given, float *logits, float *scores, int32_t *experts,
+                  float *weights, int threads)
 {
     const int E = B->n_expert, k = B->n_used;
-    skr_linear_f32(x, B->hidden, B->router, rows, B->hidden, E, logits, E, threads);
+    if (given)
+        memcpy(logits, given, sizeof(float) * rows * E);
+    else
+        skr_linear_f32(x, B->hidden, B->router, rows, B->hidden, E, logits, E, threads);
     float *probs = logits;
     if (B->gating >= 0) {
         probs = scores;
@@ -116,22 +122,44 @@ static void route(const moe_block *B, const float *x, int64_t rows, const uint8_
     }
 }
 
-/* down(act(gate) * up) of `rows` rows x into y; scratch gu [rows][gate_up n], a [rows][n / 2]. */
-static int expert(const qmat *gate_up, const qmat *down, int act, const float *x, int64_t rows,
-                  float *gu, float *a, float *y, int threads)
+/* v[r][0 .. n) *= by for `rows` rows `stride` apart (NULL: not scaled). */
+static void scaled(float *v, int64_t rows, int64_t n, int64_t stride, const float *by)
+{
+    if (by)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++)
+                v[r * stride + i] = v[r * stride + i] * *by;
+}
+
+/* down(act(gate * sg) * (up * su)) * sd of `rows` rows x into y (a scale NULL: none);
+ * scratch gu [rows][gate_up n], a [rows][n / 2]. */
+static int expert(const qmat *gate_up, const qmat *down, int act, const float *sg,
+                  const float *su, const float *sd, const float *x, int64_t rows, float *gu,
+                  float *a, float *y, int threads)
 {
     int rc = qmat_run(gate_up, x, rows, gu, threads);
     if (rc)
         return rc;
     const int64_t ff = gate_up->n / 2;
+    scaled(gu, rows, ff, gate_up->n, sg);
+    scaled(gu + ff, rows, ff, gate_up->n, su);
     skr_gated(act, gu, gu + ff, rows, ff, gate_up->n, a, threads);
-    return qmat_run(down, a, rows, y, threads);
+    rc = qmat_run(down, a, rows, y, threads);
+    scaled(y, rows, down->n, down->n, sd);
+    return rc;
+}
+
+static const float *at(const float *scales, int e)
+{
+    return scales ? scales + e : NULL;
 }
 
 /* out [rows][hidden] = the block over x [rows][hidden]; rows with real[r] == 0 (padding) get
- * no routed output (real NULL: every row is real). Returns 0, or -1 without scratch memory. */
-int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *real, float *out,
-            int threads)
+ * no routed output (real NULL: every row is real); given: the router's logits [rows][n_expert]
+ * where the family computes its own (Gemma 4), else NULL. Returns 0, or -1 without scratch
+ * memory. */
+int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *real,
+            const float *given, float *out, int threads)
 {
     const int64_t H = B->hidden;
     const int E = B->n_expert, k = B->n_used;
@@ -147,7 +175,7 @@ int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *rea
     float *gu = malloc(sizeof(float) * rows * wide), *a = malloc(sizeof(float) * rows * wide);
     int rc = logits && scores && experts && picks && weights && ys && xin && yo && gu && a ? 0 : -1;
     if (!rc)
-        route(B, x, rows, real, logits, scores, experts, weights, threads);
+        route(B, x, rows, real, given, logits, scores, experts, weights, threads);
     /* each chosen expert once, over its rows in row order (moe.py: an expert runs the
      * rows that chose it together; our kernel computes each row alone) */
     for (int e = 0; e < E && !rc; e++) {
@@ -164,7 +192,9 @@ int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *rea
         }
         if (!m)
             continue;
-        if ((rc = expert(&B->gate_up[e], &B->down[e], B->act, xin, m, gu, a, yo, threads)))
+        if ((rc = expert(&B->gate_up[e], &B->down[e], B->act, at(B->gate_scale, e),
+                         at(B->up_scale, e), at(B->down_scale, e), xin, m, gu, a, yo,
+                         threads)))
             break;
         for (int64_t i = 0; i < m; i++)
             memcpy(ys + (int64_t)picks[i] * H, yo + i * H, sizeof(float) * H);
@@ -185,7 +215,8 @@ int skm_moe(const moe_block *B, const float *x, int64_t rows, const uint8_t *rea
         }
     }
     if (!rc && B->shared_gate_up) {
-        rc = expert(B->shared_gate_up, B->shared_down, B->act, x, rows, gu, a, yo, threads);
+        rc = expert(B->shared_gate_up, B->shared_down, B->act, NULL, NULL, NULL, x, rows, gu,
+                    a, yo, threads);
         if (!rc && B->shared_gate) {
             skr_linear_f32(x, H, B->shared_gate, rows, H, 1, logits, 1, threads);
             skr_gate(1, logits, rows, 1, scores);

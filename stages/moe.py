@@ -319,19 +319,34 @@ class _Block(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64)] \
         + [(n, ctypes.c_int) for n in ("n_expert", "n_used", "gating", "norm")] \
         + [("scale", ctypes.c_float), ("groups", ctypes.c_int), ("groups_used", ctypes.c_int)] \
-        + [(n, ctypes.c_void_p) for n in ("router", "bias", "gate_up", "down")] \
+        + [(n, ctypes.c_void_p) for n in ("router", "bias", "gate_up", "down", "gate_scale",
+                                          "up_scale", "down_scale")] \
         + [("act", ctypes.c_int)] \
         + [(n, ctypes.c_void_p) for n in ("shared_gate_up", "shared_down", "shared_gate")]
 
 
 def _plain(expert: Expert | None) -> bool:
     """Does the expert fit moe.c (integer-kernel products, gate and up in equal halves,
-    an activation of skr_gated, no per-expert scales)?"""
+    an activation of skr_gated)?"""
     return expert is None or (isinstance(expert.gate_up, BlockLinear)
                               and isinstance(expert.down, BlockLinear)
                               and expert.split[0] == expert.split[1]
-                              and expert.activation in qkernel.GATED
-                              and expert.scales == (None,) * 3)
+                              and expert.activation in qkernel.GATED)
+
+
+def _scales(experts: list[Expert]) -> list[torch.Tensor | None] | None:
+    """Each product's per-expert scales as one [n_expert] vector (None: unscaled), or None
+    where some experts have one and others not."""
+    out = []
+    for i in range(3):
+        have = [e.scales[i] for e in experts]
+        if all(s is None for s in have):
+            out.append(None)
+        elif all(s is not None for s in have):
+            out.append(torch.tensor(have, dtype=torch.float32))
+        else:
+            return None
+    return out
 
 
 def _f32(t: torch.Tensor | None) -> bool:
@@ -341,7 +356,7 @@ def _f32(t: torch.Tensor | None) -> bool:
 class OneCall:
     """A block through moe.c in one call (the same bits as MoeFfn's own path: every step
     the same function or float operation, in the same order); `of` gives None where the
-    block has another form (per-expert scales, float experts, gelu_f16)."""
+    block has another form (float experts)."""
 
     def __init__(self, lib: ctypes.CDLL, block: MoeFfn):
         self.lib, self.ffn = lib, block  # the block owns every tensor described here
@@ -351,6 +366,7 @@ class OneCall:
         shared = block.shared
         self.shared = (qkernel.qmat(shared.gate_up), qkernel.qmat(shared.down)) \
             if shared is not None else None
+        self.scales = _scales(experts)
         ptr = ctypes.addressof
         self.desc = _Block(
             block.router.in_features, len(experts), r.n_used,
@@ -358,7 +374,9 @@ class OneCall:
             r.scale if r.scale not in (0.0, 1.0) else 0.0, r.groups, r.groups_used,
             block.router.weight.data_ptr(),
             block.bias.data_ptr() if block.bias is not None else None,
-            ptr(self.gate_up), ptr(self.down), qkernel.GATED[experts[0].activation],
+            ptr(self.gate_up), ptr(self.down),
+            *[v.data_ptr() if v is not None else None for v in self.scales],
+            qkernel.gated_act(lib, experts[0].activation),
             ptr(self.shared[0]) if shared is not None else None,
             ptr(self.shared[1]) if shared is not None else None,
             block.shared_gate.weight.data_ptr() if block.shared_gate is not None else None)
@@ -369,6 +387,8 @@ class OneCall:
         experts = block.experts
         if lib is None or not experts \
                 or not all(_plain(e) for e in experts + [block.shared]) \
+                or _scales(experts) is None or (block.shared is not None
+                                                and block.shared.scales != (None,) * 3) \
                 or len({e.activation for e in experts}) != 1 \
                 or (block.shared is not None
                     and block.shared.activation != experts[0].activation) \
@@ -377,10 +397,13 @@ class OneCall:
             return None
         return cls(lib, block)
 
-    def __call__(self, h: torch.Tensor, segments) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, segments,
+                 logits: torch.Tensor | None = None) -> torch.Tensor:
         """The block over h's rows; rows outside the segments' real rows get no routed
-        output (padding)."""
+        output (padding). `logits` [rows, n_expert]: a family's own router logits."""
         x = h.contiguous()
+        if logits is not None:
+            logits = logits.to(torch.float32).contiguous()
         rows = x.shape[0]
         real = None
         if not _every_row_real(segments, rows):
@@ -389,8 +412,9 @@ class OneCall:
                 real[s.row0:s.row0 + s.n_real] = 1
         out = torch.empty_like(x)
         rc = self.lib.skm_moe(ctypes.addressof(self.desc), x.data_ptr(), rows,
-                              real.data_ptr() if real is not None else None, out.data_ptr(),
-                              torch.get_num_threads())
+                              real.data_ptr() if real is not None else None,
+                              logits.data_ptr() if logits is not None else None,
+                              out.data_ptr(), torch.get_num_threads())
         if rc:
             raise MemoryError("mixture of experts: no scratch memory")
         return out

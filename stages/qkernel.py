@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -256,6 +257,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(AttnShape), p, i64, p, p, p, p, ctypes.c_int]
     lib.skr_gated.restype = None
+    lib.skr_set_gelu_f16.restype = None
+    lib.skr_set_gelu_f16.argtypes = [p]
     lib.skr_gated.argtypes = [ctypes.c_int, p, p, i64, i64, i64, p, ctypes.c_int]
     lib.skr_linear_f32.restype = None
     lib.skr_linear_f32.argtypes = [p, i64, p, i64, i64, i64, p, i64, ctypes.c_int]
@@ -269,7 +272,7 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_layer_norm.restype = None
     lib.skr_layer_norm.argtypes = [p, i64, i64, ctypes.c_float, p]
     lib.skm_moe.restype = ctypes.c_int  # moe.c
-    lib.skm_moe.argtypes = [p, p, i64, p, p, ctypes.c_int]
+    lib.skm_moe.argtypes = [p, p, i64, p, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
     # -- the recurrent mixers' scans (scan.c) --
@@ -306,7 +309,28 @@ def layer_norm(lib: ctypes.CDLL, x: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-GATED = {"silu": 0, "gelu_tanh": 1}  # rowops.c skr_gated's activations
+GATED = {"silu": 0, "gelu_tanh": 1, "gelu_f16": 2}  # rowops.c skr_gated's activations
+
+
+def gated_act(lib: ctypes.CDLL, act: str) -> int:
+    """skr_gated's number for `act`, its table handed over first where it reads one."""
+    if act == "gelu_f16":
+        lib.skr_set_gelu_f16(gelu_f16_table().data_ptr())
+    return GATED[act]
+
+
+@lru_cache(maxsize=1)
+def gelu_f16_table() -> torch.Tensor:
+    """GELU's tanh form of every f16 value, in double precision (libm's, the same on every
+    instruction set), rounded to f16: [65536] float32, indexed by the f16's bits
+    (llama.cpp's GGML_GELU_FP16 table)."""
+    values = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    out = []
+    for v in values.tolist():
+        if math.isfinite(v):
+            v = 0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3)))
+        out.append(v)
+    return torch.tensor(out, dtype=torch.float64).to(torch.float16).to(torch.float32)
 
 
 def gated(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -317,7 +341,7 @@ def gated(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, act: str) -> t
         gate, up = gate.float().contiguous(), up.float().contiguous()
     rows, n = gate.shape
     out = torch.empty(rows, n, dtype=torch.float32)
-    lib.skr_gated(GATED[act], gate.data_ptr(), up.data_ptr(), rows, n, gate.stride(0),
+    lib.skr_gated(gated_act(lib, act), gate.data_ptr(), up.data_ptr(), rows, n, gate.stride(0),
                   out.data_ptr(), torch.get_num_threads())
     return out
 

@@ -94,8 +94,25 @@ int skr_rows_dot(const int8_t *codes, const float *scale, int64_t k, const int64
 
 /* out[r] = act(gate[r]) * up[r] for `rows` rows of n (gate and up rows `stride` apart:
  * halves of one product's rows), act 0: silu(x) = x / (1 + exp(-x)), 1: GELU's tanh form,
- * 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)), z = sqrt(2 / pi) (x + 0.044715 x^3). Rows
- * above OMP_ROWS split over torch's OpenMP team; every element is its own. */
+ * 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)), z = sqrt(2 / pi) (x + 0.044715 x^3), 2: GELU
+ * as llama.cpp's f16 table gives it (layers.gelu_f16: x rounded to f16 and looked up, 0 at
+ * or below -10, x at or above 10; skr_set_gelu_f16 sets the table first). Rows above
+ * OMP_ROWS split over torch's OpenMP team; every element is its own. */
+static const float *gelu_f16_table; /* [65536], by an f16's bits */
+
+void skr_set_gelu_f16(const float *table)
+{
+    gelu_f16_table = table;
+}
+
+static inline float gelu_f16(float x)
+{
+    const _Float16 h = (_Float16)x; /* rounded to nearest even, as torch's .half() */
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    return x >= 10.0f ? x : (x <= -10.0f ? 0.0f : gelu_f16_table[bits]);
+}
+
 void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,
                int64_t stride, float *out, int threads)
 {
@@ -106,6 +123,9 @@ void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_
         if (act == 0)
             for (int64_t i = 0; i < n; i++)
                 o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+        else if (act == 2)
+            for (int64_t i = 0; i < n; i++)
+                o[i] = gelu_f16(g[i]) * u[i];
         else
             for (int64_t i = 0; i < n; i++) {
                 const float x = g[i];

@@ -265,14 +265,16 @@ def test_a_merged_gate_up_stack_is_the_same_block():
     Routing(3, "softmax", scale=2.5), Routing(2, "softmax_weight"),
     Routing(2, "sqrt_softplus", norm=True, scale=1.5),
     Routing(2, "sigmoid", norm=True, scale=2.5, groups=4, groups_used=2)])
-@pytest.mark.parametrize("shared, gated_shared", [(False, False), (True, True)])
+@pytest.mark.parametrize("shared, gated_shared, scales", [
+    (False, False, False), (True, True, False), (False, False, True)])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_the_block_in_one_call_is_bitwise_its_own_path(routing, shared, gated_shared, fmt):
+def test_the_block_in_one_call_is_bitwise_its_own_path(routing, shared, gated_shared, scales,
+                                                       fmt):
     """moe.c's one call against the block's torch path: a chunk with a padding row, and
-    decode rows of lanes; a block with per-expert scales keeps its own path."""
+    decode rows of lanes; per-expert scales; the router's logits given (Gemma 4)."""
     if not row_invariant(fmt):
         pytest.skip("no kernels of ours")
-    t = moe_layer(shared, gated_shared, scales=False)
+    t = moe_layer(shared, gated_shared, scales)
     ffn = MoeFfn(0, Cfg(routing), FakeTensors(t), fmt)
     assert ffn.block is not None
     h = torch.randn(7, HIDDEN, generator=torch.Generator().manual_seed(5))
@@ -284,5 +286,8 @@ def test_the_block_in_one_call_is_bitwise_its_own_path(routing, shared, gated_sh
         own = ffn(h, segments)
         ffn.block = block
         assert torch.equal(one_call, own), (one_call - own).abs().max().item()
-    scaled = moe_layer(shared, gated_shared, scales=True)
-    assert MoeFfn(0, Cfg(routing), FakeTensors(scaled), fmt).block is None
+    if not shared:
+        logits = torch.randn(7, E, generator=torch.Generator().manual_seed(8))
+        segments = [Segment(None, 0, 7, 0, n_real=6)]
+        assert torch.equal(ffn.block(h, segments, logits),
+                           ffn.routed(h, segments, False, logits=logits))
