@@ -330,25 +330,23 @@ class RescoredHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.approx(x)
-        idx = y.topk(self.top, dim=1, sorted=False).indices  # [rows, top]
+        if self.lib is None:
+            return self._torch_rescored(x, y)
+        # each row alone in rowops.c: its candidates (one pass), their float32 dots
+        idx = qkernel.top_rows(self.lib, y, self.top)  # [rows, top]
         if self.exact is not None:
-            return y.scatter_(1, idx, self._rescore(x, idx))
-        # a per-row sum along the inputs: each candidate's sum in the same order
-        if self.lib is not None:
-            exact = qkernel.rows_dot(self.lib, self.blocks.codes, self.blocks.scale, idx, x)
+            exact = qkernel.rows_dot_f32(self.lib, self.exact, idx, x)
         else:
-            exact = (self.blocks.rows(idx) * x[:, None, :]).sum(-1)
+            exact = qkernel.rows_dot(self.lib, self.blocks.codes, self.blocks.scale, idx, x)
         return y.scatter_(1, idx, exact)
 
-    def _rescore(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The candidates' logits from the float32 rows, a row of x at a time in a fixed
-        order (rowops.c's dots; without the kernel, torch's product of one row)."""
-        rows = []
-        for r in range(x.shape[0]):
-            w = self.exact[idx[r]]
-            rows.append(qkernel.linear_f32(self.lib, x[r:r + 1], w) if self.lib is not None
-                        else F.linear(x[r:r + 1], w))
-        return torch.cat(rows)
+    def _torch_rescored(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Without our kernel: torch's candidates, each row's product alone."""
+        idx = y.topk(self.top, dim=1, sorted=False).indices
+        if self.exact is None:
+            return y.scatter_(1, idx, (self.blocks.rows(idx) * x[:, None, :]).sum(-1))
+        exact = torch.cat([F.linear(x[r:r + 1], self.exact[idx[r]]) for r in range(x.shape[0])])
+        return y.scatter_(1, idx, exact)
 
     @property
     def nbytes(self) -> int:

@@ -275,6 +275,10 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skm_moe.argtypes = [p, p, i64, p, p, p, ctypes.c_int]
     lib.skr_rows_dot.restype = ctypes.c_int
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
+    lib.skr_rows_dot_f32.restype = None
+    lib.skr_rows_dot_f32.argtypes = [p, i64, p, i64, i64, p, p]
+    lib.skr_top_rows.restype = None
+    lib.skr_top_rows.argtypes = [p, i64, i64, i64, p]
     # -- the recurrent mixers' scans (scan.c) --
     c_int, c_float = ctypes.c_int, ctypes.c_float
     lib.skr_scan_conv.restype = None
@@ -429,6 +433,24 @@ def rows_dot(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, idx: to
     if rc:
         raise MemoryError("rows_dot: no scratch memory")
     return out
+
+
+def rows_dot_f32(lib: ctypes.CDLL, w: torch.Tensor, idx: torch.Tensor,
+                 x: torch.Tensor) -> torch.Tensor:
+    """For each row of x, its dot product with the float32 rows of w idx picks."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(idx.shape, dtype=torch.float32)
+    lib.skr_rows_dot_f32(w.data_ptr(), w.shape[1], idx.data_ptr(), idx.shape[0],
+                         idx.shape[1], x.data_ptr(), out.data_ptr())
+    return out
+
+
+def top_rows(lib: ctypes.CDLL, y: torch.Tensor, top: int) -> torch.Tensor:
+    """[rows, top] int64: the indices of each row's top highest values, in no order."""
+    y = y.to(torch.float32).contiguous()
+    idx = torch.empty(y.shape[0], top, dtype=torch.int64)
+    lib.skr_top_rows(y.data_ptr(), y.shape[0], y.shape[1], top, idx.data_ptr())
+    return idx
 
 
 # -- the recurrent mixers' scans (scan.c) ----------------------------------------------------

@@ -92,6 +92,54 @@ int skr_rows_dot(const int8_t *codes, const float *scale, int64_t k, const int64
     return 0;
 }
 
+/* out[r][c] = x[r] . w[idx[r][c]]: float32 rows of a [n][k] matrix at the rows idx picks
+ * (the head's rescoring from the file's own values), dot()'s sum. */
+void skr_rows_dot_f32(const float *w, int64_t k, const int64_t *idx, int64_t rows,
+                      int64_t top, const float *x, float *out)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < top; c++)
+            out[r * top + c] = dot(x + r * k, w + idx[r * top + c] * k, k);
+}
+
+/* Sift the min-heap h (values v) of n entries down from slot i. */
+static void sift(int64_t *h, const float *v, int64_t n, int64_t i)
+{
+    for (;;) {
+        int64_t m = i, l = 2 * i + 1, r = l + 1;
+        if (l < n && v[h[l]] < v[h[m]])
+            m = l;
+        if (r < n && v[h[r]] < v[h[m]])
+            m = r;
+        if (m == i)
+            return;
+        const int64_t t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+/* idx[r] = the indices of the top highest of y[r]'s n values, in no order (the head's
+ * candidates): one pass with a min-heap of the best so far; a value equal to the least
+ * kept does not displace it (the earlier index stays). NaN is never taken over a number. */
+void skr_top_rows(const float *y, int64_t rows, int64_t n, int64_t top, int64_t *idx)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = y + r * n;
+        int64_t *h = idx + r * top;
+        for (int64_t i = 0; i < top; i++)
+            h[i] = i;
+        for (int64_t i = top / 2 - 1; i >= 0; i--)
+            sift(h, v, top, i);
+        for (int64_t i = top; i < n; i++)
+            if (v[i] > v[h[0]]) {
+                h[0] = i;
+                sift(h, v, top, 0);
+            }
+    }
+}
+
 /* out[r] = act(gate[r]) * up[r] for `rows` rows of n (gate and up rows `stride` apart:
  * halves of one product's rows), act 0: silu(x) = x / (1 + exp(-x)), 1: GELU's tanh form,
  * 0.5 x (1 + tanh(z)) = x / (1 + exp(-2z)), z = sqrt(2 / pi) (x + 0.044715 x^3), 2: GELU

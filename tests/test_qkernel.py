@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from skippy.stages import qkernel
+from skippy.stages.layers import gelu_f16
 from skippy.stages.linear import Int4Blocks, Int8Blocks
+from skippy.stages.norms import layer_norm
 
 lib = qkernel.library()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: torch's kernels serve")
@@ -160,13 +162,16 @@ def test_rms_norm_is_the_formula_row_by_row():
 
 @pytest.mark.parametrize("act, want", [
     ("silu", lambda g: torch.nn.functional.silu(g)),
-    ("gelu_tanh", lambda g: torch.nn.functional.gelu(g, approximate="tanh"))])
+    ("gelu_tanh", lambda g: torch.nn.functional.gelu(g, approximate="tanh")),
+    ("gelu_f16", lambda g: gelu_f16(g))])  # llama.cpp's table: the same bits as torch's lookup
 def test_gated_is_the_activation_and_each_element_its_own(act, want):
     g = torch.cat([torch.randn(37, 70) * 4, torch.linspace(-120, 120, 70)[None]])
     u = torch.randn(38, 70)
     both = torch.cat([g, u], dim=1)  # the halves of one product's rows, as the FFN has them
     got = qkernel.gated(lib, *both.split(70, dim=1), act)
     assert torch.allclose(got, want(g) * u, rtol=1e-5, atol=1e-6)
+    if act == "gelu_f16":
+        assert torch.equal(got, want(g) * u)
     assert got.isfinite().all()
     # a row alone, a few rows, on one thread: the same bits (torch's own differ in a
     # vector's tail), whatever lanes of a vector its elements fall in
@@ -179,6 +184,38 @@ def test_gated_is_the_activation_and_each_element_its_own(act, want):
         assert torch.equal(qkernel.gated(lib, g, u, act), got)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_layer_norm_is_the_formula_row_by_row():
+    x = torch.randn(9, 200) * 3 + 1
+    got = qkernel.layer_norm(lib, x, 1e-5)
+    d = x.double()
+    want = (d - d.mean(-1, keepdim=True)) / torch.sqrt(d.var(-1, unbiased=False, keepdim=True)
+                                                       + 1e-5)
+    assert torch.allclose(got, want.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer_norm(x, 1e-5), got)  # the norms' path is this kernel
+    assert torch.equal(qkernel.layer_norm(lib, x[4:5], 1e-5), got[4:5])
+
+
+def test_top_rows_are_each_rows_highest_and_its_own():
+    y = torch.randn(5, 3000)
+    y[3] = y[3].round()  # many equal values: any of them may fill the last places
+    got = qkernel.top_rows(lib, y, 64)
+    want = y.topk(64, dim=1).values
+    for r in range(5):
+        assert len(set(got[r].tolist())) == 64
+        assert torch.equal(y[r, got[r]].sort(descending=True).values, want[r])
+        assert torch.equal(qkernel.top_rows(lib, y[r:r + 1], 64), got[r:r + 1])
+    assert torch.equal(qkernel.top_rows(lib, y, 3000).sort(1).values,
+                       torch.arange(3000).expand(5, -1))  # every index once
+
+
+def test_float32_rows_dot_is_the_picked_rows_times_x():
+    w, x = torch.randn(500, 96), torch.randn(3, 96)
+    idx = torch.randint(0, 500, (3, 64))
+    got = qkernel.rows_dot_f32(lib, w, idx, x)
+    assert torch.allclose(got, (w[idx] * x[:, None, :]).sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkernel.rows_dot_f32(lib, w, idx[1:2], x[1:2]), got[1:2])
 
 
 def test_rows_dot_is_the_rows_float32_values_times_x():
