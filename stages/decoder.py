@@ -1,7 +1,7 @@
 """A stage's decoder layers in one call of our kernel (stages/decoder.c), where each layer
 has the plain form: pre-norms (RMS, weightless LayerNorm, or none), a QKV projection with
 a bias or none, a clamp or none, whole-Q / whole-K norms or none, attention on our row
-kernel, optional post-norms, a gated FFN or a mixture of experts that moe.c runs, every
+kernel (or latent attention, DeepSeek2's), optional post-norms, a gated FFN or a mixture of experts that moe.c runs, every
 matrix on our integer kernel. decoder.c runs the same C functions the layers' Python path runs, in the same
 order, so it computes the same bits (tests/test_decoder.py); a one-row decode step then
 pays one Python call for the stage instead of about fifteen per layer."""
@@ -15,6 +15,7 @@ import torch
 from . import qkernel
 from .ffn import FusedUpFfn, GatedFfn
 from .linear import BlockLinear
+from .mla import MlaAttention
 from .moe import MoeFfn
 from .norms import Norm
 from .transformer import Attention, DecoderLayer, Segment, _in_order, _positions
@@ -24,13 +25,20 @@ class _Norm(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("w", ctypes.c_void_p)]  # decoder.c's dec_norm
 
 
+class _Mla(ctypes.Structure):
+    _fields_ = [("first", qkernel.QMat), ("q_b", qkernel.QMat)] \
+        + [(n, ctypes.c_void_p) for n in ("q_a_norm", "kv_a_norm", "k_b", "v_b")] \
+        + [(n, ctypes.c_int64) for n in ("q_cols", "heads", "nope", "rope", "lora", "v_head")]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(n, qkernel.QMat) for n in ("qkv", "out", "gate_up", "down")] \
         + [("qkv_bias", ctypes.c_void_p)] \
         + [(n, _Norm) for n in ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")] \
         + [("attn", ctypes.c_void_p), ("act", ctypes.c_int), ("eps", ctypes.c_float),
            ("clamp", ctypes.c_float), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-           ("q_cols", ctypes.c_int64), ("k_cols", ctypes.c_int64), ("moe", ctypes.c_void_p)]
+           ("q_cols", ctypes.c_int64), ("k_cols", ctypes.c_int64), ("moe", ctypes.c_void_p),
+           ("mla", ctypes.c_void_p)]
 
 
 def _norm(norm: Norm | None) -> _Norm | None:
@@ -64,32 +72,68 @@ def _ffn(ffn) -> tuple[tuple, int, int | None] | None:
     return (qkernel.qmat(ffn.gate_up), qkernel.qmat(ffn.down)), act, None
 
 
-def _layer(layer: DecoderLayer) -> _Layer | None:
-    """decoder.c's description of `layer`, or None where it has another form."""
-    mixer = layer.mixer
-    if type(layer) is not DecoderLayer or type(mixer) is not Attention or mixer.lib is None:
+def _mla(mixer: MlaAttention) -> tuple[_Mla, float] | None:
+    """decoder.c's description of latent attention and its norms' eps, or None."""
+    lins = [mixer.first, mixer.out] + ([mixer.q_b] if mixer.q_b is not None else [])
+    vectors = [mixer.kv_a_norm, mixer.k_b, mixer.v_b] + \
+        ([mixer.q_a_norm] if mixer.q_b is not None else [])
+    if not all(isinstance(lin, BlockLinear) for lin in lins) or not all(map(_f32, vectors)):
         return None
-    qkv, ffn = mixer.qkv, _ffn(layer.ffn)
-    if ffn is None or not all(isinstance(lin, BlockLinear) for lin in (qkv.linear, mixer.out)):
+    m = mixer.m
+    q_b = qkernel.qmat(mixer.q_b) if mixer.q_b is not None else qkernel.QMat()
+    ptr = (lambda t: t.data_ptr() if t is not None else None)
+    return _Mla(qkernel.qmat(mixer.first), q_b, ptr(mixer.q_a_norm), ptr(mixer.kv_a_norm),
+                ptr(mixer.k_b), ptr(mixer.v_b), mixer.first_split[0], mixer.n_heads, m.nope,
+                m.rope_dim, m.kv_lora_rank, m.v_head), mixer.eps
+
+
+def _mixer(mixer) -> tuple[tuple, _Mla | None, float | None] | None:
+    """(qkv and out as qmats, the latent attention's description, its eps) or None."""
+    if type(mixer) is MlaAttention and mixer.lib is not None:
+        described = _mla(mixer)
+        if described is None:
+            return None
+        return (qkernel.QMat(), qkernel.qmat(mixer.out)), *described
+    if type(mixer) is not Attention or mixer.lib is None:
         return None
+    if not all(isinstance(lin, BlockLinear) for lin in (mixer.qkv.linear, mixer.out)):
+        return None
+    return (qkernel.qmat(mixer.qkv.linear), qkernel.qmat(mixer.out)), None, None
+
+
+def _layer(layer: DecoderLayer, keep: list) -> _Layer | None:
+    """decoder.c's description of `layer`, or None where it has another form; what the
+    description points to that no tensor holds goes into `keep`."""
+    if type(layer) is not DecoderLayer:
+        return None
+    mixer, ffn = _mixer(layer.mixer), _ffn(layer.ffn)
+    if mixer is None or ffn is None:
+        return None
+    (qkv_mat, out_mat), mla, mla_eps = mixer
     layer_norms = (layer.attn_norm, layer.post_attn_norm, layer.ffn_norm, layer.post_ffn_norm)
     norms = [_norm(n) for n in layer_norms]
     if any(n is None for n in norms):
         return None
-    eps = {n.eps for n in layer_norms if n is not None}
-    if qkv.q_norm is not None:
+    eps = {n.eps for n in layer_norms if n is not None} | ({mla_eps} if mla else set())
+    qkv = layer.mixer.qkv if mla is None else None
+    if qkv is not None and qkv.q_norm is not None:
         if not (_f32(qkv.q_norm) and _f32(qkv.k_norm)):
             return None
         eps.add(qkv.eps)
-    bias = qkv.bias
+    bias = qkv.bias if qkv is not None else None
     if len(eps) > 1 or (bias is not None and not _f32(bias)):
         return None
     (gate_up, down), act, moe = ffn
     ptr = (lambda t: t.data_ptr() if t is not None else None)
-    return _Layer(qkernel.qmat(qkv.linear), qkernel.qmat(mixer.out), gate_up, down, ptr(bias),
-                  *norms, ctypes.addressof(mixer.shape), act, eps.pop() if eps else 0.0,
-                  float(qkv.clamp) if qkv.clamp > 0 else 0.0, ptr(qkv.q_norm), ptr(qkv.k_norm),
-                  qkv.q_cols, qkv.k_cols, moe)
+    if mla is not None:
+        keep.append(mla)
+    clamp = float(qkv.clamp) if qkv is not None and qkv.clamp > 0 else 0.0
+    q_norm, k_norm = (qkv.q_norm, qkv.k_norm) if qkv is not None else (None, None)
+    return _Layer(qkv_mat, out_mat, gate_up, down, ptr(bias), *norms,
+                  ctypes.addressof(layer.mixer.shape), act, eps.pop() if eps else 0.0, clamp,
+                  ptr(q_norm), ptr(k_norm), qkv.q_cols if qkv is not None else 0,
+                  qkv.k_cols if qkv is not None else 0, moe,
+                  ctypes.addressof(mla) if mla is not None else None)
 
 
 class DecoderRun:
@@ -109,10 +153,13 @@ class DecoderRun:
         lib = qkernel.library()
         if lib is None or not layers:
             return None
-        described = [_layer(layer) for layer in layers]
+        keep: list = []
+        described = [_layer(layer, keep) for layer in layers]
         if any(d is None for d in described):
             return None
-        return cls(lib, layers, described)
+        run = cls(lib, layers, described)
+        run.keep = keep  # the latent attentions' descriptions the table points at
+        return run
 
     def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor | None:
         """The rows after every layer, or None where the rows are not the segments' in

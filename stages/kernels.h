@@ -51,6 +51,10 @@ void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_
                int64_t stride, float *out, int threads);
 void skr_linear_f32(const float *x, int64_t x_stride, const float *w, int64_t rows, int64_t k,
                     int64_t n_out, float *out, int64_t out_stride, int threads);
+void skr_linear_f32_heads(const float *x, int64_t x_stride, int64_t x_head, const float *w,
+                          int64_t w_head, int64_t heads, int64_t rows, int64_t k,
+                          int64_t n_out, float *out, int64_t out_stride, int64_t out_head,
+                          int threads);
 void skr_gate(int kind, const float *x, int64_t rows, int64_t n, float *out);
 /* attention.c */
 int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,

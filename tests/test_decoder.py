@@ -18,10 +18,11 @@ pytestmark = pytest.mark.skipif(not row_invariant("int4"), reason="no kernels of
 
 PROMPTS = [[(i * 37) % 900 + 40 for i in range(70)], [(i * 53) % 700 + 90 for i in range(23)]]
 # the plain form (pre-norm or post-norm RMS or OLMo's LayerNorm, bias or none, clamp, per-head
-# or whole-projection norms, softcap, gate and up in one matrix, experts) and the forms it
-# leaves to the layers' path
-FUSED = {"llama3", "qwen3", "gemma2", "glm4", "olmo", "olmo2", "qwen3moe", "minimax-m2"}
-NOT_FUSED = {"lfm2": "short conv layers", "deepseek2": "latent attention"}
+# or whole-projection norms, softcap, latent attention, gate and up in one matrix, experts)
+# and the forms it leaves to the layers' path
+FUSED = {"llama3", "qwen3", "gemma2", "glm4", "olmo", "olmo2", "qwen3moe", "minimax-m2",
+         "deepseek2"}
+NOT_FUSED = {"lfm2": "short conv layers"}
 
 
 def run(rt: TorchStageRuntime) -> list[torch.Tensor]:
