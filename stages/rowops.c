@@ -153,12 +153,35 @@ void skr_set_gelu_f16(const float *table)
     gelu_f16_table = table;
 }
 
+/* x's nearest f16 (ties to even, as torch's .half()), as its bits; any NaN gives a NaN.
+ * Plain integer arithmetic: compilers before GCC 12 have no _Float16 on x86. */
+static inline uint16_t half_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    const uint32_t a = u & 0x7fffffff;
+    if (a > 0x7f800000)
+        return sign | 0x7e00;                 /* NaN */
+    if (a >= 0x477ff000)
+        return sign | 0x7c00;                 /* 65520 and up round to infinity */
+    if (a >= 0x38800000) {                    /* a normal half: drop 13 mantissa bits */
+        const uint32_t r = a - 0x38000000;    /* the exponent rebiased from 127 to 15 */
+        const uint32_t kept = r >> 13, rest = r & 0x1fff;
+        return sign | (uint16_t)(kept + (rest > 0x1000 || (rest == 0x1000 && (kept & 1))));
+    }
+    if (a < 0x33000000)
+        return sign;                          /* at or below half the least subnormal: 0 */
+    /* a subnormal half: the mantissa with its implicit bit, shifted to units of 2^-24 */
+    const uint32_t m = (a & 0x7fffff) | 0x800000;
+    const int shift = 126 - (int)(a >> 23);   /* 14 .. 24 */
+    const uint32_t kept = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    return sign | (uint16_t)(kept + (rest > half || (rest == half && (kept & 1))));
+}
+
 static inline float gelu_f16(float x)
 {
-    const _Float16 h = (_Float16)x; /* rounded to nearest even, as torch's .half() */
-    uint16_t bits;
-    memcpy(&bits, &h, sizeof bits);
-    return x >= 10.0f ? x : (x <= -10.0f ? 0.0f : gelu_f16_table[bits]);
+    return x >= 10.0f ? x : (x <= -10.0f ? 0.0f : gelu_f16_table[half_bits(x)]);
 }
 
 void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,

@@ -186,6 +186,21 @@ def test_gated_is_the_activation_and_each_element_its_own(act, want):
         torch.set_num_threads(threads)
 
 
+def test_gelu_f16_rounds_to_the_half_as_torch_does():
+    """Every finite half below 10 in magnitude, the midpoints between neighbours (ties go
+    to the even one) and a float either side of each: our kernel's rounding (integer
+    arithmetic, rowops.c half_bits) picks the table entry torch's .half() picks."""
+    halves = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    halves = halves[halves.isfinite() & (halves.abs() < 10)].unique()  # sorted
+    mids = (halves[:-1].double() + halves[1:].double()) / 2
+    x = torch.cat([halves, mids.float(), torch.nextafter(mids.float(), torch.tensor(1e9)),
+                   torch.nextafter(mids.float(), torch.tensor(-1e9)),
+                   torch.tensor([1e-30, -1e-30, 2.0 ** -25, 2.0 ** -24, 3 * 2.0 ** -26])])
+    x = x[x.abs() < 10][None]
+    got = qkernel.gated(lib, x, torch.ones_like(x), "gelu_f16")
+    assert torch.equal(got, gelu_f16(x))
+
+
 def test_layer_norm_is_the_formula_row_by_row():
     x = torch.randn(9, 200) * 3 + 1
     got = qkernel.layer_norm(lib, x, 1e-5)
