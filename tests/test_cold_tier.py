@@ -56,7 +56,7 @@ def test_an_evicted_entry_comes_back_from_disk_bitwise(qwen3_f32, policy, entry_
         assert ids == want_ids and all(torch.equal(a, b) for a, b in zip(rows, want_rows))
         stats = on.cache.stats()
         if not with_disk:  # RAM kept at most a shorter one of A's entries
-            assert cached < 192 and on.cache.cold is None
+            assert cached < 192 and on.cache.tiers.cold is None
             return
         assert cached == 192
         assert stats["cold"]["counters"]["hits"] == 1
@@ -83,7 +83,7 @@ def test_a_disk_restore_slower_than_recomputing_is_declined(qwen3_f32, policy, e
         run(on, A)
         run(on, B)
         on.cache.drop_warm_lanes()
-        costs = on.cache.costs
+        costs = on.cache.tiers.costs
         costs.restored("cold", 1, 1000 * costs.row_s)  # a token from disk: 1000 rows' time
         cached, ids, rows = run(on, A2)
         _, want_ids, want_rows = run(off, A2)
@@ -120,14 +120,14 @@ def test_every_block_in_ram_or_on_disk_is_one_namespaces(qwen3_f32, policy, entr
 
     try:
         spied(on.cache.store, "ram")
-        spied(on.cache.cold.store, "disk")
+        spied(on.cache.tiers.cold.store, "disk")
         for namespace in ("tenant-a", "tenant-b"):
             run(on, A, namespace=namespace)
             run(on, B, namespace=namespace)   # pushes A's entry to disk
             run(on, A2, namespace=namespace)  # and back
-        scopes = {on.cache.scope(n) for n in ("tenant-a", "tenant-b")}
+        scopes = {on.cache.scope(n).key for n in ("tenant-a", "tenant-b")}
         assert set(tags) == scopes  # no block of no namespace, or of another stage
-        a, b = (tags[on.cache.scope(n)] for n in ("tenant-a", "tenant-b"))
+        a, b = (tags[on.cache.scope(n).key] for n in ("tenant-a", "tenant-b"))
         # RAM holds payloads only under KvRecurrent (ResidentKv keeps lanes there)
         assert {w for w, _ in a} == {w for w, _ in b} == (
             {"disk"} if policy == "ResidentKv" else {"ram", "disk"})

@@ -44,9 +44,9 @@ def test_a_pulled_prefix_answers_bitwise_as_a_cold_run(stages):
     run(holder, TURN1)
     cached, ids, rows = run(puller, TURN2, peers=[at])
     assert cached == 192  # every stride of turn 1 the holder prefilled
-    assert puller.puller.stats()["pulls"] == 1 and puller.cache.adopted == 1
+    assert puller.puller.stats()["pulls"] == 1 and puller.cache.peers.adopted == 1
     assert puller.puller.stats()["fetched_bytes"] > 0
-    assert holder.cache.exports == 1
+    assert holder.cache.peers.exports == 1
     _, ids_cold, rows_cold = run(cold, TURN2)
     assert ids == ids_cold
     assert all(torch.equal(a, b) for a, b in zip(rows, rows_cold))
@@ -75,7 +75,7 @@ def test_another_split_never_takes_the_state(stages, qwen3_f32):
     other.puller = StatePuller(puller.puller._credentials, puller.puller._max_message)
     try:
         cached, _, _ = run(other, TURN2, peers=[at])
-        assert cached == 0 and other.cache.adopted == 0
+        assert cached == 0 and other.cache.peers.adopted == 0
         assert other.puller.stats()["failed"] == 1
     finally:
         other.puller.close()

@@ -83,8 +83,8 @@ class StageActor:
         cache = self.server.cache
         self.server.loop.call(cache.clear)
         cache.store.close()
-        if cache.cold is not None:
-            cache.cold.store.close()
+        if cache.tiers.cold is not None:
+            cache.tiers.cold.store.close()
 
     def memory(self) -> dict[str, int]:
         """This process's resident bytes now and at its peak (VmRSS, VmHWM)."""

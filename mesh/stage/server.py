@@ -102,8 +102,8 @@ class StageServer:
     def export(self, tokens: list[int], limit: int, after: int, namespace: str) -> bytes:
         """A peer's ask for this stage's state of a prefix: its payload manifest (the
         blocks wait in the store for GetBlocks), empty when nothing longer is held."""
-        manifest = self.loop.call(self.cache.export, tokens, limit, after,
-                                  namespace=namespace)
+        manifest = self.loop.call(self.cache.peers.export, tokens, limit, after,
+                                  self.cache.scope(namespace))
         return b"" if manifest is None else manifest.to_bytes()
 
     def stats(self) -> dict:

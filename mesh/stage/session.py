@@ -66,7 +66,7 @@ class StageSession:
         self.down = None                     # the link to the next stage, once opened
         self.sampler: Sampler | None = None  # the last stage's
         self.want_logits = False
-        self.probe, self.namespace = False, ""
+        self.probe, self.scope = False, None  # the request's, chosen at its first call
         self.downstream_start: int | None = None
         self.decoding = False
         self.ending = False  # the call being handled is the request's last
@@ -169,8 +169,7 @@ class StageSession:
         tokens = list(p.tokens)
         self._begin(tokens, p.probe, p.namespace)
         if self.last and p.results and p.HasField("sampling"):
-            logits = self.loop.call(self.cache.cached_result, tokens, probe=p.probe,
-                                    namespace=p.namespace)
+            logits = self.loop.call(self.cache.cached_result, tokens, self.scope)
             if logits is not None:  # an exact repeat: its first token, nothing computed
                 self.span.set_attribute("skippy.exact_result", True)
                 self._new_sampler(p.sampling)
@@ -184,8 +183,7 @@ class StageSession:
             if reply.WhichOneof("result") != "plan":
                 return reply
             d = reply.plan.start
-        start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, probe=p.probe,
-                               namespace=p.namespace)
+        start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, self.scope)
         self.downstream_start = d
         self.span.set_attribute("skippy.start", start)
         verify = self.server.runtime.exactness is Exactness.ROW_INVARIANT and \
@@ -212,7 +210,7 @@ class StageSession:
         embed = p.embed if self.last else ""
         answer = self.last and not embed
         out = self.loop.compute("prefill", tracing.carried(self._restore_and_prefill), tokens,
-                                inputs, start, p.probe, p.namespace, rows=len(tokens) - start,
+                                inputs, start, rows=len(tokens) - start,
                                 logits="hidden" if embed else "last",
                                 then=partial(self._answer, tokens, p) if answer else None)
         if embed:  # answered here: nothing is sampled nor decoded
@@ -299,12 +297,12 @@ class StageSession:
         one), waiting for one where the runtime has a fixed number."""
         if self.lane is not None:
             return
-        self.probe, self.namespace = probe, namespace
+        self.probe, self.scope = probe, self.cache.scope(namespace, probe)
         deadline = time.monotonic() + LANE_WAIT_S
         while True:
             try:
                 self.lane = self.loop.call(self.cache.alloc_lane, [] if probe else tokens,
-                                           namespace)
+                                           self.scope)
                 return
             except StageError as e:
                 if time.monotonic() > deadline:
@@ -312,26 +310,23 @@ class StageSession:
                 with self.server.lane_freed:  # the next session's close wakes this
                     self.server.lane_freed.wait(timeout=0.5)
 
-    def _restore_and_prefill(self, tokens, inputs, start: int, probe: bool, namespace: str,
-                             logits: str = "last"):
+    def _restore_and_prefill(self, tokens, inputs, start: int, logits: str = "last"):
         """On the loop thread. A planned restore cannot fail for lack of its entry (the
         plan pinned it); one that fails anyway (a corrupt block) is a stage fault."""
         restoring = tracing.OFF if not start else tracing.span(
             "restore", {**self.trace_attributes, "skippy.tokens": start})
         with restoring:
-            if not self.cache.restore(self.lane, tokens, start, namespace=namespace):
+            if not self.cache.restore(self.lane, tokens, start, self.scope):
                 raise RuntimeError(f"cached state for {start} tokens went away before the "
                                    f"prefill")
-        return self.cache.prefill(self.lane, tokens, inputs, start, logits, probe=probe,
-                                  namespace=namespace,
+        return self.cache.prefill(self.lane, tokens, inputs, start, logits, self.scope,
                                   downstream=self.downstream_start if not self.last else None,
                                   between_chunks=self.loop.run_waiting_rows)
 
     def _answer(self, tokens: list[int], p: pb.Prefill, out) -> pb.StageResult:
         """The last stage's answer to a prefill, on the loop thread in the prefill's own
         trip there: the prompt's logits kept as its exact result, its first token."""
-        if not p.probe:
-            self.cache.remember_result(tokens, out.logits, namespace=p.namespace)
+        self.cache.remember_result(tokens, out.logits, self.scope)
         if p.replay:
             return pb.StageResult(done=pb.Done(cached_tokens=p.start))
         return pb.StageResult(token=self._sample(out.logits, p.start))

@@ -46,7 +46,8 @@ class StatePuller:
         it held as much, the pull would not pay, or it failed)."""
         loop, cache = server.loop, server.cache
         try:
-            have = loop.call(cache.available, lane, tokens, limit, namespace=namespace)
+            scope = cache.scope(namespace)
+            have = loop.call(cache.available, lane, tokens, limit, scope)
             peer = self._peer(address)
             manifest = peer.export(list(tokens), limit, have, namespace)
             if manifest is None:
@@ -70,7 +71,7 @@ class StatePuller:
             if not _take(cache.store, manifest.blocks, got.blocks):
                 self._count(failed=1)
                 return 0
-            if not loop.call(cache.adopt, tokens, manifest, namespace=namespace):
+            if not loop.call(cache.peers.adopt, tokens, manifest, scope):
                 self._count(failed=1)
                 return 0
             self._count(pulls=1, fetched_bytes=got.bytes, pulled_tokens=gain,
