@@ -12,7 +12,7 @@ import pytest
 
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
-from skippy.mesh.stage.grpc_service import grpc_opener, start_server
+from skippy.mesh.stage.grpc_service import GrpcOpener, start_server
 from skippy.mesh.stage.security import StageCredentials, new_secret
 from skippy.mesh.stage.server import StageServer
 from skippy.proto import stage_pb2 as pb
@@ -209,7 +209,7 @@ def test_a_closed_link_returns_once_the_stage_has_ended_the_session(stage):
     settled(service)
     tokens = [1] + [(i * 53) % 30000 + 50 for i in range(80)]
     for _ in range(3):  # a race, if there were one, would not lose every time
-        link = grpc_opener(address, CREDS, 1 << 24)()
+        link = GrpcOpener(address, CREDS, 1 << 24)()
         start = link.ask(pb.StageCall(plan=pb.Plan(tokens=tokens, limit=len(tokens) - 1)))
         link.ask(pb.StageCall(prefill=pb.Prefill(tokens=tokens, start=start.plan.start)))
         link.close()
@@ -218,28 +218,56 @@ def test_a_closed_link_returns_once_the_stage_has_ended_the_session(stage):
         assert stats["lanes_warm"] >= 1
 
 
-def test_a_last_call_ends_the_session_before_its_answer_and_the_stream_after(stage):
+def test_a_last_call_ends_the_session_before_its_answer_and_the_stream_carries_the_next(stage):
     """A request's last call (its final token) frees the lane, warm, before the answer
-    leaves the stage, and the stage ends the stream: the caller's close waits for
-    nothing, and a follow-up sent at once finds the lane warm."""
+    leaves the stage: the caller need not close the stream, and a follow-up sent at once
+    on the same stream is a new session that finds the lane warm."""
     service, address = stage
     settled(service)
     tokens = [1] + [(i * 59) % 30000 + 50 for i in range(150)]
+    follow = tokens + [7, 8]
     with grpc.insecure_channel(address) as channel:
         q: queue.Queue = queue.Queue()
         replies = session_stream(channel, q, CREDS.metadata)
-        q.put(pb.StageCall(last=True, plan=pb.Plan(tokens=tokens, limit=len(tokens) - 1,
-                                                   prefill=True)))
-        reply = next(replies)
-        stats = service.stats()
-        assert reply.WhichOneof("result") == "token" and reply.token.HasField("plan")
-        assert stats["sessions"] == 0 and stats["lanes_busy"] == 0, stats
-        with pytest.raises(StopIteration):  # ended by the stage, with nothing sent
+        got = []
+        for prompt in (tokens, follow):
+            q.put(pb.StageCall(last=True, plan=pb.Plan(tokens=prompt, limit=len(prompt) - 1,
+                                                       prefill=True)))
+            reply = next(replies)
+            stats = service.stats()
+            assert reply.WhichOneof("result") == "token" and reply.token.HasField("plan")
+            assert stats["sessions"] == 0 and stats["lanes_busy"] == 0, stats
+            got.append(reply.token)
+        q.put(None)
+        with pytest.raises(StopIteration):  # the caller ended it: so does the stage
             next(replies)
-    follow = tokens + [7, 8]
-    token, cached = first_token(address, follow)
-    assert cached == 128  # the lane it left warm (two 64-row chunks)
-    assert first_token(address, follow, probe=True) == (token, 0)
+    assert got[1].cached_tokens == 128  # the lane it left warm (two 64-row chunks)
+    assert first_token(address, follow, probe=True) == (got[1].id, 0)
+
+
+def test_a_link_whose_last_call_was_answered_is_kept_for_the_next_request(stage):
+    """The opener's idle streams: a link closed after its last call's answer is taken
+    again by the next request (no stream opened); one closed without it ends."""
+    service, address = stage
+    settled(service)
+    opener = GrpcOpener(address, CREDS, 1 << 24)
+    prompts = [[1] + [(i * k) % 30000 + 50 for i in range(90)] for k in (67, 71, 73)]
+    answers = []
+    for prompt in prompts[:2]:
+        link = opener()
+        reply = link.ask(pb.StageCall(last=True, plan=pb.Plan(
+            tokens=prompt, limit=len(prompt) - 1, prefill=True)))
+        answers.append(reply.token.id)
+        link.close()
+    assert opener.idle.reused == 1 and service.stats()["sessions"] == 0
+    link = opener()  # the kept stream again, this time closed without a last call
+    link.ask(pb.StageCall(plan=pb.Plan(tokens=prompts[2], limit=len(prompts[2]) - 1,
+                                       prefill=True)))
+    link.close()
+    assert opener.idle.reused == 2 and opener() is not link
+    assert answers == [first_token(address, p, probe=True)[0] for p in prompts[:2]]
+    opener.close()
+    assert settled(service)["sessions"] == 0
 
 
 def _torch_threads(service: StageServer) -> int:

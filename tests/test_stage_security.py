@@ -18,7 +18,7 @@ from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.ray_pipeline import GrpcStageLink
 from skippy.mesh.stage import security
 from skippy.mesh.stage.channels import channel_options
-from skippy.mesh.stage.grpc_service import grpc_opener, message_limit, start_server
+from skippy.mesh.stage.grpc_service import GrpcOpener, message_limit, start_server
 from skippy.mesh.stage.security import (ClusterCredentials, SecretError, StageCredentials,
                                         load_secret, new_secret, tls_wanted)
 from skippy.mesh.stage.server import StageServer
@@ -203,7 +203,7 @@ def chain(smollm2):
     stages = [StageServer(StageSpec(str(smollm2), a, b, i, 2, n_ctx=N_CTX), CacheConfig(),
                           policy="ResidentKv") for i, (a, b) in enumerate([(0, 15), (15, 30)])]
     servers = [start_server(s, "127.0.0.1", creds) for s in stages]
-    stages[0].link_next(grpc_opener(servers[1][1], creds, limit))
+    stages[0].link_next(GrpcOpener(servers[1][1], creds, limit))
     yield GrpcChain(servers[0][1], creds, limit), servers[1][1], stages[1]
     for rpc, _ in servers:
         rpc.stop(None)

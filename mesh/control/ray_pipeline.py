@@ -3,7 +3,8 @@
 Repair makes the chain whole after a fault: it waits for Ray to restart dead actors,
 re-creates one Ray has given up on, and tells each stage where the next one listens.
 Only links whose address changed are replaced; a replaced channel closes once its
-streams end, so other requests' sessions never see a repair.
+streams end, so other requests' sessions never see a repair. A stream whose request ended
+with its last call answered waits, idle, for the next request (channels.IdleLinks).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import ray
@@ -20,7 +23,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.channels import CLOSE_S, channel_options
+from ..stage.channels import CLOSE_S, IdleLinks, channel_options
 from ..stage.security import StageCredentials
 from .driver import StageFault
 
@@ -34,8 +37,10 @@ REPLY_TIMEOUT_S = 900.0    # the longest a stage chain may take to answer (a lon
 class GrpcStageLink:
     """The driver's session with stage 0 over a grpc.aio stream."""
 
-    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=()):
+    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=(),
+                 idle: IdleLinks | None = None):
         self._call = stub.Session(metadata=metadata)
+        self._idle, self.ended = idle, False
 
     async def ask(self, call: pb.StageCall) -> pb.StageResult:
         try:
@@ -47,11 +52,22 @@ class GrpcStageLink:
             raise StageFault(f"no reply from the stages in {REPLY_TIMEOUT_S:.0f} s") from e
         if reply is grpc.aio.EOF:
             raise StageFault("stage 0 closed the stream")
+        self.ended = call.last and reply.WhichOneof("result") != "error"
         return reply
 
     async def close(self) -> None:
-        """Ends the session and waits (CLOSE_S at most) until stage 0 has ended it, and
-        through it every stage: their lanes are then warm for the request's follow-up."""
+        """Ends the session. Where its last call was answered, every stage had ended it
+        already (their lanes warm for a follow-up) and the stream waits in `idle` for the
+        next request; else the stream ends (CLOSE_S at most for stage 0, and through it
+        every stage, to end the session)."""
+        if self.ended and self._idle is not None:
+            self.ended = False
+            for link in self._idle.put(self):
+                await link.end()
+            return
+        await self.end()
+
+    async def end(self) -> None:
         try:
             await self._call.done_writing()
             await asyncio.wait_for(self._call.code(), CLOSE_S)
@@ -59,6 +75,14 @@ class GrpcStageLink:
             pass
         finally:
             self._call.cancel()
+
+
+@dataclass
+class _Channel:
+    address: str
+    channel: object
+    stub: stage_pb2_grpc.StageStub
+    idle: IdleLinks
 
 
 class RayPipeline:
@@ -74,7 +98,10 @@ class RayPipeline:
         self.healthy = False
         self.recreated = 0
         self._lock = threading.Lock()
-        self._channels: dict[int, tuple[str, object, stage_pb2_grpc.StageStub]] = {}
+        # per event loop (grpc.aio binds a channel to one; a closed loop's go with it):
+        # stage 0's address, the channel, its stub, the streams idle on it
+        self._channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Channel] = \
+            weakref.WeakKeyDictionary()
 
     def wire(self) -> list[str]:
         """Every stage's address (waiting for restarts), each told the next one's."""
@@ -97,6 +124,11 @@ class RayPipeline:
             return ray.get(self.actors[i].address.remote(), timeout=ACTOR_START_TIMEOUT)
 
     async def repair(self, generation: int) -> None:
+        # a stage failed: streams kept idle may lead to it (this loop's: links are bound
+        # to the loop that opened them)
+        entry = self._channels.get(asyncio.get_running_loop())
+        for link in entry.idle.drain() if entry is not None else ():
+            await link.end()
         await asyncio.to_thread(self._repair, generation)
 
     def _repair(self, generation: int) -> None:
@@ -117,19 +149,25 @@ class RayPipeline:
             raise StageFault("the pipeline is being repaired")
         loop = asyncio.get_running_loop()
         address = self.addresses[0]
-        entry = self._channels.get(id(loop))
-        if entry is None or entry[0] != address:
+        entry = self._channels.get(loop)
+        stale = []
+        if entry is None or entry.address != address:
             channel = self._credentials.channel(address, self._options, aio=True)
             if entry is not None:  # drain the replaced channel, then close it
-                asyncio.ensure_future(entry[1].close(grace=DRAIN_S))
-            entry = self._channels[id(loop)] = (address, channel,
-                                                stage_pb2_grpc.StageStub(channel))
-        return GrpcStageLink(entry[2], self._credentials.metadata)
+                stale = entry.idle.drain()
+                asyncio.ensure_future(entry.channel.close(grace=DRAIN_S))
+            entry = self._channels[loop] = _Channel(
+                address, channel, stage_pb2_grpc.StageStub(channel), IdleLinks())
+        link, old_ones = entry.idle.take()
+        for old in stale + old_ones:
+            await old.end()
+        return link if link is not None else \
+            GrpcStageLink(entry.stub, self._credentials.metadata, entry.idle)
 
     async def close(self) -> None:
-        for _, channel, _ in self._channels.values():
+        for entry in list(self._channels.values()):
             try:
-                await channel.close()
+                await entry.channel.close()
             except Exception:  # its event loop may be gone already
                 pass
         self._channels.clear()

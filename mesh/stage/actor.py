@@ -14,7 +14,7 @@ from skippy.stages.runtime import StageSpec
 from skippy.stages.runtime_kind import TORCH, RuntimeKind
 
 from .. import tracing
-from .grpc_service import grpc_opener, message_limit, start_server
+from .grpc_service import GrpcOpener, message_limit, start_server
 from .security import StageCredentials
 from .node_store import cold_store, node_store
 from .server import StageServer
@@ -64,7 +64,7 @@ class StageActor:
         if next_address is None:
             self.server.link_next(None)
             return
-        self.server.link_next(grpc_opener(next_address, self._credentials, self._limit))
+        self.server.link_next(GrpcOpener(next_address, self._credentials, self._limit))
 
     def stats(self) -> dict:
         return self.server.stats()
@@ -79,6 +79,7 @@ class StageActor:
         """Stop serving and let go of this stage's blocks in the node's shared store
         (what a killed stage leaves there is swept by the next stage to open it)."""
         self._rpc.stop(grace=None)
+        self.server.link_next(None)  # idle streams to the next stage end
         tracing.flush()
         cache = self.server.cache
         self.server.loop.call(cache.clear)

@@ -4,6 +4,11 @@ Messages are capped at the largest one the two ends exchange (the caller passes 
 keepalive pings run even on idle channels, so a peer that vanished (a node lost) ends its
 streams instead of leaving them hanging. The stage service, the block and part fetchers
 and the driver's links all take their options here.
+
+A session stream whose request ended with its `last` call answered (every stage behind it
+has closed its session by then) is kept open for the next request (`IdleLinks`): opening a
+stream costs about twice a message on an open one (~1.1-1.5 ms against 0.5 ms a request
+on this project's 2-core test machine), once per hop.
 """
 
 from __future__ import annotations
@@ -30,6 +35,49 @@ def channel_options(max_message: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+# Idle session streams kept per opener, and how long one may wait for its next request
+# (well inside the stage's IDLE_S, after which it would cancel the stream).
+IDLE_LINKS = 4
+IDLE_LINK_S = 30.0
+
+
+class IdleLinks:
+    """Links whose request ended cleanly, newest last, for the next request to take. The
+    caller closes what `take`, `put` and `drain` hand back (stale or surplus links).
+    Thread-safe."""
+
+    def __init__(self, keep: int = IDLE_LINKS, idle_s: float = IDLE_LINK_S,
+                 clock=time.monotonic):
+        self.keep, self.idle_s, self.clock = keep, idle_s, clock
+        self._links: list[tuple[float, Any]] = []
+        self._lock = threading.Lock()
+        self.reused = 0  # links taken again: streams not opened
+
+    def take(self) -> tuple[Any | None, list]:
+        """(the newest link idle for less than idle_s or None, the stale ones to close)."""
+        with self._lock:
+            fresh = self.clock() - self.idle_s
+            stale = [link for t, link in self._links if t < fresh]
+            self._links = [(t, link) for t, link in self._links if t >= fresh]
+            link = self._links.pop()[1] if self._links else None
+            self.reused += link is not None
+            return link, stale
+
+    def put(self, link) -> list:
+        """Keep `link`; the links to close: the oldest beyond `keep`."""
+        with self._lock:
+            self._links.append((self.clock(), link))
+            surplus = self._links[:-self.keep] if len(self._links) > self.keep else []
+            del self._links[:len(surplus)]
+            return [link for _, link in surplus]
+
+    def drain(self) -> list:
+        """Every link held, to close (the peer changed or the owner is closing)."""
+        with self._lock:
+            links, self._links = [link for _, link in self._links], []
+            return links
 
 
 class SilentPeer(ConnectionError):

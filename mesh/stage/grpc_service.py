@@ -1,6 +1,8 @@
 """A stage over gRPC: the servicer, the server, and a stage's link to the next one.
 
-A `Session` stream is one request's life at this stage (mesh/stage/session.py). Channels
+A `Session` stream carries one request's life at this stage (mesh/stage/session.py), then,
+where that request ended with its `last` call answered, the next request's (its sender
+keeps the stream idle for it: channels.IdleLinks). Channels
 carry keepalive pings (mesh/stage/channels.py), so a peer that vanished (a node lost) ends
 its streams instead of leaving them hanging; message sizes are capped at the largest
 message the model's stages exchange (`message_limit`). Every call carries the cluster's token and, between nodes,
@@ -23,7 +25,7 @@ from skippy.proto import stage_pb2_grpc
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
-from .channels import CLOSE_S, channel_options
+from .channels import CLOSE_S, IdleLinks, channel_options
 from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
@@ -58,24 +60,28 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self.idle = _IdleWatch()
 
     def Session(self, calls, context):
-        session = self.server.open_session()
+        session = None
         watched = self.idle.watch(context)
         try:
             # read here, not on a reader thread of its own: a call's way in is one
             # thread hand-off shorter (the watch cancels a session that stays silent)
             for call in calls:
                 watched.busy = True
+                if session is None:
+                    session = self.server.open_session()
+                    watched.holding = True
                 try:
                     yield session.handle(call)
                 finally:
                     watched.seen()
-                if call.last:  # the session ended with its answer: so does the stream
-                    return
+                if call.last:  # the session ended with its answer; the stream may go on
+                    session, watched.holding = None, False
         except grpc.RpcError:  # the client went, or the watch cancelled a silent one
             pass
         finally:
             self.idle.forget(watched)
-            session.close()
+            if session is not None:
+                session.close()
 
     def GetBlocks(self, request, context):
         for h, data in self.server.blocks(request.hashes):
@@ -89,6 +95,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 class _Watched:
     def __init__(self, context):
         self.context, self.busy = context, False
+        self.holding = False  # a session is open: an idle stream between requests holds none
         self.last = time.monotonic()
 
     def seen(self) -> None:
@@ -126,42 +133,72 @@ class _IdleWatch:
             self._wake.clear()
             now = time.monotonic()
             with self._lock:
-                idle = [w for w in self._sessions if not w.busy and now - w.last > IDLE_S]
+                idle = [w for w in self._sessions
+                        if w.holding and not w.busy and now - w.last > IDLE_S]
             for w in idle:
                 log.info("a session idle for %.0f s is closed and its lane freed", IDLE_S)
                 w.context.cancel()
 
 
 class GrpcLink:
-    """One request's stream to the next stage: send a call, read its answer."""
+    """A request's stream to the next stage: send a call, read its answer. Once the
+    request's `last` call is answered, `close` leaves the stream open in `idle` (where
+    given) for the next request."""
 
-    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=()):
+    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=(),
+                 idle: IdleLinks | None = None):
         self._calls: queue.Queue = queue.Queue()
         self._replies = stub.Session(iter(self._calls.get, None), metadata=metadata)
+        self._idle, self.ended = idle, False
 
     def ask(self, call: pb.StageCall) -> pb.StageResult:
         self._calls.put(call)
         try:
-            return next(self._replies)
+            reply = next(self._replies)
         except grpc.RpcError as e:
             raise LinkDown(f"the next stage is unreachable: {e.code().name}") from e
         except StopIteration as e:
             raise LinkDown("the next stage closed the stream") from e
+        self.ended = call.last and reply.WhichOneof("result") != "error"
+        return reply
 
     def close(self) -> None:
+        if self.ended and self._idle is not None:
+            self.ended = False
+            for link in self._idle.put(self):
+                link.end()
+            return
+        self.end()
+
+    def end(self) -> None:
+        """End the stream: the next stage's session ends, and its own link with it."""
         ended = threading.Event()
         self._replies.add_done_callback(lambda _: ended.set())
-        self._calls.put(None)  # the next stage's session ends, and its own link with it
+        self._calls.put(None)
         ended.wait(CLOSE_S)
         self._replies.cancel()
 
 
-def grpc_opener(address: str, credentials: StageCredentials, max_message: int):
-    """Opens links over one channel to `address`. A channel replaced by a newer one is
-    closed by the garbage collector once the last stream on it ends: it drains."""
-    channel = credentials.channel(address, channel_options(max_message))
-    stub = stage_pb2_grpc.StageStub(channel)
-    return lambda: GrpcLink(stub, credentials.metadata)
+class GrpcOpener:
+    """Opens links over one channel to the next stage's `address`, an idle stream where
+    one waits. A channel replaced by a newer one is closed by the garbage collector once
+    the last stream on it ends: it drains."""
+
+    def __init__(self, address: str, credentials: StageCredentials, max_message: int):
+        channel = credentials.channel(address, channel_options(max_message))
+        self._stub, self._metadata = stage_pb2_grpc.StageStub(channel), credentials.metadata
+        self.idle = IdleLinks()
+
+    def __call__(self) -> GrpcLink:
+        link, stale = self.idle.take()
+        for old in stale:
+            old.end()
+        return link if link is not None else GrpcLink(self._stub, self._metadata, self.idle)
+
+    def close(self) -> None:
+        """End the idle streams (the next stage moved, or this one is closing)."""
+        for link in self.idle.drain():
+            link.end()
 
 
 def start_server(server: StageServer, host: str, credentials: StageCredentials,

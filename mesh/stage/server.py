@@ -55,9 +55,12 @@ class StageServer:
     # -- the chain -----------------------------------------------------------------------
     def link_next(self, opener: Callable[[], object] | None) -> None:
         """How this stage opens a session at the next one (None: the last stage). Sessions
-        already open keep the link they have until they end."""
+        already open keep the link they have until they end; the old opener's idle
+        streams end now."""
         with self._lock:
-            self._next = opener
+            old, self._next = self._next, opener
+        if old is not None and hasattr(old, "close"):
+            old.close()
 
     def open_downstream(self):
         with self._lock:
@@ -112,6 +115,10 @@ class StageServer:
             s["pulls"] = self.puller.stats()
         if self.spec.is_last:
             s["speculation"] = dict(self.speculation)
+        with self._lock:
+            idle = getattr(self._next, "idle", None)
+        if idle is not None:  # requests that took an idle stream to the next stage
+            s["streams_reused"] = idle.reused
         s.update(stage_index=self.spec.stage_index,
                  layers=[self.spec.layer_start, self.spec.layer_end],
                  weight_format=self.spec.weight_format, **self.loop.figures())

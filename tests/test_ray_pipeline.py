@@ -1,0 +1,36 @@
+"""The driver's streams to stage 0, and each stage's to the next, on a Ray pipeline
+(mesh/control/ray_pipeline.py, mesh/stage/grpc_service.py): a request that ended with its
+last call answered leaves its streams open for the next request, which gives the answer a
+fresh stream gives."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def test_requests_take_the_streams_the_last_ones_left_and_answer_the_same(smollm2):
+    from skippy.cache.config import CacheConfig
+    from skippy.mesh.control.engine import GenerationRequest
+    from skippy.mesh.control.ray_engine import RayEngine
+    engine = RayEngine(smollm2, 2, weight_format="int4", n_ctx=256, lanes=2,
+                       cache=CacheConfig(enabled=False))
+    try:
+        prompts = [(1, *[(i * 41 + k * 97) % 30000 + 50 for i in range(24)]) for k in range(4)]
+        # max_tokens reached (not a stop token): each request's last decode is its last call
+        requests = [GenerationRequest(p, 3, speculate=False, stop_ids=frozenset())
+                    for p in prompts]
+
+        async def one(r):
+            return [s.token async for s in engine.generate(r)]
+
+        async def in_turn():
+            return [await one(r) for r in requests]
+        # each on a loop of its own: a channel, and so a stream, of its own
+        fresh = [asyncio.run(one(r)) for r in requests]
+        assert asyncio.run(in_turn()) == fresh
+        # the in-turn loop's channel (the fresh ones' loops are closed)
+        assert max(e.idle.reused for e in engine.pipelines[0]._channels.values()) == \
+            len(requests) - 1
+        assert engine.pipeline_stats(0)[0]["streams_reused"] >= len(requests) - 1
+    finally:
+        asyncio.run(engine.close())
