@@ -10,6 +10,8 @@ import asyncio
 
 def test_requests_take_the_streams_the_last_ones_left_and_answer_the_same(smollm2):
     from skippy.cache.config import CacheConfig
+    from skippy.cache.telemetry import CacheStats
+    from skippy.mesh.front.metrics import stage_families
     from skippy.mesh.control.engine import GenerationRequest
     from skippy.mesh.control.ray_engine import RayEngine
     engine = RayEngine(smollm2, 2, weight_format="int4", n_ctx=256, lanes=2,
@@ -31,6 +33,13 @@ def test_requests_take_the_streams_the_last_ones_left_and_answer_the_same(smollm
         # the in-turn loop's channel (the fresh ones' loops are closed)
         assert max(e.idle.reused for e in engine.pipelines[0]._channels.values()) == \
             len(requests) - 1
-        assert engine.pipeline_stats(0)[0]["streams_reused"] >= len(requests) - 1
+        # stage 0's stream to stage 1 outlives the driver's loops: every request but the
+        # first took it
+        assert engine.pipeline_stats(0)[0]["streams_reused"] == 2 * len(requests) - 1
+        memo = CacheStats("results", 0, 0, 0, 0, 0, {})
+        (reused,) = [m for m in stage_families(engine.stats(), memo)
+                     if m.name == "skippy_stage_streams_reused"]
+        assert {s.labels["stage"]: s.value for s in reused.samples
+                if s.name.endswith("_total")} == {"0": 2 * len(requests) - 1}
     finally:
         asyncio.run(engine.close())
