@@ -26,8 +26,9 @@ if _version_not_supported:
 
 
 class StageStub:
-    """One stream is one request's life at one stage: its lane is allocated when the stream
-    opens and freed when it closes, so a client that goes away frees its lanes.
+    """A stream carries one request's life at one stage: its lane is allocated at the first
+    call and freed at the request's `last` call (the stream then waits for the caller's
+    next request) or when the stream closes, so a client that goes away frees its lanes.
     """
 
     def __init__(self, channel):
@@ -54,8 +55,9 @@ class StageStub:
 
 
 class StageServicer:
-    """One stream is one request's life at one stage: its lane is allocated when the stream
-    opens and freed when it closes, so a client that goes away frees its lanes.
+    """A stream carries one request's life at one stage: its lane is allocated at the first
+    call and freed at the request's `last` call (the stream then waits for the caller's
+    next request) or when the stream closes, so a client that goes away frees its lanes.
     """
 
     def Session(self, request_iterator, context):
@@ -104,8 +106,9 @@ def add_StageServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Stage:
-    """One stream is one request's life at one stage: its lane is allocated when the stream
-    opens and freed when it closes, so a client that goes away frees its lanes.
+    """A stream carries one request's life at one stage: its lane is allocated at the first
+    call and freed at the request's `last` call (the stream then waits for the caller's
+    next request) or when the stream closes, so a client that goes away frees its lanes.
     """
 
     @staticmethod
