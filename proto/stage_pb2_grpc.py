@@ -42,6 +42,11 @@ class StageStub:
                 request_serializer=stage__pb2.StageCall.SerializeToString,
                 response_deserializer=stage__pb2.StageResult.FromString,
                 _registered_method=True)
+        self.Replies = channel.unary_stream(
+                '/skippy.v1.Stage/Replies',
+                request_serializer=stage__pb2.ReplyTo.SerializeToString,
+                response_deserializer=stage__pb2.StageResult.FromString,
+                _registered_method=True)
         self.GetBlocks = channel.unary_stream(
                 '/skippy.v1.Stage/GetBlocks',
                 request_serializer=stage__pb2.BlockRequest.SerializeToString,
@@ -66,6 +71,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replies(self, request, context):
+        """The last stage's answers to decode calls sent with `reply_to`: a first empty `done`
+        once the stream is registered, then each answer in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetBlocks(self, request, context):
         """State shared between nodes by hash: a stage fetches blocks its store lacks.
         """
@@ -85,6 +98,11 @@ def add_StageServicer_to_server(servicer, server):
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=stage__pb2.StageCall.FromString,
+                    response_serializer=stage__pb2.StageResult.SerializeToString,
+            ),
+            'Replies': grpc.unary_stream_rpc_method_handler(
+                    servicer.Replies,
+                    request_deserializer=stage__pb2.ReplyTo.FromString,
                     response_serializer=stage__pb2.StageResult.SerializeToString,
             ),
             'GetBlocks': grpc.unary_stream_rpc_method_handler(
@@ -127,6 +145,33 @@ class Stage:
             target,
             '/skippy.v1.Stage/Session',
             stage__pb2.StageCall.SerializeToString,
+            stage__pb2.StageResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/skippy.v1.Stage/Replies',
+            stage__pb2.ReplyTo.SerializeToString,
             stage__pb2.StageResult.FromString,
             options,
             channel_credentials,

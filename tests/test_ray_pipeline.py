@@ -1,7 +1,7 @@
 """The driver's streams to stage 0, and each stage's to the next, on a Ray pipeline
 (mesh/control/ray_pipeline.py, mesh/stage/grpc_service.py): a request that ended with its
 last call answered leaves its streams open for the next request, which gives the answer a
-fresh stream gives."""
+fresh stream gives; decode steps are answered by the last stage straight to the driver."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ def test_requests_take_the_streams_the_last_ones_left_and_answer_the_same(smollm
             len(requests) - 1
         # stage 0's stream to stage 1 outlives the driver's loops: every request but the
         # first took it
-        assert engine.pipeline_stats(0)[0]["streams_reused"] == 2 * len(requests) - 1
+        first, last = engine.pipeline_stats(0)
+        assert first["streams_reused"] == 2 * len(requests) - 1
+        # each request's middle token came straight from the last stage (its last token
+        # came back through stage 0, ending the sessions on its way)
+        assert last["direct_replies"] == 2 * len(requests)
         memo = CacheStats("results", 0, 0, 0, 0, 0, {})
         (reused,) = [m for m in stage_families(engine.stats(), memo)
                      if m.name == "skippy_stage_streams_reused"]

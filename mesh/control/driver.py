@@ -209,6 +209,14 @@ class _Traced:
         call.traceparent = self.traceparent
         return await self.link.ask(call)
 
+    async def ask_direct(self, call: pb.StageCall) -> pb.StageResult:
+        call.traceparent = self.traceparent
+        return await self.link.ask_direct(call)
+
+    @property
+    def reply_id(self) -> str:
+        return getattr(self.link, "reply_id", "")
+
     async def close(self) -> None:
         await self.link.close()
 
@@ -260,9 +268,9 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
                 if alone else 0)
             t1 = time.perf_counter()
             seen = len(produced)
+            last = len(produced) + 1 >= request.max_tokens
             call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
-                           if spec is not None else None,
-                           last=len(produced) + 1 >= request.max_tokens)
+                           if spec else None, last=last, reply_to=_reply_to(link, last))
             tokens = _tokens(_expect(await _ask(link, call), "token").token)
             if spec is not None:
                 spec.observe(len(proposed), len(tokens) - 1)
@@ -317,12 +325,22 @@ def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:
 
 
 def _decode(token: int, proposed: list[int] = (), length: int | None = None,
-            replay: bool = False, last: bool = False) -> pb.StageCall:
+            replay: bool = False, last: bool = False, reply_to: str = "") -> pb.StageCall:
     """A decode step appending `token` at position `length` (None: where the lanes are),
     with the tokens `proposed` after it to verify; `last`: its token is the request's
-    last (max_tokens reached), so the stages end their sessions with the answer."""
+    last (max_tokens reached), so the stages end their sessions with the answer (it
+    comes back through every stage); `reply_to`: the link's reply stream at the last
+    stage, which then answers straight to the driver."""
     return pb.StageCall(last=last, decode=pb.Decode(token=token, replay=replay,
-                                                    proposed=proposed, length=length))
+                                                    proposed=proposed, length=length,
+                                                    reply_to=reply_to))
+
+
+def _reply_to(link: Link, last: bool) -> str:
+    """Where the last stage answers a decode step: the link's reply stream (Ray
+    pipelines of several stages), but a request's last step comes back through every
+    stage, ending their sessions on its way."""
+    return "" if last else getattr(link, "reply_id", "")
 
 
 def _step(token: pb.Token, cached: int) -> Step:
@@ -333,7 +351,8 @@ def _step(token: pb.Token, cached: int) -> Step:
 
 
 async def _ask(link: Link, call: pb.StageCall) -> pb.StageResult:
-    reply = await link.ask(call)
+    direct = call.WhichOneof("call") == "decode" and call.decode.reply_to
+    reply = await (link.ask_direct(call) if direct else link.ask(call))
     if reply.WhichOneof("result") == "error":
         e = reply.error
         if e.busy:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,17 +36,26 @@ REPLY_TIMEOUT_S = 900.0    # the longest a stage chain may take to answer (a lon
 
 
 class GrpcStageLink:
-    """The driver's session with stage 0 over a grpc.aio stream."""
+    """The driver's session with stage 0 over a grpc.aio stream, and, where the pipeline
+    has more stages, its reply stream at the last one (`reply_id`: decode steps sent with
+    it as `reply_to` are answered there, not back through every stage)."""
 
     def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=(),
-                 idle: IdleLinks | None = None):
+                 idle: IdleLinks | None = None,
+                 last: stage_pb2_grpc.StageStub | None = None):
         self._call = stub.Session(metadata=metadata)
         self._idle, self.ended = idle, False
+        self._last, self._metadata = last, metadata
+        self.reply_id = uuid.uuid4().hex if last is not None else ""
+        self._replies = None  # the reply stream, opened by the first direct step
+        # reads left waiting by a direct step: stage 0 answers such a step only with an
+        # error; the reply stream, only with the next step's answer
+        self._pending: dict[str, asyncio.Task] = {}
 
     async def ask(self, call: pb.StageCall) -> pb.StageResult:
         try:
             await self._call.write(call)
-            reply = await asyncio.wait_for(self._call.read(), REPLY_TIMEOUT_S)
+            reply = await asyncio.wait_for(self._read("stage 0"), REPLY_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise StageFault(f"stage 0 is unreachable: {e.code().name}") from e
         except asyncio.TimeoutError as e:
@@ -54,6 +64,45 @@ class GrpcStageLink:
             raise StageFault("stage 0 closed the stream")
         self.ended = call.last and reply.WhichOneof("result") != "error"
         return reply
+
+    async def ask_direct(self, call: pb.StageCall) -> pb.StageResult:
+        """A decode step sent with `reply_to`: its answer from the last stage, or an error
+        stage 0 gave instead (any stage's failure reaches one of the two streams)."""
+        try:
+            if self._replies is None:
+                self._replies = self._last.Replies(pb.ReplyTo(id=self.reply_id),
+                                                   metadata=self._metadata)
+                await asyncio.wait_for(self._replies.read(), REPLY_TIMEOUT_S)  # registered
+            await self._call.write(call)
+            for name in ("stage 0", "last"):
+                if name not in self._pending:
+                    self._pending[name] = asyncio.ensure_future(self._stream(name).read())
+            done, _ = await asyncio.wait(self._pending.values(), timeout=REPLY_TIMEOUT_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise asyncio.TimeoutError
+            name = "last" if self._pending["last"] in done else "stage 0"
+            reply = self._pending.pop(name).result()
+        except grpc.aio.AioRpcError as e:
+            raise StageFault(f"a stage is unreachable: {e.code().name}") from e
+        except asyncio.TimeoutError as e:
+            raise StageFault(f"no reply from the stages in {REPLY_TIMEOUT_S:.0f} s") from e
+        if reply is grpc.aio.EOF:
+            raise StageFault(f"the {name} stage closed its stream")
+        if name == "stage 0" and reply.WhichOneof("result") != "error":
+            raise StageFault(f"stage 0 answered a step the last stage answers: {reply}")
+        return reply
+
+    async def _read(self, name: str):
+        """The next message of stage 0's stream or the reply stream (`name`), taking
+        over a read a direct step left waiting."""
+        pending = self._pending.pop(name, None)
+        if pending is not None:
+            return await pending
+        return await self._stream(name).read()
+
+    def _stream(self, name: str):
+        return self._call if name == "stage 0" else self._replies
 
     async def close(self) -> None:
         """Ends the session. Where its last call was answered, every stage had ended it
@@ -68,6 +117,11 @@ class GrpcStageLink:
         await self.end()
 
     async def end(self) -> None:
+        for task in self._pending.values():
+            task.cancel()
+        self._pending.clear()
+        if self._replies is not None:
+            self._replies.cancel()
         try:
             await self._call.done_writing()
             await asyncio.wait_for(self._call.code(), CLOSE_S)
@@ -79,10 +133,14 @@ class GrpcStageLink:
 
 @dataclass
 class _Channel:
-    address: str
+    address: str  # stage 0's; and the last stage's, where there are more
     channel: object
     stub: stage_pb2_grpc.StageStub
     idle: IdleLinks
+    last: tuple[object, stage_pb2_grpc.StageStub] | None = None
+
+    def channels(self) -> list:
+        return [self.channel] + ([self.last[0]] if self.last is not None else [])
 
 
 class RayPipeline:
@@ -148,28 +206,35 @@ class RayPipeline:
         if not self.healthy:
             raise StageFault("the pipeline is being repaired")
         loop = asyncio.get_running_loop()
-        address = self.addresses[0]
+        first, last = self.addresses[0], self.addresses[-1]
+        address = first if len(self.addresses) == 1 else f"{first} {last}"
         entry = self._channels.get(loop)
         stale = []
         if entry is None or entry.address != address:
-            channel = self._credentials.channel(address, self._options, aio=True)
-            if entry is not None:  # drain the replaced channel, then close it
+            if entry is not None:  # drain the replaced channels, then close them
                 stale = entry.idle.drain()
-                asyncio.ensure_future(entry.channel.close(grace=DRAIN_S))
-            entry = self._channels[loop] = _Channel(
-                address, channel, stage_pb2_grpc.StageStub(channel), IdleLinks())
+                for channel in entry.channels():
+                    asyncio.ensure_future(channel.close(grace=DRAIN_S))
+            entry = self._channels[loop] = _Channel(address, *self._stub(first), IdleLinks(),
+                                                    self._stub(last) if first != last else None)
         link, old_ones = entry.idle.take()
         for old in stale + old_ones:
             await old.end()
-        return link if link is not None else \
-            GrpcStageLink(entry.stub, self._credentials.metadata, entry.idle)
+        return link if link is not None else GrpcStageLink(
+            entry.stub, self._credentials.metadata, entry.idle,
+            entry.last[1] if entry.last is not None else None)
+
+    def _stub(self, address: str) -> tuple[object, stage_pb2_grpc.StageStub]:
+        channel = self._credentials.channel(address, self._options, aio=True)
+        return channel, stage_pb2_grpc.StageStub(channel)
 
     async def close(self) -> None:
         for entry in list(self._channels.values()):
-            try:
-                await entry.channel.close()
-            except Exception:  # its event loop may be gone already
-                pass
+            for channel in entry.channels():
+                try:
+                    await channel.close()
+                except Exception:  # its event loop may be gone already
+                    pass
         self._channels.clear()
         try:  # free their blocks in the nodes' stores, then end them
             await asyncio.wait_for(asyncio.gather(*(a.close.remote() for a in self.actors)),

@@ -71,9 +71,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     session = self.server.open_session()
                     watched.holding = True
                 try:
-                    yield session.handle(call)
+                    result = session.handle(call)
                 finally:
                     watched.seen()
+                if result is not None:  # None: answered on the driver's reply stream
+                    yield result
                 if call.last:  # the session ended with its answer; the stream may go on
                     session, watched.holding = None, False
         except grpc.RpcError:  # the client went, or the watch cancelled a silent one
@@ -82,6 +84,17 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             self.idle.forget(watched)
             if session is not None:
                 session.close()
+
+    def Replies(self, request, context):
+        replies = self.server.replies
+        q = replies.open(request.id)
+        context.add_callback(lambda: q.put(None))  # the driver went: so does the stream
+        try:
+            yield pb.StageResult(done=pb.Done())  # registered: calls may name it now
+            while (result := q.get()) is not None:
+                yield result
+        finally:
+            replies.close(request.id, q)
 
     def GetBlocks(self, request, context):
         for h, data in self.server.blocks(request.hashes):
@@ -161,6 +174,10 @@ class GrpcLink:
             raise LinkDown("the next stage closed the stream") from e
         self.ended = call.last and reply.WhichOneof("result") != "error"
         return reply
+
+    def send(self, call: pb.StageCall) -> None:
+        """A call answered elsewhere (a decode step with `reply_to`): nothing to read."""
+        self._calls.put(call)
 
     def close(self) -> None:
         if self.ended and self._idle is not None:

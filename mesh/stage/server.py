@@ -19,6 +19,7 @@ from skippy.topology.errors import RequestError
 from ..token_mask import Vocabulary
 from ..tokenizer import Tokenizer
 from .loop import Row, StageLoop
+from .replies import ReplyStreams
 from .session import LinkDown, StageSession
 from .state_pull import StatePuller
 
@@ -49,6 +50,8 @@ class StageServer:
         # The grammar engine's view of the model's tokens: the last stage masks
         # constrained requests' logits with it (built on the first such request).
         self.vocabulary = Vocabulary(partial(Tokenizer, spec.model_path))
+        # The drivers' reply streams (the last stage answers decode steps there)
+        self.replies = ReplyStreams()
         # The last stage's verify steps: tokens proposed, and those its draws accepted
         self.speculation = {"verify_steps": 0, "proposed_tokens": 0, "accepted_tokens": 0}
 
@@ -115,6 +118,7 @@ class StageServer:
             s["pulls"] = self.puller.stats()
         if self.spec.is_last:
             s["speculation"] = dict(self.speculation)
+            s["direct_replies"] = self.replies.sent
         with self._lock:
             idle = getattr(self._next, "idle", None)
         if idle is not None:  # requests that took an idle stream to the next stage

@@ -6,7 +6,8 @@ The stream's calls (proto/stage.proto):
                 last stage may answer an exact repeat of the prompt with its first token;
                 with `prefill` set, the prefill below follows at once (one round trip)
     prefill  -> restore, prefill, send rows [d, n) down; the last stage samples
-    decode   -> one row, sent down; the last stage samples
+    decode   -> one row, sent down; the last stage samples, and answers a step sent
+                with `reply_to` on the driver's reply stream (mesh/stage/replies.py)
 
 A replayed prefill or decode (a request rebuilt after a fault) recomputes its rows exactly
 as they were made, and the last stage samples nothing. The lane is taken at the first
@@ -44,6 +45,7 @@ from .. import tracing
 from ..sampler import Sampler
 from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
 from .loop import Row
+from .pooling import pooled
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class StageSession:
         self.sampler: Sampler | None = None  # the last stage's
         self.want_logits = False
         self.probe, self.scope = False, None  # the request's, chosen at its first call
+        self.reply_to = ""  # the driver's reply stream its decode steps named, if any
         self.downstream_start: int | None = None
         self.decoding = False
         self.ending = False  # the call being handled is the request's last
@@ -78,14 +81,29 @@ class StageSession:
         self.span = tracing.OFF  # the traced call's span while it runs
         self.loop.opened(1)
 
-    def handle(self, call: pb.StageCall) -> pb.StageResult:
-        """The call's answer; a request's `last` call ends the session first (its lane
-        kept warm), at this stage and every stage below."""
+    def handle(self, call: pb.StageCall) -> pb.StageResult | None:
+        """The call's answer (None: answered on the driver's reply stream); a request's
+        `last` call ends the session first (its lane kept warm), here and below."""
         try:
-            return self._handle_call(call)
+            result = self._handle_call(call)
         finally:
             if call.last:
                 self.close()
+        if call.WhichOneof("call") == "decode" and call.decode.reply_to:
+            return self._direct(call.decode.reply_to, result)
+        return result
+
+    def _direct(self, reply_to: str, result: pb.StageResult | None) -> pb.StageResult | None:
+        """The last stage answers on the reply stream; one before it, only a failure (and
+        ends its call down: the stages below report that end, `close`)."""
+        self.reply_to = reply_to
+        if self.last:
+            if not self.server.replies.send(reply_to, result):
+                log.info("a reply stream went before its answer (its driver ended it)")
+            return None
+        if result is not None:
+            self._close_down()
+        return result
 
     def _handle_call(self, call: pb.StageCall) -> pb.StageResult:
         kind = call.WhichOneof("call")
@@ -100,7 +118,7 @@ class StageSession:
                 result = self._handle(kind, call)
             finally:
                 self.span = tracing.OFF
-            if result.WhichOneof("result") == "error":
+            if result is not None and result.WhichOneof("result") == "error":
                 span.fail(result.error.message)
             return result
 
@@ -152,6 +170,9 @@ class StageSession:
         if self.closed:  # a last call ended it already
             return
         self.closed = True
+        if self.last and self.reply_to and not self.ending:  # the driver may be waiting
+            self.server.replies.fail(self.reply_to, "a stage before the last ended the "
+                                     "request's session")
         if self.decoding:
             self.loop.decoding_changed(-1)
             self.decoding = False
@@ -253,17 +274,19 @@ class StageSession:
 
         row = Row(self.lane, x, finish)
         out = self.loop.decode(row)
-        self.span.set_attribute("skippy.batch", row.batch)
-        if d.proposed:
-            self.span.set_attribute("skippy.proposed", len(d.proposed))
-        if replay:
-            self.span.set_attribute("skippy.replay", True)
+        for key, value in (("batch", row.batch), ("proposed", len(d.proposed)),
+                           ("replay", replay), ("direct", bool(d.reply_to))):
+            if value:
+                self.span.set_attribute(f"skippy.{key}", value)
         if self.last:
             return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
-        sent = pb.Decode(token=d.token, replay=replay, proposed=d.proposed)
+        sent = pb.Decode(token=d.token, replay=replay, proposed=d.proposed,
+                         reply_to=d.reply_to)
         if d.HasField("length"):
             sent.length = d.length
         sent.frame.CopyFrom(frame_to_proto(out))
+        if d.reply_to:  # the last stage answers the driver: nothing comes back this way
+            return self._downstream().send(self._traced(pb.StageCall(decode=sent)))
         return self._ask_down(pb.StageCall(decode=sent))
 
     def _verify(self, logits: torch.Tensor, proposed) -> pb.Token:
@@ -354,11 +377,14 @@ class StageSession:
             self.loop.decoding_changed(1)
 
     def _ask_down(self, call: pb.StageCall) -> pb.StageResult:
+        return self._downstream().ask(self._traced(call))
+
+    def _traced(self, call: pb.StageCall) -> pb.StageCall:
         """A call to the next stage, under this call's span when it is traced; the
         request's last prefill or decode is the last there too."""
         call.traceparent = tracing.traceparent()
         call.last = self.ending and call.WhichOneof("call") != "plan"
-        return self._downstream().ask(call)
+        return call
 
     def _downstream(self):
         if self.down is None:
@@ -370,14 +396,3 @@ class StageSession:
             down, self.down = self.down, None
             down.close()
 
-
-def pooled(hidden: torch.Tensor | None, pooling: str) -> bytes:
-    """An embedding request's answer: its rows' final hidden states pooled (the mean of
-    every row, or the last row), f32 little-endian."""
-    if hidden is None:
-        raise StageError("this stage's runtime gives no hidden rows: embeddings need the "
-                         "torch runtime")
-    if pooling not in ("mean", "last"):
-        raise RequestError(f"pooling must be mean or last, not {pooling!r}", "pooling")
-    row = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
-    return row.to(torch.float32).contiguous().numpy().tobytes()
