@@ -32,6 +32,8 @@ from .session import LinkDown
 
 log = logging.getLogger(__name__)
 MAX_SESSIONS = 64   # concurrent request streams a stage serves (each holds a thread)
+# ... and as many drivers' reply streams (the last stage's), and the block fetches
+MAX_RPCS = 2 * MAX_SESSIONS + 4
 IDLE_S = 600.0      # a session silent this long is closed and its lane freed
 
 HEADROOM = 1 << 20  # a message's fields besides rows and token ids (sampling, logit_bias)
@@ -234,9 +236,9 @@ def serve(servicer: stage_pb2_grpc.StageServicer, host: str, credentials: StageC
     calls that carry the credentials' token only, over TLS when they have certificates."""
     options = channel_options(max_message) + [
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
-    rpc = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_SESSIONS + 4),
+    rpc = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_RPCS),
                       interceptors=[SecretCheck(credentials.token)], options=options,
-                      maximum_concurrent_rpcs=MAX_SESSIONS)
+                      maximum_concurrent_rpcs=MAX_RPCS)
     stage_pb2_grpc.add_StageServicer_to_server(servicer, rpc)
     port = credentials.add_port(rpc, host)
     rpc.start()
