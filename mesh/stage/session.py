@@ -14,22 +14,19 @@ as they were made, and the last stage samples nothing. The lane is taken at the 
 call and freed by `close`, so a client that goes away frees every lane down the chain;
 a call marked `last` (the request's final token) closes the session before it answers,
 which saves the driver a close's round trip.
-Errors are replies (topology/errors.py): `invalid` with the `param` at fault when the
-request is (a RequestError: never retried), `busy` when no lane came free, `retryable`
-when a link or this stage failed (the driver rebuilds the request). Any other exception
-is ours, whatever its type: logged here with its traceback under a new error id, which
-the reply carries to the driver and the gateway.
+Errors are replies (topology/errors.py): `invalid` with the `param` at fault (a
+RequestError: never retried), `busy` when no lane came free, `retryable` when a link or
+this stage failed (the driver rebuilds the request). Any other exception is ours: logged
+with its traceback under a new error id, which the reply carries to the gateway.
 
-A traced call (it carries a `traceparent`, mesh/tracing.py) is one span here, named for
-the call, under the caller's span; the calls this stage sends down carry this span. A
-decode step that serves several requests at once is one span per request, each with the
-step's row count (`skippy.batch`): every request's trace then holds each of its steps.
+A traced call (it carries a `traceparent`, mesh/tracing.py) is one span here, under the
+caller's; calls sent down carry it. A step that serves several requests is one span per
+request, with the step's row count (`skippy.batch`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import replace
 from functools import partial
@@ -46,6 +43,8 @@ from ..sampler import Sampler
 from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
 from .loop import Row
 from .pooling import pooled
+from .state_pull import peer_named, start_pull
+from .verify import verified
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,10 @@ class LinkDown(Exception):
 
 class Busy(Exception):
     """No lane came free in time."""
+
+
+class _NoLane(StageError):
+    pass  # none free now: the session waits for one
 
 
 class StageSession:
@@ -188,28 +191,40 @@ class StageSession:
     # -- calls ---------------------------------------------------------------------------
     def _plan(self, p: pb.Plan) -> pb.StageResult:
         tokens = list(p.tokens)
-        self._begin(tokens, p.probe, p.namespace)
-        if self.last and p.results and p.HasField("sampling"):
-            logits = self.loop.call(self.cache.cached_result, tokens, self.scope)
-            if logits is not None:  # an exact repeat: its first token, nothing computed
-                self.span.set_attribute("skippy.exact_result", True)
-                self._new_sampler(p.sampling)
-                return pb.StageResult(token=self._sample(logits, len(tokens)))
-        pulling = self._pull(p, tokens)  # while the stages below plan theirs
-        reply = None if self.last else self._ask_down(pb.StageCall(plan=p))
-        if pulling is not None:
-            pulling.join()
-        d = None
-        if reply is not None:
-            if reply.WhichOneof("result") != "plan":
+        # a last stage that pulls nothing asks no one: lane, exact result and plan in one
+        # trip to the loop (each trip costs a short request 0.1 ms)
+        peer = peer_named(self.server, p)
+        alone = self.last and peer is None
+        logits, start = self._begin(tokens, p.probe, p.namespace,
+                                    partial(self._plan_here, tokens, p, alone))
+        if logits is not None:  # an exact repeat: its first token, nothing computed
+            self.span.set_attribute("skippy.exact_result", True)
+            self._new_sampler(p.sampling)
+            return pb.StageResult(token=self._sample(logits, len(tokens)))
+        reply = None
+        if not alone:  # a pull runs while the stages below plan theirs
+            pulling = None if peer is None else start_pull(self.server, peer, self.lane, p)
+            reply = None if self.last else self._ask_down(pb.StageCall(plan=p))
+            if pulling is not None:
+                pulling.join()
+            if reply is not None and reply.WhichOneof("result") != "plan":
                 return reply
-            d = reply.plan.start
-        start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit, d, self.scope)
-        self.downstream_start = d
+            self.downstream_start = None if reply is None else reply.plan.start
+            start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit,
+                                   self.downstream_start, self.scope)
         self.span.set_attribute("skippy.start", start)
         verify = self.server.runtime.exactness is Exactness.ROW_INVARIANT and \
             (self.last or reply.plan.verify)
         return pb.StageResult(plan=pb.PlanReply(start=start, verify=verify))
+
+    def _plan_here(self, tokens: list[int], p: pb.Plan, alone: bool):
+        """On the loop thread, the lane held: (the exact result's logits, None) where the
+        last stage keeps them, else (None, the plan's start if `alone`, else None)."""
+        if self.last and p.results and p.HasField("sampling"):
+            if (logits := self.cache.cached_result(tokens, self.scope)) is not None:
+                return logits, None
+        return None, self.cache.plan(self.lane, tokens, p.limit, None, self.scope) \
+            if alone else None
 
     def _prefill(self, p: pb.Prefill) -> pb.StageResult:
         tokens, start = list(p.tokens), p.start
@@ -269,8 +284,11 @@ class StageSession:
                 return out.frame
             if replay:
                 return None
-            return self._verify(out.logits, d.proposed) if d.proposed else \
-                self._sample(out.logits)
+            if not d.proposed:
+                return self._sample(out.logits)
+            first = verified(self._sample, out.logits, d.proposed)
+            self.server.speculated(len(d.proposed), len(first.more))
+            return first
 
         row = Row(self.lane, x, finish)
         out = self.loop.decode(row)
@@ -289,49 +307,30 @@ class StageSession:
             return self._downstream().send(self._traced(pb.StageCall(decode=sent)))
         return self._ask_down(pb.StageCall(decode=sent))
 
-    def _verify(self, logits: torch.Tensor, proposed) -> pb.Token:
-        """A verify step's tokens: each row sampled in order exactly as a decode step
-        would (the same sampler, grammar and generator), until a draw differs from the
-        token proposed for the next position; that draw is the last one. Every token
-        emitted is the token decoding without proposals emits there."""
-        first = self._sample(logits[0])
-        for i, proposal in enumerate(proposed):
-            if (first.more[-1] if first.more else first).id != proposal:
-                break
-            first.more.append(self._sample(logits[i + 1]))
-        self.server.speculated(len(proposed), len(first.more))
-        return first
-
     # -- pieces --------------------------------------------------------------------------
-    def _pull(self, p: pb.Plan, tokens: list[int]) -> threading.Thread | None:
-        """Start pulling this prompt's state from the peer stage the plan names (another
-        pipeline that served a longer prefix), if any."""
-        i, puller = self.server.spec.stage_index, self.server.puller
-        if p.probe or puller is None or i >= len(p.peers) or not p.peers[i]:
-            return None
-        t = threading.Thread(target=puller.pull, daemon=True,
-                             args=(self.server, p.peers[i], self.lane, tokens, p.limit,
-                                   p.namespace))
-        t.start()
-        return t
-
-    def _begin(self, tokens: list[int], probe: bool, namespace: str) -> None:
+    def _begin(self, tokens: list[int], probe: bool, namespace: str, then=None):
         """At the first call: the warm lane holding most of the prompt (a probe: a fresh
-        one), waiting for one where the runtime has a fixed number."""
+        one), waiting for one where the runtime has a fixed number; then `then()` in the
+        same trip to the loop (its value is returned)."""
         if self.lane is not None:
-            return
+            return None if then is None else self.loop.call(then)
         self.probe, self.scope = probe, self.cache.scope(namespace, probe)
         deadline = time.monotonic() + LANE_WAIT_S
         while True:
             try:
-                self.lane = self.loop.call(self.cache.alloc_lane, [] if probe else tokens,
-                                           self.scope)
-                return
-            except StageError as e:
+                return self.loop.call(self._take_lane, [] if probe else tokens, then)
+            except _NoLane as e:
                 if time.monotonic() > deadline:
                     raise Busy(str(e)) from e
                 with self.server.lane_freed:  # the next session's close wakes this
                     self.server.lane_freed.wait(timeout=0.5)
+
+    def _take_lane(self, tokens: list[int], then):
+        try:
+            self.lane = self.cache.alloc_lane(tokens, self.scope)
+        except StageError as e:
+            raise _NoLane(str(e)) from e
+        return None if then is None else then()
 
     def _restore_and_prefill(self, tokens, inputs, start: int, logits: str = "last"):
         """On the loop thread. A planned restore cannot fail for lack of its entry (the

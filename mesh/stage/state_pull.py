@@ -31,6 +31,23 @@ DECODE_BYTES_PER_S = 1e9    # laying a payload's blocks out as tensors (measured
 SMOOTHING = 0.5             # weight of the newest bandwidth measure
 
 
+def peer_named(server, plan) -> str | None:
+    """Where the stage's counterpart that `plan` names to pull from listens (another
+    pipeline served a longer prefix), if anywhere."""
+    i = server.spec.stage_index
+    if plan.probe or server.puller is None or i >= len(plan.peers) or not plan.peers[i]:
+        return None
+    return plan.peers[i]
+
+
+def start_pull(server, peer: str, lane: int, plan) -> threading.Thread:
+    """The pull of `plan`'s prompt from `peer` into `lane`, on a thread of its own."""
+    t = threading.Thread(target=server.puller.pull, daemon=True, args=(
+        server, peer, lane, list(plan.tokens), plan.limit, plan.namespace))
+    t.start()
+    return t
+
+
 class StatePuller:
     def __init__(self, credentials: StageCredentials, max_message: int):
         self._credentials, self._max_message = credentials, max_message
