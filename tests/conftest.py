@@ -46,8 +46,9 @@ def pytest_collection_modifyitems(config, items):
 # The files that run on hosts of their own (tests/hosts.py) share one set of hosts, one
 # file after the other: three Ray nodes take ~11 s to start and stop alone, ~20 s beside
 # the other worker. test_host_loss kills a host, so it comes last and ends the set.
-HOSTS_FILES = ("test_separate_hosts.py", "test_part_delivery.py", "test_cluster_state.py",
-               "test_node_join.py", "test_drain.py", "test_host_loss.py")
+HOSTS_FILES = ("test_separate_hosts.py", "test_hop_latency.py", "test_part_delivery.py",
+               "test_cluster_state.py", "test_node_join.py", "test_drain.py",
+               "test_host_loss.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

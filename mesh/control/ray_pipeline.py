@@ -24,7 +24,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.channels import CLOSE_S, IdleLinks, channel_options
+from ..stage.channels import CLOSE_S, IdleLinks, channel_options, hop_delay_s
 from ..stage.security import StageCredentials
 from .driver import StageFault
 
@@ -51,10 +51,16 @@ class GrpcStageLink:
         # reads left waiting by a direct step: stage 0 answers such a step only with an
         # error; the reply stream, only with the next step's answer
         self._pending: dict[str, asyncio.Task] = {}
+        self._hop_s = hop_delay_s()  # the latency test hook: each call waits this long
+
+    async def _write(self, call: pb.StageCall) -> None:
+        if self._hop_s:
+            await asyncio.sleep(self._hop_s)
+        await self._call.write(call)
 
     async def ask(self, call: pb.StageCall) -> pb.StageResult:
         try:
-            await self._call.write(call)
+            await self._write(call)
             reply = await asyncio.wait_for(self._read("stage 0"), REPLY_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise StageFault(f"stage 0 is unreachable: {e.code().name}") from e
@@ -73,7 +79,7 @@ class GrpcStageLink:
                 self._replies = self._last.Replies(pb.ReplyTo(id=self.reply_id),
                                                    metadata=self._metadata)
                 await asyncio.wait_for(self._replies.read(), REPLY_TIMEOUT_S)  # registered
-            await self._call.write(call)
+            await self._write(call)
             for name in ("stage 0", "last"):
                 if name not in self._pending:
                     self._pending[name] = asyncio.ensure_future(self._stream(name).read())

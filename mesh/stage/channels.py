@@ -13,10 +13,25 @@ on this project's 2-core test machine), once per hop.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+# A test hook standing in for a network's latency (this kernel has no netem): with it set,
+# every message between the driver and the stages, and between stages, waits this many
+# milliseconds at its sender. Stage actors inherit it from the gateway's environment.
+HOP_DELAY_ENV = "SKIPPY_TEST_HOP_DELAY_MS"
+
+
+def hop_delay_s() -> float:
+    """The test hook's one-way delay per message, in seconds (0 where unset)."""
+    try:
+        return max(0.0, float(os.environ.get(HOP_DELAY_ENV) or 0)) / 1e3
+    except ValueError:
+        return 0.0
+
 
 # A closing session stream waits this long for the stage behind it to end its session
 # (its lane kept warm), so that a request's end reaches its client only once every stage

@@ -25,7 +25,7 @@ from skippy.proto import stage_pb2_grpc
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
-from .channels import CLOSE_S, IdleLinks, channel_options
+from .channels import CLOSE_S, IdleLinks, channel_options, hop_delay_s
 from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
@@ -60,6 +60,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     def __init__(self, server: StageServer):
         self.server = server
         self.idle = _IdleWatch()
+        self.hop_s = hop_delay_s()  # the latency test hook: each answer waits this long
 
     def Session(self, calls, context):
         session = None
@@ -77,6 +78,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 finally:
                     watched.seen()
                 if result is not None:  # None: answered on the driver's reply stream
+                    if self.hop_s:
+                        time.sleep(self.hop_s)
                     yield result
                 if call.last:  # the session ended with its answer; the stream may go on
                     session, watched.holding = None, False
@@ -94,6 +97,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         try:
             yield pb.StageResult(done=pb.Done())  # registered: calls may name it now
             while (result := q.get()) is not None:
+                if self.hop_s:
+                    time.sleep(self.hop_s)
                 yield result
         finally:
             replies.close(request.id, q)
@@ -165,9 +170,10 @@ class GrpcLink:
         self._calls: queue.Queue = queue.Queue()
         self._replies = stub.Session(iter(self._calls.get, None), metadata=metadata)
         self._idle, self.ended = idle, False
+        self._hop_s = hop_delay_s()  # the latency test hook: each call waits this long
 
     def ask(self, call: pb.StageCall) -> pb.StageResult:
-        self._calls.put(call)
+        self.send(call)
         try:
             reply = next(self._replies)
         except grpc.RpcError as e:
@@ -179,6 +185,8 @@ class GrpcLink:
 
     def send(self, call: pb.StageCall) -> None:
         """A call answered elsewhere (a decode step with `reply_to`): nothing to read."""
+        if self._hop_s:
+            time.sleep(self._hop_s)
         self._calls.put(call)
 
     def close(self) -> None:
