@@ -247,7 +247,8 @@ SETTINGS = (
     Setting("stride", "SKIPPY_CACHE_STRIDE", "--cache-stride", parse_int,
             "prefix lengths are multiples of it; a positive multiple of the chunk"),
     Setting("min_prefix", "SKIPPY_CACHE_MIN_PREFIX", "--cache-min-prefix", parse_int,
-            "shortest prefix looked up or recorded, in tokens; a multiple of the stride"),
+            "shortest prefix recorded, and looked up where hits end on a stride (where they "
+            "run to the token, stems down to 8 tokens); a multiple of the stride"),
     Setting("max_prefix", "SKIPPY_CACHE_MAX_PREFIX", "--cache-max-prefix", parse_int,
             "longest prefix looked up or recorded, in tokens; a multiple of the stride"),
     Setting("max_entries", "SKIPPY_CACHE_MAX_ENTRIES", "--cache-max-entries", parse_int,

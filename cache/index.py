@@ -11,7 +11,9 @@ entries, so it never returns a wrong prefix and never misses a right one.
 A granular index (row-invariant stages, DESIGN.md §5.3) also holds entries of any length
 of at least one block, and a match runs to the token: past the deepest shared run, the
 candidates' tokens are compared with the query's (fewer than a block of them, unless a
-hash collided).
+hash collided). It also finds a stem shorter than a block, of `stem` tokens or more (a
+short system prompt, a template's header): entries are kept by their first `stem` tokens
+too, and those that share them are compared with the query.
 
 Not thread-safe by itself: it is owned by one PrefixCache, which calls it under its lock.
 """
@@ -22,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .identity import TOKEN_BYTES, block_chain_bytes, token_bytes
+
+STEM_TOKENS = 8  # a granular index's shortest match by default
 
 
 @dataclass(frozen=True)
@@ -51,16 +55,19 @@ class _Entry:
 
 
 class PrefixIndex:
-    def __init__(self, block: int, hash_fn=None, *, granular: bool = False):
-        if block < 1:
-            raise ValueError("block must be >= 1")
-        self.block, self.granular = block, granular
+    def __init__(self, block: int, hash_fn=None, *, granular: bool = False,
+                 stem: int = STEM_TOKENS):
+        """stem: a granular index's shortest match, where shorter than a block."""
+        if block < 1 or stem < 1:
+            raise ValueError("block and stem must be >= 1")
+        self.block, self.granular, self.stem = block, granular, stem
         self._hash_fn = hash_fn
         self._entries: dict[int, _Entry] = {}
         self._by_stage: dict[bytes, dict[int, None]] = {}
         # run hash -> entries through it, in insertion order (newest last)
         self._at: dict[bytes, dict[int, None]] = {}
         self._ends: dict[bytes, dict[int, None]] = {}  # run hash at an entry's full length
+        self._stems: dict[bytes, dict[int, None]] = {}  # granular: first tokens -> entries
         self.collisions = 0                             # hash hits that failed to confirm
 
     def __len__(self) -> int:
@@ -89,6 +96,8 @@ class PrefixIndex:
         for h in q.chain:
             self._at.setdefault(h, {})[entry_id] = None
         self._ends.setdefault(q.chain[-1], {})[entry_id] = None
+        if self.granular:
+            self._stems.setdefault(q.raw[:self.stem * TOKEN_BYTES], {})[entry_id] = None
 
     def remove(self, entry_id: int) -> None:
         e = self._entries.pop(entry_id)
@@ -96,6 +105,8 @@ class PrefixIndex:
         for h in e.chain:
             _discard(self._at, h, entry_id)
         _discard(self._ends, e.chain[-1], entry_id)
+        if self.granular:
+            _discard(self._stems, e.raw[:self.stem * TOKEN_BYTES], entry_id)
 
     def fits(self, n_tokens: int) -> bool:
         """Whether an entry may hold n_tokens tokens."""
@@ -122,11 +133,14 @@ class PrefixIndex:
         stage; among equally long ones, the newest entry.
 
         whole_entry=False: an entry serves any block-aligned prefix it shares with the
-        query (resident KV: copy its first rows), on a granular index any prefix.
+        query (resident KV: copy its first rows), on a granular index any prefix, a stem
+        shorter than a block included.
         whole_entry=True: only entries whose whole token list is a prefix of the query
         (snapshots taken at one boundary)."""
-        if not q.chain or q.stage not in self._by_stage:
+        if q.stage not in self._by_stage:
             return None
+        if not q.chain or q.chain[0] not in self._at:  # no whole block shared
+            return self._stem_match(q) if self.granular and not whole_entry else None
         found, collided = self._search(q, whole_entry)
         if collided:
             self.collisions += 1
@@ -206,6 +220,19 @@ class PrefixIndex:
                 best = Match(eid, len(e.raw) // TOKEN_BYTES)
         return best, genuine
 
+    def _stem_match(self, q: Query) -> Match | None:
+        """The longest run shorter than a block, of at least `stem` tokens, that an entry
+        shares with the query (newest first among equals)."""
+        best = None
+        if self.stem < self.block and q.n_tokens >= self.stem:
+            for eid in reversed(self._stems.get(q.raw[:self.stem * TOKEN_BYTES], {})):
+                e = self._entries[eid]
+                if e.stage == q.stage:
+                    shared = _shared(e.raw, q.raw, self.stem)
+                    if best is None or shared > best.length:
+                        best = Match(eid, shared)
+        return best
+
     def _scan(self, q: Query, whole_entry: bool) -> Match | None:
         """Exact, hash-free answer: the fallback after a collision."""
         best: Match | None = None
@@ -214,7 +241,9 @@ class PrefixIndex:
             n = _shared(raw, q.raw, 0)
             if not self.granular:
                 n = n // self.block * self.block
-            if n < self.block or (whole_entry and n * TOKEN_BYTES != len(raw)):
+            shortest = min(self.stem, self.block) if self.granular and not whole_entry \
+                else self.block
+            if n < shortest or (whole_entry and n * TOKEN_BYTES != len(raw)):
                 continue
             if best is None or n >= best.length:
                 best = Match(eid, n)

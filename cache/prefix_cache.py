@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .admission import PrefixAdmission
 from .config import CacheConfig
 from .identity import prefix_digest
-from .index import PrefixIndex, Query
+from .index import STEM_TOKENS, PrefixIndex, Query
 from .resident import Refused, ResidentLru
 from .telemetry import CacheStats, Counters, snapshot
 
@@ -47,17 +47,18 @@ class PrefixCache:
     def __init__(self, *, block: int, max_entries: int, max_bytes: int,
                  max_tokens: int | None = None, kind: str = "ResidentKv",
                  whole_entry: bool = False, admission: PrefixAdmission | None = None,
-                 hash_fn=None, granular: bool = False):
+                 hash_fn=None, granular: bool = False, stem: int = STEM_TOKENS):
         """block: the reuse granularity in tokens (the config's stride). whole_entry:
         an entry serves only queries that contain all its tokens (snapshots taken at
         one boundary, KvRecurrent); otherwise any block-aligned shared prefix (KV rows).
         granular (row-invariant stages): entries of any length of at least a block,
-        serving any shared prefix to the token (whole entries: any that the query holds). admission None: every reservation is
-        admitted (the caller decided)."""
+        serving any shared prefix to the token (whole entries: any that the query holds),
+        down to `stem` tokens. admission None: every reservation is admitted (the caller
+        decided)."""
         self.kind, self.block, self.whole_entry = kind, block, whole_entry
         self.granular = granular
         self.max_tokens = max_tokens
-        self._index = PrefixIndex(block, hash_fn, granular=granular)
+        self._index = PrefixIndex(block, hash_fn, granular=granular, stem=stem)
         self._lru = ResidentLru(max_entries, max_bytes)
         self._admission = admission
         self._counters = Counters()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from skippy.cache.blocks import BlockError, BlockStore
 from skippy.cache.config import CacheConfig
+from skippy.cache.index import STEM_TOKENS
 from skippy.cache.payload import IncompatiblePayload
 from skippy.cache.prefix_cache import Hit, PrefixCache
 from skippy.cache.restore_cost import RestoreCosts
@@ -73,7 +74,9 @@ class CacheTiers:
              scope: CacheScope) -> tuple[int, Hit | None]:
         """(the longest reusable prefix <= max_len, the pinned hit that provides it, or
         None when the lane's own `own` rows do)."""
-        if not self.entries.enabled or scope.probe or max_len < self.config.min_prefix:
+        # hits that run to the token may be a short stem (a system prompt under a block)
+        shortest = STEM_TOKENS if self.granular else self.config.min_prefix
+        if not self.entries.enabled or scope.probe or max_len < shortest:
             return own, None
         hits = [self.prefixes.lookup(scope.key, tokens, max_len=max_len)]
         top = max_len if self.granular else max_len // self.config.stride * self.config.stride

@@ -1,7 +1,8 @@
 """The prefix cache against a brute-force oracle, under random operation sequences.
 
 The oracle keeps plain lists and answers every question by scanning: longest shared
-block-aligned prefix (granular: to the token, at least a block), LRU eviction under caps,
+block-aligned prefix (granular: to the token, at least a block, or a stem of STEM tokens
+where the entry is at least a block), LRU eviction under caps,
 pins that hold entries alive. The cache
 must give the same answer after every step, with any hash function (even one that
 collides on everything), and its caps must hold throughout.
@@ -19,6 +20,7 @@ BLOCK = 4
 MAX_ENTRIES = 5
 MAX_BYTES = 100
 MAX_TOKENS = 16
+STEM = 2  # a granular index's shortest match (shorter than the block)
 STAGES = (b"stage-a", b"stage-b")
 
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=24)  # tiny alphabet: deep sharing
@@ -52,7 +54,8 @@ class Oracle:
                 n += step
             if self.whole_entry and n != len(e["tokens"]):
                 continue
-            if n >= BLOCK and (best is None or (n, e["id"]) > best):
+            shortest = STEM if self.granular and not self.whole_entry else BLOCK
+            if n >= shortest and (best is None or (n, e["id"]) > best):
                 best = (n, e["id"])
         return best
 
@@ -95,7 +98,7 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.cache = PrefixCache(block=BLOCK, max_entries=MAX_ENTRIES, max_bytes=MAX_BYTES,
                                  max_tokens=MAX_TOKENS, whole_entry=self.whole_entry,
-                                 hash_fn=self.hash_fn, granular=self.granular)
+                                 hash_fn=self.hash_fn, granular=self.granular, stem=STEM)
         self.oracle = Oracle(self.whole_entry, self.granular)
         self.held = []
 

@@ -96,6 +96,22 @@ def test_entries_serve_any_shared_prefix_to_the_token(qwen3_f32):
     assert all(s["counters"]["hits"] > 0 for s in cache_stats(on))
 
 
+def test_a_stem_shorter_than_the_stride_is_reused_from_an_entry(qwen3_f32):
+    """Row-invariant stages: a request that shares only a short stem with an entry (a
+    system prompt under a stride) takes those rows from it, bitwise as with the caches
+    off; under 8 tokens, nothing."""
+    off = engine(qwen3_f32, 2, weight_format="int4")
+    on = engine(qwen3_f32, 2, cfg(), weight_format="int4")
+    first_logits_and_tokens(on, STEM[:150] + [1, 2, 3])
+    for shared, reuse in ((20, 20), (7, 0)):
+        drop_warm_lanes(on)                  # the hit must come from an entry
+        later = STEM[:shared] + [9, 9, 9]
+        want_logits, want_tokens, _ = first_logits_and_tokens(off, later)
+        got_logits, got_tokens, reused = first_logits_and_tokens(on, later)
+        assert got_tokens == want_tokens and torch.equal(got_logits, want_logits)
+        assert reused == reuse
+
+
 def test_a_hybrid_lane_resumes_where_its_prefill_calls_ended(lfm2_f32):
     """A row-invariant hybrid lane keeps its recurrent state at its last calls' ends (no
     cache entry: nothing is admitted here): a prompt that changes the tail resumes at the
