@@ -280,10 +280,11 @@ def _plan_parser(sub) -> None:
     pln = sub.add_parser("plan", help="show how a model splits into stages over nodes")
     pln.add_argument("--model", default="smollm2", help="model name or path to a .gguf")
     pln.add_argument("--nodes", metavar="FILE",
-                     help="JSON list of {name, memory, cpus, resources, latency_ms} "
-                          "(default: this machine)")
+                     help="JSON list of {name, memory, cpus, resources, latency_ms, "
+                          "layers, links} (default: this machine)")
     pln.add_argument("--stages", type=int, help="exactly this many stages "
-                     "(default: the fewest that fit)")
+                     "(default: the fewest that fit; with link figures, the count and "
+                     "nodes whose links cost a token least)")
     pln.add_argument("--max-stages", type=int)
     pln.add_argument("--ctx", type=int, default=DEFAULT_N_CTX,
                      help="context per lane in tokens")

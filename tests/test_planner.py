@@ -6,6 +6,7 @@ import pytest
 from skippy.mesh import cli
 from skippy.stages import qkernel
 from skippy.topology import families
+from skippy.topology.links import BOUNDARY_MS, Link
 from skippy.topology.planner import (
     MiB,
     ModelFacts,
@@ -303,6 +304,65 @@ def test_different_models_have_different_digests(smollm2, gemma3):
 def test_synthetic_hybrid_counts_recurrent_state(lfm2_f32):
     m = ModelFacts.from_gguf(lfm2_f32)
     assert any(kv == 0 and st > 0 for kv, st in zip(m.kv_bytes_per_token, m.state_bytes))
+
+
+# -- links ---------------------------------------------------------------------------------------
+def test_links_choose_the_nodes_and_their_order():
+    """A model that needs 2 of 3 equal nodes: the pair with the short link, in the order
+    whose ends are near the gateway."""
+    ab, ac, bc = Link(20.0), Link(1.0), Link(20.0)
+    nodes = [node("a", 700, latency_ms=5.0, links={"b": ab, "c": ac}),
+             node("b", 700, latency_ms=1.0, links={"c": bc}), node("c", 700, latency_ms=1.0)]
+    p = toy_plan(nodes)
+    assert [s.node.name for s in p.stages] == ["c", "a"] and len(p.ranges) == 2
+    assert p.link_ms == pytest.approx(1.0 + 1.0 + BOUNDARY_MS + 5.0)
+    assert "links: 8.0 ms a token (3 hops" in p.table()
+    # without link figures: the memory order (names break the tie), as before
+    plain = [dataclasses.replace(n, latency_ms=None, links={}) for n in nodes]
+    p = toy_plan(plain)
+    assert [s.node.name for s in p.stages] == ["a", "b"] and p.link_ms is None
+
+
+def test_two_near_nodes_beat_one_far_node_and_one_near_node_beats_two():
+    far = node("far", 2000, latency_ms=30.0)
+    near = [node("n1", 700, latency_ms=1.0, links={"n2": Link(0.5)}),
+            node("n2", 700, latency_ms=1.0)]
+    p = toy_plan([far, *near])  # the whole model fits `far` alone
+    assert sorted(s.node.name for s in p.stages) == ["n1", "n2"]
+    assert p.link_ms == pytest.approx(1.0 + 0.5 + BOUNDARY_MS + 1.0)
+    big_near = node("big", 1300, latency_ms=1.0)
+    p = toy_plan([far, big_near, *near])  # one stage: 2 ms a token; two: 3.5
+    assert [s.node.name for s in p.stages] == ["big"] and p.link_ms == 2.0
+
+
+def test_a_slow_links_frame_transfer_counts():
+    """Equal latencies: the link whose bandwidth takes longer for a frame loses (a 512-wide
+    f16 row, 1 KiB, over 100 KiB/s is 10 ms)."""
+    model = dataclasses.replace(facts(), hidden=512)
+    nodes = [node("a", 700, latency_ms=1.0, links={"b": Link(1.0, 100 * 1024),
+                                                   "c": Link(1.0, 1e9)}),
+             node("b", 700, latency_ms=1.0), node("c", 700, latency_ms=1.0)]
+    p = toy_plan(nodes, model=model)
+    assert {s.node.name for s in p.stages} == {"a", "c"}
+    assert p.link_ms < 6.0
+    p = toy_plan(nodes, model=model, wire_dtype="f32")  # twice the bytes: still a-c
+    assert {s.node.name for s in p.stages} == {"a", "c"}
+
+
+def test_nodes_file_links(tmp_path):
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps([
+        {"name": "a", "memory": "1GiB", "latency_ms": 1, "links": {"b": 2.5}},
+        {"name": "b", "memory": "1GiB", "links": {"a": {"latency_ms": 3, "bandwidth": 1e8}}}]))
+    a, b = load_nodes(path)
+    assert a.links == {"b": Link(2.5)} and b.links == {"a": Link(3.0, 1e8)}
+    for bad, message in (({"b": -1}, "latency_ms must be a number >= 0"),
+                         ({"b": {"bandwidth": 0}}, "bandwidth must be a number >= 1"),
+                         ({"b": {"latency": 1}}, "must be a latency in ms or"),
+                         (["b"], "links must map node names")):
+        path.write_text(json.dumps([{"name": "a", "memory": "1GiB", "links": bad}]))
+        with pytest.raises(PlanError, match=message):
+            load_nodes(path)
 
 
 # -- nodes ---------------------------------------------------------------------------------------

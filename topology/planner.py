@@ -27,7 +27,9 @@ import blake3
 from skippy.cache.config import ConfigError, parse_bytes
 
 from .errors import UserError
+from . import links as link_costs
 from .gguf_file import GGUFFile
+from .links import Link, link_from
 from .model_config import ModelConfig
 from .model_package import ModelPackage, open_model
 
@@ -131,6 +133,7 @@ class ModelFacts:
     shared_bytes: int = 0
     context_length: int = DEFAULT_N_CTX
     keep_together: tuple[tuple[int, int], ...] = ()  # layer groups no cut may split
+    hidden: int = 0  # a frame row's width (0: unknown)
 
     @property
     def n_layers(self) -> int:
@@ -180,7 +183,7 @@ class ModelFacts:
                    layer_bytes=tuple(elements), kv_bytes_per_token=kv, state_bytes=state,
                    first_bytes=first, last_bytes=last, shared_bytes=shared,
                    context_length=cfg.context_length,
-                   keep_together=cfg.cut_groups())
+                   keep_together=cfg.cut_groups(), hidden=cfg.hidden)
 
 
 def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -210,7 +213,8 @@ def _lane_bytes(cfg: ModelConfig, kv_bytes: int) -> tuple[tuple[int, ...], tuple
 class NodeSpec:
     """A machine stages can be placed on. `memory`: bytes stages may use there;
     `resources`: Ray custom resources that pin an actor to it (e.g. {"skippy_node_0": 1});
-    `layers`: the layers whose package parts are already on it."""
+    `layers`: the layers whose package parts are already on it; `latency_ms`: its link
+    to the gateway, one way; `links`: its links to other nodes, by name (links.py)."""
 
     name: str
     memory: int
@@ -218,13 +222,15 @@ class NodeSpec:
     resources: Mapping[str, float] = field(default_factory=dict)
     latency_ms: float | None = None
     layers: frozenset[int] = frozenset()
+    links: Mapping[str, Link] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> NodeSpec:
         """From a nodes-file entry; `memory` is bytes or a size string such as "8GiB"."""
         if not isinstance(d, Mapping):
             raise PlanError(f"a node must be an object, not {d!r}")
-        unknown = set(d) - {"name", "memory", "cpus", "resources", "latency_ms", "layers"}
+        unknown = set(d) - {"name", "memory", "cpus", "resources", "latency_ms", "layers",
+                            "links"}
         if unknown:
             raise PlanError(f"node {d.get('name', '?')}: unknown field(s) "
                             f"{', '.join(sorted(unknown))}")
@@ -250,8 +256,12 @@ class NodeSpec:
         if latency is not None and (isinstance(latency, bool)
                                     or not isinstance(latency, (int, float)) or latency < 0):
             raise PlanError(f"node {name}: latency_ms must be a number >= 0, not {latency!r}")
+        given = d.get("links") or {}
+        if not isinstance(given, Mapping):
+            raise PlanError(f"node {name}: links must map node names to links")
         return cls(name, memory, cpus, dict(resources), latency,
-                   _layer_set(name, d.get("layers") or []))
+                   _layer_set(name, d.get("layers") or []),
+                   {str(k): link_from(name, str(k), v) for k, v in given.items()})
 
 
 def _layer_set(node: str, items) -> frozenset[int]:
@@ -273,7 +283,8 @@ def _layer_set(node: str, items) -> frozenset[int]:
 
 
 def load_nodes(path: str | Path) -> list[NodeSpec]:
-    """A JSON nodes file: a list of {name, memory, cpus, resources, latency_ms, layers}."""
+    """A JSON nodes file: a list of {name, memory, cpus, resources, latency_ms, layers,
+    links}."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -336,6 +347,7 @@ class Plan:
     lanes: int
     stages: tuple[StagePlan, ...]
     digest: str                # topology digest (see topology_digest)
+    link_ms: float | None = None  # a token's time on the links, where they are known
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -345,7 +357,7 @@ class Plan:
         return {
             "model": self.model, "model_digest": self.model_digest,
             "topology_digest": self.digest, "wire_dtype": self.wire_dtype,
-            "n_ctx": self.n_ctx, "lanes": self.lanes,
+            "n_ctx": self.n_ctx, "lanes": self.lanes, "link_ms": self.link_ms,
             "stages": [{
                 "index": s.index, "layers": [s.start, s.end], "node": s.node.name,
                 "resources": dict(s.node.resources), "weight_bytes": s.weight_bytes,
@@ -370,6 +382,9 @@ class Plan:
                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
         lines.append(f"model {self.model}, n_ctx {self.n_ctx} x {self.lanes} lanes, "
                      f"wire {self.wire_dtype}")
+        if self.link_ms is not None:
+            lines.append(f"links: {self.link_ms:.1f} ms a token ({len(self.stages) + 1} "
+                         f"hops, {link_costs.BOUNDARY_MS:.0f} ms a stage boundary)")
         lines.append(f"topology digest {self.digest}")
         return "\n".join(lines)
 
@@ -427,19 +442,33 @@ def plan(model: ModelFacts, nodes: Sequence[NodeSpec], *, wire_dtype: str = "f16
             raise PlanError(f"max_stages must be at least 1, not {max_stages}")
         limit = min(len(ranked), model.n_layers, max_stages or len(ranked))
         tries = list(range(1, limit + 1))
+    # without link figures: the fewest stages that fit, on the nodes with the most memory;
+    # with them, the stage count and nodes whose links cost a token least (links.py)
+    frame = model.hidden * link_costs.WIRE_BYTES.get(wire_dtype, 4)
+    linked = link_costs.known(ranked)
+    best = None
     for k in tries:
-        slots = _slots(ranked, k)
-        caps = [share - overhead_bytes - model.shared_bytes
-                - (model.first_bytes if i == 0 else 0)
-                - (model.last_bytes if i == k - 1 else 0)
-                for i, (_, share) in enumerate(slots)]
-        split = _ranges_for(model, costs, caps, cuts, ranges, len(ranked) == 1)
-        if split is not None:
-            need = [sum(costs[a:b]) + share - cap
-                    for (a, b), (_, share), cap in zip(split, slots, caps)]
-            slots = _near_parts(model, slots, split, need)
-            return _build(model, slots, split, wire_dtype, n_ctx, lanes, overhead_bytes,
-                          cache_bytes)
+        for slots in _placements(ranked, k, frame, linked):
+            caps = [share - overhead_bytes - model.shared_bytes
+                    - (model.first_bytes if i == 0 else 0)
+                    - (model.last_bytes if i == k - 1 else 0)
+                    for i, (_, share) in enumerate(slots)]
+            split = _ranges_for(model, costs, caps, cuts, ranges, len(ranked) == 1)
+            if split is None:
+                continue
+            if not linked:
+                need = [sum(costs[a:b]) + share - cap
+                        for (a, b), (_, share), cap in zip(split, slots, caps)]
+                slots = _near_parts(model, slots, split, need)
+                return _build(model, slots, split, wire_dtype, n_ctx, lanes, overhead_bytes,
+                              cache_bytes)
+            ms = link_costs.path_ms([n for n, _ in slots], frame)
+            if best is None or ms < best[0]:  # the first among equals: fewer stages
+                best = (ms, slots, split)
+    if best is not None:
+        ms, slots, split = best
+        return _build(model, slots, split, wire_dtype, n_ctx, lanes, overhead_bytes,
+                      cache_bytes, ms)
     raise PlanError(_why_not(model, ranked, costs, tries[-1], stages is not None,
                              overhead_bytes, n_ctx, lanes))
 
@@ -495,6 +524,22 @@ def _slots(ranked: list[NodeSpec], k: int) -> list[tuple[NodeSpec, int]]:
         i = max(range(len(ranked)), key=lambda i: ranked[i].memory / (counts[i] + 1))
         counts[i] += 1
     return [(n, n.memory // c) for n, c in zip(ranked, counts) for _ in range(c)]
+
+
+# Nodes whose every subset is tried for a pipeline when links are known (the rest: never
+# one of a pipeline's nodes unless it has more stages than these)
+LINKED_CANDIDATES = 8
+
+
+def _placements(ranked: list[NodeSpec], k: int, frame: int, linked: bool
+                ) -> Iterable[list[tuple[NodeSpec, int]]]:
+    """The (node, memory share) slots to try for k stages: without links, the memory
+    order's; with them, each set of k of the largest nodes in its cheapest order."""
+    if not linked or k > len(ranked):
+        yield _slots(ranked, k)
+        return
+    for group in itertools.combinations(ranked[:max(k, LINKED_CANDIDATES)], k):
+        yield [(n, n.memory) for n in link_costs.best_order(group, frame)]
 
 
 # Placements tried when nodes hold package parts: every order of up to this many stages.
@@ -582,7 +627,7 @@ def stage_bytes(model: ModelFacts, ranges: Sequence[tuple[int, int]], *, n_ctx: 
 
 def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tuple[int, int]],
            wire_dtype: str, n_ctx: int, lanes: int, overhead: int,
-           cache: int | None = None) -> Plan:
+           cache: int | None = None, link_ms: float | None = None) -> Plan:
     check_cuts(ranges, model.keep_together)
     out = []
     sizes = stage_bytes(model, ranges, n_ctx=n_ctx, lanes=lanes)
@@ -590,7 +635,8 @@ def _build(model: ModelFacts, slots: list[tuple[NodeSpec, int]], ranges: list[tu
         room = None if cache is None else min(cache, max(0, share - weights - kv - overhead))
         out.append(StagePlan(i, a, b, node, weights, kv, overhead, share, room))
     digest = topology_digest(model.model_digest, ranges, wire_dtype)
-    return Plan(model.name, model.model_digest, wire_dtype, n_ctx, lanes, tuple(out), digest)
+    return Plan(model.name, model.model_digest, wire_dtype, n_ctx, lanes, tuple(out), digest,
+                link_ms)
 
 
 def _why_not(model: ModelFacts, ranked: list[NodeSpec], costs: list[int], k: int,
