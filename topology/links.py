@@ -19,10 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .planner import NodeSpec
+from typing import Protocol
 
 BOUNDARY_MS = 1.0
 WIRE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
@@ -36,21 +33,11 @@ class Link:
     bandwidth: float | None = None  # bytes per second; None: not limiting
 
 
-def link_from(node: str, other: str, value) -> Link:
-    """A nodes file's link: a latency in ms, or {latency_ms, bandwidth (bytes/s)}."""
-    from .planner import PlanError
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = {"latency_ms": value}
-    if not isinstance(value, Mapping) or set(value) - {"latency_ms", "bandwidth"}:
-        raise PlanError(f"node {node}: the link to {other} must be a latency in ms or "
-                        f"{{latency_ms, bandwidth}}, not {value!r}")
-    latency, bandwidth = value.get("latency_ms", 0.0), value.get("bandwidth")
-    for what, v, least in (("latency_ms", latency, 0), ("bandwidth", bandwidth, 1)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or v < least):
-            raise PlanError(f"node {node}: the link to {other}: {what} must be a number "
-                            f">= {least}, not {v!r}")
-    return Link(float(latency), None if bandwidth is None else float(bandwidth))
+class NodeSpec(Protocol):
+    """What of a planner node (topology/planner.py) its links are."""
+    name: str
+    latency_ms: float | None
+    links: Mapping[str, Link]
 
 
 def known(nodes: Sequence[NodeSpec]) -> bool:

@@ -29,7 +29,7 @@ from skippy.cache.config import ConfigError, parse_bytes
 from .errors import UserError
 from . import links as link_costs
 from .gguf_file import GGUFFile
-from .links import Link, link_from
+from .links import Link
 from .model_config import ModelConfig
 from .model_package import ModelPackage, open_model
 
@@ -261,7 +261,23 @@ class NodeSpec:
             raise PlanError(f"node {name}: links must map node names to links")
         return cls(name, memory, cpus, dict(resources), latency,
                    _layer_set(name, d.get("layers") or []),
-                   {str(k): link_from(name, str(k), v) for k, v in given.items()})
+                   {str(k): _link_from(name, str(k), v) for k, v in given.items()})
+
+
+def _link_from(node: str, other: str, value) -> Link:
+    """A nodes file's link: a latency in ms, or {latency_ms, bandwidth (bytes/s)}."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = {"latency_ms": value}
+    if not isinstance(value, Mapping) or set(value) - {"latency_ms", "bandwidth"}:
+        raise PlanError(f"node {node}: the link to {other} must be a latency in ms or "
+                        f"{{latency_ms, bandwidth}}, not {value!r}")
+    latency, bandwidth = value.get("latency_ms", 0.0), value.get("bandwidth")
+    for what, v, least in (("latency_ms", latency, 0), ("bandwidth", bandwidth, 1)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or v < least):
+            raise PlanError(f"node {node}: the link to {other}: {what} must be a number "
+                            f">= {least}, not {v!r}")
+    return Link(float(latency), None if bandwidth is None else float(bandwidth))
 
 
 def _layer_set(node: str, items) -> frozenset[int]:
