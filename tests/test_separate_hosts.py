@@ -8,13 +8,15 @@ Runs inside the loopback-only namespace (DESIGN.md §9) as root; skips elsewhere
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("ray")
 
 import openai  # noqa: E402
 
-from hosts import (RAY_PORT, greedy_chat, planned, probe_stage,  # noqa: E402
+from hosts import (BIN, RAY_PORT, greedy_chat, planned, probe_stage,  # noqa: E402
                    ray_nodes, serving, stage_address)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -63,6 +65,32 @@ def test_greedy_chat_matches_the_in_process_pipeline(hosts, serve_log, smollm2):
     assert want and tok.encode(got) == want and got == tok.decode(want)
     # the activations went host to host: stage 1 (host 2) holds a connection to stage 2
     assert stage_address(hosts[2]) in hosts[1].peers()
+
+
+LINKS = """
+import json, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from skippy.mesh.control.link_probe import _from_here
+ray.init(address=sys.argv[1], logging_level="ERROR")
+alive = [n for n in ray.nodes() if n["Alive"]]
+where = [(n["NodeID"], n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in alive]
+asked = [_from_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+    n, soft=False)).remote([w for w in where if w[0] != n]) for n, _, _ in where]
+print(json.dumps(dict(zip([a for _, a, _ in where], ray.get(asked, timeout=60)))))
+"""
+
+
+def test_each_host_times_its_links_to_the_others(hosts, serve_log):
+    """The planner's link figures (mesh/control/link_probe.py): each host times TCP
+    connects to the other hosts' raylets. These veth links are far under a millisecond,
+    so serve planned by memory (stage i on host i, above) and logged no failed probe."""
+    assert "links between nodes not measured" not in serve_log
+    out = hosts[0].run(str(BIN / "python"), "-c", LINKS, f"{hosts[0].ip}:{RAY_PORT}")
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(measured) == sorted(h.ip for h in hosts)
+    for ms in measured.values():
+        assert len(ms) == 2 and all(v is not None and 0 < v < 20 for v in ms.values()), ms
 
 
 def test_a_host_without_the_cluster_certificate_cannot_call_a_stage(hosts, serve_log):

@@ -39,6 +39,7 @@ from ..progress import progress_bar
 from ..stage.channels import HOP_DELAY_ENV
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
+from .link_probe import with_links
 from .part_sources import PartSources
 from .pipelines import PipelinesEngine, node_figures
 from .ray_pipeline import ACTOR_START_TIMEOUT, RayPipeline
@@ -151,20 +152,22 @@ def _file_here(path: str, size: int) -> bool:
     return p.is_file() and p.stat().st_size == size
 
 
-def cluster_nodes(model: Path | None = None, model_digest: str = "") -> list[NodeSpec]:
+def cluster_nodes(model: Path | None = None, model_digest: str = "", *,
+                  links: bool = False) -> list[NodeSpec]:
     """The alive Ray nodes as planner nodes; the name is the Ray node id. Serving a
     package, each node also says which layers' parts it holds at the same path, so the
     planner can put stages where their parts are; serving a GGUF file, nodes without it at
-    the same path (and size) are left out, and said so in the log."""
-    out = []
-    for n in ray.nodes():
-        if not n.get("Alive"):
-            continue
+    the same path (and size) are left out, and said so in the log. `links`: with the
+    links between them measured (link_probe.py), for a plan."""
+    out, alive = [], [n for n in ray.nodes() if n.get("Alive")]
+    for n in alive:
         res = dict(n.get("Resources", {}))
         out.append(NodeSpec(name=n["NodeID"], memory=int(res.pop("memory", 0)),
                             cpus=int(res.pop("CPU", 1)),
                             resources={k: v for k, v in res.items()
                                        if not k.startswith(("node:", "object_store"))}))
+    if links:
+        out = with_links(out, alive)
     if model is None:
         return out
     package = is_package(model)
@@ -207,7 +210,7 @@ def planned_bytes(model: ServedModel, pipelines: int) -> int:
 def free_nodes(model: Path, model_digest: str, reserved: Counter) -> list[NodeSpec]:
     """`cluster_nodes`, less the bytes `reserved` on each (other models' stages)."""
     return [dataclasses.replace(n, memory=max(0, n.memory - reserved.get(n.name, 0)))
-            for n in cluster_nodes(model, model_digest)]
+            for n in cluster_nodes(model, model_digest, links=True)]
 
 
 @dataclasses.dataclass
@@ -372,6 +375,8 @@ class RayEngine(PipelinesEngine):
         self.plan, path, n = self.model.plan, self.model.path, len(self.model.plan.stages)
         progress(f"plan: {n} stage(s) x {pipelines} pipeline(s), {lanes} lanes each, "
                  f"topology {self.plan.digest[:16]}")
+        if self.plan.link_ms is not None:  # the nodes' links weighed in (link_probe.py)
+            progress(f"links: about {self.plan.link_ms:.0f} ms a token on the network")
         # Decided for every placement to come, not by the nodes there are now: a node
         # that joins later may get a stage (a lost one's), and its traffic leaves the host.
         self.stage_tls, host = stage_network(stage_tls, ray.get_runtime_context().gcs_address)
