@@ -12,8 +12,11 @@ A granular index (row-invariant stages, DESIGN.md §5.3) also holds entries of a
 of at least one block, and a match runs to the token: past the deepest shared run, the
 candidates' tokens are compared with the query's (fewer than a block of them, unless a
 hash collided). It also finds a stem shorter than a block, of `stem` tokens or more (a
-short system prompt, a template's header): entries are kept by their first `stem` tokens
-too, and those that share them are compared with the query.
+short system prompt, a template's header): each entry is also kept under its first d
+tokens for every d from `stem` to the block (their bytes, with the stage: no hash to
+confirm), and a binary search over d finds the deepest any entry shares with the query
+(exactly that deep, so the newest there wins): a few dictionary probes, however many
+entries share a header, for about 8 KiB of keys an entry (64-token blocks).
 
 Not thread-safe by itself: it is owned by one PrefixCache, which calls it under its lock.
 """
@@ -67,7 +70,8 @@ class PrefixIndex:
         # run hash -> entries through it, in insertion order (newest last)
         self._at: dict[bytes, dict[int, None]] = {}
         self._ends: dict[bytes, dict[int, None]] = {}  # run hash at an entry's full length
-        self._stems: dict[bytes, dict[int, None]] = {}  # granular: first tokens -> entries
+        # granular: (stage, first d tokens) -> entries, for d in [stem, block)
+        self._stems: dict[tuple[bytes, bytes], dict[int, None]] = {}
         self.collisions = 0                             # hash hits that failed to confirm
 
     def __len__(self) -> int:
@@ -97,7 +101,8 @@ class PrefixIndex:
             self._at.setdefault(h, {})[entry_id] = None
         self._ends.setdefault(q.chain[-1], {})[entry_id] = None
         if self.granular:
-            self._stems.setdefault(q.raw[:self.stem * TOKEN_BYTES], {})[entry_id] = None
+            for key in self._stem_keys(q.stage, q.raw):
+                self._stems.setdefault(key, {})[entry_id] = None
 
     def remove(self, entry_id: int) -> None:
         e = self._entries.pop(entry_id)
@@ -106,7 +111,8 @@ class PrefixIndex:
             _discard(self._at, h, entry_id)
         _discard(self._ends, e.chain[-1], entry_id)
         if self.granular:
-            _discard(self._stems, e.raw[:self.stem * TOKEN_BYTES], entry_id)
+            for key in self._stem_keys(e.stage, e.raw):
+                _discard(self._stems, key, entry_id)
 
     def fits(self, n_tokens: int) -> bool:
         """Whether an entry may hold n_tokens tokens."""
@@ -220,18 +226,25 @@ class PrefixIndex:
                 best = Match(eid, len(e.raw) // TOKEN_BYTES)
         return best, genuine
 
+    def _stem_keys(self, stage: bytes, raw: bytes) -> list[tuple[bytes, bytes]]:
+        top = min(self.block, len(raw) // TOKEN_BYTES + 1)
+        return [(stage, raw[:d * TOKEN_BYTES]) for d in range(self.stem, top)]
+
     def _stem_match(self, q: Query) -> Match | None:
-        """The longest run shorter than a block, of at least `stem` tokens, that an entry
-        shares with the query (newest first among equals)."""
-        best = None
-        if self.stem < self.block and q.n_tokens >= self.stem:
-            for eid in reversed(self._stems.get(q.raw[:self.stem * TOKEN_BYTES], {})):
-                e = self._entries[eid]
-                if e.stage == q.stage:
-                    shared = _shared(e.raw, q.raw, self.stem)
-                    if best is None or shared > best.length:
-                        best = Match(eid, shared)
-        return best
+        """The deepest run shorter than a block, of at least `stem` tokens, that an entry
+        of the query's stage shares with it (the newest such entry). Sharing is monotone
+        in depth, so a binary search finds it."""
+        lo, hi = self.stem - 1, min(self.block, q.n_tokens + 1)  # lo: shared; hi: not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (q.stage, q.raw[:mid * TOKEN_BYTES]) in self._stems:
+                lo = mid
+            else:
+                hi = mid
+        if lo < self.stem:
+            return None
+        ids = self._stems[(q.stage, q.raw[:lo * TOKEN_BYTES])]
+        return Match(next(reversed(ids)), lo)
 
     def _scan(self, q: Query, whole_entry: bool) -> Match | None:
         """Exact, hash-free answer: the fallback after a collision."""
