@@ -1,5 +1,5 @@
 """The links between nodes, as the planner gets them (mesh/control/link_probe.py): a TCP
-connect timed, whole milliseconds, a LAN's sub-millisecond links left out."""
+connect timed, in steps of 5 ms, a LAN's links left out."""
 
 from __future__ import annotations
 
@@ -20,18 +20,19 @@ def test_a_connect_is_timed_and_a_closed_port_is_unknown():
     assert one_way_ms("127.0.0.1", port) is None  # nothing listens there now
 
 
-def test_whole_milliseconds_and_sub_millisecond_links_count_as_none():
-    assert rounded(None) is None and rounded(0.4) is None and rounded(0.99) is None
-    assert rounded(1.4) == 1.0 and rounded(12.6) == 13.0
+def test_steps_of_5_ms_and_links_under_5_ms_count_as_none():
+    assert rounded(None) is None and rounded(0.4) is None and rounded(4.99) is None
+    assert rounded(5.2) == 5.0 and rounded(12.6) == 15.0 and rounded(41) == 40.0
 
 
 def test_measured_links_go_to_the_nodes_and_the_head():
     nodes = [NodeSpec("head", 1), NodeSpec("a", 1), NodeSpec("b", 1)]
-    measured = [{"a": 0.2, "b": 11.7}, {"head": 0.3, "b": 12.2}, {"head": 11.9, "a": None}]
+    measured = [{"a": 0.2, "b": 11.7}, {"head": 0.3, "b": 12.9}, {"head": 11.9, "a": None}]
     head, a, b = measured_links(nodes, measured, "head")
-    assert head.latency_ms == 0.0 and head.links == {"b": Link(12.0)}
-    assert a.latency_ms is None and a.links == {"b": Link(12.0)}
-    assert b.latency_ms == 12.0 and b.links == {}  # a: not reached from b
-    # a LAN: every link under a millisecond, so the plan goes by memory as before
-    lan = [{"a": 0.2, "b": 0.4}, {"head": 0.3, "b": 0.1}, {"head": 0.5, "a": 0.2}]
+    assert head.latency_ms == 0.0 and head.links == {"b": Link(10.0)}
+    assert a.latency_ms is None and a.links == {"b": Link(15.0)}
+    assert b.latency_ms == 10.0 and b.links == {}  # a: not reached from b
+    # a LAN (a busy node's slow connect too): every link under 5 ms, so the plan goes by
+    # memory as before
+    lan = [{"a": 0.2, "b": 0.4}, {"head": 0.3, "b": 3.1}, {"head": 0.5, "a": 0.2}]
     assert measured_links(nodes, lan, "head") == nodes

@@ -5,10 +5,11 @@ every node reaches: DESIGN.md §9, deploy/README.md's ports): a connect is one r
 trip, so half the best of a few is the one-way latency. The gateway runs on the head (the
 driver's node), so a node's link to the head is its `latency_ms`.
 
-Figures are kept in whole milliseconds, and a link under RESOLUTION_MS counts as none:
-a LAN's tenths of a millisecond, and their noise, must not move a plan (its ranges, and
-so its digest, which the caches are keyed by, follow the nodes it picks). Any failure
-leaves the nodes without link figures: planned by memory, as without this.
+Figures are kept in steps of RESOLUTION_MS, and a link under it counts as none: a LAN's
+fractions of a millisecond, a busy node's slow connect, and their noise must not move a
+plan (its ranges, and so its digest, which the caches are keyed by, follow the nodes it
+picks). Any failure leaves the nodes without link figures: planned by memory, as
+without this.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from skippy.topology.planner import NodeSpec
 
 log = logging.getLogger(__name__)
 
-RESOLUTION_MS = 1.0
+RESOLUTION_MS = 5.0
 CONNECTS = 3          # tries per link; the best counts
 CONNECT_S = 1.0       # a connect slower than this: the link is left unknown
 PROBE_S = 30.0        # every node's answers, at most
@@ -48,10 +49,11 @@ def one_way_ms(host: str, port: int, tries: int = CONNECTS) -> float | None:
 
 
 def rounded(ms: float | None) -> float | None:
-    """A measured latency in whole ms; None where it is unknown or under RESOLUTION_MS."""
+    """A measured latency to the nearest RESOLUTION_MS; None where it is unknown or under
+    RESOLUTION_MS."""
     if ms is None or ms < RESOLUTION_MS:
         return None
-    return float(round(ms))
+    return float(RESOLUTION_MS * round(ms / RESOLUTION_MS))
 
 
 @ray.remote(num_cpus=0)
