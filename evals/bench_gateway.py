@@ -64,6 +64,7 @@ import httpx
 
 from skippy.mesh.progress import tracked
 from skippy.evals import plots
+from skippy.evals.ceiling import ceiling_line, concurrent_ceiling
 from skippy.evals.entry import guarded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -296,6 +297,8 @@ def table(result: dict) -> str:
         met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
         lines.append(f"{LABELS[row['scenario']]:<26} {row['label']:<24} {' '.join(cells)} "
                      f"{row['speedup']:>7.2f}x {target:>7} {met:>4}")
+    if result.get("ceiling"):
+        lines.append(ceiling_line(result["ceiling"]))
     lines += long_stream_lines(result["servers"])
     errors = [f"{key} {name}: {sc['errors']}" for key, srv in result["servers"].items()
               for name, sc in srv.get("scenarios", {}).items() if sc.get("errors")]
@@ -873,7 +876,20 @@ def bench(args) -> dict:
     result["machine_ms_after"] = machine_speed(path)
     result["comparisons"] = comparisons(result["servers"])
     result["targets"] = {c.key: c.targets for c in OURS if c.targets}
+    if args.runtime_json is not None:
+        result["ceiling"] = ceiling_of(result["servers"], json.loads(args.runtime_json.read_text()))
     return result
+
+
+def ceiling_of(servers: dict, runtime: dict) -> dict | None:
+    """The concurrent scenario's ceiling (ceiling.py) for the first of ours that ran it,
+    against the reference's measured tokens/s where it ran too."""
+    ours = next((s["scenarios"]["concurrent"] for key, s in servers.items()
+                 if key != REFERENCE.key and "concurrent" in s.get("scenarios", {})), None)
+    if ours is None:
+        return None
+    ref = servers.get(REFERENCE.key, {}).get("scenarios", {}).get("concurrent", {})
+    return concurrent_ceiling(runtime, {**ours, "reference_tok_s": ref.get("tokens_per_s")})
 
 
 def where_it_runs() -> dict:
@@ -916,6 +932,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "PYTHONPATH=DIR to bench another checkout's code (before/after)")
     p.add_argument("--scenario", action="append", dest="scenarios", choices=SCENARIOS,
                    help="run only these scenarios (repeatable; default: all)")
+    p.add_argument("--runtime-json", type=Path, metavar="PATH",
+                   help="a bench_runtime JSON of the same file on this CPU (with its batched "
+                        "decode): prints the concurrent scenario's ceiling (ceiling.py)")
     p.add_argument("--json", metavar="PATH", help="also write everything as JSON to PATH "
                                                   "('-': JSON on stdout, table on stderr)")
     args = p.parse_args(argv)

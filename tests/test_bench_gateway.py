@@ -12,6 +12,7 @@ import pytest
 
 from skippy.evals import bench_gateway as bg
 from skippy.evals import plots
+from skippy.evals.ceiling import ceiling_line, concurrent_ceiling
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -136,6 +137,28 @@ def test_table_shows_every_row_with_target_and_verdict():
     assert bg.table(result).endswith(
         "before each server: llama.cpp server 9.0 · ours 1 stage llama.cpp 13.5 · "
         "at the end 10.0; spread 1.50x")
+
+
+def test_the_concurrent_ceiling_from_bench_runtimes_figures():
+    """The 2026-12-06 AVX2 sitting (evals/README.md): 32 chats, 1,466 prompt and 508
+    completion tokens; 8-row steps of 26.6 ms; prefills of 128 rows in 168.1 / 214.2 ms;
+    llama.cpp's decode 7.26 ms."""
+    runtime = {"runs": [{"prefill": [{"tokens": 128, "ours_ms": 168.1, "reference_ms": 214.2}],
+                         "decode": {"ours_ms": 6.19, "reference_ms": 7.26},
+                         "batched_decode": {"lanes": 8, "step_ms": 26.6}}]}
+    scenario = {"requests": 32, "prompt_tokens": 1466, "completion_tokens": 508}
+    c = concurrent_ceiling(runtime, scenario)
+    ours_s = (1466 * 168.1 / 128 + 60 * 26.6) / 1e3      # 476 decoded tokens: 60 steps
+    ref_s = (1466 * 214.2 / 128 + 476 * 7.26) / 1e3
+    assert c["ceiling"] == pytest.approx(ref_s / ours_s) and 1.6 < c["ceiling"] < 1.75
+    assert c["ours_tok_s"] == pytest.approx(508 / ours_s) and "ceiling_vs_measured" not in c
+    servers = {"reference": {"scenarios": {"concurrent": {"tokens_per_s": 73.0}}},
+               "ours_2_torch": {"scenarios": {"concurrent": scenario}}}
+    c = bg.ceiling_of(servers, runtime)
+    assert c["ceiling_vs_measured"] == pytest.approx(508 / ours_s / 73.0)
+    assert ceiling_line(c).startswith("(d) ceiling on this CPU (bench_runtime): ours at most "
+                                      "144 tok/s (8-row steps of 26.6 ms")
+    assert bg.ceiling_of({"reference": servers["reference"]}, runtime) is None
 
 
 def test_machine_speed_times_llama_cpp_decodes(smollm2):
