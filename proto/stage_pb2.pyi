@@ -32,7 +32,7 @@ class Frame(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Frame.DType, str]] = ..., start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "generated", "logprobs", "logits", "constraint")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "generated", "logprobs", "logits", "constraint", "propose")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Sampling(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -62,7 +63,8 @@ class Sampling(_message.Message):
     logprobs: int
     logits: bool
     constraint: Constraint
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., generated: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., logits: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    propose: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., generated: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., logits: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., propose: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "text")
@@ -93,12 +95,14 @@ class Plan(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., results: _Optional[bool] = ..., peers: _Optional[_Iterable[str]] = ..., prefill: _Optional[bool] = ...) -> None: ...
 
 class PlanReply(_message.Message):
-    __slots__ = ("start", "verify")
+    __slots__ = ("start", "verify", "propose")
     START_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
     start: int
     verify: bool
-    def __init__(self, start: _Optional[int] = ..., verify: _Optional[bool] = ...) -> None: ...
+    propose: bool
+    def __init__(self, start: _Optional[int] = ..., verify: _Optional[bool] = ..., propose: _Optional[bool] = ...) -> None: ...
 
 class Prefill(_message.Message):
     __slots__ = ("tokens", "start", "frame", "sampling", "probe", "namespace", "max_tokens", "replay", "embed")
@@ -123,20 +127,22 @@ class Prefill(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ..., replay: _Optional[bool] = ..., embed: _Optional[str] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("token", "frame", "replay", "proposed", "length", "reply_to")
+    __slots__ = ("token", "frame", "replay", "proposed", "length", "reply_to", "propose")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
     token: int
     frame: Frame
     replay: bool
     proposed: _containers.RepeatedScalarFieldContainer[int]
     length: int
     reply_to: str
-    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ..., proposed: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reply_to: _Optional[str] = ...) -> None: ...
+    propose: int
+    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ..., proposed: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reply_to: _Optional[str] = ..., propose: _Optional[int] = ...) -> None: ...
 
 class ReplyTo(_message.Message):
     __slots__ = ("id",)
@@ -159,7 +165,7 @@ class StageCall(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., traceparent: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class Token(_message.Message):
-    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits", "more", "plan")
+    __slots__ = ("id", "cached_tokens", "logprob", "top", "logits", "more", "plan", "proposals")
     ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +173,7 @@ class Token(_message.Message):
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     id: int
     cached_tokens: int
     logprob: float
@@ -174,7 +181,8 @@ class Token(_message.Message):
     logits: bytes
     more: _containers.RepeatedCompositeFieldContainer[Token]
     plan: PlanReply
-    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ...) -> None: ...
+    proposals: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[Alternative, _Mapping]]] = ..., logits: _Optional[bytes] = ..., more: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., plan: _Optional[_Union[PlanReply, _Mapping]] = ..., proposals: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("cached_tokens",)

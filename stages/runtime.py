@@ -54,6 +54,7 @@ class StageOutput:
     frame: Frame | None = None          # non-final stages
     logits: torch.Tensor | None = None  # final stage: [vocab] ("last") or [n, vocab] ("all")
     hidden: torch.Tensor | None = None  # final stage, "hidden": [n, hidden] after the norm
+    trunk: torch.Tensor | None = None   # final stage: the computed rows before the norm
     # prefill(snapshots=...): the lane's state for [0, b) at each requested boundary b
     snapshots: dict[int, LaneState] = field(default_factory=dict)
 

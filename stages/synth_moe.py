@@ -36,6 +36,7 @@ DEEPSEEK2_OPTIONS: dict[str, int | float | None] = {
     "weights_norm": 1,
     "weights_scale": 2.5,
     "probs_bias": 1,        # 1: exp_probs_b, the selection bias
+    "nextn": 0,             # multi-token-prediction (NextN) layers after the trunk
 }
 
 
@@ -62,7 +63,8 @@ def _deepseek2_hparams(d: Dims) -> dict[str, int | float | bool | list[int]]:
     out: dict[str, int | float | bool | list[int]] = {
         "context_length": d.context_length,
         "embedding_length": d.hidden,
-        "block_count": d.layers,
+        # the NextN layers come after the trunk's, as GLM-4.7-Flash's converter writes them
+        "block_count": d.layers + _nextn(d),
         "feed_forward_length": d.ff,
         "attention.head_count": d.heads,
         "attention.layer_norm_rms_epsilon": d.rms_eps,
@@ -75,6 +77,8 @@ def _deepseek2_hparams(d: Dims) -> dict[str, int | float | bool | list[int]]:
         "expert_feed_forward_length": z["expert_ff"],
         "expert_shared_count": z["shared"],
     }
+    if _nextn(d):
+        out["nextn_predict_layers"] = _nextn(d)
     if d.options.get("kv_b"):  # per-head K and V as llama.cpp expands them: MHA
         out.update({"attention.head_count_kv": d.heads,
                     "attention.key_length": z["nope"] + z["rope"],
@@ -151,14 +155,24 @@ def _deepseek2_ffn(d: Dims, b: str, layer: int) -> list[TensorSpec]:
                   TensorSpec(f"{b}.ffn_down_shexp.weight", (d.hidden, shared), "proj")]
 
 
+def _nextn(d: Dims) -> int:
+    return int(d.options.get("nextn") or 0)
+
+
 def _deepseek2_tensors(d: Dims) -> list[TensorSpec]:
     out = [TensorSpec("token_embd.weight", (d.vocab, d.hidden), "embed")]
-    for i in range(d.layers):
+    for i in range(d.layers + _nextn(d)):
         b = f"blk.{i}"
         out += [TensorSpec(f"{b}.attn_norm.weight", (d.hidden,), "norm"),
                 *_deepseek2_attention(d, b),
                 TensorSpec(f"{b}.ffn_norm.weight", (d.hidden,), "norm"),
                 *_deepseek2_ffn(d, b, i)]
+        if i >= d.layers:  # a NextN layer's own parts (it shares the trunk's embeddings
+            # and head, which the converter leaves out of the block)
+            out += [TensorSpec(f"{b}.nextn.eh_proj.weight", (d.hidden, 2 * d.hidden), "proj"),
+                    TensorSpec(f"{b}.nextn.enorm.weight", (d.hidden,), "norm"),
+                    TensorSpec(f"{b}.nextn.hnorm.weight", (d.hidden,), "norm"),
+                    TensorSpec(f"{b}.nextn.shared_head_norm.weight", (d.hidden,), "norm")]
     out += [TensorSpec("output_norm.weight", (d.hidden,), "norm"),
             TensorSpec("output.weight", (d.vocab, d.hidden), "proj")]
     return out

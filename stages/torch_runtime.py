@@ -37,6 +37,7 @@ from .norms import make_norm
 from .softcap import soft_cap
 from .mamba2 import Mamba2, ParallelMixer, mamba2_state_shapes
 from .mla import MlaAttention, YarnRope, latent_kv_shape
+from .nextn import NextN
 from .shortconv import ShortConv
 from .transformer import Attention, DecoderLayer, Segment
 from .weights import ROPE_FREQS, StageTensors, load_stage_tensors
@@ -107,6 +108,9 @@ class TorchStageRuntime(StageRuntime):
             # head in fewer bits lost top-1 agreement (evals/format_accuracy.py).
             # It runs lane_batch rows at a time (_logits).
             self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
+        # speculation's proposer where the file ships NextN layers (stages/nextn.py)
+        self.nextn = NextN(cfg, t, spec.weight_format, self.head, self.norm, spec.chunk,
+                           self.n_ctx) if spec.is_last and cfg.nextn_tensors(t.names) else None
         self.exactness = self._exactness()
         # Decode rows of several lanes share a step unpadded where a row's bits do not
         # depend on how many rows come with it: on a row-invariant stage (certify checks
@@ -218,6 +222,8 @@ class TorchStageRuntime(StageRuntime):
 
     def free_lane(self, lane: int) -> None:
         self._lanes.pop(lane, None)
+        if self.nextn is not None:
+            self.nextn.free(lane)
 
     def _lane(self, lane: int) -> _Lane:
         try:
@@ -380,7 +386,9 @@ class TorchStageRuntime(StageRuntime):
         hidden = torch.cat(outs) if len(outs) > 1 else outs[0]
         if not self.spec.is_last:
             out.frame = to_wire(start, hidden, self.spec.wire_dtype, tokens=tok_in)
-        elif logits == "last":
+            return out
+        out.trunk = hidden
+        if logits == "last":
             with qkernel.openmp_team(hidden.shape[0] > qkernel.OMP_ROWS):
                 out.logits = self._logits(hidden[-1:], self.spec.lane_batch)[0]
         elif logits == "hidden":  # embeddings: each row after the output norm
@@ -453,7 +461,7 @@ class TorchStageRuntime(StageRuntime):
         st = self._lanes[lane]
         a, b = seg.row0, seg.row0 + seg.n
         if self.spec.is_last:
-            out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b])
+            out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b], trunk=x[a:b])
         else:
             out = StageOutput(frame=to_wire(st.length, x[a:b], self.spec.wire_dtype,
                                             tokens=None if toks is None else toks[a:b]))

@@ -101,6 +101,7 @@ def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
         if cfg.family.output_norm is not None:
             names.append(cfg.family.output_norm)
         names.append("token_embd.weight" if cfg.tied_head else "output.weight")
+        names += cfg.nextn_tensors(f.tensors)
     missing = [n for n in names if n not in f.tensors]
     if missing:
         raise MissingTensor(f"{f.path.name}: missing tensor(s) {', '.join(missing[:3])}")

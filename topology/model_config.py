@@ -79,6 +79,10 @@ class ModelConfig:
     # the ssm_* fields as llama.cpp reads them: ssm_heads = value heads (time_step_rank),
     # ssm_groups = key heads (group_count), ssm_d_state = the head size of both.
     deltanet_layers: frozenset[int] = frozenset()
+    # Multi-token-prediction (NextN) layers the file appends after the trunk's (GLM-4.7-
+    # Flash, DeepSeek-V3): blocks n_layers .. n_layers + nextn_layers - 1; the last stage
+    # runs the first as speculation's proposer (stages/nextn.py), the trunk never.
+    nextn_layers: int = 0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelConfig":
@@ -88,7 +92,8 @@ class ModelConfig:
         n_heads = int(f.arch_key("attention.head_count"))
         # block_count includes the appended multi-token-prediction layers (GLM-4.7-Flash):
         # llama.cpp's trunk, like ours, runs the others
-        n_layers = int(f.arch_key("block_count")) - int(f.arch_key("nextn_predict_layers", 0) or 0)
+        nextn = int(f.arch_key("nextn_predict_layers", 0) or 0)
+        n_layers = int(f.arch_key("block_count")) - nextn
         n_kv = f.arch_key("attention.head_count_kv", n_heads)
         conv_layers: frozenset[int] = frozenset()
         conv_l_cache = 0
@@ -160,11 +165,25 @@ class ModelConfig:
             conv_layers=conv_layers,
             conv_l_cache=conv_l_cache,
             mla=read_mla(f, n_layers, n_heads) if family.attention == "mla" else None,
+            nextn_layers=nextn,
             **_family_options(f, family),
             **ssm,
             **gemma4,
             **moe_fields(f, family),
         )
+
+    def nextn_tensors(self, names) -> list[str]:
+        """What the last stage loads beside its layers for speculation's NextN proposer
+        (stages/nextn.py), of the file's tensor `names`: its first NextN block, and the
+        token embeddings where the block has none of its own. Latent-attention
+        (deepseek2) files only."""
+        if not self.nextn_layers or self.mla is None:
+            return []
+        p = f"blk.{self.n_layers}."
+        out = [n for n in names if n.startswith(p)]
+        if out and p + "nextn.embed_tokens.weight" not in out:
+            out.append("token_embd.weight")
+        return out
 
     @property
     def is_moe(self) -> bool:

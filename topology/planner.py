@@ -159,8 +159,13 @@ class ModelFacts:
                 return int(info.n_elements * weight_bytes if tensor_bytes is None else
                            tensor_bytes(name, info.qtype.name, tuple(info.shape)))
 
+            proposer = set(cfg.nextn_tensors(f.tensors))  # the last stage's (NextN)
             for name, info in f.tensors.items():
                 size = held(name, info)
+                if name in proposer:
+                    last += size
+                    if name != "token_embd.weight":
+                        continue
                 if name.startswith("blk."):
                     layer = int(name.split(".")[1])
                     if layer < cfg.n_layers:  # past it: prediction layers no stage loads

@@ -35,7 +35,7 @@ from skippy.topology.errors import OverCapacity, RequestError, StageUnavailable
 from .. import tracing
 from .engine import GenerationRequest, Step
 from .draft import DraftModel
-from .speculation import Speculator, StepCosts
+from .speculation import FIRST_K, Speculator, StepCosts
 from ..wire import sampling_to_proto, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -103,9 +103,18 @@ class _Speculation:
         self.now = now if callable(now) else (lambda: bool(now))
         self.wanted, self.draft, self.costs = bool(now), draft, costs
 
-    def start(self, prompt: list[int]) -> Speculator:
-        return Speculator(prompt, None if self.draft is None else self.draft.session(),
-                          self.costs)
+    def first_k(self, request: GenerationRequest) -> int:
+        """The proposals a last stage with a proposer of its own (a NextN layer) sends
+        with the request's first token: none where a draft model proposes."""
+        return FIRST_K if self.wanted and self.draft is None and not request.probe else 0
+
+    def start(self, prompt: list[int], staged: bool = False, offered=()) -> Speculator:
+        """`staged`: the last stage proposes (PlanReply.propose; `offered`: with the
+        first token), unless a draft does."""
+        draft = None if self.draft is None else self.draft.session()
+        spec = Speculator(prompt, draft, self.costs, staged=staged and draft is None)
+        spec.offered = list(offered)
+        return spec
 
 
 async def _traced(pipe: Pipeline, request: GenerationRequest, on_rebuild, peers,
@@ -229,9 +238,10 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
     step, where it is a callable: speculation.py).
     The caller appends each yielded token to `produced`."""
     prompt = list(request.tokens)
+    k0 = 0 if speculate is None else speculate.first_k(request)  # the stage's proposer's
     # a first try plans and prefills in one call; a rebuilt one replays, after its plan
     reply = await _ask(link, _plan(request, produced, results=not produced, peers=peers,
-                                   prefill=not produced,
+                                   prefill=not produced, propose=k0,
                                    last=not produced and request.max_tokens == 1))
     if reply.WhichOneof("result") == "token" and not reply.token.HasField("plan"):
         if reply.token.id in request.stop_ids:  # an exact repeat, answered from results
@@ -240,17 +250,15 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
         if len(produced) >= request.max_tokens:
             return
         reply = await _ask(link, _plan(request, produced, results=False, peers=peers))
-    plan, reply = await _prefilled(link, request, produced, reply)
+    plan, reply = await _prefilled(link, request, produced, reply, k0)
     first = not produced
     if produced:
-        for token in produced[:-1]:
-            _expect(await _ask(link, _decode(token, replay=True)), "done")
-        reply = await _ask(link, _decode(produced[-1],
-                                         last=len(produced) + 1 >= request.max_tokens))
+        reply = await _replayed(link, request, produced)
     tokens = _tokens(_expect(reply, "token").token)
     speculating = speculate is not None and speculate.wanted and plan.verify and \
         not request.probe
-    spec = speculate.start(prompt + produced) if speculating else None
+    spec = speculate.start(prompt + produced, plan.propose, tokens[0].proposals) \
+        if speculating else None
     seen = len(produced)  # produced tokens the speculator has seen
     try:
         while True:
@@ -270,10 +278,11 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
             seen = len(produced)
             last = len(produced) + 1 >= request.max_tokens
             call = _decode(tokens[-1].id, proposed, len(prompt) + len(produced) - 1
-                           if spec else None, last=last, reply_to=_reply_to(link, last))
+                           if spec else None, last=last, reply_to=_reply_to(link, last),
+                           propose=spec.wanted(alone) if spec else 0)
             tokens = _tokens(_expect(await _ask(link, call), "token").token)
             if spec is not None:
-                spec.observe(len(proposed), len(tokens) - 1)
+                spec.observe(len(proposed), len(tokens) - 1, tokens[0].proposals)
                 if alone:
                     if spec.draft is not None:
                         speculate.costs.observe_draft(len(proposed), t1 - t0)
@@ -283,8 +292,19 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
             await asyncio.to_thread(spec.draft.close)
 
 
+async def _replayed(link: Link, request: GenerationRequest, produced: list[int]
+                    ) -> pb.StageResult:
+    """A rebuilt request's tokens run again as the decode rows they were (the stages'
+    state bitwise what it was), the last one sampled anew: its reply."""
+    for token in produced[:-1]:
+        _expect(await _ask(link, _decode(token, replay=True)), "done")
+    return await _ask(link, _decode(produced[-1],
+                                    last=len(produced) + 1 >= request.max_tokens))
+
+
 async def _prefilled(link: Link, request: GenerationRequest, produced: list[int],
-                     reply: pb.StageResult) -> tuple[pb.PlanReply, pb.StageResult]:
+                     reply: pb.StageResult, propose: int = 0
+                     ) -> tuple[pb.PlanReply, pb.StageResult]:
     """The plan and the prefill's reply: as they came where stage 0 planned and
     prefilled in one call, else the prefill (a replay once tokens were produced) sent
     after the plan."""
@@ -292,7 +312,8 @@ async def _prefilled(link: Link, request: GenerationRequest, produced: list[int]
         return reply.token.plan, reply
     plan = _expect(reply, "plan").plan
     return plan, await _ask(link, pb.StageCall(prefill=pb.Prefill(
-        tokens=request.tokens, start=plan.start, sampling=_sampling(request, produced),
+        tokens=request.tokens, start=plan.start,
+        sampling=_sampling(request, produced, propose),
         probe=request.probe, namespace=request.namespace, replay=bool(produced))))
 
 
@@ -309,31 +330,37 @@ def _tokens(token: pb.Token) -> list[pb.Token]:
 
 
 def _plan(request: GenerationRequest, produced: list[int], results: bool,
-          peers: list[str] = (), prefill: bool = False, last: bool = False) -> pb.StageCall:
+          peers: list[str] = (), prefill: bool = False, last: bool = False,
+          propose: int = 0) -> pb.StageCall:
     """`last`: its token is the request's last (max_tokens 1): the stages end their
     sessions with the answer."""
     return pb.StageCall(last=last, plan=pb.Plan(
         tokens=request.tokens, limit=len(request.tokens) - 1, probe=request.probe,
-        namespace=request.namespace, sampling=_sampling(request, produced),
+        namespace=request.namespace, sampling=_sampling(request, produced, propose),
         results=results and not request.probe, peers=peers, prefill=prefill))
 
 
-def _sampling(request: GenerationRequest, produced: list[int]) -> pb.Sampling:
+def _sampling(request: GenerationRequest, produced: list[int], propose: int = 0
+              ) -> pb.Sampling:
+    """`propose`: the proposals the last stage's proposer sends with the first token (0:
+    the request does not run it)."""
     msg = sampling_to_proto(request.sampling, produced)
-    msg.logits = request.logits
+    msg.logits, msg.propose = request.logits, propose
     return msg
 
 
 def _decode(token: int, proposed: list[int] = (), length: int | None = None,
-            replay: bool = False, last: bool = False, reply_to: str = "") -> pb.StageCall:
+            replay: bool = False, last: bool = False, reply_to: str = "",
+            propose: int = 0) -> pb.StageCall:
     """A decode step appending `token` at position `length` (None: where the lanes are),
     with the tokens `proposed` after it to verify; `last`: its token is the request's
     last (max_tokens reached), so the stages end their sessions with the answer (it
     comes back through every stage); `reply_to`: the link's reply stream at the last
-    stage, which then answers straight to the driver."""
+    stage, which then answers straight to the driver; `propose`: the proposals the last
+    stage's proposer sends with the answer, for the next step."""
     return pb.StageCall(last=last, decode=pb.Decode(token=token, replay=replay,
                                                     proposed=proposed, length=length,
-                                                    reply_to=reply_to))
+                                                    reply_to=reply_to, propose=propose))
 
 
 def _reply_to(link: Link, last: bool) -> str:

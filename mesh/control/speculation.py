@@ -9,7 +9,9 @@ the same with speculation on or off, greedy or seeded; a pipeline just pays its 
 per accepted run instead of once per token.
 
 Proposals come from a draft model where the engine has one (mesh/control/draft.py), else
-from prompt lookup: the tokens that followed the latest earlier occurrence
+from the last stage where the model ships a NextN layer (stages/nextn.py: it sends them
+with each answer, as many as the step asked for), else from prompt lookup: the tokens
+that followed the latest earlier occurrence
 of the context's last n tokens (n from MAX_NGRAM down to MIN_NGRAM), which pays where
 answers repeat spans of their input (code edits, RAG answers, agent loops).
 
@@ -120,10 +122,13 @@ class Speculator:
 
     def __init__(self, context: Iterable[int],
                  draft: Callable[[list[int], int], list[int]] | None = None,
-                 costs: StepCosts | None = None):
+                 costs: StepCosts | None = None, staged: bool = False):
+        """`staged`: the last stage's proposer sends the proposals (`offer`)."""
         self.lookup = PromptLookup(context)
         self.draft = draft
         self.costs = costs
+        self.staged = staged
+        self.offered: list[int] = []  # the last stage's proposals for the next step
         self.k = FIRST_K
         self._misses = 0
         self._pause = 0
@@ -145,10 +150,19 @@ class Speculator:
             return []
         if self.draft is not None:
             return self.draft(self.lookup.tokens, min(self.k, room))
+        if self.staged:
+            return self.offered[:min(self.k, room)]
         return self.lookup.propose(min(self.k, room))
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """A verify step's outcome: `accepted` of `proposed` tokens taken."""
+    def wanted(self, alone: bool) -> int:
+        """How many proposals to ask the last stage's proposer for, for the step after
+        the one being sent: none while held back, or where proposals are not verified."""
+        return self.k if self.staged and alone and self._pause == 0 else 0
+
+    def observe(self, proposed: int, accepted: int, offered: Iterable[int] = ()) -> None:
+        """A verify step's outcome: `accepted` of `proposed` tokens taken; `offered`: the
+        last stage's proposals sent with its answer, for the next step."""
+        self.offered = list(offered)
         if not proposed:
             return
         self.proposed += proposed

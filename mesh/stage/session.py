@@ -35,7 +35,6 @@ import torch
 
 from skippy.proto import stage_pb2 as pb
 from skippy.stages.runtime import StageError
-from skippy.stages.stage_spec import Exactness
 from skippy.topology.errors import RequestError, log_ours, new_error_id, one_line
 
 from .. import tracing
@@ -44,7 +43,7 @@ from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_
 from .loop import Row
 from .pooling import pooled
 from .state_pull import peer_named, start_pull
-from .verify import verified
+from .verify import plan_reply, propose_after_prefill, step_answer
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +70,7 @@ class StageSession:
         self.down = None                     # the link to the next stage, once opened
         self.sampler: Sampler | None = None  # the last stage's
         self.want_logits = False
+        self.nextn = None  # the last stage's proposer, where this request runs it
         self.probe, self.scope = False, None  # the request's, chosen at its first call
         self.reply_to = ""  # the driver's reply stream its decode steps named, if any
         self.downstream_start: int | None = None
@@ -213,9 +213,8 @@ class StageSession:
             start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit,
                                    self.downstream_start, self.scope)
         self.span.set_attribute("skippy.start", start)
-        verify = self.server.runtime.exactness is Exactness.ROW_INVARIANT and \
-            (self.last or reply.plan.verify)
-        return pb.StageResult(plan=pb.PlanReply(start=start, verify=verify))
+        return pb.StageResult(plan=plan_reply(self.server.runtime, start,
+                                              None if reply is None else reply.plan))
 
     def _plan_here(self, tokens: list[int], p: pb.Plan, alone: bool):
         """On the loop thread, the lane held: (the exact result's logits, None) where the
@@ -284,11 +283,8 @@ class StageSession:
                 return out.frame
             if replay:
                 return None
-            if not d.proposed:
-                return self._sample(out.logits)
-            first = verified(self._sample, out.logits, d.proposed)
-            self.server.speculated(len(d.proposed), len(first.more))
-            return first
+            return step_answer(self._sample, out, d, self.server.speculated, self.nextn,
+                               self.lane, self.cache.runtime.lane_length(self.lane))
 
         row = Row(self.lane, x, finish)
         out = self.loop.decode(row)
@@ -299,7 +295,7 @@ class StageSession:
         if self.last:
             return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
         sent = pb.Decode(token=d.token, replay=replay, proposed=d.proposed,
-                         reply_to=d.reply_to)
+                         reply_to=d.reply_to, propose=d.propose)
         if d.HasField("length"):
             sent.length = d.length
         sent.frame.CopyFrom(frame_to_proto(out))
@@ -351,7 +347,11 @@ class StageSession:
         self.cache.remember_result(tokens, out.logits, self.scope)
         if p.replay:
             return pb.StageResult(done=pb.Done(cached_tokens=p.start))
-        return pb.StageResult(token=self._sample(out.logits, p.start))
+        token = self._sample(out.logits, p.start)
+        if self.nextn is not None:
+            propose_after_prefill(self.nextn, self.lane, tokens, p.start, out, token,
+                                  p.sampling.propose)
+        return pb.StageResult(token=token)
 
     def _new_sampler(self, sampling: pb.Sampling) -> None:
         params = sampling_from_proto(sampling)
@@ -360,6 +360,7 @@ class StageSession:
             self.server.vocabulary.mask(params.constraint)
         self.sampler = Sampler(params, sampling.generated, mask)
         self.want_logits = sampling.logits
+        self.nextn = getattr(self.server.runtime, "nextn", None) if sampling.propose else None
 
     def _sample(self, logits: torch.Tensor, cached_tokens: int = 0) -> pb.Token:
         if self.sampler is None:

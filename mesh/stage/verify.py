@@ -1,5 +1,5 @@
-"""The last stage's answer to a verify step (speculative decoding): which of the proposed
-tokens stand."""
+"""Speculation at the last stage: which of a verify step's proposed tokens stand, and the
+proposals its own proposer (a file's NextN layer, stages/nextn.py) sends with an answer."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from skippy.proto import stage_pb2 as pb
+from skippy.stages.stage_spec import Exactness
+
+
+def plan_reply(runtime, start: int, below: pb.PlanReply | None) -> pb.PlanReply:
+    """A stage's plan: its `start`, and what speculation may do with the stages from here
+    down (`below`: the next stage's plan; None at the last stage): verify proposals where
+    every one keeps the row-invariant contract; take the last stage's own proposals."""
+    invariant = runtime.exactness is Exactness.ROW_INVARIANT
+    if below is None:
+        return pb.PlanReply(start=start, verify=invariant,
+                            propose=getattr(runtime, "nextn", None) is not None)
+    return pb.PlanReply(start=start, verify=invariant and below.verify, propose=below.propose)
 
 
 def verified(sample: Callable[[torch.Tensor], pb.Token], logits: torch.Tensor,
@@ -22,3 +34,29 @@ def verified(sample: Callable[[torch.Tensor], pb.Token], logits: torch.Tensor,
             break
         first.more.append(sample(logits[i + 1]))
     return first
+
+
+def step_answer(sample: Callable[[torch.Tensor], pb.Token], out, d: pb.Decode, speculated,
+                nextn, lane: int, length: int) -> pb.Token:
+    """The last stage's answer to a decode step `d` (its lane now `length` tokens long):
+    its token, or a verify step's tokens (`speculated(proposed, accepted)` counts them),
+    and where the request runs the stage's proposer, its proposals for the next step."""
+    if not d.proposed:
+        answer = sample(out.logits)
+    else:
+        answer = verified(sample, out.logits, d.proposed)
+        speculated(len(d.proposed), len(answer.more))
+    if nextn is not None:  # the proposer takes the step's accepted rows
+        emitted = [answer.id, *(t.id for t in answer.more)]
+        nextn.step(lane, length - 1 - len(d.proposed), d.token, emitted,
+                   out.trunk[:len(emitted)])
+        answer.proposals.extend(nextn.propose(lane, d.propose))
+    return answer
+
+
+def propose_after_prefill(nextn, lane: int, tokens: Sequence[int], start: int, out,
+                          answer: pb.Token, k: int) -> None:
+    """The proposer takes the prompt rows a prefill computed, and `k` proposals
+    (Sampling.propose) go with the answer's token."""
+    nextn.extend(lane, [*tokens, answer.id], start, out.trunk)
+    answer.proposals.extend(nextn.propose(lane, k))
