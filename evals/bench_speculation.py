@@ -5,7 +5,9 @@ The model's stages run in this process (mesh/control/local.py), `--stages` of th
 each stage-to-stage message delayed `--hop-ms` one way (a network between hosts: with 3
 stages, a token's way down and back crosses 4 such delays). Greedy answers of
 `--tokens` new tokens to corpus records of `--use-case` (chat template applied), one at a
-time, first with speculation off, then on; every answer must be the same tokens.
+time, first with speculation off, then on; every answer must be the same tokens. Times
+run from an answer's first token to its last (the decode steps; the prompt's prefill,
+which speculation leaves alone, is not in them).
 
 The prediction: a step costs its stages' compute, the hops, and a fixed part (sessions,
 links, the driver: measured in the run without speculation, as its wall time less its
@@ -20,6 +22,7 @@ ms/token (the issue asks them within 1.1x of each other).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from skippy.cache.config import CacheConfig
 from skippy.evals import plots
+from skippy.mesh.control.engine import GenerationRequest
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.models import resolve_model
 from skippy.mesh.tokenizer import Tokenizer
@@ -63,17 +67,29 @@ def run(engine: InProcessEngine, work, tokens: int, speculate: bool) -> dict:
     for use_case, prompt in work:
         seconds0, steps0 = decode_figures(engine)
         spec0 = dict(engine.servers[-1].speculation)
-        t = time.perf_counter()
-        out = engine.complete(prompt, tokens, speculate=speculate)
-        wall = time.perf_counter() - t
+        out, wall = _timed(engine, prompt, tokens, speculate)
         seconds1, steps1 = decode_figures(engine)
         spec1 = engine.servers[-1].speculation
         answers.append([s.token for s in out])
-        rows.append({"use_case": use_case, "tokens": len(out), "wall_s": wall,
-                     "ms_per_token": wall / len(out) * 1e3, "steps": steps1 - steps0,
+        rows.append({"use_case": use_case, "tokens": len(out) - 1, "wall_s": wall,
+                     "ms_per_token": wall / (len(out) - 1) * 1e3, "steps": steps1 - steps0,
                      "decode_s": seconds1 - seconds0,
                      **{k: spec1[k] - spec0[k] for k in spec1}})
     return {"rows": rows, "answers": answers}
+
+
+def _timed(engine: InProcessEngine, prompt, tokens: int, speculate: bool):
+    """The answer's steps, and the seconds from its first token to its last: the decode
+    steps alone (the prompt's prefill, which speculation does not touch, left out)."""
+    request = GenerationRequest(tuple(prompt), tokens, speculate=speculate)
+
+    async def go():
+        out, first = [], None
+        async for step in engine.generate(request):
+            out.append(step)
+            first = first or time.perf_counter()
+        return out, time.perf_counter() - first
+    return asyncio.run(go())
 
 
 def overhead(rows: list[dict], hop_s: float, stages: int) -> float:

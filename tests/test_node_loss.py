@@ -68,14 +68,15 @@ def test_a_node_lost_under_four_streams_moves_its_stage_and_every_answer_stays(
         asyncio.run(engine.close())
 
 
-async def _streams_losing(engine, asks, cluster, node):
-    """Four greedy streams; once each has 2 tokens, `node` is removed (SIGKILL)."""
+async def _streams_losing(engine, asks, cluster, node, max_tokens: int = 16):
+    """Four greedy streams of `max_tokens`; once each has 2 tokens, `node` is removed
+    (SIGKILL)."""
     from skippy.mesh.control.engine import GenerationRequest
     tokens: list[list[int]] = [[] for _ in asks]
     started = asyncio.Event()
 
     async def run(i):
-        async for step in engine.generate(GenerationRequest(tuple(asks[i]), 16)):
+        async for step in engine.generate(GenerationRequest(tuple(asks[i]), max_tokens)):
             tokens[i].append(step.token)
             if all(len(t) >= 2 for t in tokens):
                 started.set()

@@ -42,9 +42,10 @@ from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_want
 from .link_probe import with_links
 from .part_sources import PartSources
 from .pipelines import PipelinesEngine, node_figures
-from .ray_pipeline import ACTOR_START_TIMEOUT, RayPipeline
+from .ray_pipeline import ACTOR_START_TIMEOUT, RayPipeline, Recut
 from .scaling import Scaler, ScalingPolicy
 from .served_model import ServedModel
+from .speculation import StepCosts
 
 log = logging.getLogger(__name__)
 
@@ -256,9 +257,15 @@ class _Launch:
         node = self._roomiest(r, i)
         if node is None:
             if current is not None:
+                fresh = self._replanned(r)
+                if fresh is not None:  # RayPipeline makes every stage of the new plan
+                    log.warning("pipeline %d stage %d lost node %s and no alive node can "
+                                "hold layers %d-%d whole: the model is cut anew", r, i,
+                                current[:12], st.start, st.end - 1)
+                    raise Recut(fresh)
                 log.error("pipeline %d stage %d lost node %s and no alive node can hold "
-                          "layers %d-%d; it waits for that node", r, i, current[:12],
-                          st.start, st.end - 1)
+                          "layers %d-%d, nor the model cut anew; it waits for that node",
+                          r, i, current[:12], st.start, st.end - 1)
                 return current
             node = st.node.name
         elif current is not None:
@@ -267,6 +274,22 @@ class _Launch:
                         st.end - 1, node[:12], self.plan.digest[:16])
         self.placed[(r, i)] = node
         return node
+
+    def _replanned(self, r: int) -> ServedModel | None:
+        """The model planned anew over the alive nodes (the fewest stages that fit: other
+        ranges, another topology), where pipeline r is the only one placed; None where
+        there are others (they serve on) or it fits nowhere."""
+        if {q for q, _ in self.placed} != {r}:
+            return None
+        m = self.model
+        try:
+            return plan_model(m.path, m.runtime, None, pipelines=1, lanes=m.plan.lanes,
+                              wire_dtype=m.plan.wire_dtype, n_ctx=m.plan.n_ctx,
+                              weight_format=m.weight_format, reserved=self.reserved(),
+                              cache=self.cache)
+        except UserError as e:
+            log.error("the model fits nowhere cut anew: %s", e)
+            return None
 
     def room_for(self, r: int) -> bool:
         """Places a new pipeline r's stages where each has room (a node that joined
@@ -339,10 +362,11 @@ class _Launch:
 
 
 def _new_pipeline(launch: _Launch, n_stages: int, credentials, max_message: int,
-                  r: int) -> RayPipeline:
-    """Pipeline r's stage actors, placed (not yet loaded: `_load`)."""
+                  recut: Callable, r: int) -> RayPipeline:
+    """Pipeline r's stage actors, placed (not yet loaded: `_load`); `recut(r, model)`: the
+    engine takes a new plan for it (RayPipeline's)."""
     return RayPipeline(functools.partial(launch.actor, r), n_stages, credentials=credentials,
-                       max_message=max_message)
+                       max_message=max_message, recut=functools.partial(recut, r))
 
 
 class RayEngine(PipelinesEngine):
@@ -390,7 +414,7 @@ class RayEngine(PipelinesEngine):
             progress(_placement(st, path))
         self._new_pipeline = functools.partial(
             _new_pipeline, self._launch, n, cluster.issue(),
-            message_limit(str(path), self.plan.n_ctx, wire_dtype))
+            message_limit(str(path), self.plan.n_ctx, wire_dtype), self._cut_anew)
         self.pipelines = [self._new_pipeline(r) for r in range(pipelines)]
         for r in range(1, pipelines):
             progress(self._launch.placement(r))
@@ -431,6 +455,26 @@ class RayEngine(PipelinesEngine):
         self._progress(self._launch.placement(r))
         _load([pipe], self.plan, self._progress)
         return self._add_pipeline(pipe, self._lanes)
+
+    def _cut_anew(self, r: int, model: ServedModel) -> tuple[Callable[[int], object], int]:
+        """Pipeline r, the only one, serves `model`'s new plan (a lost node's layers fit
+        whole nowhere): the engine's plan from now on, and how to make its stages. Its
+        requests are rebuilt there, and answers keyed by the old topology no longer match."""
+        was = self.plan.digest
+        self.model, self.plan = model, model.plan
+        self._launch.model = model
+        self._launch.forget(r)
+        self._launch.parts = None  # part servers anew, on alive holders
+        self.step_costs[r] = StepCosts()
+        n = len(self.plan.stages)
+        self.info = dataclasses.replace(self.info, n_stages=n, topology_digest=self.plan.digest)
+        self._new_pipeline = functools.partial(self._new_pipeline.func, self._launch, n,
+                                               *self._new_pipeline.args[2:])
+        self._progress(f"pipeline {r}: cut anew over the alive nodes: {n} stage(s), "
+                       f"topology {self.plan.digest[:16]} (was {was[:16]})")
+        for st in self.plan.stages:
+            self._progress(_placement(st, model.path))
+        return functools.partial(self._launch.actor, r), n
 
     async def drain(self, node: str, wait_s: float = 600.0) -> dict:
         """Every stage off `node` (a Ray node id, or its first characters): each pipeline

@@ -10,6 +10,7 @@ with its last call answered waits, idle, for the next request (channels.IdleLink
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -149,11 +150,22 @@ class _Channel:
         return [self.channel] + ([self.last[0]] if self.last is not None else [])
 
 
+class Recut(Exception):
+    """A lost stage's layers fit whole on no alive node, but the model does on the alive
+    nodes cut anew: `model`, the new plan's served model (mesh/control/ray_engine.py)."""
+
+    def __init__(self, model):
+        super().__init__("the model is cut anew over the alive nodes")
+        self.model = model
+
+
 class RayPipeline:
     def __init__(self, make_actor: Callable[[int], object], n_stages: int, *,
-                 credentials: StageCredentials, max_message: int):
-        """`credentials` are the driver's own for its calls to stage 0."""
-        self._make = make_actor
+                 credentials: StageCredentials, max_message: int,
+                 recut: Callable[[object], tuple[Callable[[int], object], int]] | None = None):
+        """`credentials` are the driver's own for its calls to stage 0; `recut(model)`
+        makes a Recut's plan the engine's and says how to make its stages (and how many)."""
+        self._make, self._recut = make_actor, recut
         self._credentials = credentials
         self._options = channel_options(max_message)
         self.actors = [make_actor(i) for i in range(n_stages)]
@@ -201,11 +213,28 @@ class RayPipeline:
                 return  # another request's repair already made the chain whole
             self.healthy = False
             try:
-                self.wire()
+                try:
+                    self.wire()
+                except Recut as cut:
+                    self._cut_anew(cut.model)
+                    self.wire()
             except Exception as e:
                 log.error("pipeline repair failed: %s", e)
             finally:
                 self.generation += 1
+
+    def _cut_anew(self, model) -> None:
+        """Every stage replaced by the new plan's: the old ones (some alive) end, and
+        requests rebuilt on the new chain replay their tokens through it."""
+        if self._recut is None:
+            raise RuntimeError("this pipeline cannot be cut anew")
+        make, n = self._recut(model)
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        self._make = make
+        self.actors = [make(i) for i in range(n)]
+        self.recreated += n
 
     async def open(self) -> GrpcStageLink:
         """A session with stage 0 over this event loop's channel (grpc.aio binds one)."""
