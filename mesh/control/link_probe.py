@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from skippy.topology.links import Link
 from skippy.topology.planner import NodeSpec
+
+from ..stage.channels import HOST_DELAY_ENV, host_delay_s
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,14 @@ def rounded(ms: float | None) -> float | None:
 
 @ray.remote(num_cpus=0)
 def _from_here(targets: list[tuple[str, str, int]]) -> dict[str, float | None]:
-    return {node: one_way_ms(host, port) for node, host, port in targets}
+    here = ray.util.get_node_ip_address()
+    return {node: _shaped(here, host, one_way_ms(host, port)) for node, host, port in targets}
+
+
+def _shaped(here: str, there: str, ms: float | None) -> float | None:
+    """A measured link with the host test hook's delay on it (channels.HOST_DELAY_ENV:
+    links shaped where the kernel has no netem)."""
+    return None if ms is None else ms + host_delay_s(here, there) * 1e3
 
 
 def with_links(nodes: Sequence[NodeSpec], raw: Sequence[dict]) -> list[NodeSpec]:
@@ -69,8 +79,10 @@ def with_links(nodes: Sequence[NodeSpec], raw: Sequence[dict]) -> list[NodeSpec]
     where = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in raw}
     head = ray.get_runtime_context().get_node_id()
     try:
+        hook = {"runtime_env": {"env_vars": {HOST_DELAY_ENV: os.environ[HOST_DELAY_ENV]}}} \
+            if os.environ.get(HOST_DELAY_ENV) else {}
         asked = [_from_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node.name, soft=False)).remote(
+            node.name, soft=False), **hook).remote(
                 [(other, *where[other]) for other in where if other != node.name])
             for node in nodes]
         measured = ray.get(asked, timeout=PROBE_S)

@@ -36,7 +36,7 @@ from skippy.topology.planner import DEFAULT_LANES, DEFAULT_N_CTX, NodeSpec, Plan
 
 from .. import tracing
 from ..progress import progress_bar
-from ..stage.channels import HOP_DELAY_ENV
+from ..stage.channels import HOP_DELAY_ENV, HOST_DELAY_ENV
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
 from .link_probe import with_links
@@ -132,11 +132,12 @@ def _loopback_node():
 
 def stage_env() -> dict[str, str]:
     """Environment of the stage actors; a user's own OpenMP wait settings win, and the
-    latency test hook goes with them where it is set."""
+    latency test hooks go with them where they are set."""
     env = {} if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ else \
         {"GOMP_SPINCOUNT": GOMP_SPINCOUNT}
-    if os.environ.get(HOP_DELAY_ENV):
-        env[HOP_DELAY_ENV] = os.environ[HOP_DELAY_ENV]
+    for hook in (HOP_DELAY_ENV, HOST_DELAY_ENV):
+        if os.environ.get(hook):
+            env[hook] = os.environ[hook]
     return env
 
 

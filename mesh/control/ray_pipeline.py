@@ -25,7 +25,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.channels import CLOSE_S, IdleLinks, channel_options, hop_delay_s
+from ..stage.channels import CLOSE_S, IdleLinks, channel_options, hop_delay_s, link_delay_s
 from ..stage.security import StageCredentials
 from .driver import StageFault
 
@@ -43,7 +43,9 @@ class GrpcStageLink:
 
     def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=(),
                  idle: IdleLinks | None = None,
-                 last: stage_pb2_grpc.StageStub | None = None):
+                 last: stage_pb2_grpc.StageStub | None = None, hop_s: float | None = None):
+        """`hop_s`: the latency test hooks' delay each call waits (None: the uniform
+        hook's, hop_delay_s)."""
         self._call = stub.Session(metadata=metadata)
         self._idle, self.ended = idle, False
         self._last, self._metadata = last, metadata
@@ -52,7 +54,7 @@ class GrpcStageLink:
         # reads left waiting by a direct step: stage 0 answers such a step only with an
         # error; the reply stream, only with the next step's answer
         self._pending: dict[str, asyncio.Task] = {}
-        self._hop_s = hop_delay_s()  # the latency test hook: each call waits this long
+        self._hop_s = hop_delay_s() if hop_s is None else hop_s
 
     async def _write(self, call: pb.StageCall) -> None:
         if self._hop_s:
@@ -257,7 +259,8 @@ class RayPipeline:
             await old.end()
         return link if link is not None else GrpcStageLink(
             entry.stub, self._credentials.metadata, entry.idle,
-            entry.last[1] if entry.last is not None else None)
+            entry.last[1] if entry.last is not None else None,
+            link_delay_s(ray.util.get_node_ip_address(), first))
 
     def _stub(self, address: str) -> tuple[object, stage_pb2_grpc.StageStub]:
         channel = self._credentials.channel(address, self._options, aio=True)

@@ -64,7 +64,8 @@ class StageActor:
         if next_address is None:
             self.server.link_next(None)
             return
-        self.server.link_next(GrpcOpener(next_address, self._credentials, self._limit))
+        self.server.link_next(GrpcOpener(next_address, self._credentials, self._limit,
+                                         here=self._address))
 
     def stats(self) -> dict:
         return self.server.stats()

@@ -25,12 +25,46 @@ from typing import Any
 HOP_DELAY_ENV = "SKIPPY_TEST_HOP_DELAY_MS"
 
 
+# A second hook shapes links of different lengths: "IP=MS,IP=MS" gives hosts a delay each
+# (their link to a switch), and a message between two hosts waits both hosts' delays at
+# its sender (none within a host). The link probe adds the same to what it times, so the
+# planner sees these links (mesh/control/link_probe.py).
+HOST_DELAY_ENV = "SKIPPY_TEST_HOST_DELAY_MS"
+
+
 def hop_delay_s() -> float:
     """The test hook's one-way delay per message, in seconds (0 where unset)."""
     try:
         return max(0.0, float(os.environ.get(HOP_DELAY_ENV) or 0)) / 1e3
     except ValueError:
         return 0.0
+
+
+def host_delay_s(here: str, there: str) -> float:
+    """The host hook's one-way delay from host `here` to host `there` (IPs, addresses or
+    gRPC peers such as "ipv4:10.0.0.2:5000"), in seconds; 0 where unset."""
+    delays: dict[str, float] = {}
+    for item in (os.environ.get(HOST_DELAY_ENV) or "").split(","):
+        ip, _, ms = item.partition("=")
+        try:
+            delays[ip.strip()] = max(0.0, float(ms)) / 1e3
+        except ValueError:
+            continue
+    a, b = _ip(here), _ip(there)
+    return 0.0 if not delays or a == b else delays.get(a, 0.0) + delays.get(b, 0.0)
+
+
+def link_delay_s(here: str, there: str) -> float:
+    """Both hooks' delay for a message from `here` to `there`."""
+    return hop_delay_s() + host_delay_s(here, there)
+
+
+def _ip(address: str) -> str:
+    """The host part of an IP, a host:port address or a gRPC peer."""
+    address = address.removeprefix("ipv4:").removeprefix("ipv6:")
+    if address.startswith("["):
+        return address[1:address.find("]")]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
 
 
 # A closing session stream waits this long for the stage behind it to end its session

@@ -25,7 +25,7 @@ from skippy.proto import stage_pb2_grpc
 from skippy.topology.model_config import ModelConfig
 from skippy.topology.model_package import open_model
 
-from .channels import CLOSE_S, IdleLinks, channel_options, hop_delay_s
+from .channels import CLOSE_S, IdleLinks, channel_options, link_delay_s
 from .security import SecretCheck, StageCredentials
 from .server import StageServer
 from .session import LinkDown
@@ -57,14 +57,15 @@ def message_limit(model_path: str, n_ctx: int, wire_dtype: str) -> int:
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, server: StageServer):
-        self.server = server
+    def __init__(self, server: StageServer, here: str = ""):
+        """`here`: this stage's address (the latency test hooks' delays follow it)."""
+        self.server, self.here = server, here
         self.idle = _IdleWatch()
-        self.hop_s = hop_delay_s()  # the latency test hook: each answer waits this long
 
     def Session(self, calls, context):
         session = None
         watched = self.idle.watch(context)
+        hop_s = link_delay_s(self.here, context.peer())  # the test hooks: each answer waits
         try:
             # read here, not on a reader thread of its own: a call's way in is one
             # thread hand-off shorter (the watch cancels a session that stays silent)
@@ -78,8 +79,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 finally:
                     watched.seen()
                 if result is not None:  # None: answered on the driver's reply stream
-                    if self.hop_s:
-                        time.sleep(self.hop_s)
+                    if hop_s:
+                        time.sleep(hop_s)
                     yield result
                 if call.last:  # the session ended with its answer; the stream may go on
                     session, watched.holding = None, False
@@ -94,11 +95,12 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         replies = self.server.replies
         q = replies.open(request.id)
         context.add_callback(lambda: q.put(None))  # the driver went: so does the stream
+        hop_s = link_delay_s(self.here, context.peer())
         try:
             yield pb.StageResult(done=pb.Done())  # registered: calls may name it now
             while (result := q.get()) is not None:
-                if self.hop_s:
-                    time.sleep(self.hop_s)
+                if hop_s:
+                    time.sleep(hop_s)
                 yield result
         finally:
             replies.close(request.id, q)
@@ -166,11 +168,12 @@ class GrpcLink:
     given) for the next request."""
 
     def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=(),
-                 idle: IdleLinks | None = None):
+                 idle: IdleLinks | None = None, hop_s: float = 0.0):
+        """`hop_s`: the latency test hooks' delay, each call waits this long."""
         self._calls: queue.Queue = queue.Queue()
         self._replies = stub.Session(iter(self._calls.get, None), metadata=metadata)
         self._idle, self.ended = idle, False
-        self._hop_s = hop_delay_s()  # the latency test hook: each call waits this long
+        self._hop_s = hop_s
 
     def ask(self, call: pb.StageCall) -> pb.StageResult:
         self.send(call)
@@ -211,16 +214,20 @@ class GrpcOpener:
     one waits. A channel replaced by a newer one is closed by the garbage collector once
     the last stream on it ends: it drains."""
 
-    def __init__(self, address: str, credentials: StageCredentials, max_message: int):
+    def __init__(self, address: str, credentials: StageCredentials, max_message: int,
+                 here: str = ""):
+        """`here`: this stage's own address (the latency test hooks' delays follow it)."""
         channel = credentials.channel(address, channel_options(max_message))
         self._stub, self._metadata = stage_pb2_grpc.StageStub(channel), credentials.metadata
         self.idle = IdleLinks()
+        self._hop_s = link_delay_s(here, address)
 
     def __call__(self) -> GrpcLink:
         link, stale = self.idle.take()
         for old in stale:
             old.end()
-        return link if link is not None else GrpcLink(self._stub, self._metadata, self.idle)
+        return link if link is not None else GrpcLink(self._stub, self._metadata, self.idle,
+                                                      self._hop_s)
 
     def close(self) -> None:
         """End the idle streams (the next stage moved, or this one is closing)."""
@@ -235,7 +242,7 @@ def start_server(server: StageServer, host: str, credentials: StageCredentials,
     spec = server.spec
     if max_message is None:
         max_message = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
-    return serve(StageServicer(server), host, credentials, max_message=max_message)
+    return serve(StageServicer(server, host), host, credentials, max_message=max_message)
 
 
 def serve(servicer: stage_pb2_grpc.StageServicer, host: str, credentials: StageCredentials,
