@@ -93,8 +93,11 @@ class NextN:
         """A decode step's accepted rows: `token` at position `length`, the tokens it and
         its accepted proposals drew (`emitted`), the trunk's rows of those positions."""
         st = self._lanes.get(lane)
-        if st is not None and len(st.tokens) == length + 1 and st.tokens[-1] == token:
-            self._append(st, len(st.positions), [*st.tokens, *emitted], length, trunk)
+        n = 0 if st is None else len(st.tokens)
+        if st is not None and (n < length + 1 or (n == length + 1 and st.tokens[-1] == token)):
+            # the same sequence on: steps it skipped (no proposals asked) are left out
+            seq = [*st.tokens[:length], *[-1] * (length - n), int(token), *emitted]
+            self._append(st, len(st.positions), seq, length, trunk)
         else:  # the lane's rows are another sequence's, or it has none
             self.extend(lane, [-1] * length + [int(token), *emitted], length, trunk)
 

@@ -76,6 +76,13 @@ def test_rows_made_step_by_step_are_the_rows_of_one_pass(nextn_file):
     alone.extend(9, seq, 0, torch.cat(rows))
     assert alone.propose(9, 4) == stepped
     assert torch.equal(alone._lanes[9].last, rt.nextn._lanes[lane].last)
+    # a step that skipped the proposer (under load): its row left out, the others stand
+    o, = rt.decode([(lane, torch.tensor(seq[-1]))])
+    seq.append(int(torch.argmax(o.logits)))
+    o, = rt.decode([(lane, torch.tensor(seq[-1]))])
+    seq.append(int(torch.argmax(o.logits)))
+    rt.nextn.step(lane, len(seq) - 2, seq[-2], [seq[-1]], o.trunk)
+    assert rt.nextn._lanes[lane].positions == [*range(len(seq) - 3), len(seq) - 2]
     # another prompt sharing the first 30 tokens: rows stand while their tokens do
     other = [*PROMPT[:30], 7, 8, 9]
     rt.nextn.extend(lane, [*other, 5, 6], 30, out.trunk[:4])

@@ -105,8 +105,10 @@ class _Speculation:
 
     def first_k(self, request: GenerationRequest) -> int:
         """The proposals a last stage with a proposer of its own (a NextN layer) sends
-        with the request's first token: none where a draft model proposes."""
-        return FIRST_K if self.wanted and self.draft is None and not request.probe else 0
+        with the request's first token: none where a draft model proposes, or where the
+        request does not decode alone (its prompt's rows then cost the proposer nothing)."""
+        return FIRST_K if self.wanted and self.draft is None and not request.probe \
+            and self.now() else 0
 
     def start(self, prompt: list[int], staged: bool = False, offered=()) -> Speculator:
         """`staged`: the last stage proposes (PlanReply.propose; `offered`: with the

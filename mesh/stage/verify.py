@@ -46,7 +46,9 @@ def step_answer(sample: Callable[[torch.Tensor], pb.Token], out, d: pb.Decode, s
     else:
         answer = verified(sample, out.logits, d.proposed)
         speculated(len(d.proposed), len(answer.more))
-    if nextn is not None:  # the proposer takes the step's accepted rows
+    if nextn is not None and d.propose:  # the proposer takes the step's accepted rows
+        # (a step that asks for none, under load or while proposals are held back, costs
+        # it nothing: its rows are left out)
         emitted = [answer.id, *(t.id for t in answer.more)]
         nextn.step(lane, length - 1 - len(d.proposed), d.token, emitted,
                    out.trunk[:len(emitted)])
