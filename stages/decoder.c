@@ -197,3 +197,219 @@ int skd_layers(const dec_layer *L, int n_layers, float *x, int64_t rows, int64_t
     free(h); free(y); free(o); free(u);
     return rc;
 }
+
+/* ---- Gemma 4 (stages/gemma4.py; stages/gemma4_run.py describes its layers) --------------
+ * Its own layer form: per-head Q and K norms with weights and V's without, rope per layer
+ * kind, layers that read another layer's KV, V as K's projection, the dense FFN beside
+ * routed experts (26B-A4B), the per-layer embedding block, a scale on the layer's output.
+ * The same functions and float operations as gemma4.py's path, in its order: its bits. */
+
+typedef struct {
+    const moe_block *moe;
+    const float *router;          /* [n_expert][hidden] float32 (moe.c's own) */
+    const float *router_scale;    /* ffn_gate_inp.scale [hidden] */
+    const float *post_dense, *pre_experts, *post_experts;
+    int64_t n_expert;
+    float inv_sqrt_hidden;
+} g4_experts;
+
+typedef struct {
+    qmat proj, gate, up;          /* this layer's rows of per_layer_model_proj; inp_gate; proj */
+    const float *norm, *post_norm; /* per_layer_proj_norm; the block's post_norm */
+    int64_t at;                   /* this layer's first column of the looked-up table rows */
+    float proj_scale, mix_scale;
+} g4_per_layer;
+
+typedef struct {
+    qmat qkv, out, gate_up, down; /* qkv: q | k | v, q | k (V is K's projection) or q */
+    const float *attn_norm, *post_attn_norm, *ffn_norm, *post_ffn_norm;
+    const float *q_norm, *k_norm; /* per head [head_dim] */
+    const float *unit;            /* ones, at least [max(hidden, head_dim)]: weightless norms */
+    const attn_shape *attn;       /* its rope_dim, rope_style, cos and sin are this layer's */
+    int kv;                       /* 0: reads another layer's KV, 1: q | k | v, 2: q | k */
+    float eps;
+    const g4_experts *experts;    /* or NULL: the dense FFN alone */
+    const g4_per_layer *per_layer; /* or NULL */
+    const float *out_scale;       /* [1] or NULL */
+} g4_layer;
+
+/* Row r's q, k and v from y as Gemma4Attention prepares them: q and k normed per head with
+ * their weights and rotated at pos[r], v normed without weight (K's projection before K's
+ * norm where V has none); k and v into the lane's cache at pos[r], q into q_out [rows][H*D]. */
+static void g4_qkv(const g4_layer *d, const float *y, int64_t rows, const int64_t *pos,
+                   float *const *kc, float *const *vc, float *q_out)
+{
+    const attn_shape *A = d->attn;
+    const int H = A->heads, G = A->kv_heads, D = A->head_dim, half = A->rope_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *q = y + r * d->qkv.n, *c = A->cos + pos[r] * half;
+        const float *s = A->sin + pos[r] * half;
+        float *qo = q_out + r * H * D;
+        skr_rms_norm(q, d->q_norm, H, D, 1, d->eps, qo);
+        skr_rope(qo, H, D, A->rope_dim, c, s, A->rope_style);
+        if (!d->kv)
+            continue;
+        const float *k = q + (int64_t)H * D, *v = d->kv == 2 ? k : k + (int64_t)G * D;
+        float *kd = kc[r] + pos[r] * G * D;
+        skr_rms_norm(v, d->unit, G, D, 1, d->eps, vc[r] + pos[r] * G * D);
+        skr_rms_norm(k, d->k_norm, G, D, 1, d->eps, kd);
+        skr_rope(kd, G, D, A->rope_dim, c, s, A->rope_style);
+    }
+}
+
+/* The attention block of `in` into y (after `out`); scratch h, o. */
+static int g4_attend(const g4_layer *d, const float *in, int64_t rows, const int64_t *pos,
+                     float *const *kc, float *const *vc, float *y, float *h, float *o,
+                     int threads)
+{
+    int rc = qmat_run(&d->qkv, in, rows, y, threads);
+    if (rc)
+        return rc;
+    g4_qkv(d, y, rows, pos, kc, vc, o);
+    if ((rc = skr_attend_cached(d->attn, o, rows, pos, kc, vc, h, threads)))
+        return rc;
+    return qmat_run(&d->out, h, rows, y, threads);
+}
+
+/* down(gelu_f16(gate(n)) * up(n)) of n = ffn_norm(x) into y; scratch h, o. */
+static int g4_dense(const g4_layer *d, const float *x, int64_t rows, int64_t hidden,
+                    float *y, float *h, float *o, int threads)
+{
+    skr_rms_norm(x, d->ffn_norm, rows, hidden, 1, d->eps, h);
+    int rc = qmat_run(&d->gate_up, h, rows, y, threads);
+    if (rc)
+        return rc;
+    const int64_t ff = d->gate_up.n / 2;
+    skr_gated(2, y, y + ff, rows, ff, d->gate_up.n, o, threads);
+    return qmat_run(&d->down, o, rows, y, threads);
+}
+
+/* Gemma4MoeFfn: post_dense(dense(x)) + post_experts(experts(pre_experts(x))), the router
+ * reading the row normed without weight, times 1/sqrt(hidden), times its scale; into u
+ * (scratch y, h, o, w). */
+static int g4_experts_ffn(const g4_layer *d, const float *x, int64_t rows, int64_t hidden,
+                          const uint8_t *real, float *u, float *y, float *h, float *o,
+                          float *w, int threads)
+{
+    const g4_experts *e = d->experts;
+    int rc = g4_dense(d, x, rows, hidden, y, h, o, threads);
+    if (rc)
+        return rc;
+    skr_rms_norm(y, e->post_dense, rows, hidden, 1, d->eps, u);
+    skr_rms_norm(x, d->unit, rows, hidden, 1, d->eps, h);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < hidden; i++)
+            h[r * hidden + i] = h[r * hidden + i] * e->inv_sqrt_hidden * e->router_scale[i];
+    skr_linear_f32(h, hidden, e->router, rows, hidden, e->n_expert, w, e->n_expert, threads);
+    skr_rms_norm(x, e->pre_experts, rows, hidden, 1, d->eps, h);
+    if ((rc = skm_moe(e->moe, h, rows, real, w, y, threads)))
+        return rc;
+    skr_rms_norm(y, e->post_experts, rows, hidden, 1, d->eps, h);
+    for (int64_t i = 0; i < rows * hidden; i++)
+        u[i] += h[i];
+    return 0;
+}
+
+/* The per-layer embedding block, added to x: post_norm(up(gelu_f16(gate(x)) * p)) with
+ * p = (norm(proj(x0) * proj_scale) + table columns) * mix_scale (PerLayerInputs); scratch
+ * y, h, o. looked: [rows][width] table rows already scaled. */
+static int g4_per_layer_add(const g4_layer *d, float *x, const float *x0, const float *looked,
+                            int64_t width, int64_t rows, int64_t hidden, float *y, float *h,
+                            float *o, int threads)
+{
+    const g4_per_layer *p = d->per_layer;
+    const int64_t P = p->proj.n;
+    int rc = qmat_run(&p->proj, x0, rows, y, threads);
+    if (rc)
+        return rc;
+    for (int64_t i = 0; i < rows * P; i++)
+        y[i] = y[i] * p->proj_scale;
+    skr_rms_norm(y, p->norm, rows, P, 1, d->eps, h);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < P; i++)
+            h[r * P + i] = (h[r * P + i] + looked[r * width + p->at + i]) * p->mix_scale;
+    if ((rc = qmat_run(&p->gate, x, rows, y, threads)))
+        return rc;
+    skr_gated(2, y, h, rows, P, P, o, threads);
+    if ((rc = qmat_run(&p->up, o, rows, y, threads)))
+        return rc;
+    skr_rms_norm(y, p->post_norm, rows, hidden, 1, d->eps, h);
+    for (int64_t i = 0; i < rows * hidden; i++)
+        x[i] += h[i];
+    return 0;
+}
+
+/* x += norm(y) (norm's output in h). */
+static void add_normed(float *x, const float *y, const float *w, int64_t rows, int64_t hidden,
+                       float eps, float *h)
+{
+    skr_rms_norm(y, w, rows, hidden, 1, eps, h);
+    for (int64_t i = 0; i < rows * hidden; i++)
+        x[i] += h[i];
+}
+
+/* The widest row a Gemma 4 layer's steps write. */
+static int64_t g4_wide(const g4_layer *d, int64_t hidden)
+{
+    const int64_t att = (int64_t)d->attn->heads * d->attn->head_dim;
+    const int64_t w[] = {hidden, d->qkv.n, d->gate_up.n, att,
+                         d->experts ? d->experts->n_expert : 0,
+                         d->per_layer ? d->per_layer->proj.n : 0};
+    int64_t wide = 0;
+    for (int i = 0; i < 6; i++)
+        wide = w[i] > wide ? w[i] : wide;
+    return wide;
+}
+
+/* One Gemma 4 layer on x in place (Gemma4Layer.forward); scratch b[0..4] [rows][wide]. */
+static int g4_layer_run(const g4_layer *d, float *x, int64_t rows, int64_t hidden,
+                        const float *x0, const float *looked, int64_t width,
+                        const int64_t *pos, float *const *kc, float *const *vc,
+                        const uint8_t *real, float *const *b, int threads)
+{
+    float *h = b[0], *y = b[1], *o = b[2], *u = b[3];
+    skr_rms_norm(x, d->attn_norm, rows, hidden, 1, d->eps, h);
+    int rc = g4_attend(d, h, rows, pos, kc, vc, y, u, o, threads);
+    if (rc)
+        return rc;
+    add_normed(x, y, d->post_attn_norm, rows, hidden, d->eps, h);
+    if (d->experts)
+        rc = g4_experts_ffn(d, x, rows, hidden, real, u, y, h, o, b[4], threads);
+    else
+        rc = g4_dense(d, x, rows, hidden, u, h, o, threads);
+    if (rc)
+        return rc;
+    add_normed(x, u, d->post_ffn_norm, rows, hidden, d->eps, h);
+    if (d->per_layer
+        && (rc = g4_per_layer_add(d, x, x0, looked, width, rows, hidden, y, h, o, threads)))
+        return rc;
+    if (d->out_scale)
+        for (int64_t i = 0; i < rows * hidden; i++)
+            x[i] = x[i] * *d->out_scale;
+    return 0;
+}
+
+/* skd_layers for Gemma 4's layers; x0 [rows][hidden] (the scaled token embeddings) and
+ * looked [rows][width] (the per-layer table's rows, scaled) where the layers have
+ * per-layer inputs, else NULL. */
+int skd_gemma4_layers(const g4_layer *L, int n_layers, float *x, int64_t rows, int64_t hidden,
+                      const float *x0, const float *looked, int64_t width, const int64_t *pos,
+                      float *const *kcache, float *const *vcache, const uint8_t *real,
+                      int threads)
+{
+    int64_t wide = 0;
+    for (int l = 0; l < n_layers; l++)
+        wide = g4_wide(&L[l], hidden) > wide ? g4_wide(&L[l], hidden) : wide;
+    float *b[5];
+    int rc = 0;
+    for (int i = 0; i < 5; i++)
+        if (!(b[i] = malloc((size_t)(rows * wide) * sizeof(float))))
+            rc = -1;
+    for (int l = 0; l < n_layers && !rc; l++)
+        rc = g4_layer_run(&L[l], x, rows, hidden, x0, looked, width, pos,
+                          kcache + (int64_t)l * rows, vcache + (int64_t)l * rows, real, b,
+                          threads);
+    for (int i = 0; i < 5; i++)
+        free(b[i]);
+    return rc;
+}

@@ -139,9 +139,11 @@ def _layer(layer: DecoderLayer, keep: list) -> _Layer | None:
 class DecoderRun:
     """The stage's layers through decoder.c; `of` gives None unless every layer fits."""
 
+    description = _Layer  # decoder.c's struct of one layer
+
     def __init__(self, lib: ctypes.CDLL, layers: list[DecoderLayer], described: list[_Layer]):
         self.lib, self.layers = lib, layers  # the layers own every tensor `described` points at
-        self.table = (_Layer * len(described))(*described)
+        self.table = (self.description * len(described))(*described)
         self.slots = [layer.mixer.slot for layer in layers]
         self.ropes: dict[int, tuple] = {}  # id -> (rope, its layers' shapes)
         for layer in layers:
@@ -167,6 +169,14 @@ class DecoderRun:
         rows = x.shape[0]
         if not _in_order(segments) or sum(s.n for s in segments) != rows:
             return None
+        out = x.to(torch.float32, copy=True).contiguous()
+        if self._run(out, *self._lanes(segments, rows)):
+            raise MemoryError("decoder layers: no scratch memory")
+        return out
+
+    def _lanes(self, segments: list[Segment], rows: int) -> tuple:
+        """The call's per-row arguments: positions, each layer's K and V cache of the
+        row's lane (layer-major), and which rows are real (None: all of them)."""
         pos = _positions(segments)
         top = max(pos) + 1
         for rope, shapes in self.ropes.values():
@@ -185,10 +195,10 @@ class DecoderRun:
             for s in segments:
                 for r in range(s.row0, s.row0 + s.n_real):
                     real[r] = 1
-        out = x.to(torch.float32, copy=True).contiguous()
-        rc = self.lib.skd_layers(self.table, len(self.slots), out.data_ptr(), rows,
-                                 out.shape[1], (ctypes.c_int64 * rows)(*pos), keys, values,
-                                 real, torch.get_num_threads())
-        if rc:
-            raise MemoryError("decoder layers: no scratch memory")
-        return out
+        return (ctypes.c_int64 * rows)(*pos), keys, values, real
+
+    def _run(self, out: torch.Tensor, pos, keys, values, real) -> int:
+        """decoder.c over `out` in place; its return code."""
+        return self.lib.skd_layers(self.table, len(self.slots), out.data_ptr(), out.shape[0],
+                                   out.shape[1], pos, keys, values, real,
+                                   torch.get_num_threads())

@@ -70,6 +70,10 @@ class PerLayerInputs:
         """The rows of the forward about to run: their x0 and token ids."""
         self._x0, self._looked = x0, self.table(ids) * self.table_scale
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's x0 and looked-up table rows (scaled), float32 and contiguous."""
+        return self._x0.to(torch.float32).contiguous(), self._looked.contiguous()
+
     def __call__(self, layer: int) -> torch.Tensor:
         p = self.proj[layer](self._x0) * self.proj_scale
         p = rms_norm(p, self.norm, self.eps)
@@ -145,9 +149,11 @@ class Gemma4Attention:
         self.v_norm = torch.ones(self.hd)  # an unweighted RMS norm: weight 1 is exact
         self.scale = cfg.attention_scale()  # 1: the normed q and k keep scores in range
         self.lib = qkernel.library()
-        # decode rows come to our kernel normed and rotated: no norm, no rope there
-        self.shape = qkernel.AttnShape(self.heads, self.kv_heads, self.hd, self.hd, 0, 0,
-                                       self.window, cfg.rms_eps, self.scale, None)
+        # rows come to our kernel's attention normed and rotated (skr_attend_cached reads
+        # no norm and no rope); decoder.c's Gemma 4 layers rotate by the rope given here
+        self.shape = qkernel.AttnShape(self.heads, self.kv_heads, self.hd, self.hd, rope.dim,
+                                       int(rope.style == "neox"), self.window, cfg.rms_eps,
+                                       self.scale, None)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
                  segments: list[Segment]) -> torch.Tensor:

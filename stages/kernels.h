@@ -59,6 +59,8 @@ void skr_gate(int kind, const float *x, int64_t rows, int64_t n, float *out);
 /* attention.c */
 int skr_attend_rows(const attn_shape *A, float *qkv, int64_t rows, const int64_t *pos,
                     float *const *kcache, float *const *vcache, float *out, int threads);
+int skr_attend_cached(const attn_shape *A, float *q, int64_t rows, const int64_t *pos,
+                      float *const *kcache, float *const *vcache, float *out, int threads);
 
 /* moe.c: a mixture-of-experts block (stages/moe.py builds its description) */
 typedef struct moe_block moe_block;

@@ -269,6 +269,9 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skd_layers.restype = ctypes.c_int  # decoder.c
     lib.skd_layers.argtypes = [p, ctypes.c_int, p, i64, i64, p, p, p, p, ctypes.c_int]
+    lib.skd_gemma4_layers.restype = ctypes.c_int
+    lib.skd_gemma4_layers.argtypes = [p, ctypes.c_int, p, i64, i64, p, p, i64, p, p, p, p,
+                                      ctypes.c_int]
     lib.skr_layer_norm.restype = None
     lib.skr_layer_norm.argtypes = [p, i64, i64, ctypes.c_float, p]
     lib.skm_moe.restype = ctypes.c_int  # moe.c

@@ -31,6 +31,7 @@ from .runtime import (LaneState, StageError, StageOutput, StageRuntime, StageSpe
                       check_prefill)
 from .runtime_kind import Exactness
 from .decoder import DecoderRun
+from .gemma4_run import Gemma4Run
 from .deltanet import GatedDeltaNet, deltanet_state_shapes
 from .gated_attention import GatedAttention
 from .norms import make_norm
@@ -97,8 +98,9 @@ class TorchStageRuntime(StageRuntime):
                                first=spec.is_first, last=spec.is_last)
         self.weights_digest, self.weights_source_bytes = t.digest, t.source_bytes
         self._build_layers(t)
-        # the layers in one kernel call where every one has the plain form (same bits)
-        self.decoder_run = DecoderRun.of(self.layers) if not self.side_width else None
+        # the layers in one kernel call where every one has a form decoder.c runs (same bits)
+        self.decoder_run = Gemma4Run.of(self.layers, self.per_layer) \
+            if cfg.family.graph is not None else DecoderRun.of(self.layers)
         self.embed = Embeddings(t.matrix("token_embd.weight")) if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
@@ -320,7 +322,7 @@ class TorchStageRuntime(StageRuntime):
         if self.decoder_run is not None:  # None where a layer has another form
             out = self.decoder_run(x, segments)
             if out is not None:
-                return out
+                return torch.cat([out, x0], dim=1) if self.side_width else out
         for layer in self.layers:
             x = layer.forward(x, positions, segments)
         return torch.cat([x, x0], dim=1) if self.side_width else x

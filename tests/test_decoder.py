@@ -11,6 +11,7 @@ from family_checks import case_file
 from skippy.stages.linear import row_invariant
 from skippy.stages.runtime import StageSpec
 from skippy.stages.torch_runtime import TorchStageRuntime
+from skippy.stages.transformer import Segment
 from skippy.topology.gguf_file import GGUFFile
 from skippy.topology.model_config import ModelConfig
 
@@ -21,7 +22,10 @@ PROMPTS = [[(i * 37) % 900 + 40 for i in range(70)], [(i * 53) % 700 + 90 for i 
 # or whole-projection norms, softcap, latent attention, gate and up in one matrix, experts)
 # and the forms it leaves to the layers' path
 FUSED = {"llama3", "qwen3", "gemma2", "glm4", "olmo", "olmo2", "qwen3moe", "minimax-m2",
-         "deepseek2"}
+         "deepseek2", "gemma4", "gemma4-a4b"}
+# Gemma 4's own form (stages/gemma4_run.py): per-head norms, shared KV, V as K, per-layer
+# embeddings, experts beside the dense FFN
+GEMMA4 = ("gemma4", "gemma4-a4b")
 NOT_FUSED = {"lfm2": "short conv layers"}
 
 
@@ -90,3 +94,50 @@ def test_other_forms_keep_the_layers_path(name, smollm2, tmp_path_factory):
 def test_fp32_keeps_the_layers_path(smollm2):
     rt = TorchStageRuntime(StageSpec(str(smollm2), 0, 4, n_ctx=256, weight_format="fp32"))
     assert rt.decoder_run is None
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_in_one_call_is_bitwise_the_layers_path_in_int8(name, smollm2,
+                                                               tmp_path_factory):
+    fused, one_call, layers = both_ways(case_file(name, tmp_path_factory), "int8")
+    assert fused
+    assert_same(one_call, layers)
+
+
+def _layers_on(rt: TorchStageRuntime, kvs: list, x: torch.Tensor, tokens: torch.Tensor):
+    """The stage's layers over x: a prefill segment of 3 rows with 1 of padding on the
+    first lane, a decode row of the second (the lanes' KV as given, copied first)."""
+    copies = []
+    for kv in kvs:
+        k, v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
+        copies.append((kv, kv.k, kv.v))
+        kv.k, kv.v = k, v
+    segments = [Segment(kvs[0], 0, 3, 40, n_real=2), Segment(kvs[1], 3, 1, 23)]
+    out = rt._run_layers(x.clone(), torch.tensor([40, 41, 42, 23]), segments, tokens)
+    written = [(kv.k, kv.v) for kv in kvs]
+    for kv, k, v in copies:
+        kv.k, kv.v = k, v
+    return out, written
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_rows_with_padding_in_one_call_are_the_layers_path(name, smollm2,
+                                                                  tmp_path_factory):
+    path = case_file(name, tmp_path_factory)
+    rt = TorchStageRuntime(StageSpec(str(path), 0, 6, n_ctx=256, weight_format="int4"))
+    assert rt.decoder_run is not None
+    lanes = [rt.alloc_lane(), rt.alloc_lane()]
+    rt.prefill(lanes[0], torch.tensor(PROMPTS[0][:40]), logits="none")
+    rt.prefill(lanes[1], torch.tensor(PROMPTS[1]), logits="none")
+    kvs = [rt._lane(lane).kv for lane in lanes]
+    for kv in kvs:
+        kv.ensure(64)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, rt.cfg.frame_width, generator=g)
+    tokens = torch.tensor([11, 12, 13, 14])
+    one_call = _layers_on(rt, kvs, x, tokens)
+    rt.decoder_run = None
+    layers = _layers_on(rt, kvs, x, tokens)
+    assert torch.equal(one_call[0], layers[0])
+    for (k1, v1), (k2, v2) in zip(one_call[1], layers[1]):
+        assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k2 + v2))
