@@ -115,7 +115,9 @@ def test_every_ray_command_runs_with_token_auth(name):
     for role in ("head", "worker"):
         for command in config[f"{role}_start_ray_commands"]:
             assert TOKEN_ENV in command, command
-            program = "bin/ray " if "bin/ray " in command else "bin/skippy "  # the gateway
+            # ray itself, the gateway, or the worker's watcher (its `ray stop`)
+            program = next(p for p in ("bin/ray ", "bin/skippy ", "bin/python ")
+                           if p in command)
             assert command.index(TOKEN_ENV) < command.index(program), command
     # interactive shells (ray exec: skippy serve --address auto) present the token too
     shells = " ".join(c for c in config["setup_commands"] if ".bashrc" in c)

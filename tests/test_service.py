@@ -82,6 +82,36 @@ def test_the_cluster_watch_sees_its_gcs_go():
     assert gone.wait(0.05 * (MISSES + 10)) and "is gone" in said[0]
 
 
+def test_a_workers_watcher_stops_its_ray_when_the_head_goes(tmp_path):
+    """The worker's watcher (deploy/cluster-local.yaml): an earlier watcher ends, the new
+    one runs `ray stop` once the head's GCS refuses connects, not before."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    from skippy.mesh.control.cluster_watch import stop_ray_when_gone
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                "cluster_watch"])
+    pid_file = tmp_path / "node-watch.pid"
+    pid_file.write_text(str(earlier.pid))
+    ray = tmp_path / "ray"
+    ray.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/stopped\n")
+    ray.chmod(0o755)
+    server = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    codes = []
+    watcher = threading.Thread(
+        target=lambda: codes.append(stop_ray_when_gone(address, pid_file, str(ray), 0.05)))
+    watcher.start()
+    assert earlier.wait(10) == -15  # ended by the new watcher
+    assert pid_file.read_text() == str(os.getpid())
+    watcher.join(0.5)
+    assert watcher.is_alive() and not (tmp_path / "stopped").exists()  # its GCS answers
+    server.close()
+    watcher.join(10)
+    assert codes == [0] and (tmp_path / "stopped").read_text() == "stop\n"
+
+
 def test_the_log_moves_aside_past_its_cap(tmp_path):
     log = LogFile(tmp_path / "gateway.log", max_bytes=1000)
     read, write = os.pipe()
