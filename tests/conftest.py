@@ -46,12 +46,12 @@ def pytest_collection_modifyitems(config, items):
 # The files that run on hosts of their own (tests/hosts.py) share one set of hosts, one
 # file after the other: three Ray nodes take ~11 s to start and stop alone, ~20 s beside
 # the other worker. test_host_loss kills a host and ends the set; test_host_recut, on a
-# set of its own, kills one too; test_ray_up makes hosts of its own (tests/ssh_hosts.py)
-# on the same bridge, so it runs in the unit too.
+# set of its own, kills one too; test_node_join (4 hosts) and test_ray_up (tests/ssh_hosts.py)
+# make hosts of their own on the same bridge, so they run in the unit too.
 HOSTS_FILES = ("test_separate_hosts.py", "test_hop_latency.py", "test_link_plan.py",
-               "test_part_delivery.py",
-               "test_cluster_state.py", "test_node_join.py", "test_drain.py",
-               "test_host_loss.py", "test_host_recut.py", "test_ray_up.py")
+               "test_part_delivery.py", "test_cluster_state.py", "test_drain.py",
+               "test_host_loss.py", "test_host_recut.py", "test_node_join.py",
+               "test_ray_up.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
