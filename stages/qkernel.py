@@ -265,6 +265,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_linear_f32_heads.restype = None
     lib.skr_linear_f32_heads.argtypes = [p, i64, i64, p, i64, i64, i64, i64, i64, p, i64,
                                          i64, ctypes.c_int]
+    lib.skr_soft_cap.restype = None
+    lib.skr_soft_cap.argtypes = [p, i64, ctypes.c_float, ctypes.c_float, p]
     lib.skr_gate.restype = None
     lib.skr_gate.argtypes = [ctypes.c_int, p, i64, i64, p]
     lib.skd_layers.restype = ctypes.c_int  # decoder.c
@@ -384,6 +386,15 @@ def linear_f32_heads(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     lib.skr_linear_f32_heads(x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(),
                              weight.stride(0), heads, rows, k, n_out, out.data_ptr(),
                              out.stride(0), out.stride(1), torch.get_num_threads())
+
+
+def soft_cap(lib: ctypes.CDLL, x: torch.Tensor, inv: float, cap: float) -> torch.Tensor:
+    """tanh(x * inv) * cap elementwise (rowops.c: each value by the same float operations,
+    in one thread)."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    lib.skr_soft_cap(x.data_ptr(), x.numel(), inv, cap, out.data_ptr())
+    return out
 
 
 GATES = {"softmax": 0, "sigmoid": 1, "sqrt_softplus": 2}  # rowops.c skr_gate's kinds

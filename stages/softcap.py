@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import torch
 
+from . import qkernel
+
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(x * (1 / cap)), with 1 / cap rounded to float as llama.cpp rounds it."""
+    """cap * tanh(x * (1 / cap)), with 1 / cap rounded to float as llama.cpp rounds it:
+    float32 rows in our kernel where it is built (rowops.c: a fixed tanh, in one pass),
+    else torch's ops."""
     inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(cap, dtype=torch.float32))
+    lib = qkernel.library()
+    if lib is not None and x.dtype == torch.float32:
+        return qkernel.soft_cap(lib, x, inv, cap)
     return torch.tanh(x * inv) * cap
 
 
