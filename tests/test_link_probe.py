@@ -4,8 +4,11 @@ connect timed, in steps of 5 ms, a LAN's links left out."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
-from skippy.mesh.control.link_probe import measured_links, one_way_ms, rounded
+from skippy.mesh.control.link_probe import Sink, burst_bps, measured_links, one_way_ms, \
+    rounded, rounded_rate
 from skippy.topology.links import Link
 from skippy.topology.planner import NodeSpec
 
@@ -36,3 +39,55 @@ def test_measured_links_go_to_the_nodes_and_the_head():
     # memory as before
     lan = [{"a": 0.2, "b": 0.4}, {"head": 0.3, "b": 3.1}, {"head": 0.5, "a": 0.2}]
     assert measured_links(nodes, lan, "head") == nodes
+
+
+def test_bandwidths_in_powers_of_two_of_mb_and_a_lan_is_none():
+    assert rounded_rate(None) is None and rounded_rate(100e6) is None
+    assert rounded_rate(3.1e6) == 2e6 and rounded_rate(50e6) == 32e6
+    assert rounded_rate(0.3e6) == 0.25e6 and rounded_rate(99e6) == 64e6
+
+
+def _slow_sink(bps: float) -> tuple[socket.socket, int]:
+    """The Sink's protocol, reading at most `bps` bytes a second: a slow link."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                got = 0
+                while chunk := conn.recv(1 << 14):
+                    got += len(chunk)
+                    time.sleep(len(chunk) / bps)
+                conn.sendall(got.to_bytes(8, "big"))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, server.getsockname()[1]
+
+
+def test_a_burst_times_the_links_bandwidth():
+    sink = Sink("127.0.0.1")
+    try:
+        fast = burst_bps(*sink.address)
+        assert fast is not None and rounded_rate(fast) is None  # loopback: not limiting
+    finally:
+        sink.close()
+    server, port = _slow_sink(3e6)
+    with server:
+        slow = burst_bps("127.0.0.1", port)
+    assert slow is not None and 2e6 < slow < 3.2e6 and rounded_rate(slow) == 2e6
+    assert burst_bps("127.0.0.1", port) is None  # closed
+
+
+def test_a_slow_link_goes_to_the_plan_even_without_latency():
+    nodes = [NodeSpec("head", 1), NodeSpec("a", 1), NodeSpec("b", 1)]
+    measured = [{"a": 0.2, "b": 0.3}, {"head": 0.3, "b": 0.2}, {"head": 0.5, "a": 0.2}]
+    lan = {(x, y): 900e6 for x in ("head", "a", "b") for y in ("head", "a", "b") if x != y}
+    assert measured_links(nodes, measured, "head", lan) == nodes
+    slow = {**lan, ("head", "b"): 5e6, ("a", "b"): 12e6, ("b", "head"): 5e6}
+    head, a, b = measured_links(nodes, measured, "head", slow)
+    assert head.links == {"b": Link(0.0, 4e6)} and a.links == {"b": Link(0.0, 8e6)}
+    assert b.links == {} and b.latency_ms is None  # its link to the head: the head's figure

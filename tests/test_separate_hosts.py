@@ -71,27 +71,32 @@ LINKS = """
 import json, sys
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from skippy.mesh.control.link_probe import _from_here
+from skippy.mesh.control.link_probe import _from_here, _rates
 ray.init(address=sys.argv[1], logging_level="ERROR")
 alive = [n for n in ray.nodes() if n["Alive"]]
 where = [(n["NodeID"], n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in alive]
 asked = [_from_here.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
     n, soft=False)).remote([w for w in where if w[0] != n]) for n, _, _ in where]
-print(json.dumps(dict(zip([a for _, a, _ in where], ray.get(asked, timeout=60)))))
+ms = dict(zip([a for _, a, _ in where], ray.get(asked, timeout=60)))
+rates = _rates({n: a for n, a, _ in where})
+print(json.dumps({"ms": ms, "rates": list(rates.values())}))
 """
 
 
 def test_each_host_times_its_links_to_the_others(hosts, serve_log):
     """The planner's link figures (mesh/control/link_probe.py): each host times TCP
-    connects to the other hosts' raylets. These veth links are far under the 5 ms the
-    planner counts, so serve planned by memory (stage i on host i, above) and logged no
-    failed probe."""
+    connects to the other hosts' raylets, and a burst to each other host's sink. These
+    veth links are far under the 5 ms and far over the 100 MB/s the planner counts, so
+    serve planned by memory (stage i on host i, above) and logged no failed probe."""
     assert "links between nodes not measured" not in serve_log
     out = hosts[0].run(str(BIN / "python"), "-c", LINKS, f"{hosts[0].ip}:{RAY_PORT}")
-    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, rates = got["ms"], got["rates"]
     assert sorted(measured) == sorted(h.ip for h in hosts)
     for ms in measured.values():
         assert len(ms) == 2 and all(v is not None and 0 < v < 200 for v in ms.values()), ms
+    assert len(rates) == 6 and all(r is not None and r > 0 for r in rates), rates
+    print(f"\nveth bandwidths measured: {min(rates) / 1e6:.0f}-{max(rates) / 1e6:.0f} MB/s")
 
 
 def test_a_host_without_the_cluster_certificate_cannot_call_a_stage(hosts, serve_log):
