@@ -103,8 +103,9 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
     from .models import resolve_model
     progress, slots = Console(prefix="skippy: "), []
     draft = resolve_model(args.draft_model) if args.draft_model else None
-    scaling = None if (args.max_pipelines or 0) <= args.pipelines else \
-        ScalingPolicy(args.pipelines, args.max_pipelines)
+    # watched even without --max-pipelines: a node that joins may let a model a lost
+    # node made cut anew go back to its plan (RayEngine.restore)
+    scaling = ScalingPolicy(args.pipelines, max(args.max_pipelines or 0, args.pipelines))
 
     def others(me: str) -> Counter:
         return sum((s.engine.held_bytes() for s in slots

@@ -72,3 +72,19 @@ def test_a_cancelled_waiter_leaves_the_line_and_lanes_pass_across_event_loops():
     a.release()
     t.join(5)
     assert got.is_set() and a.in_use == 1 and a.waiting == 0
+
+
+def test_while_paused_every_request_waits_and_goes_on_after():
+    """A plan changing (RayEngine.restore): free lanes or not, nobody takes one."""
+    async def run():
+        a = LaneAdmission(4, wait_s=5)
+        await a.acquire(1)
+        a.pause(True)
+        a.release(1)                                   # lanes come free: still none taken
+        waiters = [asyncio.create_task(a.acquire()) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert a.in_use == 0 and a.waiting == 2
+        a.pause(False)
+        await asyncio.gather(*waiters)
+        assert a.in_use == 2 and a.waiting == 0
+    asyncio.run(run())

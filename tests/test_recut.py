@@ -11,6 +11,7 @@ loopback-only namespace."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import ray
@@ -18,6 +19,7 @@ import ray
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.local import InProcessEngine
 from skippy.mesh.control.ray_engine import RayEngine
+from skippy.mesh.control.scaling import ScalingPolicy
 from skippy.mesh.tokenizer import Tokenizer
 
 from test_node_loss import PROMPTS, _streams_losing
@@ -54,7 +56,9 @@ def test_a_lost_node_whose_layers_fit_nowhere_cuts_the_model_anew(cluster, smoll
     tok = Tokenizer(smollm2)
     asks = [tok.encode(p) for p in PROMPTS]
     engine = RayEngine(smollm2, 3, model_name="smollm2", n_ctx=CTX, lanes=LANES,
-                       wire_dtype=wire, weight_format="int4", cache=CacheConfig())
+                       wire_dtype=wire, weight_format="int4", cache=CacheConfig(),
+                       scaling=ScalingPolicy(1, 1),  # watches nodes joining (restore)
+                       progress=_timed)
     try:
         was, before = engine.plan.digest, _ranges(engine)
         placed = engine.node_ids()
@@ -85,6 +89,15 @@ def test_a_lost_node_whose_layers_fit_nowhere_cuts_the_model_anew(cluster, smoll
         assert asyncio.run(_answer(engine, asks[0])) == want[0]
         print(f"\n{wire} wire: the model cut anew from {before} into {after}: 4 streams "
               f"finished {recovery:.1f} s after the node was lost")
+        if wire == "f32":  # a node joins: back to the 3 stages asked for, under streams
+            t = time.monotonic()  # (Ray adds a node from the main thread only)
+            cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20, memory=MEMORY[2])
+            rounds, took = asyncio.run(_rounds_after_a_join(engine, asks, t))
+            assert _ranges(engine) == before and engine.plan.digest == was
+            assert engine.info.topology_digest == was and len(set(engine.node_ids())) == 3
+            assert all(answers == want for answers in rounds)
+            print(f"a node joined: the model back in {before} {took:.1f} s later, "
+                  f"{len(rounds)} rounds of 4 streams, every answer the fault-free one")
     finally:
         asyncio.run(engine.close())
 
@@ -110,6 +123,28 @@ def _shared(a: list[int], b: list[int]) -> int:
     return n
 
 
+async def _rounds_after_a_join(engine, asks, t: float):
+    """Rounds of the 4 streams after a node like the lost one joined (at `t`), until one
+    ran wholly after the model was cut as asked again: every round's answers, and the
+    time from the join to that cut."""
+    rounds, took = [], None
+    while True:
+        restored = len(engine.plan.stages) == 3
+        if restored and took is None:
+            took = time.monotonic() - t
+        rounds.append(list(await asyncio.gather(*(_answer(engine, ids) for ids in asks))))
+        if restored:
+            return rounds, took
+        assert time.monotonic() - t < 180, "the model was not cut as asked again"
+
+
 async def _answer(engine, ids) -> list[int]:
     from skippy.mesh.control.engine import GenerationRequest
     return [s.token async for s in engine.generate(GenerationRequest(tuple(ids), TOKENS))]
+
+
+T0 = time.monotonic()
+
+
+def _timed(line: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f} s] {line}", flush=True)

@@ -38,6 +38,9 @@ class ScriptedEngine:
         self.router.load.append(0)
         return self.pipes[-1]
 
+    async def restore(self) -> bool:
+        return False  # its model was never cut anew
+
     async def shrink(self, p: int) -> None:
         self.retired.add(p)
         self.room += 1

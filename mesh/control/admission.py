@@ -38,6 +38,7 @@ class LaneAdmission:
         self.max_queue = 4 * lanes if queue is None else queue
         self.in_use = 0
         self.refused = 0
+        self.paused = False  # every request waits (the engine's plan is changing)
         self._waiters: deque[_Waiter] = deque()
         self._lock = threading.Lock()
 
@@ -51,7 +52,7 @@ class LaneAdmission:
             raise ValueError(f"{k} lanes asked of a budget of {self.lanes}")
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self.in_use + k <= self.lanes and not self._waiters:
+            if self.in_use + k <= self.lanes and not self._waiters and not self.paused:
                 self.in_use += k
                 return
             if len(self._waiters) >= self.max_queue:
@@ -98,7 +99,8 @@ class LaneAdmission:
 
     def _grant_waiting(self) -> None:
         """Under the lock: grant waiters in order while the first one fits."""
-        while self._waiters and self.in_use + self._waiters[0].k <= self.lanes:
+        while self._waiters and self.in_use + self._waiters[0].k <= self.lanes \
+                and not self.paused:
             waiter = self._waiters.popleft()
             if waiter.loop.is_closed():
                 continue
@@ -109,6 +111,12 @@ class LaneAdmission:
         """A new budget (pipelines added or retired): waiters that now fit go on."""
         with self._lock:
             self.lanes = max(1, lanes)
+            self._grant_waiting()
+
+    def pause(self, paused: bool) -> None:
+        """While paused no request takes lanes: they wait in line (their bounded time)."""
+        with self._lock:
+            self.paused = paused
             self._grant_waiting()
 
     def stats(self) -> dict:

@@ -154,6 +154,11 @@ def _file_here(path: str, size: int) -> bool:
     return p.is_file() and p.stat().st_size == size
 
 
+# a restore's wait for the requests in flight: those waiting for lanes meanwhile wait
+# their bounded time (admission.QUEUE_WAIT_S) for this and the new stages' load together
+RESTORE_WAIT_S = 10.0
+
+
 def cluster_nodes(model: Path | None = None, model_digest: str = "", *,
                   links: bool = False) -> list[NodeSpec]:
     """The alive Ray nodes as planner nodes; the name is the Ray node id. Serving a
@@ -427,6 +432,8 @@ class RayEngine(PipelinesEngine):
         self.info = self.model.info(model_name, lanes, pipelines=pipelines,
                                     weight_format=weight_format, lane_batch=lane_batch)
         self._lanes, self._progress = lanes, progress
+        self._asked = (n_stages, ranges)  # the plan a loss's re-cut returns to (restore)
+        self._cut_by_loss = False
         self.scaler = None if scaling is None else Scaler(self, scaling, progress)
 
     # -- capacity that follows load (scaling.py) -----------------------------------------
@@ -457,11 +464,50 @@ class RayEngine(PipelinesEngine):
         _load([pipe], self.plan, self._progress)
         return self._add_pipeline(pipe, self._lanes)
 
+    async def restore(self, wait_s: float = RESTORE_WAIT_S) -> bool:
+        """After a loss cut the model anew, a node joined: where the plan asked for at
+        start fits the alive nodes again, the only pipeline goes back to it. New
+        requests wait for lanes meanwhile and those in flight end first (up to wait_s;
+        any left are rebuilt on the new cut, as after a fault). False: nothing to do."""
+        if not self._cut_by_loss or len(self.live()) != 1:
+            return False
+        model = await asyncio.to_thread(self._asked_plan)
+        if model is None:
+            return False
+        r = self.live()[0]
+        self._progress(f"pipeline {r}: the plan asked for fits again ({len(model.plan.stages)} "
+                       f"stage(s)): new requests wait while the {self.router.load[r]} in "
+                       f"flight end, then the model is cut as asked")
+        self.admission.pause(True)
+        try:
+            deadline = time.monotonic() + wait_s
+            while self.router.load[r] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(self.pipelines[r].cut_to, model)
+        finally:
+            self.admission.pause(False)
+        self._cut_by_loss = False
+        return True
+
+    def _asked_plan(self) -> ServedModel | None:
+        """The plan asked for at start, over the alive nodes, where it fits and differs
+        from the one served."""
+        m, (n_stages, ranges) = self.model, self._asked
+        try:
+            fresh = plan_model(m.path, m.runtime, n_stages, pipelines=1, lanes=self._lanes,
+                               ranges=ranges, wire_dtype=m.plan.wire_dtype,
+                               n_ctx=m.plan.n_ctx, weight_format=m.weight_format,
+                               reserved=self._launch.reserved(), cache=self.cache)
+        except UserError:
+            return None  # not yet: the model stays as it is cut
+        return fresh if fresh.plan.digest != self.plan.digest else None
+
     def _cut_anew(self, r: int, model: ServedModel) -> tuple[Callable[[int], object], int]:
         """Pipeline r, the only one, serves `model`'s new plan (a lost node's layers fit
         whole nowhere): the engine's plan from now on, and how to make its stages. Its
         requests are rebuilt there, and answers keyed by the old topology no longer match."""
         was = self.plan.digest
+        self._cut_by_loss = True  # until restore() returns it to the plan asked for
         self.model, self.plan = model, model.plan
         self._launch.model = model
         self._launch.forget(r)

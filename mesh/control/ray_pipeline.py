@@ -225,6 +225,17 @@ class RayPipeline:
             finally:
                 self.generation += 1
 
+    def cut_to(self, model) -> None:
+        """Cut anew by choice (the plan asked for fits again): as after a loss, requests
+        still on the old chain are rebuilt on the new one."""
+        with self._lock:
+            self.healthy = False
+            try:
+                self._cut_anew(model)
+                self.wire()
+            finally:
+                self.generation += 1
+
     def _cut_anew(self, model) -> None:
         """Every stage replaced by the new plan's: the old ones (some alive) end, and
         requests rebuilt on the new chain replay their tokens through it."""

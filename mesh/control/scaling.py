@@ -1,5 +1,7 @@
 """Capacity that follows load and nodes: a pipeline more while requests wait for lanes
-or when a node joins (where a whole copy fits), one added released once idle.
+or when a node joins (where a whole copy fits), one added released once idle; and a
+model that a lost node made cut anew goes back to the plan asked for once a node that
+joins makes it fit again (the engine's `restore`).
 
 Every pipeline runs the same plan (the same ranges, the same topology digest), so a new
 one answers exactly as the others and takes new requests at once; a retired one takes no
@@ -42,6 +44,8 @@ class Scalable(Protocol):
 
     def grow(self) -> Awaitable[int | None]: ...
 
+    def restore(self) -> Awaitable[bool]: ...
+
     def shrink(self, pipeline: int) -> Awaitable[None]: ...
 
 
@@ -75,7 +79,11 @@ class Scaler:
     async def tick(self, now: float) -> None:
         e, p = self.engine, self.policy
         live = e.live()
-        if await self._joined(now) and len(live) < p.max_pipelines:
+        joined = await self._joined(now)
+        if joined and await e.restore():
+            self._say("a node joined: the model is cut as asked at start again")
+            return
+        if joined and len(live) < p.max_pipelines:
             added = await e.grow()
             if added is not None:
                 self.added += 1
