@@ -4,7 +4,8 @@ a bias or none, a clamp or none, whole-Q / whole-K norms or none, attention on o
 kernel (or latent attention, DeepSeek2's), optional post-norms, a gated FFN or a mixture of experts that moe.c runs, every
 matrix on our integer kernel. decoder.c runs the same C functions the layers' Python path runs, in the same
 order, so it computes the same bits (tests/test_decoder.py); a one-row decode step then
-pays one Python call for the stage instead of about fifteen per layer."""
+pays one Python call for the stage instead of about fifteen per layer. Gemma 4's layers,
+of a form of their own, go through decoder.c's sibling call (stages/gemma4_run.py)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ Where a Gemma 4 layer differs from the shared DecoderLayer:
 - mixture-of-experts layers (26B-A4B) add a routed expert block to the dense FFN, each
   with its own norms (Gemma4MoeFfn).
 - GELU goes through llama.cpp's f16 table (layers.gelu_f16), here and in the experts.
+Where every matrix is on our integer kernel, a stage runs these layers in one call of
+decoder.c (stages/gemma4_run.py), bitwise this path.
 """
 
 from __future__ import annotations

@@ -97,6 +97,14 @@ def test_fp32_keeps_the_layers_path(smollm2):
 
 
 @pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_in_fp32_keeps_the_layers_path(name, smollm2, tmp_path_factory):
+    """Matrices decoder.c cannot run (float32) leave every layer to gemma4.py."""
+    path = case_file(name, tmp_path_factory)
+    rt = TorchStageRuntime(StageSpec(str(path), 0, 6, n_ctx=256, weight_format="fp32"))
+    assert rt.decoder_run is None
+
+
+@pytest.mark.parametrize("name", GEMMA4)
 def test_gemma4_in_one_call_is_bitwise_the_layers_path_in_int8(name, smollm2,
                                                                tmp_path_factory):
     fused, one_call, layers = both_ways(case_file(name, tmp_path_factory), "int8")
