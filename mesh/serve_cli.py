@@ -105,7 +105,8 @@ def _model_set(args, models: list[tuple[str, Path]], stages: int | None, secret:
     draft = resolve_model(args.draft_model) if args.draft_model else None
     # watched even without --max-pipelines: a node that joins may let a model a lost
     # node made cut anew go back to its plan (RayEngine.restore)
-    scaling = ScalingPolicy(args.pipelines, max(args.max_pipelines or 0, args.pipelines))
+    scaling = ScalingPolicy(args.pipelines, max(args.max_pipelines or 0, args.pipelines),
+                            idle_s=args.release_idle)
 
     def others(me: str) -> Counter:
         return sum((s.engine.held_bytes() for s in slots
@@ -160,6 +161,8 @@ def _check_serve(args) -> int | None:
         raise UsageError(f"--models-memory must be above 0, not {args.models_memory:g}")
     if args.unload_idle is not None and args.unload_idle <= 0:
         raise UsageError(f"--unload-idle must be above 0, not {args.unload_idle:g}")
+    if args.release_idle <= 0:
+        raise UsageError(f"--release-idle must be above 0, not {args.release_idle:g}")
     if args.lane_batch is None:
         # One row: the lone request's step is fastest. Torch fp32 decodes fastest one row
         # at a time; llama.cpp then still decodes lanes under 256 tokens together, exactly
@@ -234,7 +237,10 @@ def _serve_arguments(srv) -> None:
     srv.add_argument("--max-pipelines", type=int, metavar="N",
                      help="add pipelines, up to N, while requests wait for lanes and the "
                           "cluster has room for a whole copy (a node that joins too); one "
-                          "added is released after a minute idle (default: --pipelines)")
+                          "added is released once idle (default: --pipelines)")
+    srv.add_argument("--release-idle", type=float, default=60.0, metavar="S",
+                     help="seconds an added pipeline stays idle before it is released "
+                          "(default: %(default)s)")
     srv.add_argument("--address", help="join a Ray cluster ('auto' for the local one); "
                      "default: start an embedded Ray, listening on loopback only")
     srv.add_argument("--wait-nodes", type=int, default=0, metavar="N",

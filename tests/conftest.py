@@ -49,7 +49,8 @@ def pytest_collection_modifyitems(config, items):
 # set of its own, kills one too; test_node_join (4 hosts) and test_ray_up (tests/ssh_hosts.py)
 # make hosts of their own on the same bridge, so they run in the unit too.
 HOSTS_FILES = ("test_separate_hosts.py", "test_hop_latency.py", "test_link_plan.py",
-               "test_part_delivery.py", "test_cluster_state.py", "test_drain.py",
+               "test_part_delivery.py", "test_cluster_state.py", "test_host_scaling.py",
+               "test_drain.py",
                "test_host_loss.py", "test_host_recut.py", "test_node_join.py",
                "test_ray_up.py")
 
