@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from skippy.topology.model_config import ModelConfig
@@ -97,6 +97,10 @@ def _rows(m: Matrix, a: int, b: int) -> Matrix:
     return Matrix(m.values[a:b].contiguous(), int4, int8)
 
 
+# the table types our kernel looks up (rowops.c), 1-row lookups ~10x numpy's dequantize
+_LOOKUPS = {GGMLQuantizationType.Q6_K: "skr_q6k_rows", GGMLQuantizationType.Q8_0: "skr_q8_0_rows"}
+
+
 class TableColumns:
     """Columns [a, b) of a [rows, width] table, looked up by row: held as the file's bytes
     of the blocks that cover them (quantized as stored; a real E4B's per-layer table has
@@ -115,6 +119,14 @@ class TableColumns:
         self.qtype, self.cols = info.qtype, slice(a - first * block, b - first * block)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        lib = qkernel.library()
+        if lib is not None and self.qtype in _LOOKUPS:  # gguf's floats without its numpy
+            ids = ids.to(torch.int64).contiguous()
+            block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+            values = torch.empty(len(ids), self.raw.shape[1] // block_bytes * block)
+            getattr(lib, _LOOKUPS[self.qtype])(self.raw.ctypes.data, self.raw.shape[1],
+                                               ids.data_ptr(), len(ids), values.data_ptr())
+            return values[:, self.cols].contiguous()
         rows = self.raw[ids.numpy()]
         values = dequantize(rows, self.qtype).astype(np.float32, copy=False)
         return torch.from_numpy(values.reshape(len(rows), -1)[:, self.cols].copy())

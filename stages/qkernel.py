@@ -265,6 +265,9 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_linear_f32_heads.restype = None
     lib.skr_linear_f32_heads.argtypes = [p, i64, i64, p, i64, i64, i64, i64, i64, p, i64,
                                          i64, ctypes.c_int]
+    for fn in (lib.skr_q6k_rows, lib.skr_q8_0_rows):  # rows of a quantized table
+        fn.restype = None
+        fn.argtypes = [p, i64, p, i64, p]
     lib.skr_soft_cap.restype = None
     lib.skr_soft_cap.argtypes = [p, i64, ctypes.c_float, ctypes.c_float, p]
     lib.skr_gate.restype = None

@@ -12,6 +12,9 @@ have no V projection (V is K's projection).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
@@ -204,6 +207,40 @@ def test_per_layer_table_columns_are_the_dequantized_tables(gemma4_e4b):
     ids = torch.tensor([0, 7, 49151, 7])
     for a, b in ((0, 64), (320, 384), (16, 48)):
         got = TableColumns(StageTensors(f, [name]), name, a, b)(ids)
+        assert torch.equal(got, full[ids][:, a:b])
+
+
+class _Table:
+    """A quantized [rows, width] table as TableColumns reads a file's (names, the tensor's
+    type and shape, its bytes)."""
+
+    def __init__(self, qtype, raw: np.ndarray, width: int):
+        self.names = {"t"}
+        self.f = SimpleNamespace(tensors={"t": SimpleNamespace(qtype=qtype,
+                                                               shape=(width, raw.shape[0]))},
+                                 raw=lambda name: raw)
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q8_0"])
+def test_quantized_per_layer_tables_are_looked_up_as_gguf_dequantizes_them(qtype):
+    """Our kernel's lookup (rowops.c) gives gguf's floats for every code and scale: random
+    blocks (finite f16 d), at any columns."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+    from skippy.stages.gemma4 import TableColumns
+    qt = GGMLQuantizationType[qtype]
+    block, nbytes = GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (50, 3 * nbytes), dtype=np.uint8)
+    d_at = 0 if qtype == "Q8_0" else nbytes - 2  # each block's f16 d
+    d = rng.uniform(-2, 2, (50, 3)).astype(np.float16)
+    d[0, 0] = np.float16(6e-8)  # a subnormal
+    for i in range(3):
+        raw[:, i * nbytes + d_at:i * nbytes + d_at + 2] = d[:, i:i + 1].view(np.uint8)
+    full = torch.from_numpy(dequantize(raw, qt).reshape(50, -1).astype(np.float32))
+    ids = torch.tensor([0, 7, 49, 7, 30])
+    for a, b in ((0, 3 * block), (block - 16, block + 16), (5, 9)):
+        got = TableColumns(_Table(qt, raw, 3 * block), "t", a, b)(ids)
         assert torch.equal(got, full[ids][:, a:b])
 
 
