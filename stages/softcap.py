@@ -4,6 +4,7 @@ layers attend in explicit steps: scores, cap, mask, softmax, values."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import qkernel
@@ -13,7 +14,7 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x * (1 / cap)), with 1 / cap rounded to float as llama.cpp rounds it:
     float32 rows in our kernel where it is built (rowops.c: a fixed tanh, in one pass),
     else torch's ops."""
-    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(cap, dtype=torch.float32))
+    inv = float(np.float32(1.0) / np.float32(cap))  # a float32 division, as torch's
     lib = qkernel.library()
     if lib is not None and x.dtype == torch.float32:
         return qkernel.soft_cap(lib, x, inv, cap)
