@@ -23,6 +23,10 @@ class ScriptedEngine:
         self.pipes = [0]
         self.retired: set[int] = set()
         self.alive = 1  # nodes
+        self.asked: list[int] = []  # whole copies more asked of Ray's autoscaler
+
+    def ask_for_room(self, more: int = 0) -> None:
+        self.asked.append(more)
 
     def nodes(self) -> int:
         return self.alive
@@ -82,14 +86,15 @@ def test_no_room_for_a_copy_waits_before_looking_again():
         s = Scaler(e, ScalingPolicy(1, 2, wait_s=1.0, idle_s=5.0))
         e.admission.waiting = 1
         await s.tick(0.0)
-        await s.tick(1.0)                   # grow found no room
+        await s.tick(1.0)                   # grow found no room: a copy more asked for
+        assert e.asked == [1]
         e.room = 1                          # a node joins
         await s.tick(2.0)
         await s.tick(5.0)
         assert e.live() == [0]              # not before 10 x wait_s
         await s.tick(11.0)
         await s.tick(12.0)
-        assert e.live() == [0, 1]
+        assert e.live() == [0, 1] and e.asked == [1]  # (the engine's grow asks anew)
     asyncio.run(run())
 
 
@@ -135,9 +140,12 @@ def test_ray_engine_adds_a_pipeline_under_waiting_requests_and_releases_it(smoll
             return await asyncio.gather(*(one(r) for r in requests))
         want = asyncio.run(alone())
         assert engine.live() == [0]
+        copy = [{"memory": float(st.total_bytes)} for st in engine.plan.stages]
+        assert _asked_of_autoscaler() == copy  # its stages' room kept
         assert asyncio.run(together()) == want
         stats = engine.stats()
         assert stats["scaling"]["added"] == 1 and stats["scaling"]["pipelines"] == 2
+        assert _asked_of_autoscaler() == copy * 2
         assert engine.pipeline_stats(1)[0]["decode_rows"] > 0  # the new one served
 
         async def idle():
@@ -148,6 +156,23 @@ def test_ray_engine_adds_a_pipeline_under_waiting_requests_and_releases_it(smoll
                     return
         asyncio.run(idle())
         assert engine.live() == [0] and engine.stats()["scaling"]["released"] == 1
+        assert _asked_of_autoscaler() == copy
+        assert engine.ask_for_room(1) == copy * 2  # no room while requests wait
+        assert _asked_of_autoscaler() == copy * 2
         assert asyncio.run(one(requests[0])) == want[0]  # still serving
+        asyncio.run(engine.close())  # (and its embedded Ray)
+        from skippy.mesh.control import autoscaler_ask
+        assert autoscaler_ask.ask(object(), []) == []  # its part withdrawn
     finally:
         asyncio.run(engine.close())
+
+
+def _asked_of_autoscaler() -> list[dict]:
+    """The cluster's standing request to Ray's autoscaler (v1's key: this Ray runs none)."""
+    import json
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+    assert not is_autoscaler_v2()
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []

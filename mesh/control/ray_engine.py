@@ -39,6 +39,7 @@ from ..progress import progress_bar
 from ..stage.channels import HOP_DELAY_ENV, HOST_DELAY_ENV
 from ..stage.grpc_service import message_limit
 from ..stage.security import TLS_MODES, ClusterCredentials, new_secret, tls_wanted
+from . import autoscaler_ask
 from .link_probe import with_links
 from .part_sources import PartSources
 from .pipelines import PipelinesEngine, node_figures
@@ -435,6 +436,7 @@ class RayEngine(PipelinesEngine):
         self._asked = (n_stages, ranges)  # the plan a loss's re-cut returns to (restore)
         self._cut_by_loss = False
         self.scaler = None if scaling is None else Scaler(self, scaling, progress)
+        self.ask_for_room()
 
     # -- capacity that follows load (scaling.py) -----------------------------------------
     async def reserve(self, lanes: int):
@@ -462,7 +464,16 @@ class RayEngine(PipelinesEngine):
         pipe = self._new_pipeline(r)
         self._progress(self._launch.placement(r))
         _load([pipe], self.plan, self._progress)
-        return self._add_pipeline(pipe, self._lanes)
+        added = self._add_pipeline(pipe, self._lanes)
+        self.ask_for_room()
+        return added
+
+    def ask_for_room(self, more: int = 0) -> list[dict]:
+        """Ray's autoscaler, where one runs, keeps room for this model's live pipelines'
+        stages and `more` whole copies (autoscaler_ask.py): the cluster's request."""
+        copies = len(self.live()) + more
+        return autoscaler_ask.ask(self, [{"memory": float(st.total_bytes)}
+                                         for _ in range(copies) for st in self.plan.stages])
 
     async def restore(self, wait_s: float = RESTORE_WAIT_S) -> bool:
         """After a loss cut the model anew, a node joined: where the plan asked for at
@@ -521,6 +532,7 @@ class RayEngine(PipelinesEngine):
                        f"topology {self.plan.digest[:16]} (was {was[:16]})")
         for st in self.plan.stages:
             self._progress(_placement(st, model.path))
+        self.ask_for_room()  # the new plan's stages
         return functools.partial(self._launch.actor, r), n
 
     async def drain(self, node: str, wait_s: float = 600.0) -> dict:
@@ -570,6 +582,7 @@ class RayEngine(PipelinesEngine):
             await asyncio.sleep(0.1)
         await self.pipelines[p].close()
         self._launch.forget(p)
+        await asyncio.to_thread(self.ask_for_room)
 
     def held_bytes(self) -> Counter:
         """The bytes the plan holds on each node (by node id): every pipeline's stages
@@ -625,6 +638,7 @@ class RayEngine(PipelinesEngine):
             await self.scaler.close()
         for r in self.live():
             await self.pipelines[r].close()
+        autoscaler_ask.ask(self, [])
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

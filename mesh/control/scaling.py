@@ -46,6 +46,8 @@ class Scalable(Protocol):
 
     def restore(self) -> Awaitable[bool]: ...
 
+    def ask_for_room(self, more: int = 0) -> object: ...
+
     def shrink(self, pipeline: int) -> Awaitable[None]: ...
 
 
@@ -95,8 +97,11 @@ class Scaler:
             if now - self._waiting_since >= p.wait_s:
                 self._waiting_since = None
                 added = await e.grow()
-                if added is None:  # no room for a whole copy: look again later
+                if added is None:  # no room for a whole copy: look again later, and ask
+                    # Ray's autoscaler, where one runs, for nodes (grow asks again once
+                    # the copy is placed; a node that joins is used as any other)
                     self._no_room_until = now + 10 * p.wait_s
+                    await asyncio.to_thread(e.ask_for_room, 1)
                 else:
                     self.added += 1
                     self._say(f"requests wait for lanes: pipeline {added} added "
