@@ -18,6 +18,11 @@ import resource
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools not installed: h11's parser
+    HttpToolsProtocol = None
+
 from .limits import GatewayLimits
 
 _TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
@@ -28,9 +33,12 @@ _SPARE_FILES = 256  # descriptors beyond the connections: models, logs, Ray, gRP
 
 
 def protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP/1.1 protocol, with `limits`' read deadline and connection cap."""
+    """uvicorn's HTTP/1.1 protocol, with `limits`' read deadline and connection cap:
+    httptools' parser where it is installed (a request's way in and out costs about
+    0.4 ms less than h11's, pure Python), else h11's."""
+    base = _HttpTools if _HttpTools is not None else _H11
 
-    class Guarded(H11Protocol):
+    class Guarded(base):
         _reading: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
@@ -45,16 +53,13 @@ def protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
-        def handle_events(self) -> None:
-            super().handle_events()
-            cycle = self.cycle  # the last request's until the next one's headers are in
-            if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                self._disarm()  # the request is read in full: the route's deadline now
-
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():
                 self._arm()  # the next request on this connection, if one comes
+
+        def _read_in_full(self) -> None:
+            self._disarm()  # the request is read in full: the route's deadline now
 
         def _arm(self) -> None:
             self._disarm()
@@ -72,6 +77,23 @@ def protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
             self.transport.close()
 
     return Guarded
+
+
+class _H11(H11Protocol):
+    def handle_events(self) -> None:
+        super().handle_events()
+        cycle = self.cycle  # the last request's until the next one's headers are in
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:
+            self._read_in_full()
+
+
+if HttpToolsProtocol is not None:
+    class _HttpTools(HttpToolsProtocol):
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._read_in_full()
+else:
+    _HttpTools = None
 
 
 def config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
