@@ -96,8 +96,8 @@ class Sampler:
         moves past them, and a seeded generator first moves past the draws they took, so
         the request goes on as if nothing had failed."""
         self.params = params
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self._seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self._generator: torch.Generator | None = None  # made at the first draw
         generated = list(generated)
         self.counts = Counter(generated)  # tokens generated so far, for the penalties
         self._behind = len(generated) if params.temperature else 0  # draws to skip
@@ -141,7 +141,7 @@ class Sampler:
     def _pick(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return argmax(logits)
         scores = logits.to(torch.float32) / p.temperature
         if p.top_k and p.top_k < scores.numel():
             kth = torch.topk(scores, p.top_k).values[-1]
@@ -154,7 +154,7 @@ class Sampler:
             # of such a distribution is the greedy choice. The draw is still taken, so a
             # seeded request rebuilt later skips exactly one draw per token.
             self._draw_nothing(probs.numel())
-            return int(torch.argmax(logits))
+            return argmax(logits)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest head of the distribution whose mass reaches top_p
@@ -162,6 +162,13 @@ class Sampler:
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The request's generator (a greedy request never makes one)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self._seed)
+        return self._generator
 
     def _skip(self, n: int) -> None:
         """Move the generator past the draws of the tokens generated before this sampler."""
@@ -174,3 +181,12 @@ class Sampler:
         (one sample) fills one Exp(1) value per token of the vocabulary and picks
         argmax(p / q), so each draw takes n values whatever p is."""
         torch.empty(n).exponential_(1, generator=self.generator)
+
+
+def argmax(logits: torch.Tensor) -> int:
+    """The index of the highest logit, the first of equal ones (a NaN counts highest, as
+    in torch.argmax). numpy's for a float32 row: 4 us where torch's takes 50-80 on 49k
+    logits (220 on 262k), a cost every greedy token pays."""
+    if logits.dtype == torch.float32 and logits.dim() == 1 and logits.is_contiguous():
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))

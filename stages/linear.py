@@ -84,8 +84,10 @@ class Int8Blocks:
 
     @classmethod
     def from_float(cls, w: torch.Tensor, rows: int = 4096) -> "Int8Blocks":
-        """Symmetric round-to-nearest per group: scale = max |w| / 127, as Q8_0. Made
-        `rows` rows at a time: a large head's float temporaries stay small."""
+        """Symmetric round-to-nearest per group as llama.cpp's Q8_0: codes from
+        d = max |w| / 127, the scale kept as d's half (a one-row call then reads 8.5 bits
+        a weight, not 9: qkernel.pack_scales). Made `rows` rows at a time: a large head's
+        float temporaries stay small."""
         n, k = w.shape
         codes = torch.empty(n, k, dtype=torch.int8)
         scale = torch.empty(n, k // GROUP, dtype=torch.float32)
@@ -93,7 +95,7 @@ class Int8Blocks:
             g = w[a:a + rows].to(torch.float32).reshape(-1, k // GROUP, GROUP)
             amax = g.abs().amax(-1)
             s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-            scale[a:a + rows] = s
+            scale[a:a + rows] = s.half().float()
             codes[a:a + rows] = torch.round(g / s[..., None]).clamp_(-127, 127) \
                 .to(torch.int8).reshape(-1, k)
         return cls(codes, scale)

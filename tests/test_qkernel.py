@@ -33,9 +33,9 @@ def _weights(kind: int, n: int, k: int, zero: bool, seed: int = 0, halves: bool 
                   + z[..., None]).view(n, k)
         return (qkernel.pack4(b.codes), qkernel.pack_scales(b.scale),
                 qkernel.pack_scales(z) if zero else None, values)
-    b = Int8Blocks.from_float(w)
-    if halves:
-        b = Int8Blocks(b.codes, b.scale.half().float())
+    b = Int8Blocks.from_float(w)  # its scales are halves, as Q8_0's
+    if not halves:  # float32 scales, which the packing keeps as floats
+        b = Int8Blocks(b.codes, b.scale * 1.001)
     values = (b.codes.float().view(n, -1, 32) * b.scale[..., None]).view(n, k)
     return qkernel.pack8(b.codes), qkernel.pack_scales(b.scale), None, values
 

@@ -258,7 +258,7 @@ async def _attempt(link: Link, request: GenerationRequest, produced: list[int],
         reply = await _replayed(link, request, produced)
     tokens = _tokens(_expect(reply, "token").token)
     speculating = speculate is not None and speculate.wanted and plan.verify and \
-        not request.probe
+        not request.probe and len(produced) + 1 < request.max_tokens  # steps to come
     spec = speculate.start(prompt + produced, plan.propose, tokens[0].proposals) \
         if speculating else None
     seen = len(produced)  # produced tokens the speculator has seen

@@ -188,7 +188,12 @@ async def collect(texts: AsyncIterator, into: list) -> None:
 
 async def all_of(awaitables) -> None:
     """Await every one together; the first failure is raised once all have ended (so no
-    choice is left running unseen)."""
+    choice is left running unseen). One is awaited as it is (gather's task for it cost
+    a turn of the event loop)."""
+    awaitables = list(awaitables)
+    if len(awaitables) == 1:
+        await awaitables[0]
+        return
     results = await asyncio.gather(*awaitables, return_exceptions=True)
     for r in results:
         if isinstance(r, BaseException):
