@@ -33,10 +33,15 @@ from typing import Iterable, Iterator
 import llama_cpp
 
 from skippy.topology.errors import UserError
+
+from .prefix_tokens import CUT_AT_SPACE, PrefixTokens
 from skippy.topology.gguf_file import GGUFError, GGUFFile
 from skippy.topology.model_package import is_package, metadata_gguf
 
 _LOAD_LOCK = threading.Lock()  # fd 2 is process-wide: one quiet load at a time
+# tokens llama.cpp cuts out of a text before its pre-tokenizer runs
+_SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | \
+    llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
 class TokenizerError(UserError):
@@ -87,14 +92,22 @@ class Tokenizer:
         self._vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
         if self._vocab is None:
             raise TokenizerError(f"{self.path} has no vocabulary")
+        self._lengths: dict[int, int] = {}
+        self._prefix = PrefixTokens(self._encode, self._length,
+                                    self.bos_id if self.add_bos else None, self._normal,
+                                    lambda: self.cuts_at_space)
 
     # -- text -> ids ---------------------------------------------------------------------
     def encode(self, text: str, *, add_special: bool = True, control: bool = True
                ) -> list[int]:
         """Token ids of `text`. With add_special, BOS/EOS are added where the GGUF says so
         (Gemma: BOS; SmolLM2: nothing). With control (as in llama-server), control-token
-        text such as `<|im_start|>` becomes its control id; without, it is plain text."""
-        data = text.encode("utf-8")
+        text such as `<|im_start|>` becomes its control id; without, it is plain text.
+        A text that begins as a recent one did reuses its ids (mesh/prefix_tokens.py)."""
+        return self._prefix.encode(text.encode("utf-8"), add_special, control)
+
+    def _encode(self, data: bytes, add_special: bool, control: bool) -> list[int]:
+        """llama.cpp's ids of `data`."""
         # a token per byte at most, plus BOS, EOS and SentencePiece's space prefix: one call
         # (llama-cpp-python sizes its first try by n_ctx_train, 0 for a vocabulary alone,
         # so each of its calls tokenized twice)
@@ -108,6 +121,38 @@ class Tokenizer:
             if -n <= size:
                 raise TokenizerError(f"llama.cpp could not tokenize {len(data)} bytes")
             size = -n
+
+    def _length(self, token_id: int) -> int:
+        """The bytes of the token's text as it stands in a text (special tokens
+        spelled out)."""
+        n = self._lengths.get(token_id)
+        if n is None:
+            n = self._lengths[token_id] = len(self.piece(token_id, special=True))
+        return n
+
+    def _normal(self, token_id: int) -> bool:
+        return not llama_cpp.llama_vocab_get_attr(self._vocab, token_id) & _SPECIAL
+
+    @cached_property
+    def cuts_at_space(self) -> bool:
+        """Whether a text's ids may be cut where an ASCII letter meets a space and a
+        letter (mesh/prefix_tokens.py): a byte-level BPE vocabulary whose pre-tokenizer
+        ends words there, that appends no EOS, and whose special tokens (cut out before
+        the pre-tokenizer runs) hold no whitespace and neither begin nor end with a
+        letter."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_model_meta_val_str(self._llm.model, b"tokenizer.ggml.pre", buf, 64)
+        if llama_cpp.llama_vocab_type(self._vocab) != llama_cpp.LLAMA_VOCAB_TYPE_BPE or \
+                n < 0 or buf.value.decode("utf-8", "replace") not in CUT_AT_SPACE or \
+                self.add_eos:
+            return False
+        for i in range(self.vocab_size):
+            if llama_cpp.llama_vocab_get_attr(self._vocab, i) & _SPECIAL:
+                text = llama_cpp.llama_vocab_get_text(self._vocab, i) or b""
+                if not text or any(c in text for c in b" \t\n\r") or \
+                        text[:1].isalpha() or text[-1:].isalpha():
+                    return False
+        return True
 
     def spells_control(self, text: str) -> bool:
         """Whether `text` tokenizes otherwise with control tokens parsed than as plain text
