@@ -195,6 +195,12 @@ class StageSession:
         lane, self.lane = self.lane, None
         self.cache.free_lane(lane, keep_warm=not self.probe)
 
+    def _ended(self, result):
+        """On the loop thread, in the trip of the request's last call: the lane given
+        back there (close then has no trip to make); `result` passed on."""
+        self._give_back_lane()
+        return result
+
     def _lane_freed(self) -> None:
         with self.server.lane_freed:  # the next session waiting for a lane wakes
             self.server.lane_freed.notify_all()
@@ -249,9 +255,7 @@ class StageSession:
         logits, start = self._plan_here(tokens, p, True)
         if logits is not None:  # an exact repeat: its first token, nothing computed
             out = pb.StageResult(token=self._sample(logits, len(tokens)))
-            if self.ending:
-                self._give_back_lane()
-            return out
+            return self._ended(out) if self.ending else out
         sent = pb.Prefill(tokens=p.tokens, start=start, sampling=p.sampling, probe=p.probe,
                           namespace=p.namespace)
         out = self.loop.compute("prefill", self._restore_and_prefill, tokens,
@@ -290,16 +294,17 @@ class StageSession:
             self.span.set_attribute("skippy.replay", True)
         embed = p.embed if self.last else ""
         answer = self.last and not embed
+        then = partial(self._answer, tokens, p) if answer else \
+            self._ended if self.ending else None
         out = self.loop.compute("prefill", tracing.carried(self._restore_and_prefill), tokens,
                                 inputs, start, rows=len(tokens) - start,
-                                logits="hidden" if embed else "last",
-                                then=partial(self._answer, tokens, p) if answer else None)
+                                logits="hidden" if embed else "last", then=then)
+        if self.lane is None:  # the request's last call: its lane given back in the trip
+            self._lane_freed()
         if embed:  # answered here: nothing is sampled nor decoded
             return pb.StageResult(embedding=pb.Embedding(values=pooled(out.hidden, embed)))
-        if answer and self.lane is None:  # the request's last call: its lane given back
-            self._lane_freed()
-            return out
-        self._start_decoding()
+        if self.lane is not None:
+            self._start_decoding()
         if answer:
             return out
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
@@ -329,14 +334,19 @@ class StageSession:
         def finish(out):  # on the loop thread, this lane's rows alone
             self.cache.note_decoded(self.lane, tokens)
             if not self.last:
-                return out.frame
-            if replay:
-                return None
-            return step_answer(self._sample, out, d, self.server.speculated, self.nextn,
-                               self.lane, self.cache.runtime.lane_length(self.lane))
+                result = out.frame
+            elif replay:
+                result = None
+            else:
+                result = step_answer(self._sample, out, d, self.server.speculated,
+                                     self.nextn, self.lane,
+                                     self.cache.runtime.lane_length(self.lane))
+            return self._ended(result) if self.ending else result
 
         row = Row(self.lane, x, finish)
         out = self.loop.decode(row)
+        if self.lane is None:  # the request's last step: its lane given back in it
+            self._lane_freed()
         for key, value in (("batch", row.batch), ("proposed", len(d.proposed)),
                            ("replay", replay), ("direct", bool(d.reply_to))):
             if value:
@@ -404,9 +414,7 @@ class StageSession:
                 propose_after_prefill(self.nextn, self.lane, tokens, p.start, out, token,
                                       p.sampling.propose)
             result = pb.StageResult(token=token)
-        if self.ending:  # the request's last call: its lane given back in this trip
-            self._give_back_lane()
-        return result
+        return self._ended(result) if self.ending else result
 
     def _new_sampler(self, sampling: pb.Sampling) -> None:
         params = sampling_from_proto(sampling)
