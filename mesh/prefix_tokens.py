@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,8 @@ CUT_AT_SPACE = frozenset({
     "lfm2", "dbrx", "smaug-bpe", "qwen2", "deepseek-r1-qwen", "megrez", "stablelm2",
     "qwen35", "glm4", "chatglm-bpe", "gpt-4o", "llama4", "minimax-m2"})
 MIN_BYTES = 256    # shorter texts tokenize in microseconds
-ENTRIES = 32       # recent texts kept per (add_special, control)
+ENTRIES = 32           # recent texts kept per (add_special, control),
+HELD_BYTES = 16 << 20  # and their bytes (text, ids and ends) at most
 _SPACE = 0x20
 
 
@@ -48,9 +50,13 @@ def _letter(b: int) -> bool:
 @dataclass
 class _Known:
     data: bytes
-    ids: list[int]
-    ends: list[int] | None  # the byte offset where each id's text ends (None: some id's
-    # text is not the text's own bytes, as a SentencePiece space prefix: reused whole only)
+    ids: array      # int32
+    ends: array | None  # int32: the byte offset where each id's text ends (None: some
+    # id's text is not the text's own bytes, as a SentencePiece space prefix: whole only)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + 8 * len(self.ids)
 
 
 class PrefixTokens:
@@ -79,7 +85,7 @@ class PrefixTokens:
             if whole is not None:
                 known.move_to_end(data)
                 self.reused += len(whole.ids)
-                return list(whole.ids)
+                return whole.ids.tolist()
             base, k = self._cut_point(known, data) if self._may_cut() else (None, 0)
         if base is None:
             ids = self._encode(data, add_special, control)
@@ -88,16 +94,24 @@ class PrefixTokens:
         else:
             o = base.ends[k - 1]
             rest = self._encode(data[o:], False, control)
-            ids, ends = base.ids[:k] + rest, base.ends[:k] + self._ends(rest, o)
+            ids, ends = base.ids[:k].tolist() + rest, \
+                base.ends[:k].tolist() + self._ends(rest, o)
         with self._lock:
             if base is not None:
                 self.reused += k
             if (ends[-1] if ends else 0) != len(data):
                 ends = None
-            known[data] = _Known(data, ids, ends)
-            while len(known) > ENTRIES:
-                known.popitem(last=False)
-        return list(ids)
+            self._keep(known, _Known(data, array("i", ids),
+                                     None if ends is None else array("i", ends)))
+        return ids
+
+    def _keep(self, known: OrderedDict[bytes, _Known], new: _Known) -> None:
+        """`new` kept; the oldest texts forgotten beyond ENTRIES or HELD_BYTES."""
+        known.pop(new.data, None)
+        known[new.data] = new
+        held = sum(k.nbytes for k in known.values())
+        while len(known) > ENTRIES or (held > HELD_BYTES and len(known) > 1):
+            held -= known.popitem(last=False)[1].nbytes
 
     def _may_cut(self) -> bool:
         if self._cuts is None:

@@ -80,3 +80,16 @@ def test_long_runs_of_one_piece(smollm2, text):
     for end in ("tail", " tail", "\ntail", "", "word"):
         got = tok.encode(text + end)
         assert got == tok._encode((text + end).encode(), True, True)
+
+
+def test_what_is_kept_is_bounded_in_bytes(smollm2, monkeypatch):
+    from skippy.mesh import prefix_tokens
+    monkeypatch.setattr(prefix_tokens, "HELD_BYTES", 20_000)
+    tok = Tokenizer(smollm2)
+    rng = random.Random(2)
+    for _ in range(40):
+        text = _text(rng, 600)  # ~3 KB of text, ~1,000 ids
+        assert tok.encode(text) == tok._encode(text.encode(), True, True)
+    known = tok._prefix._known[(True, True)]
+    held = sum(k.nbytes for k in known.values())
+    assert 1 <= len(known) < 40 and (held <= 20_000 or len(known) == 1)
