@@ -122,13 +122,24 @@ class Int8Blocks:
 
 
 @dataclass(frozen=True)
+class Q6KBlocks:
+    """A Q6_K matrix as the GGUF stores it: value = d * sub * (code - 32). codes: uint8
+    [out, in] in 0..63; sub: int8 [out, in // 16]; d: float16 [out, in // 256]."""
+
+    codes: torch.Tensor
+    sub: torch.Tensor
+    d: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Matrix:
     """A weight as loaded: float32 values (out, in), plus the file's blocks when it was
-    stored as Q4_0/Q4_1 (int4) or Q8_0 (int8); None otherwise."""
+    stored as Q4_0/Q4_1 (int4), Q8_0 (int8) or Q6_K (q6k); None otherwise."""
 
     values: torch.Tensor
     int4: Int4Blocks | None = None
     int8: Int8Blocks | None = None
+    q6k: Q6KBlocks | None = None
 
 
 class Linear:
@@ -306,11 +317,30 @@ class BlockLinear(Linear):
                    if t is not None)
 
 
+class Q6KLinear(Linear):
+    """A Q6_K matrix on our kernel (qmatmul.c's kind 6): 6.56 bits a weight read, as
+    llama.cpp reads it, where a Q8_0 of it reads 8.5; rows quantized as every kind's."""
+
+    fmt = "q6k"
+
+    def __init__(self, blocks: Q6KBlocks):
+        self.lib = qkernel.library()
+        self.out_features, self.in_features = blocks.codes.shape
+        self.w, self.s, self.z = qkernel.pack6(blocks.codes, blocks.sub, blocks.d)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return qkernel.matmul(self.lib, 6, self.w, self.s, self.z, self.out_features, x)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.s, self.z))
+
+
 class RescoredHead:
-    """A Q8_0 head for the compact formats: every logit from the 8-bit blocks (our kernel,
-    or torch's int4 kernel as an int4 pair; quantized rows, so a little off), then the
-    TOP highest recomputed in float32 from the file's own values: code * scale, exactly
-    the fp32 head's weights. The token a greedy request takes, and every logit that
+    """A Q8_0 or Q6_K head for the compact formats: every logit from the file's 8-bit or
+    6-bit blocks (our kernel, or torch's int4 kernel as an int4 pair; quantized rows, so
+    a little off), then the TOP highest recomputed in float32 from the file's own values,
+    exactly the fp32 head's weights. The token a greedy request takes, and every logit that
     sampling can plausibly pick, are then float32 logits; the rest keep the quantized
     rows' error. Deterministic for given shapes (the exactness
     contract): the same rows give the same candidates and the same sums."""
@@ -318,16 +348,21 @@ class RescoredHead:
     fmt = "fp32-rescored"
     TOP = 64
 
-    def __init__(self, blocks: Int8Blocks, exact: torch.Tensor | None = None):
+    def __init__(self, blocks: Int8Blocks | None, exact: torch.Tensor | None = None,
+                 q6k: Q6KBlocks | None = None):
         """exact: the head's float32 values where the file's head is not Q8_0 (a Q6_K
-        head, as most 4-bit files have): the candidates come from `blocks`, our Q8_0 of
-        them, and are rescored from these (one row of 4 bytes a weight is read per
-        candidate, not per vocabulary entry)."""
+        head, as most 4-bit files have): the candidates come from `q6k`, its own blocks
+        on our kernel (else `blocks`, our Q8_0 of them), and are rescored from these (one
+        row of 4 bytes a weight is read per candidate, not per vocabulary entry)."""
         self.lib = qkernel.library()
-        self.approx = BlockLinear(8, blocks.codes, blocks.scale, None) \
-            if self.lib is not None else Int8AsInt4Linear(blocks)
+        if q6k is not None and self.lib is not None:
+            self.approx = Q6KLinear(q6k)
+        else:
+            self.approx = BlockLinear(8, blocks.codes, blocks.scale, None) \
+                if self.lib is not None else Int8AsInt4Linear(blocks)
         self.blocks, self.exact = blocks, exact
-        self.out_features, self.in_features = blocks.codes.shape
+        self.out_features, self.in_features = self.approx.out_features, \
+            self.approx.in_features
         self.top = min(self.TOP, self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -374,15 +409,19 @@ class Embeddings:
 
 def make_head(weight: torch.Tensor | Matrix, fmt: str, rows: int) -> Linear | RescoredHead:
     """The head: float32 in every format (it picks the token). The compact formats read a
-    Q8_0 head's blocks (or our Q8_0 of another head) and rescore the top logits in float32
+    Q8_0 or Q6_K head's blocks (or our Q8_0 of another head) and rescore the top logits in float32
     (RescoredHead); fp32 the float32 matrix, transposed when it runs 1-2 rows at a time
     (TransposedLinear)."""
     m = _as_matrix(weight)
     if fmt != "fp32" and m.int8 is not None:
         return RescoredHead(m.int8)
+    if fmt != "fp32" and m.q6k is not None and qkernel.library() is not None:
+        # a Q6_K head (most 4-bit files'): candidates from its own blocks, rescored from
+        # its float32 values
+        return RescoredHead(None, exact=m.values, q6k=m.q6k)
     if fmt != "fp32" and m.values.shape[1] % GROUP == 0:
-        # another 4-bit file's head (Q6_K): candidates from our Q8_0 of it, rescored
-        # from its float32 values, instead of every float32 row read per token
+        # another head: candidates from our Q8_0 of it, rescored from its float32
+        # values, instead of every float32 row read per token
         return RescoredHead(Int8Blocks.from_float(m.values), exact=m.values)
     return TransposedLinear(m.values) if rows <= 2 else Linear(m.values)
 

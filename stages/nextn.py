@@ -60,7 +60,7 @@ class NextN:
         own = p + "embed_tokens.weight"
         self.embed = Embeddings(t.matrix(own if own in t.names else "token_embd.weight"))
         own = p + "shared_head_head.weight"
-        self.head = make_head(t.matrix(own), fmt, 1) if own in t.names else head
+        self.head = make_head(t.matrix(own, q6k=True), fmt, 1) if own in t.names else head
         self.output_norm = output_norm
         mixer = MlaAttention(i, 0, cfg, t, fmt, YarnRope(cfg.rope_dim, cfg.mla.rope))
         self.layer = DecoderLayer(i, cfg, t, mixer, make_ffn(i, cfg, t, fmt))

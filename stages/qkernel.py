@@ -216,6 +216,25 @@ def pack8(codes: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
 
 
+def pack6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K as qmatmul.c's kind 6: codes [N, K] (uint8 0..63), sub-scales [N, K / 16]
+    (int8), d [N, K / 256] (halves) -> the packed codes [tiles, blocks, 384] (kind 4's
+    nibbles of the low 4 bits, then per half h the top 2 bits of input 16h + 4j + u in
+    bits 2j of byte [h][i][u]), the sub-scales [tiles, blocks, 2, TN] and d [tiles,
+    K / 256, TN]."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    low = pack4(c & 15).reshape(-1, k // QK, 256)
+    top = _tiles(c >> 4, 0).reshape(-1, TN, k // QK, 2, 4, 4)  # [t, i, b, h, j, u]
+    planes = sum(top[:, :, :, :, j] << (2 * j) for j in range(4))  # [t, i, b, h, u]
+    planes = planes.permute(0, 2, 3, 1, 4).reshape(-1, k // QK, 128)
+    w = torch.cat([low, planes.to(torch.uint8)], dim=2).contiguous()
+    sub_t = _tiles(sub.to(torch.int8), 0).reshape(-1, TN, k // QK, 2)
+    d_t = _tiles(d.to(torch.float16), 0.0).permute(0, 2, 1)
+    return w, sub_t.permute(0, 2, 3, 1).contiguous(), d_t.contiguous()
+
+
 def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
            z: torch.Tensor | None, n: int, x: torch.Tensor,
            use_c: bool = False) -> torch.Tensor:
@@ -224,7 +243,8 @@ def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     team = TEAM if getattr(_team, "on", False) else 0
-    rc = lib.skq_matmul(kind_word(kind, s, z) | team, w.data_ptr(), s.data_ptr(),
+    word = kind if kind == 6 else kind_word(kind, s, z)
+    rc = lib.skq_matmul(word | team, w.data_ptr(), s.data_ptr(),
                         z.data_ptr() if z is not None else None,
                         n, k, x.data_ptr(), m, y.data_ptr(), torch.get_num_threads(),
                         int(use_c))

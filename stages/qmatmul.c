@@ -1,6 +1,9 @@
 /* y = x @ W.T for weights held in blocks of 32 inputs, as GGUF stores them:
  *   kind 4: 4-bit codes c in 0..15, value = (c - 8) * s + z per block (z = 0 for Q4_0);
- *   kind 8: 8-bit codes c in -127..127, value = c * s per block (Q8_0).
+ *   kind 8: 8-bit codes c in -127..127, value = c * s per block (Q8_0);
+ *   kind 6: 6-bit codes c in 0..63, value = d * sc * (c - 32) with an int8 sc per 16
+ *           inputs and a half d per 256 (Q6_K, most 4-bit files' head: read at 6.56 bits
+ *           a weight, as llama.cpp reads it, not as 8.5-bit Q8_0).
  * Rows of x are quantized per block of 32 to int8 (d = amax / 127, q = rint(x / d)), as
  * llama.cpp quantizes activations for its Q4_0 / Q8_0 dot products (one level for every
  * row: stages/linear.py says why).
@@ -20,6 +23,12 @@
  *           code of input 4j + u of column i in its low nibble and of input 16 + 4j + u
  *           in its high nibble;
  *   kind 8: 512 bytes, byte [j][i][u] (j < 8) the code of input 4j + u of column i;
+ *   kind 6: 384 bytes: 256 as kind 4's with the codes' low 4 bits, then two planes of 64,
+ *           byte [h][i][u] holding in bits 2j, 2j + 1 the codes' top 2 bits of input
+ *           16h + 4j + u; its sc as int8 [h][i] (32 bytes) per tile and block, its d as
+ *           16 halves per tile and 256 inputs. Per block and column the integer
+ *           sc0 * (dot0 - 32 sum0) + sc1 * (dot1 - 32 sum1) over the halves h, then
+ *           y = fma((float)that, d * dx, y).
  * scales (and zeros) per tile and block as 16 floats, or as 16 halves (SKQ_S16, SKQ_Z16)
  * where every one of them is a half: GGUF's Q4_0 / Q8_0 / Q4_1 scales are, and a half's
  * float is exact, so the bits are the same while a weight costs 4.5 / 8.5 bits to read
@@ -102,6 +111,7 @@ typedef struct {
     const int8_t *q;
     const float *d, *dsum;
     const int32_t *sum;
+    const int32_t *sum16; /* kind 6: per row and block, the sums of q's two halves */
     float *y;
     int64_t M;
     int use_c;
@@ -120,6 +130,27 @@ static inline void store(float *y, const float *lanes, int n)
 }
 
 /* ---- plain C: the definition every vector path reproduces -------------------------- */
+/* Kind 6's integer for column i of tile t's block b: sc0 * (dot0 - 32 sum0) +
+ * sc1 * (dot1 - 32 sum1) over the block's halves (s16: the halves' sums of q). */
+static int32_t dot6(const job *J, int64_t t, int64_t b, int i, const int8_t *xb,
+                    const int32_t *s16)
+{
+    const uint8_t *wb = J->w + (t * J->nb + b) * 384;
+    const int8_t *sc = (const int8_t *)J->s + (t * J->nb + b) * 32;
+    int32_t total = 0;
+    for (int h = 0; h < 2; h++) {
+        int32_t dot = 0;
+        for (int j = 0; j < 4; j++)
+            for (int u = 0; u < 4; u++) {
+                const uint8_t lo = wb[j * 64 + i * 4 + u], hi = wb[256 + h * 64 + i * 4 + u];
+                const int code = (h ? lo >> 4 : lo & 15) | (((hi >> (2 * j)) & 3) << 4);
+                dot += code * xb[16 * h + 4 * j + u];
+            }
+        total += sc[h * TN + i] * (dot - 32 * s16[h]);
+    }
+    return total;
+}
+
 static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
 {
     const int64_t nb = J->nb;
@@ -133,6 +164,12 @@ static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
             const float dx = J->d[m * nb + b];
             for (int i = 0; i < TN; i++) {
                 int32_t dot = 0;
+                if (J->kind == 6) {
+                    acc[i] = fmaf((float)dot6(J, t, b, i, xb, J->sum16 + (m * nb + b) * 2),
+                                  half_float(((const uint16_t *)J->z)[
+                                      (t * (nb / 8) + b / 8) * TN + i]) * dx, acc[i]);
+                    continue;
+                }
                 if (J->kind == 4) {
                     const uint8_t *wb = J->w + (t * nb + b) * 256;
                     for (int j = 0; j < 4; j++)
@@ -156,12 +193,25 @@ static void tile_c(const job *J, int64_t t, int64_t m0, int mr)
     }
 }
 
+
 #if defined(SKQ_AVX2) && !defined(SKQ_AVX512)
 /* AVX2: a tile as two halves of 8 columns; MR rows share each unpacked weight vector.
  * 4-bit: eight maddubs products (|each| <= 2 * 15 * 127) add up in int16 without
  * overflow (8 * 3810 = 30480), then one madd to int32. 8-bit: codes signed, so
  * maddubs(|w|, sign(q, w)) per group (|each| <= 2 * 127 * 127), madd to int32 at once. */
 #define ACC_T __m256
+/* Rows m0.. of accumulators (8 columns from c0; a matrix's last tile may be short) to y. */
+static inline void store8(const job *J, const __m256 *acc, int MR, int64_t m0, int64_t c0)
+{
+    const int ncols = (int)(J->N - c0 < 8 ? J->N - c0 : 8);
+    for (int r = 0; r < MR; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[r]);
+        if (ncols > 0)
+            store(J->y + (m0 + r) * J->N + c0, lanes, ncols);
+    }
+}
+
 static inline __m256 load8(const void *v, int half, int64_t i)
 {
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)v + i)))
@@ -228,13 +278,74 @@ half_avx2(const job *J, int64_t t, int h, int64_t m0, const int MR, const int HA
                 acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(J->dsum[(m0 + r) * nb + b]), acc[r]);
         }
     }
-    const int64_t c0 = t * TN + h * 8;
-    const int ncols = (int)(J->N - c0 < 8 ? J->N - c0 : 8);
-    for (int r = 0; r < MR; r++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, acc[r]);
-        if (ncols > 0)
-            store(J->y + (m0 + r) * J->N + c0, lanes, ncols);
+    store8(J, acc, MR, m0, t * TN + h * 8);
+}
+
+
+/* Kind 6 on AVX2, a tile as two halves of 8 columns: maddubs of a 6-bit code and a q
+ * (|each pair| <= 2 * 63 * 127) summed two at a time in int16 (<= 32004), then to int32. */
+static inline __attribute__((always_inline)) void
+half6_avx2(const job *J, int64_t t, int hh, int64_t m0, const int MR)
+{
+    const int64_t nb = J->nb, K = J->K;
+    const __m256i m0f = _mm256_set1_epi8(0x0f), m03 = _mm256_set1_epi8(3);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[8];
+    for (int r = 0; r < MR; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = J->w + (t * nb + b) * 384 + hh * 32;
+        const int8_t *sc = (const int8_t *)J->s + (t * nb + b) * 32 + hh * 8;
+        const __m256i top0 = _mm256_loadu_si256((const __m256i *)(wb + 256));
+        const __m256i top1 = _mm256_loadu_si256((const __m256i *)(wb + 320));
+        __m256i c0[4], c1[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 64));
+            c0[j] = _mm256_or_si256(_mm256_and_si256(raw, m0f), _mm256_slli_epi16(
+                _mm256_and_si256(_mm256_srli_epi16(top0, 2 * j), m03), 4));
+            c1[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m0f),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top1, 2 * j), m03), 4));
+        }
+        const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+        const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16)));
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(
+            (const uint16_t *)J->z + (t * (nb / 8) + b / 8) * TN + hh * 8)));
+        for (int r = 0; r < MR; r++) {
+            const int8_t *xr = J->q + (m0 + r) * K + b * QK;
+            const int32_t *s16 = J->sum16 + ((m0 + r) * nb + b) * 2;
+            __m256i p0[4], p1[4];
+            for (int j = 0; j < 4; j++) {
+                int32_t x0, x1;
+                memcpy(&x0, xr + 4 * j, 4);
+                memcpy(&x1, xr + 16 + 4 * j, 4);
+                p0[j] = _mm256_maddubs_epi16(c0[j], _mm256_set1_epi32(x0));
+                p1[j] = _mm256_maddubs_epi16(c1[j], _mm256_set1_epi32(x1));
+            }
+            const __m256i d0 = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_add_epi16(p0[0], p0[1]), ones),
+                _mm256_madd_epi16(_mm256_add_epi16(p0[2], p0[3]), ones));
+            const __m256i d1 = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_add_epi16(p1[0], p1[1]), ones),
+                _mm256_madd_epi16(_mm256_add_epi16(p1[2], p1[3]), ones));
+            const __m256i tot = _mm256_add_epi32(
+                _mm256_mullo_epi32(s0, _mm256_sub_epi32(d0, _mm256_set1_epi32(32 * s16[0]))),
+                _mm256_mullo_epi32(s1, _mm256_sub_epi32(d1, _mm256_set1_epi32(32 * s16[1]))));
+            const __m256 sd = _mm256_mul_ps(dv, _mm256_set1_ps(J->d[(m0 + r) * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), sd, acc[r]);
+        }
+    }
+    store8(J, acc, MR, m0, t * TN + hh * 8);
+}
+
+static void tile6_vec(const job *J, int64_t t, int64_t m0, int mr)
+{
+    for (int h = 0; h < 2; h++) {
+        switch (mr) {
+        case 4: half6_avx2(J, t, h, m0, 4); break;
+        case 3: half6_avx2(J, t, h, m0, 3); break;
+        case 2: half6_avx2(J, t, h, m0, 2); break;
+        default: half6_avx2(J, t, h, m0, 1);
+        }
     }
 }
 
@@ -262,6 +373,17 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 #endif
 
 #if defined(SKQ_AVX512)
+/* Rows m0.. of accumulators (tile t's columns; the last tile may be short) to y. */
+static inline void store16(const job *J, const __m512 *acc, int MR, int64_t m0, int64_t t)
+{
+    const int ncols = (int)(J->N - t * TN < TN ? J->N - t * TN : TN);
+    for (int r = 0; r < MR; r++) {
+        float lanes[TN];
+        _mm512_storeu_ps(lanes, acc[r]);
+        store(J->y + (m0 + r) * J->N + t * TN, lanes, ncols);
+    }
+}
+
 static inline __m512 load16(const void *v, int half, int64_t i)
 {
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))
@@ -334,11 +456,70 @@ tile_avx512(const job *J, int64_t t, int64_t m0, const int MR, const int HASZ)
                 acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(J->dsum[(m0 + r) * nb + b]), acc[r]);
         }
     }
-    const int ncols = (int)(J->N - t * TN < TN ? J->N - t * TN : TN);
-    for (int r = 0; r < MR; r++) {
-        float lanes[TN];
-        _mm512_storeu_ps(lanes, acc[r]);
-        store(J->y + (m0 + r) * J->N + t * TN, lanes, ncols);
+    store16(J, acc, MR, m0, t);
+}
+
+
+/* Kind 6 on AVX-512 VNNI: a tile's 16 columns per vector; a code (0..63) is unsigned,
+ * as dpbusd takes it. */
+static inline __attribute__((always_inline)) void
+tile6_avx512(const job *J, int64_t t, int64_t m0, const int MR)
+{
+    const int64_t nb = J->nb, K = J->K;
+    const __m512i m0f = _mm512_set1_epi8(0x0f), m03 = _mm512_set1_epi8(3);
+    __m512 acc[8];
+    for (int r = 0; r < MR; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = J->w + (t * nb + b) * 384;
+        const int8_t *sc = (const int8_t *)J->s + (t * nb + b) * 32;
+        const __m512i top0 = _mm512_loadu_si512((const void *)(wb + 256));
+        const __m512i top1 = _mm512_loadu_si512((const void *)(wb + 320));
+        __m512i d0[8], d1[8];
+        for (int r = 0; r < MR; r++)
+            d0[r] = d1[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(wb + j * 64));
+            const __m512i c0 = _mm512_or_si512(_mm512_and_si512(raw, m0f), _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(top0, 2 * j), m03), 4));
+            const __m512i c1 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(raw, 4), m0f), _mm512_slli_epi16(
+                    _mm512_and_si512(_mm512_srli_epi16(top1, 2 * j), m03), 4));
+            for (int r = 0; r < MR; r++) {
+                int32_t x0, x1;
+                memcpy(&x0, J->q + (m0 + r) * K + b * QK + 4 * j, 4);
+                memcpy(&x1, J->q + (m0 + r) * K + b * QK + 16 + 4 * j, 4);
+                d0[r] = _mm512_dpbusd_epi32(d0[r], c0, _mm512_set1_epi32(x0));
+                d1[r] = _mm512_dpbusd_epi32(d1[r], c1, _mm512_set1_epi32(x1));
+            }
+        }
+        const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc));
+        const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)));
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(
+            (const uint16_t *)J->z + (t * (nb / 8) + b / 8) * TN)));
+        for (int r = 0; r < MR; r++) {
+            const int32_t *s16 = J->sum16 + ((m0 + r) * nb + b) * 2;
+            const __m512i tot = _mm512_add_epi32(
+                _mm512_mullo_epi32(s0, _mm512_sub_epi32(d0[r], _mm512_set1_epi32(32 * s16[0]))),
+                _mm512_mullo_epi32(s1, _mm512_sub_epi32(d1[r], _mm512_set1_epi32(32 * s16[1]))));
+            const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(J->d[(m0 + r) * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot), sd, acc[r]);
+        }
+    }
+    store16(J, acc, MR, m0, t);
+}
+
+static void tile6_vec(const job *J, int64_t t, int64_t m0, int mr)
+{
+    switch (mr) {
+    case 8: tile6_avx512(J, t, m0, 8); break;
+    case 7: tile6_avx512(J, t, m0, 7); break;
+    case 6: tile6_avx512(J, t, m0, 6); break;
+    case 5: tile6_avx512(J, t, m0, 5); break;
+    case 4: tile6_avx512(J, t, m0, 4); break;
+    case 3: tile6_avx512(J, t, m0, 3); break;
+    case 2: tile6_avx512(J, t, m0, 2); break;
+    default: tile6_avx512(J, t, m0, 1);
     }
 }
 
@@ -368,6 +549,7 @@ static void tile_vec(const job *J, int64_t t, int64_t m0, int mr)
 #if !defined(MR_MAX)
 #define MR_MAX 4
 #define tile_vec tile_c
+#define tile6_vec tile_c
 #endif
 
 
@@ -390,6 +572,8 @@ static void tiles(void *arg, int64_t t0, int64_t t1)
             const int mr = (int)(J->M - m0 < MR_MAX ? J->M - m0 : MR_MAX);
             if (J->use_c)
                 tile_c(J, t, m0, mr);
+            else if (J->kind == 6)
+                tile6_vec(J, t, m0, mr);
             else
                 tile_vec(J, t, m0, mr);
         }
@@ -407,8 +591,8 @@ const char *skq_isa(void)
 #endif
 }
 
-/* y[M][N] = x[M][K] @ W.T. kind 4 or 8, | SKQ_S16 and | SKQ_Z16 where s / z hold halves,
- * | SKQ_TEAM for the OpenMP team at any row count (a prefill's head row: its team is awake);
+/* y[M][N] = x[M][K] @ W.T. kind 4 or 8, | SKQ_S16 and | SKQ_Z16 where s / z hold halves
+ * (kind 6: s its int8 sub-scales, z its halves d, as the layout above), | SKQ_TEAM for the OpenMP team at any row count (a prefill's head row: its team is awake);
  * w, s, z (z may be NULL) packed as above, with ceil(N / 16) tiles. Threads (pool.c) split the column tiles: each output is one
  * thread's.
  * use_c: run the plain C definition (tests compare the paths). Returns 0, or -1 when
@@ -426,8 +610,22 @@ int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t
         return -1;
     }
     quantize(x, M, K, q, d, sum, dsum);
+    int32_t *sum16 = NULL;
+    if ((kind & 15) == 6) { /* the two halves' sums of each block's q */
+        sum16 = malloc((size_t)(M * nb * 2) * sizeof(int32_t));
+        if (!sum16) {
+            free(q); free(d); free(dsum); free(sum);
+            return -1;
+        }
+        for (int64_t i = 0; i < M * nb * 2; i++) {
+            int32_t v = 0;
+            for (int u = 0; u < 16; u++)
+                v += q[i * 16 + u];
+            sum16[i] = v;
+        }
+    }
     job J = {kind & 15, !!(kind & SKQ_S16), !!(kind & SKQ_Z16), w, s, z, N, K, nb, q, d, dsum,
-             sum, y, M, use_c};
+             sum, sum16, y, M, use_c};
     const int64_t n_tiles = (N + TN - 1) / TN;
     if (M > OMP_ROWS || (kind & SKQ_TEAM)) { /* prefill: on torch's OpenMP team, which runs
                                                * the ops around it */
@@ -437,6 +635,6 @@ int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t
     } else {
         skp_run(threads, n_tiles, tiles, &J);
     }
-    free(q); free(d); free(dsum); free(sum);
+    free(q); free(d); free(dsum); free(sum); free(sum16);
     return 0;
 }

@@ -109,7 +109,8 @@ class TorchStageRuntime(StageRuntime):
             # The head's top logits stay fp32 in every format: they pick the token, and a
             # head in fewer bits lost top-1 agreement (evals/format_accuracy.py).
             # It runs lane_batch rows at a time (_logits).
-            self.head = make_head(t.matrix(head), spec.weight_format, spec.lane_batch)
+            self.head = make_head(t.matrix(head, q6k=True), spec.weight_format,
+                                  spec.lane_batch)
         # speculation's proposer where the file ships NextN layers (stages/nextn.py)
         self.nextn = NextN(cfg, t, spec.weight_format, self.head, self.norm, spec.chunk,
                            self.n_ctx) if spec.is_last and cfg.nextn_tensors(t.names) else None

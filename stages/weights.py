@@ -22,7 +22,7 @@ from skippy.topology.errors import UserError
 from skippy.topology.gguf_file import GGUFFile, ModelConfigError
 from skippy.topology.model_config import ModelConfig
 
-from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix
+from .linear import GROUP, Int4Blocks, Int8Blocks, Matrix, Q6KBlocks
 
 
 # Llama 3's per-dimension rope frequency factors: one tensor every attention layer reads.
@@ -60,14 +60,16 @@ class StageTensors:
     def get(self, name: str) -> torch.Tensor | None:
         return self[name] if name in self.names else None
 
-    def matrix(self, name: str) -> Matrix:
+    def matrix(self, name: str, q6k: bool = False) -> Matrix:
         """A weight matrix for make_linear, read now and not kept: its values and, if
-        stored so, the file's 4-bit (Q4_0 / Q4_1) or 8-bit (Q8_0) blocks."""
+        stored so, the file's 4-bit (Q4_0 / Q4_1) or 8-bit (Q8_0) blocks, and with `q6k`
+        (a head: make_head reads them) its Q6_K blocks."""
         self._check(name)
         values = self._kept.get(name)
         if values is None:
             values = dequantize_tensor(self.f, name)
-        return Matrix(values, int4_blocks(self.f, name), int8_blocks(self.f, name))
+        return Matrix(values, int4_blocks(self.f, name), int8_blocks(self.f, name),
+                      q6k_blocks(self.f, name) if q6k else None)
 
     def experts(self, name: str) -> Iterator[Matrix]:
         """A 3-D expert tensor (GGUF {in, out, n_expert}) one expert at a time, read now and
@@ -200,6 +202,26 @@ def int4_of(raw: np.ndarray, qtype, shape: tuple[int, int]) -> Int4Blocks | None
     d = _f16_scale(blocks, 0).view(n, k // GROUP)
     offset = _f16_scale(blocks, 2).view(n, k // GROUP) if header == 4 else d * -8.0
     return Int4Blocks(_nibbles(blocks[:, header:]).view(n, k), d, offset)
+
+
+def q6k_blocks(f: GGUFFile, name: str) -> Q6KBlocks | None:
+    """A Q6_K matrix's blocks (ggml's block_q6_K: ql[128], qh[64], int8 scales[16], f16
+    d per 256 values) as codes, sub-scales and d; None for any other type."""
+    info = f.tensors[name]
+    n, k = (int(info.shape[1]), int(info.shape[0])) if len(info.shape) == 2 else (0, 0)
+    if info.qtype != GGMLQuantizationType.Q6_K or not n or k % 256:
+        return None
+    b = _bytes(np.asarray(f.raw(name))).view(n * (k // 256), 210)
+    codes = torch.empty(n * (k // 256), 256, dtype=torch.uint8)
+    for half in range(2):  # value 128 half + 32 q + l, q < 4, l < 32 (ggml's order)
+        ql, qh = b[:, 64 * half:64 * half + 64], b[:, 128 + 32 * half:160 + 32 * half]
+        low = (ql[:, :32] & 15, ql[:, 32:] & 15, ql[:, :32] >> 4, ql[:, 32:] >> 4)
+        for q in range(4):
+            at = 128 * half + 32 * q
+            codes[:, at:at + 32] = low[q] | (((qh >> (2 * q)) & 3) << 4)
+    sub = b[:, 192:208].contiguous().view(torch.int8)
+    d = b[:, 208:210].contiguous().view(torch.float16)
+    return Q6KBlocks(codes.view(n, k), sub.reshape(n, k // 16), d.reshape(n, k // 256))
 
 
 def int8_blocks(f: GGUFFile, name: str) -> Int8Blocks | None:

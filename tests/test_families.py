@@ -20,6 +20,8 @@ REGISTRY = {"topology/families.py"}
 NOT_ARCHITECTURES = {
     ("mesh/front/chat.py", "llama"): "a tokenizer model (llama-vocab.cpp's add_bos default)",
     ("evals/bench_constraint.py", "gemma3"): "a result label of the shipped Gemma 3 model",
+    **{("mesh/prefix_tokens.py", name): "a llama.cpp pre-tokenizer (tokenizer.ggml.pre)"
+       for name in ("olmo", "falcon-h1", "lfm2", "glm4", "minimax-m2")},
 }
 
 

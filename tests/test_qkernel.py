@@ -288,3 +288,42 @@ def test_every_heads_product_in_one_call_is_each_heads_own():
     for h in range(heads):
         assert torch.equal(out[:, h, :n], qkernel.linear_f32(lib, x[:, h].contiguous(), w[h]))
     assert not out[:, heads].any() and not out[..., n:].any()
+
+
+def _q6k(n: int, k: int, seed: int = 0):
+    """A random Q6_K matrix as kind 6's tables, and its values d * sub * (code - 32)."""
+    from skippy.stages.linear import Q6KBlocks, Q6KLinear
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
+    sub = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int32).to(torch.int8)
+    d = (torch.rand(n, k // 256, generator=g) * 1e-3).half()
+    values = d.float().repeat_interleave(256, 1) * sub.float().repeat_interleave(16, 1) \
+        * (codes.float() - 32)
+    return Q6KLinear(Q6KBlocks(codes, sub, d)), values
+
+
+@pytest.mark.parametrize("n, k", [(50, 256), (576, 512), (37, 1536)])
+def test_q6k_vector_path_equals_the_c_definition(n, k):
+    lin, values = _q6k(n, k)
+    x = torch.randn(11, k)  # 11 rows: whole row groups and a tail
+    got = lin(x)
+    assert torch.equal(got, qkernel.matmul(lib, 6, lin.w, lin.s, lin.z, n, x, use_c=True))
+    want = _quantized(x) @ values.T
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+    assert lin.nbytes <= -(-n // 16) * 16 * k * 6.57 / 8  # 6.56 bits a weight, whole tiles
+
+
+def test_q6k_rows_bits_ignore_their_neighbours_threads_and_build():
+    lin, _ = _q6k(200, 512, seed=3)
+    x = torch.randn(40, 512)
+    whole = lin(x)
+    assert torch.equal(whole, torch.cat([lin(x[i:i + 1]) for i in range(40)]))
+    assert torch.equal(whole, torch.cat([lin(x[i:i + 3]) for i in range(0, 40, 3)]))
+    flags = qkernel.cpu_flags()
+    runnable = ["c"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else []) \
+        + (["avx512-vnni"] if {"avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
+    for which in runnable:
+        other = ctypes.CDLL(str(qkernel._build(which)))
+        other.skq_matmul.restype = ctypes.c_int
+        other.skq_matmul.argtypes = lib.skq_matmul.argtypes
+        assert torch.equal(qkernel.matmul(other, 6, lin.w, lin.s, lin.z, 200, x), whole), which
