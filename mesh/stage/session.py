@@ -40,10 +40,10 @@ from skippy.topology.errors import RequestError, log_ours, new_error_id, one_lin
 from .. import tracing
 from ..sampler import Sampler
 from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
+from .first_step import FirstStep
 from .loop import Row
 from .pooling import pooled
-from .state_pull import peer_named, start_pull
-from .verify import plan_reply, propose_after_prefill, step_answer
+from .verify import propose_after_prefill, step_answer
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _NoLane(StageError):
     pass  # none free now: the session waits for one
 
 
-class StageSession:
+class StageSession(FirstStep):
     def __init__(self, server):
         self.server, self.loop, self.cache = server, server.loop, server.cache
         self.last = server.spec.is_last
@@ -195,86 +195,11 @@ class StageSession:
         lane, self.lane = self.lane, None
         self.cache.free_lane(lane, keep_warm=not self.probe)
 
-    def _ended(self, result):
-        """On the loop thread, in the trip of the request's last call: the lane given
-        back there (close then has no trip to make); `result` passed on."""
-        self._give_back_lane()
-        return result
-
     def _lane_freed(self) -> None:
         with self.server.lane_freed:  # the next session waiting for a lane wakes
             self.server.lane_freed.notify_all()
 
     # -- calls ---------------------------------------------------------------------------
-    def _plan(self, p: pb.Plan) -> pb.StageResult:
-        tokens = list(p.tokens)
-        # a last stage that pulls nothing asks no one: lane, exact result and plan in one
-        # trip to the loop (each trip costs a short request 0.1 ms)
-        peer = peer_named(self.server, p)
-        alone = self.last and peer is None
-        logits, start = self._begin(tokens, p.probe, p.namespace,
-                                    partial(self._plan_here, tokens, p, alone))
-        if logits is not None:  # an exact repeat: its first token, nothing computed
-            self.span.set_attribute("skippy.exact_result", True)
-            self._new_sampler(p.sampling)
-            return pb.StageResult(token=self._sample(logits, len(tokens)))
-        reply = None
-        if not alone:  # a pull runs while the stages below plan theirs
-            pulling = None if peer is None else start_pull(self.server, peer, self.lane, p)
-            reply = None if self.last else self._ask_down(pb.StageCall(plan=p))
-            if pulling is not None:
-                pulling.join()
-            if reply is not None and reply.WhichOneof("result") != "plan":
-                return reply
-            self.downstream_start = None if reply is None else reply.plan.start
-            start = self.loop.call(self.cache.plan, self.lane, tokens, p.limit,
-                                   self.downstream_start, self.scope)
-        self.span.set_attribute("skippy.start", start)
-        return pb.StageResult(plan=plan_reply(self.server.runtime, start,
-                                              None if reply is None else reply.plan))
-
-    def _alone(self, p: pb.Plan) -> bool:
-        """A one-stage pipeline that pulls from no peer: it plans and prefills alone."""
-        return self.last and self.server.spec.is_first and peer_named(self.server, p) is None
-
-    def _at_once(self, p: pb.Plan) -> pb.StageResult:
-        """A one-stage pipeline's first step: lane, exact result, plan, prefill and
-        answer in one trip to the loop, and the request's last call gives its lane back
-        in it too (a trip costs a short request 0.1-0.2 ms; three were half of the
-        stage's own time on a warm hit)."""
-        tokens = list(p.tokens)
-        self._new_sampler(p.sampling)  # a grammar compiles here, not on the loop
-        out = self._begin(tokens, p.probe, p.namespace, partial(self._at_once_here, tokens, p))
-        if self.lane is None:
-            self._lane_freed()
-        elif out.WhichOneof("result") == "token" and out.token.HasField("plan"):
-            self._start_decoding()
-        return out
-
-    def _at_once_here(self, tokens: list[int], p: pb.Plan) -> pb.StageResult:
-        logits, start = self._plan_here(tokens, p, True)
-        if logits is not None:  # an exact repeat: its first token, nothing computed
-            out = pb.StageResult(token=self._sample(logits, len(tokens)))
-            return self._ended(out) if self.ending else out
-        sent = pb.Prefill(tokens=p.tokens, start=start, sampling=p.sampling, probe=p.probe,
-                          namespace=p.namespace)
-        out = self.loop.compute("prefill", self._restore_and_prefill, tokens,
-                                torch.tensor(tokens[start:], dtype=torch.long), start,
-                                rows=len(tokens) - start,
-                                then=partial(self._answer, tokens, sent))
-        if out.WhichOneof("result") == "token":
-            out.token.plan.CopyFrom(plan_reply(self.server.runtime, start, None))
-        return out
-
-    def _plan_here(self, tokens: list[int], p: pb.Plan, alone: bool):
-        """On the loop thread, the lane held: (the exact result's logits, None) where the
-        last stage keeps them, else (None, the plan's start if `alone`, else None)."""
-        if self.last and p.results and p.HasField("sampling"):
-            if (logits := self.cache.cached_result(tokens, self.scope)) is not None:
-                return logits, None
-        return None, self.cache.plan(self.lane, tokens, p.limit, None, self.scope) \
-            if alone else None
-
     def _prefill(self, p: pb.Prefill) -> pb.StageResult:
         tokens, start = list(p.tokens), p.start
         self._begin(tokens, p.probe, p.namespace)
@@ -294,17 +219,16 @@ class StageSession:
             self.span.set_attribute("skippy.replay", True)
         embed = p.embed if self.last else ""
         answer = self.last and not embed
-        then = partial(self._answer, tokens, p) if answer else \
-            self._ended if self.ending else None
         out = self.loop.compute("prefill", tracing.carried(self._restore_and_prefill), tokens,
                                 inputs, start, rows=len(tokens) - start,
-                                logits="hidden" if embed else "last", then=then)
-        if self.lane is None:  # the request's last call: its lane given back in the trip
-            self._lane_freed()
+                                logits="hidden" if embed else "last",
+                                then=partial(self._answer, tokens, p) if answer else None)
         if embed:  # answered here: nothing is sampled nor decoded
             return pb.StageResult(embedding=pb.Embedding(values=pooled(out.hidden, embed)))
-        if self.lane is not None:
-            self._start_decoding()
+        if answer and self.lane is None:  # the request's last call: its lane given back
+            self._lane_freed()
+            return out
+        self._start_decoding()
         if answer:
             return out
         sent = pb.Prefill(tokens=p.tokens, start=out.frame.start, sampling=p.sampling,
@@ -334,19 +258,14 @@ class StageSession:
         def finish(out):  # on the loop thread, this lane's rows alone
             self.cache.note_decoded(self.lane, tokens)
             if not self.last:
-                result = out.frame
-            elif replay:
-                result = None
-            else:
-                result = step_answer(self._sample, out, d, self.server.speculated,
-                                     self.nextn, self.lane,
-                                     self.cache.runtime.lane_length(self.lane))
-            return self._ended(result) if self.ending else result
+                return out.frame
+            if replay:
+                return None
+            return step_answer(self._sample, out, d, self.server.speculated, self.nextn,
+                               self.lane, self.cache.runtime.lane_length(self.lane))
 
         row = Row(self.lane, x, finish)
         out = self.loop.decode(row)
-        if self.lane is None:  # the request's last step: its lane given back in it
-            self._lane_freed()
         for key, value in (("batch", row.batch), ("proposed", len(d.proposed)),
                            ("replay", replay), ("direct", bool(d.reply_to))):
             if value:
@@ -414,7 +333,9 @@ class StageSession:
                 propose_after_prefill(self.nextn, self.lane, tokens, p.start, out, token,
                                       p.sampling.propose)
             result = pb.StageResult(token=token)
-        return self._ended(result) if self.ending else result
+        if self.ending:  # the request's last call: its lane given back in this trip
+            self._give_back_lane()
+        return result
 
     def _new_sampler(self, sampling: pb.Sampling) -> None:
         params = sampling_from_proto(sampling)
