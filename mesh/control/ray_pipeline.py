@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 import ray
+from grpc._cython import cygrpc
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
 from skippy.proto import stage_pb2 as pb
@@ -134,7 +135,10 @@ class GrpcStageLink:
         try:
             await self._call.done_writing()
             await asyncio.wait_for(self._call.code(), CLOSE_S)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError,
+                cygrpc.BaseError):
+            # A stream a dying stage broke may fail its close inside grpc (its own
+            # ExecuteBatchError, not an AioRpcError): the session ends either way.
             pass
         finally:
             self._call.cancel()
