@@ -104,11 +104,25 @@ def create_app(engine: Engine | ModelSet, *, api_keys: Iterable[str] | str | Pat
     _routes(app, completions, metrics)
     add_status_routes(app, StatusBoard(models, metrics, in_flight))
     keys = ApiKeys(load_api_keys(api_keys), tenant_secret, load_operator_keys(operator_keys))
-    app.add_middleware(Edge, keys=keys,
-                       loopback=is_loopback(bind_host), count=_counter(metrics))
+    app.add_middleware(Edge, keys=keys, loopback=is_loopback(bind_host),
+                       count=_counter(metrics), direct=_generating(completions))
     if tracing.enabled():  # outermost: a request's span holds the edge's refusals too
         app.add_middleware(tracing.HttpSpans)
     return app
+
+
+def _generating(completions: Completions) -> dict:
+    """The routes that generate, by path: POST only. The edge answers them itself
+    (Edge.direct), past FastAPI's routing; their FastAPI routes answer other methods."""
+    return {"/v1/completions": lambda request: completions.complete(request, chat=False),
+            "/v1/chat/completions": lambda request: completions.complete(request, chat=True),
+            "/v1/messages": completions.message, "/v1/responses": completions.response}
+
+
+def _route(handler):
+    async def route(request: Request):
+        return await _guarded(handler(request))
+    return route
 
 
 def _counter(metrics: GatewayMetrics):
@@ -161,13 +175,8 @@ def _routes(app: FastAPI, completions: Completions, metrics: GatewayMetrics) -> 
             raise not_served(model, models.names)
         return model_card(model)
 
-    @app.post("/v1/completions")
-    async def completions_route(request: Request):
-        return await _guarded(completions.complete(request, chat=False))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _guarded(completions.complete(request, chat=True))
+    for path, handler in _generating(completions).items():
+        app.add_api_route(path, _route(handler), methods=["POST"])
 
     _agent_routes(app, completions)
     _operator_routes(app, completions)
@@ -199,17 +208,9 @@ def _agent_routes(app: FastAPI, completions: Completions) -> None:
     """The APIs agents speak beside chat (Responses, Anthropic's Messages) and the
     tokenizer's own routes."""
 
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        return await _guarded(completions.message(request))
-
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         return await _guarded(completions.count_tokens(request))
-
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        return await _guarded(completions.response(request))
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(request: Request, response_id: str):
