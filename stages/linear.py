@@ -331,6 +331,14 @@ class Q6KLinear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return qkernel.matmul(self.lib, 6, self.w, self.s, self.z, self.out_features, x)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 values of rows `ids` [...], shaped [..., in_features]: the bits
+        of the matrix dequantized (GGUF's own formula)."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"row out of range [0, {self.out_features})")
+        flat = qkernel.rows6(self.lib, self.w, self.s, self.z, self.in_features, ids.reshape(-1))
+        return flat.reshape(*ids.shape, self.in_features)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.s, self.z))
@@ -350,13 +358,16 @@ class RescoredHead:
 
     def __init__(self, blocks: Int8Blocks | None, exact: torch.Tensor | None = None,
                  q6k: Q6KBlocks | None = None):
-        """exact: the head's float32 values where the file's head is not Q8_0 (a Q6_K
-        head, as most 4-bit files have): the candidates come from `q6k`, its own blocks
-        on our kernel (else `blocks`, our Q8_0 of them), and are rescored from these (one
-        row of 4 bytes a weight is read per candidate, not per vocabulary entry)."""
+        """exact: the head's float32 values where the file's head is neither Q8_0 nor
+        Q6_K: the candidates come from `blocks`, our Q8_0 of them, and are rescored from
+        these (one row of 4 bytes a weight is read per candidate, not per vocabulary
+        entry). q6k (on our kernel): a Q6_K head (most 4-bit files') whose own blocks give
+        the candidates, each rescored from its row dequantized as GGUF does it (the bits
+        of its float32 values, which are not kept)."""
         self.lib = qkernel.library()
         if q6k is not None and self.lib is not None:
             self.approx = Q6KLinear(q6k)
+            exact = None
         else:
             self.approx = BlockLinear(8, blocks.codes, blocks.scale, None) \
                 if self.lib is not None else Int8AsInt4Linear(blocks)
@@ -371,7 +382,10 @@ class RescoredHead:
             return self._torch_rescored(x, y)
         # each row alone in rowops.c: its candidates (one pass), their float32 dots
         idx = qkernel.top_rows(self.lib, y, self.top)  # [rows, top]
-        if self.exact is not None:
+        if isinstance(self.approx, Q6KLinear):
+            a = self.approx
+            exact = qkernel.rows_dot6(self.lib, a.w, a.s, a.z, idx, x)
+        elif self.exact is not None:
             exact = qkernel.rows_dot_f32(self.lib, self.exact, idx, x)
         else:
             exact = qkernel.rows_dot(self.lib, self.blocks.codes, self.blocks.scale, idx, x)
@@ -394,16 +408,21 @@ class RescoredHead:
 class Embeddings:
     """Token rows of the embedding table. A Q8_0 table stays as its blocks, and a row is
     dequantized when asked for: code * scale, the same float32 values as the whole
-    dequantized table (Gemma 3's would be 671 MB), at a quarter of the memory."""
+    dequantized table (Gemma 3's would be 671 MB), at a quarter of the memory; a Q6_K
+    table (most 4-bit files') as kind 6's tables on our kernel, at 0.82 bytes a value."""
 
     def __init__(self, weight: torch.Tensor | Matrix):
         m = _as_matrix(weight)
         self.blocks = m.int8
-        self.table = m.values if m.int8 is None else None
+        self.q6k = Q6KLinear(m.q6k) if m.int8 is None and m.q6k is not None \
+            and qkernel.library() is not None else None
+        self.table = m.values if m.int8 is None and self.q6k is None else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return F.embedding(ids, self.table)
+        if self.q6k is not None:
+            return self.q6k.rows(ids)
         return self.blocks.rows(ids)
 
 
@@ -417,8 +436,8 @@ def make_head(weight: torch.Tensor | Matrix, fmt: str, rows: int) -> Linear | Re
         return RescoredHead(m.int8)
     if fmt != "fp32" and m.q6k is not None and qkernel.library() is not None:
         # a Q6_K head (most 4-bit files'): candidates from its own blocks, rescored from
-        # its float32 values
-        return RescoredHead(None, exact=m.values, q6k=m.q6k)
+        # its rows dequantized
+        return RescoredHead(None, q6k=m.q6k)
     if fmt != "fp32" and m.values.shape[1] % GROUP == 0:
         # another head: candidates from our Q8_0 of it, rescored from its float32
         # values, instead of every float32 row read per token

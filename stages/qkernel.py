@@ -305,6 +305,10 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_rows_dot.argtypes = [p, p, i64, p, i64, i64, p, p]
     lib.skr_rows_dot_f32.restype = None
     lib.skr_rows_dot_f32.argtypes = [p, i64, p, i64, i64, p, p]
+    lib.skq_rows_dot6.restype = ctypes.c_int
+    lib.skq_rows_dot6.argtypes = [p, p, p, i64, p, i64, i64, p, p]
+    lib.skq_rows6.restype = None
+    lib.skq_rows6.argtypes = [p, p, p, i64, p, i64, p]
     lib.skr_top_rows.restype = None
     lib.skr_top_rows.argtypes = [p, i64, i64, i64, p]
     # -- the recurrent mixers' scans (scan.c) --
@@ -479,6 +483,29 @@ def rows_dot_f32(lib: ctypes.CDLL, w: torch.Tensor, idx: torch.Tensor,
     out = torch.empty(idx.shape, dtype=torch.float32)
     lib.skr_rows_dot_f32(w.data_ptr(), w.shape[1], idx.data_ptr(), idx.shape[0],
                          idx.shape[1], x.data_ptr(), out.data_ptr())
+    return out
+
+
+def rows_dot6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+              idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """rows_dot_f32 over a kind-6 matrix's float32 values (pack6's w, s, z), each picked
+    row dequantized as GGUF dequantizes it: the same bits, without a float32 copy."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(idx.shape, dtype=torch.float32)
+    if lib.skq_rows_dot6(w.data_ptr(), s.data_ptr(), z.data_ptr(), x.shape[1],
+                         idx.data_ptr(), idx.shape[0], idx.shape[1], x.data_ptr(),
+                         out.data_ptr()):
+        raise MemoryError("rows_dot6: no scratch memory")
+    return out
+
+
+def rows6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, k: int,
+          ids: torch.Tensor) -> torch.Tensor:
+    """[len(ids), k]: the float32 values of a kind-6 matrix's rows `ids` (in range)."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    lib.skq_rows6(w.data_ptr(), s.data_ptr(), z.data_ptr(), k, ids.data_ptr(), ids.numel(),
+                  out.data_ptr())
     return out
 
 

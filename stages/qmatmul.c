@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fmath.h"
 #include "kernels.h"
 #if defined(SKQ_AVX2) || defined(SKQ_AVX512)
 #include <immintrin.h>
@@ -675,5 +676,58 @@ int skq_matmul(int kind, const uint8_t *w, const void *s, const void *z, int64_t
         skp_run(threads, n_tiles, tiles, &J);
     }
     free(q); free(d); free(dsum); free(sum); free(sum16);
+    return 0;
+}
+
+
+/* Kind 6's float32 values of row n (k inputs) from the packed tables, as GGUF's own
+ * dequantization computes them: (d * sc) * (c - 32), each product rounded to float. */
+static void row6(const uint8_t *w, const int8_t *s, const uint16_t *z, int64_t k, int64_t n,
+                 float *out)
+{
+    const int64_t nb = k / QK, t = n / TN;
+    const int i = (int)(n % TN);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + (t * nb + b) * 384;
+        const int8_t *sc = s + (t * nb + b) * 32;
+        const float d = half_float(z[(t * (nb / 8) + b / 8) * TN + i]);
+        for (int h = 0; h < 2; h++) {
+            const float ds = d * (float)sc[h * TN + i];
+            for (int j = 0; j < 4; j++)
+                for (int u = 0; u < 4; u++) {
+                    const uint8_t lo = wb[j * 64 + i * 4 + u];
+                    const uint8_t hi = wb[256 + h * 64 + i * 4 + u];
+                    const int code = (h ? lo >> 4 : lo & 15) | (((hi >> (2 * j)) & 3) << 4);
+                    out[b * QK + 16 * h + 4 * j + u] = ds * (float)(code - 32);
+                }
+        }
+    }
+}
+
+/* out[r] = the float32 values of row ids[r] of a kind-6 matrix (a Q6_K embedding
+ * table's rows, the bits of its dequantized copy, which it then need not keep). */
+void skq_rows6(const uint8_t *w, const int8_t *s, const uint16_t *z, int64_t k,
+               const int64_t *ids, int64_t n, float *out)
+{
+    for (int64_t r = 0; r < n; r++)
+        row6(w, s, z, k, ids[r], out + r * k);
+}
+
+/* out[r][c] = x[r] . (the float32 values of row idx[r][c] of a kind-6 matrix): the same
+ * bits as skr_rows_dot_f32 over its dequantized copy, which a rescored Q6_K head then
+ * need not keep (4 bytes a weight: Gemma 3's 262k x 640 head, 671 MB). Returns 0, or -1
+ * without scratch memory. */
+int skq_rows_dot6(const uint8_t *w, const int8_t *s, const uint16_t *z, int64_t k,
+                  const int64_t *idx, int64_t rows, int64_t top, const float *x, float *out)
+{
+    float *row = malloc(sizeof(float) * (size_t)k);
+    if (!row)
+        return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < top; c++) {
+            row6(w, s, z, k, idx[r * top + c], row);
+            out[r * top + c] = dot(x + r * k, row, k);
+        }
+    free(row);
     return 0;
 }

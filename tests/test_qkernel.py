@@ -313,6 +313,30 @@ def test_q6k_vector_path_equals_the_c_definition(n, k):
     assert lin.nbytes <= -(-n // 16) * 16 * k * 6.57 / 8  # 6.56 bits a weight, whole tiles
 
 
+def test_a_q6k_head_rescores_from_its_blocks_as_from_its_float32_values():
+    from skippy.stages.linear import Embeddings, Matrix, Q6KBlocks, RescoredHead
+    lin, values = _q6k(300, 512, seed=5)
+    g = torch.Generator().manual_seed(5)  # _q6k's draws again: the same blocks
+    codes = torch.randint(0, 64, (300, 512), generator=g, dtype=torch.uint8)
+    sub = torch.randint(-128, 128, (300, 32), generator=g, dtype=torch.int32).to(torch.int8)
+    d = (torch.rand(300, 2, generator=g) * 1e-3).half()
+    x = torch.randn(3, 512)
+    idx = torch.randint(0, 300, (3, 64))
+    assert torch.equal(qkernel.rows_dot6(lib, lin.w, lin.s, lin.z, idx, x),
+                       qkernel.rows_dot_f32(lib, values, idx, x))  # GGUF's values, same bits
+    blocks = Q6KBlocks(codes, sub, d)
+    head = RescoredHead(None, q6k=blocks)
+    assert head.exact is None  # no float32 copy kept
+    table = Embeddings(Matrix(values, None, None, blocks))  # an embedding table likewise
+    ids = torch.tensor([[0, 299, 7], [7, 150, 0]])
+    assert table.table is None and torch.equal(table(ids), values[ids])
+    with pytest.raises(IndexError):
+        table(torch.tensor([300]))
+    y = lin(x)
+    top = qkernel.top_rows(lib, y, head.top)
+    assert torch.equal(head(x), y.scatter_(1, top, qkernel.rows_dot_f32(lib, values, top, x)))
+
+
 def test_q6k_rows_bits_ignore_their_neighbours_threads_and_build():
     lin, _ = _q6k(200, 512, seed=3)
     x = torch.randn(40, 512)
