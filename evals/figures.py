@@ -43,8 +43,9 @@ FIGURES_BY_EVAL = {
          "--repeats", "3"), 10,
         "latency vs prompt length, ours vs llama.cpp on the same Q4_0 file; decode steps"),
     "family_matrix": Figure(
-        ("--repeats", "5"), 45,
-        "warm-cache speedup per family against llama.cpp; state bytes per family"),
+        ("--servers", "q4_0", "--no-certify", "--repeats", "9"), 12,
+        "warm-hit speedup per family, skippy serve against llama_cpp.server; state bytes",
+        loopback=True),
     "bench_gateway": Figure(
         ("--clients", "1,2,4,8"), 35,
         "speedup per scenario and per corpus use case; tokens/s vs concurrent clients",
