@@ -409,20 +409,26 @@ class Embeddings:
     """Token rows of the embedding table. A Q8_0 table stays as its blocks, and a row is
     dequantized when asked for: code * scale, the same float32 values as the whole
     dequantized table (Gemma 3's would be 671 MB), at a quarter of the memory; a Q6_K
-    table (most 4-bit files') as kind 6's tables on our kernel, at 0.82 bytes a value."""
+    table (most 4-bit files') as kind 6's tables on our kernel, at 0.82 bytes a value;
+    another type as the file's bytes (`stored`: weights.QuantizedRows), each row
+    dequantized as the whole table would be."""
 
-    def __init__(self, weight: torch.Tensor | Matrix):
+    def __init__(self, weight: torch.Tensor | Matrix, stored=None):
         m = _as_matrix(weight)
         self.blocks = m.int8
         self.q6k = Q6KLinear(m.q6k) if m.int8 is None and m.q6k is not None \
             and qkernel.library() is not None else None
-        self.table = m.values if m.int8 is None and self.q6k is None else None
+        self.stored = stored if m.int8 is None and self.q6k is None else None
+        self.table = m.values if m.int8 is None and self.q6k is None and self.stored is None \
+            else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return F.embedding(ids, self.table)
         if self.q6k is not None:
             return self.q6k.rows(ids)
+        if self.stored is not None:
+            return self.stored.rows(ids)
         return self.blocks.rows(ids)
 
 

@@ -58,8 +58,8 @@ class NextN:
         self.hnorm = make_norm(cfg, t, p + "hnorm.weight")
         self.head_norm = make_norm(cfg, t, p + "shared_head_norm.weight")
         own = p + "embed_tokens.weight"
-        self.embed = Embeddings(t.matrix(own if own in t.names else "token_embd.weight",
-                                           q6k=True))
+        table = own if own in t.names else "token_embd.weight"
+        self.embed = Embeddings(t.matrix(table, q6k=True), t.table_rows(table))
         own = p + "shared_head_head.weight"
         self.head = make_head(t.matrix(own, q6k=True), fmt, 1) if own in t.names else head
         self.output_norm = output_norm

@@ -101,7 +101,8 @@ class TorchStageRuntime(StageRuntime):
         # the layers in one kernel call where every one has a form decoder.c runs (same bits)
         self.decoder_run = Gemma4Run.of(self.layers, self.per_layer) \
             if cfg.family.graph is not None else DecoderRun.of(self.layers)
-        self.embed = Embeddings(t.matrix("token_embd.weight", q6k=True)) if spec.is_first else None
+        self.embed = Embeddings(t.matrix("token_embd.weight", q6k=True),
+                                t.table_rows("token_embd.weight")) if spec.is_first else None
         self.embed_scale = math.sqrt(cfg.hidden) if cfg.family.embed_scale else None
         if spec.is_last:
             self.norm = make_norm(cfg, t, cfg.family.output_norm)

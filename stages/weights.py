@@ -71,6 +71,16 @@ class StageTensors:
         return Matrix(values, int4_blocks(self.f, name), int8_blocks(self.f, name),
                       q6k_blocks(self.f, name) if q6k else None)
 
+    def table_rows(self, name: str) -> "QuantizedRows | None":
+        """An embedding table's rows as the file stores them, where Embeddings has no
+        block form of its own for the type (Q8_0 and Q6_K have one; F32 is its values)."""
+        self._check(name)
+        info = self.f.tensors[name]
+        if len(info.shape) != 2 or info.qtype in _OWN_ROWS:
+            return None
+        n, k = int(info.shape[1]), int(info.shape[0])
+        return QuantizedRows(np.asarray(self.f.raw(name)), info.qtype, n, k)
+
     def experts(self, name: str) -> Iterator[Matrix]:
         """A 3-D expert tensor (GGUF {in, out, n_expert}) one expert at a time, read now and
         not kept: its values and, if stored so, its own 4-bit or 8-bit blocks, for
@@ -110,6 +120,35 @@ def owned_tensor_names(f: GGUFFile, cfg: ModelConfig, start: int, end: int,
     seen: set[str] = set()
     unique = [n for n in names if not (n in seen or seen.add(n))]
     return sorted(unique, key=lambda n: f.tensors[n].offset)
+
+
+# types whose tables Embeddings holds in a form of its own (linear.py)
+_OWN_ROWS = (GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K)
+
+
+class QuantizedRows:
+    """A table held as the file's bytes (any GGML type), a row dequantized when asked for
+    by the function that dequantizes the whole table (each block stands alone: the same
+    bits). An embedding table then costs its file size: Q4_0 0.56 bytes a value, not 4 (a
+    128k x 4096 Q4_K table 0.3 GB where float32 is 2.1 GB)."""
+
+    def __init__(self, raw: np.ndarray, qtype, n: int, k: int):
+        self.data = _bytes(raw).clone().view(n, -1)  # a copy: the file may go away
+        self.qtype, self.n, self.k = qtype, n, k
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 values of rows `ids` (any shape), shaped [..., k]."""
+        flat = ids.reshape(-1).to(torch.int64)
+        if not flat.numel():
+            return torch.empty(*ids.shape, self.k)
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0 or int(hi) >= self.n:
+            raise IndexError(f"row out of range [0, {self.n})")
+        picked = self.data[flat]
+        fast = _TORCH_DEQUANT.get(self.qtype)  # as dequantize_raw, without its numpy trip
+        values = fast(picked.reshape(-1)) if fast is not None else \
+            dequantize_raw(picked.numpy(), self.qtype, (flat.numel(), self.k))
+        return values.reshape(*ids.shape, self.k)
 
 
 def dequantize_tensor(f: GGUFFile, name: str) -> torch.Tensor:

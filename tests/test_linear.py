@@ -108,6 +108,25 @@ def test_head_and_embeddings_keep_the_files_float32_values(smollm2_q4_0, qwen3_f
     assert torch.equal(head(x[2:3]), got[2:3])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16"])
+def test_a_table_kept_as_the_files_bytes_gives_the_dequantized_rows(qtype):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from skippy.stages.weights import QuantizedRows, dequantize_raw
+    kind = GGMLQuantizationType[qtype]
+    values = np.random.default_rng(0).standard_normal((50, 256)).astype(np.float32)
+    raw = quantize(values, kind)
+    whole = dequantize_raw(raw, kind, (50, 256))
+    table = Embeddings(whole, QuantizedRows(raw, kind, 50, 256))
+    assert table.table is None and table.stored.data.numel() == raw.nbytes  # file size
+    ids = torch.tensor([[3, 49, 0], [3, 7, 7]])
+    assert torch.equal(table(ids), whole[ids]) and table(ids[0, :0]).shape == (0, 256)
+    with pytest.raises(IndexError):
+        table(torch.tensor([50]))
+
+
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="not supported"):
         make_linear(torch.randn(4, 4), "int3")
