@@ -127,7 +127,7 @@ class Prefill(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., probe: _Optional[bool] = ..., namespace: _Optional[str] = ..., max_tokens: _Optional[int] = ..., replay: _Optional[bool] = ..., embed: _Optional[str] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("token", "frame", "replay", "proposed", "length", "reply_to", "propose")
+    __slots__ = ("token", "frame", "replay", "proposed", "length", "reply_to", "propose", "step", "cohort")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,8 @@ class Decode(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COHORT_FIELD_NUMBER: _ClassVar[int]
     token: int
     frame: Frame
     replay: bool
@@ -142,7 +144,9 @@ class Decode(_message.Message):
     length: int
     reply_to: str
     propose: int
-    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ..., proposed: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reply_to: _Optional[str] = ..., propose: _Optional[int] = ...) -> None: ...
+    step: int
+    cohort: int
+    def __init__(self, token: _Optional[int] = ..., frame: _Optional[_Union[Frame, _Mapping]] = ..., replay: _Optional[bool] = ..., proposed: _Optional[_Iterable[int]] = ..., length: _Optional[int] = ..., reply_to: _Optional[str] = ..., propose: _Optional[int] = ..., step: _Optional[int] = ..., cohort: _Optional[int] = ...) -> None: ...
 
 class ReplyTo(_message.Message):
     __slots__ = ("id",)

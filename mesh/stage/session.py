@@ -264,7 +264,7 @@ class StageSession(FirstStep):
             return step_answer(self._sample, out, d, self.server.speculated, self.nextn,
                                self.lane, self.cache.runtime.lane_length(self.lane))
 
-        row = Row(self.lane, x, finish)
+        row = Row(self.lane, x, finish, (d.step, d.cohort) if d.cohort else None)
         out = self.loop.decode(row)
         for key, value in (("batch", row.batch), ("proposed", len(d.proposed)),
                            ("replay", replay), ("direct", bool(d.reply_to))):
@@ -273,7 +273,8 @@ class StageSession(FirstStep):
         if self.last:
             return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
         sent = pb.Decode(token=d.token, replay=replay, proposed=d.proposed,
-                         reply_to=d.reply_to, propose=d.propose)
+                         reply_to=d.reply_to, propose=d.propose, step=row.step,
+                         cohort=row.batch)
         if d.HasField("length"):
             sent.length = d.length
         sent.frame.CopyFrom(frame_to_proto(out))

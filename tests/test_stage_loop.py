@@ -1,0 +1,67 @@
+"""How a stage's compute loop gathers decode rows into a step: rows wait for the other
+decoding sessions' rows (up to GATHER_S), except a later stage's rows whose previous
+stage's step is all there (that stage formed the batch)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from skippy.mesh.stage import loop as loop_module
+from skippy.mesh.stage.loop import Row, StageLoop
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    monkeypatch.setattr(loop_module, "GATHER_S", 60.0)  # only a whole batch may run
+    steps: list[int] = []
+    loop = StageLoop(lambda rows: steps.append(len(rows)) or [None] * len(rows))
+    loop.steps = steps
+    yield loop
+    loop.decoding_changed(-loop.decoding)  # whatever still waits runs, then the loop ends
+    loop.stop()
+
+
+def post(loop: StageLoop, upstream=None) -> tuple[Row, threading.Thread]:
+    row = Row(0, None, lambda out: out, upstream)
+    t = threading.Thread(target=loop.decode, args=(row,), daemon=True)
+    t.start()
+    return row, t
+
+
+def test_rows_of_one_previous_step_run_together_without_waiting_for_other_sessions(loop):
+    loop.decoding_changed(8)  # eight sessions decode; this step of the stage before ran 2
+    rows = [post(loop, (5, 2))[0] for _ in range(2)]
+    assert all(r.done.wait(10) for r in rows)
+    assert loop.steps == [2] and [r.batch for r in rows] == [2, 2]
+    assert rows[0].step == rows[1].step == 1  # the next stage is told this step's number
+
+
+def test_a_previous_step_still_arriving_waits_for_its_last_row(loop):
+    loop.decoding_changed(8)
+    first = [post(loop, (5, 3))[0] for _ in range(2)]
+    assert not first[0].done.wait(0.3)  # one row of the three is still on its way
+    last = post(loop, (5, 3))[0]
+    assert all(r.done.wait(10) for r in [*first, last])
+    assert loop.steps == [3]
+
+
+def test_rows_with_no_previous_step_wait_for_every_decoding_session(loop):
+    loop.decoding_changed(3)  # a first stage: its rows come from the driver
+    rows = [post(loop)[0] for _ in range(2)]
+    assert not rows[0].done.wait(0.3)
+    rows.append(post(loop)[0])
+    assert all(r.done.wait(10) for r in rows)
+    assert loop.steps == [3]
+
+
+def test_rows_of_two_previous_steps_run_once_both_are_whole(loop):
+    loop.decoding_changed(8)
+    a = post(loop, (5, 1))[0]
+    assert a.done.wait(10)  # a whole step alone runs at once
+    b = [post(loop, (6, 2))[0], post(loop, (7, 1))[0]]
+    assert not b[0].done.wait(0.3)  # step 6 lacks a row: step 7's waits with it
+    b.append(post(loop, (6, 2))[0])
+    assert all(r.done.wait(10) for r in b)
+    assert loop.steps == [1, 3]
