@@ -456,19 +456,23 @@ class TorchStageRuntime(StageRuntime):
         x = self._run_layers(x, torch.tensor(positions), segments, toks)
         logits = self._logits(x[:n], n if self.free_groups else B) \
             if self.spec.is_last else None
-        return [self._decoded(lane, seg, x, logits, toks)
+        # every lane's rows to the wire dtype at once (each row on its own: the same bits
+        # as lane by lane, in a quarter of the time: ~11 small ops a call)
+        wire = None if self.spec.is_last else to_wire(0, x[:n], self.spec.wire_dtype)
+        return [self._decoded(lane, seg, x, logits, toks, wire)
                 for (lane, _), seg in zip(group, segments)]
 
     def _decoded(self, lane: int, seg: Segment, x: torch.Tensor, logits: torch.Tensor | None,
-                 toks: torch.Tensor | None) -> StageOutput:
+                 toks: torch.Tensor | None, wire: Frame | None) -> StageOutput:
         """A lane's output of its decode rows (seg), and the lane moved past them."""
         st = self._lanes[lane]
         a, b = seg.row0, seg.row0 + seg.n
         if self.spec.is_last:
             out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b], trunk=x[a:b])
         else:
-            out = StageOutput(frame=to_wire(st.length, x[a:b], self.spec.wire_dtype,
-                                            tokens=None if toks is None else toks[a:b]))
+            out = StageOutput(frame=Frame(
+                st.length, wire.rows[a:b], None if wire.scale is None else wire.scale[a:b],
+                None if toks is None else toks[a:b]))
         if self.exactness is Exactness.ROW_INVARIANT and st.prefilled == st.length:
             st.prefilled += seg.n  # a decode row is the prefill row: reusable as one
         st.length += seg.n
