@@ -86,6 +86,19 @@ def frame_from_proto(msg: stage_pb2.Frame) -> Frame:
     return Frame(msg.start, rows, _view(msg.scales, _SCALE, (n,)))
 
 
+def decode_onward(d: stage_pb2.Decode, frame: Frame, step: int, rows: int,
+                  traceparent: str = "") -> stage_pb2.StageCall:
+    """The decode call a stage passes to the next: `d` with this stage's `frame` of it,
+    and the step that ran it (its number here and its `rows`: the next stage runs it
+    with the rest of that step's rows)."""
+    sent = stage_pb2.Decode(token=d.token, replay=d.replay, proposed=d.proposed,
+                            reply_to=d.reply_to, propose=d.propose, step=step, cohort=rows)
+    if d.HasField("length"):
+        sent.length = d.length
+    sent.frame.CopyFrom(frame_to_proto(frame))
+    return stage_pb2.StageCall(decode=sent, traceparent=traceparent)
+
+
 def sampling_to_proto(s: SamplingParams, generated: Sequence[int] = ()) -> stage_pb2.Sampling:
     """The settings the last stage samples with; `generated`: the tokens a rebuilt
     request already produced (its penalties count them)."""

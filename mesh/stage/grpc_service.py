@@ -174,6 +174,9 @@ class GrpcLink:
         self._replies = stub.Session(iter(self._calls.get, None), metadata=metadata)
         self._idle, self.ended = idle, False
         self._hop_s = hop_s
+        # `send` only queues the call: a stage's loop thread may send on (the latency
+        # test hooks' delay is slept by the sender, which must then be the session)
+        self.sends_at_once = not hop_s
 
     def ask(self, call: pb.StageCall) -> pb.StageResult:
         self.send(call)

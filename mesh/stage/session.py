@@ -39,7 +39,8 @@ from skippy.topology.errors import RequestError, log_ours, new_error_id, one_lin
 
 from .. import tracing
 from ..sampler import Sampler
-from ..wire import frame_from_proto, frame_to_proto, sampling_from_proto, token_to_proto
+from ..wire import decode_onward, frame_from_proto, frame_to_proto, sampling_from_proto, \
+    token_to_proto
 from .first_step import FirstStep
 from .loop import Row
 from .pooling import pooled
@@ -101,12 +102,16 @@ class StageSession(FirstStep):
         ends its call down: the stages below report that end, `close`)."""
         self.reply_to = reply_to
         if self.last:
-            if not self.server.replies.send(reply_to, result):
-                log.info("a reply stream went before its answer (its driver ended it)")
+            if result is not None:  # None: the loop thread sent it (`_decode`)
+                self._reply(reply_to, result)
             return None
         if result is not None:
             self._close_down()
         return result
+
+    def _reply(self, reply_to: str, result: pb.StageResult) -> None:
+        if not self.server.replies.send(reply_to, result):
+            log.info("a reply stream went before its answer (its driver ended it)")
 
     def _handle_call(self, call: pb.StageCall) -> pb.StageResult:
         kind = call.WhichOneof("call")
@@ -254,15 +259,28 @@ class StageSession(FirstStep):
         x = ids if self.server.spec.is_first else \
             replace(frame_from_proto(d.frame), tokens=torch.tensor(tokens))
         replay = d.replay
+        # Where the last stage answers the driver, the step's answer goes on from the
+        # loop thread as the step ends: no wait for this session's thread to wake (a
+        # request's last call and replays go from here, after the session has ended).
+        link = None if self.last else self._downstream()
+        direct = bool(d.reply_to) and not self.ending and not replay and \
+            (self.last or getattr(link, "sends_at_once", False))
+        traceparent = tracing.traceparent() if direct else ""
 
         def finish(out):  # on the loop thread, this lane's rows alone
             self.cache.note_decoded(self.lane, tokens)
             if not self.last:
+                if direct:
+                    link.send(decode_onward(d, out.frame, row.step, row.batch, traceparent))
+                    return None
                 return out.frame
             if replay:
                 return None
-            return step_answer(self._sample, out, d, self.server.speculated, self.nextn,
-                               self.lane, self.cache.runtime.lane_length(self.lane))
+            answer = step_answer(self._sample, out, d, self.server.speculated, self.nextn,
+                                 self.lane, self.cache.runtime.lane_length(self.lane))
+            if direct:
+                self._reply(d.reply_to, pb.StageResult(token=answer))
+            return answer
 
         row = Row(self.lane, x, finish, (d.step, d.cohort) if d.cohort else None)
         out = self.loop.decode(row)
@@ -270,17 +288,14 @@ class StageSession(FirstStep):
                            ("replay", replay), ("direct", bool(d.reply_to))):
             if value:
                 self.span.set_attribute(f"skippy.{key}", value)
+        if direct:  # sent on already
+            return None
         if self.last:
             return pb.StageResult(done=pb.Done()) if replay else pb.StageResult(token=out)
-        sent = pb.Decode(token=d.token, replay=replay, proposed=d.proposed,
-                         reply_to=d.reply_to, propose=d.propose, step=row.step,
-                         cohort=row.batch)
-        if d.HasField("length"):
-            sent.length = d.length
-        sent.frame.CopyFrom(frame_to_proto(out))
+        call = self._traced(decode_onward(d, out, row.step, row.batch))
         if d.reply_to:  # the last stage answers the driver: nothing comes back this way
-            return self._downstream().send(self._traced(pb.StageCall(decode=sent)))
-        return self._ask_down(pb.StageCall(decode=sent))
+            return self._downstream().send(call)
+        return self._downstream().ask(call)
 
     # -- pieces --------------------------------------------------------------------------
     def _begin(self, tokens: list[int], probe: bool, namespace: str, then=None):
