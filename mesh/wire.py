@@ -41,15 +41,23 @@ def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
     return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
 
 
+_warned = False  # torch's read-only warning comes once a process: filtered that once
+
+
 def _view(buf: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    global _warned
     arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
     if not arr.dtype.isnative:  # big-endian host: one conversion copy
         arr = arr.astype(arr.dtype.newbyteorder("="))
+    if _warned:  # a decode row's hop: no warning filters set up and torn down each time
+        return torch.from_numpy(arr)
     with warnings.catch_warnings():
         # torch warns that a tensor over immutable bytes is not writable: the read-only
         # view is the point of decoding without a copy.
         warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        return torch.from_numpy(arr)
+        out = torch.from_numpy(arr)
+    _warned = True
+    return out
 
 
 def frame_to_proto(frame: Frame) -> stage_pb2.Frame:

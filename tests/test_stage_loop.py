@@ -4,6 +4,7 @@ stage's step is all there (that stage formed the batch)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -65,3 +66,31 @@ def test_rows_of_two_previous_steps_run_once_both_are_whole(loop):
     b.append(post(loop, (6, 2))[0])
     assert all(r.done.wait(10) for r in b)
     assert loop.steps == [1, 3]
+
+
+def test_a_rows_preparation_runs_on_the_loop_thread_before_its_step_and_fails_it_alone(loop):
+    """A verify step's rewind rides with its row (no trip of its own to the loop thread);
+    a rewind that fails fails that row only, and the step runs the others."""
+    loop.decoding_changed(2)
+    seen = []
+
+    def rewind():
+        seen.append((threading.current_thread().name, len(loop.steps)))
+
+    def broken():
+        raise ValueError("cannot rewind")
+
+    def session(row):
+        with contextlib.suppress(ValueError):  # the row's own failure, read below
+            loop.decode(row)
+
+    rows = [Row(0, None, lambda out: out, prepare=rewind),
+            Row(1, None, lambda out: out, prepare=broken)]
+    threads = [threading.Thread(target=session, args=(r,), daemon=True) for r in rows]
+    for t in threads:
+        t.start()
+    assert all(r.done.wait(10) for r in rows)
+    assert seen == [(loop._thread.name, 0)]  # on the loop thread, before the step
+    assert loop.steps == [1] and rows[0].error is None
+    with pytest.raises(ValueError, match="cannot rewind"):
+        rows[1].outcome()

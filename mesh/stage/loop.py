@@ -56,12 +56,15 @@ class Row(_Posted):
     """One session's decode row. `finish` runs on the loop thread with the runtime's
     output for this row (note the token, sample) and its return value is the row's
     result; an exception there fails this row only. `upstream`: the previous stage's
-    (step, rows in it) that ran this row, if any."""
+    (step, rows in it) that ran this row, if any. `prepare` runs on the loop thread before
+    the row's step (a verify step's rejected rows dropped: no trip of its own there)."""
 
     def __init__(self, lane: int, x: object, finish: Callable[[object], object],
-                 upstream: tuple[int, int] | None = None):
+                 upstream: tuple[int, int] | None = None,
+                 prepare: Callable[[], None] | None = None):
         super().__init__()
         self.lane, self.x, self.finish, self.upstream = lane, x, finish, upstream
+        self.prepare = prepare
         self.batch = 0  # rows in the step that ran it (its trace span says so)
         self.step = 0   # that step's number here (the next stage's `upstream`)
 
@@ -250,6 +253,8 @@ class StageLoop:
         ok = []
         for row in rows:
             try:
+                if row.prepare is not None:
+                    row.prepare()
                 self._check(row)
                 ok.append(row)
             except Exception as e:

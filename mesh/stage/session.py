@@ -252,8 +252,8 @@ class StageSession(FirstStep):
         after it; the lane first cut back to `length` (a last step's rejected rows)."""
         if self.lane is None or not self.decoding:
             raise StageError("decode before prefill")
-        if d.HasField("length"):
-            self.loop.call(self.cache.rewind, self.lane, d.length)
+        rewind = partial(self.cache.rewind, self.lane, d.length) if d.HasField("length") \
+            else None
         tokens = [d.token, *d.proposed]
         ids = torch.tensor(tokens) if len(tokens) > 1 else torch.tensor(d.token)
         x = ids if self.server.spec.is_first else \
@@ -282,7 +282,7 @@ class StageSession(FirstStep):
                 self._reply(d.reply_to, pb.StageResult(token=answer))
             return answer
 
-        row = Row(self.lane, x, finish, (d.step, d.cohort) if d.cohort else None)
+        row = Row(self.lane, x, finish, (d.step, d.cohort) if d.cohort else None, rewind)
         out = self.loop.decode(row)
         for key, value in (("batch", row.batch), ("proposed", len(d.proposed)),
                            ("replay", replay), ("direct", bool(d.reply_to))):
