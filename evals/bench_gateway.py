@@ -35,7 +35,12 @@ own one-token decode at 9.0 ms, then 15 ms twenty minutes later, nothing else ru
 puts that drift into the ratios. Before each server and once at the end, with no server
 up, the bench times a fixed piece of llama.cpp work in-process (`machine_speed`: one-token
 decodes on the same file, the reference's own kernels) and prints each reading beside the
-table, with their spread.
+table, with their spread. `--rounds N` runs the whole bench N times, the servers in
+turn, the order reversed each round (each server started afresh each round, ours in cache
+namespaces of their own): a speedup is then the median of the rounds' ratios, each from a
+pair that ran back to back, so the drift leaves it (evals/rounds.py merges the rest).
+Servers are not kept up between their turns: an idle `skippy serve` (its Ray processes)
+takes ~3 % of a core, which would slow whichever server runs beside it.
 
 Servers listen on free loopback ports and are always killed (their whole process group)
 when the bench ends, also on Ctrl-C or an error. `--json P` also draws P.png: speedup per
@@ -63,7 +68,7 @@ from pathlib import Path
 import httpx
 
 from skippy.mesh.progress import tracked
-from skippy.evals import plots
+from skippy.evals import plots, rounds
 from skippy.evals.ceiling import ceiling_line, concurrent_ceiling
 from skippy.evals.entry import guarded
 
@@ -247,6 +252,7 @@ def speedup(scenario: str, ours: dict, reference: dict) -> float:
 def comparisons(servers: dict, configs: Iterable[ServerConfig] = OURS) -> list[dict]:
     """One row per scenario and configuration of ours that ran: figures, speedup, target."""
     ref = servers.get(REFERENCE.key, {}).get("scenarios", {})
+    ref_rounds = servers.get(REFERENCE.key, {}).get("rounds") or []
     rows = []
     for scenario in SCENARIOS:
         if scenario == "long_stream":  # by use case, every server: its own table
@@ -256,11 +262,17 @@ def comparisons(servers: dict, configs: Iterable[ServerConfig] = OURS) -> list[d
             if ours is None or scenario not in ref:
                 continue
             ratio = speedup(scenario, ours, ref[scenario])
+            # in rounds, the median of the rounds' ratios (each pair ran back to back)
+            per_round = rounds.paired(lambda o, r, s=scenario: speedup(s, o[s], r[s]),
+                                      servers[cfg.key].get("rounds") or [], ref_rounds)
             target = (cfg.targets or {}).get(scenario)
-            rows.append({"scenario": scenario, "config": cfg.key, "label": cfg.label,
-                         "ours": _headline(scenario, ours),
-                         "reference": _headline(scenario, ref[scenario]),
-                         "speedup": ratio, "target": target,
+            row = {"scenario": scenario, "config": cfg.key, "label": cfg.label,
+                   "ours": _headline(scenario, ours),
+                   "reference": _headline(scenario, ref[scenario])}
+            if len(per_round) > 1:
+                ratio = statistics.median(per_round)
+                row["round_speedups"] = per_round
+            rows.append({**row, "speedup": ratio, "target": target,
                          "met": None if target is None else bool(ratio >= target)})
     return rows
 
@@ -275,7 +287,8 @@ def table(result: dict) -> str:
     s = result["settings"]
     lines = [
         f"gateway bench: {s['model']} ({Path(s['file']).name}), context {s['n_ctx']}, "
-        f"{THREADS} threads per server, one server at a time",
+        f"{THREADS} threads per server, one server at a time"
+        + (f", in turn for {s['rounds']} rounds" if s.get("rounds", 1) > 1 else ""),
         f"records: {s['records']} ({s['over_context']} over the context skipped on every "
         f"server); repeat: {s['repeats']} after 1 warm-up; concurrent: {s['clients']} "
         f"clients x {s['requests_per_client']} requests",
@@ -297,6 +310,13 @@ def table(result: dict) -> str:
         met = "-" if row["met"] is None else ("yes" if row["met"] else "NO")
         lines.append(f"{LABELS[row['scenario']]:<26} {row['label']:<24} {' '.join(cells)} "
                      f"{row['speedup']:>7.2f}x {target:>7} {met:>4}")
+    in_rounds = [r for r in result["comparisons"] if len(r.get("round_speedups") or []) > 1]
+    if in_rounds:
+        lines += ["", f"in {result['settings']['rounds']} rounds, the servers in turn: a "
+                  "speedup is the median of the rounds' below (figures: samples pooled, "
+                  "tokens/s the rounds' median)"]
+        lines += [f"  {LABELS[r['scenario']]:<26} {r['label']:<24} "
+                  + " / ".join(f"{x:.2f}" for x in r["round_speedups"]) for r in in_rounds]
     if result.get("ceiling"):
         lines.append(ceiling_line(result["ceiling"]))
     lines += long_stream_lines(result["servers"])
@@ -697,11 +717,12 @@ class Workload:
 
 
 def run_scenarios(base_url: str, work: Workload, *, ours: bool,
-                  scenarios: Iterable[str] = SCENARIOS, say=print) -> dict:
-    """Every scenario against one running server; ours gets a cache namespace per scenario."""
+                  scenarios: Iterable[str] = SCENARIOS, say=print, round_tag: str = "") -> dict:
+    """Every scenario against one running server; ours gets a cache namespace per scenario
+    (and per round: `round_tag`, so that no round answers from another's cache)."""
 
     def salted(body: dict, scenario: str) -> dict:
-        return {**body, "cache_salt": f"bench-{scenario}"} if ours else body
+        return {**body, "cache_salt": f"bench-{scenario}{round_tag}"} if ours else body
 
     out = {}
     for scenario in tracked(list(scenarios), "scenarios", "scenario", say=say):
@@ -842,36 +863,26 @@ def bench(args) -> dict:
     configs = [c for c in ALL if c.key in args.servers]
     result = {"settings": {"model": args.model, "file": str(path), "n_ctx": args.ctx,
                            "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
+                           "rounds": args.rounds,
                            "clients": max(args.clients), "clients_sweep": args.clients,
                            "requests_per_client": args.requests,
                            **facts},
               "environment": where_it_runs(), "ours_env": dict(args.ours_env),
               "reference_env": dict(args.reference_env),
               "loadavg_before": loadavg(), "servers": {}}
-    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    for cfg in configs:
-        port = free_port()
-        command = cfg.command(path, args.model, port, args.ctx)
-        if cfg.ours:
-            command += args.ours_args
-        server = ServerProcess(command, f"http://{HOST}:{port}", cfg.ready_path,
-                               {**env, **dict(args.ours_env if cfg.ours else args.reference_env)})
-        entry = result["servers"][cfg.key] = {"label": cfg.label, "command": server.command,
-                                               "machine_ms": machine_speed(path)}
-        say(f"[{cfg.label}] starting on port {port} (machine speed {entry['machine_ms']:.1f} "
-            f"ms/token) ...")
-        try:
-            entry["start_s"] = server.start()
-            say(f"[{cfg.label}] ready in {entry['start_s']:.1f} s")
-            entry["scenarios"] = run_scenarios(server.url, work, ours=cfg.ours,
-                                               scenarios=args.scenarios, say=say)
-            if cfg.ours:
-                entry["speculation"] = speculation_figures(server.url)
-        except RuntimeError as e:
-            entry["error"] = str(e).splitlines()[0]
-            say(f"[{cfg.label}] failed: {e}")
-        finally:
-            server.stop()
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            say(f"round {r + 1} of {args.rounds}")
+        for cfg in configs if r % 2 == 0 else configs[::-1]:
+            entry = result["servers"].setdefault(cfg.key, {"label": cfg.label})
+            if not entry.get("error"):
+                _run(cfg, entry, path, work, args, say, f"-r{r}" if r else "")
+    for entry in result["servers"].values():
+        runs = entry.pop("rounds", [])
+        if runs:
+            entry["scenarios"] = runs[0] if args.rounds == 1 else rounds.merge(runs, summarize)
+        if args.rounds > 1:
+            entry["rounds"] = runs
     result["loadavg_after"] = loadavg()
     result["machine_ms_after"] = machine_speed(path)
     result["comparisons"] = comparisons(result["servers"])
@@ -879,6 +890,37 @@ def bench(args) -> dict:
     if args.runtime_json is not None:
         result["ceiling"] = ceiling_of(result["servers"], json.loads(args.runtime_json.read_text()))
     return result
+
+
+def _run(cfg: ServerConfig, entry: dict, path: Path, work: Workload, args, say,
+         round_tag: str = "") -> None:
+    """One server's round: started, timed on every scenario, stopped; the figures go to
+    the entry's rounds, a failure to its error (and it runs no more rounds)."""
+    port = free_port()
+    command = cfg.command(path, args.model, port, args.ctx)
+    if cfg.ours:
+        command += args.ours_args
+    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           **dict(args.ours_env if cfg.ours else args.reference_env)}
+    server = ServerProcess(command, f"http://{HOST}:{port}", cfg.ready_path, env)
+    speed = machine_speed(path)
+    entry.setdefault("machine_ms", speed)
+    entry["command"] = server.command
+    say(f"[{cfg.label}] starting on port {port} (machine speed {speed:.1f} ms/token) ...")
+    try:
+        started = server.start()
+        entry.setdefault("start_s", started)
+        say(f"[{cfg.label}] ready in {started:.1f} s")
+        entry.setdefault("rounds", []).append(run_scenarios(
+            server.url, work, ours=cfg.ours, scenarios=args.scenarios, say=say,
+            round_tag=round_tag))
+        if cfg.ours:
+            entry["speculation"] = speculation_figures(server.url)
+    except RuntimeError as e:
+        entry["error"] = str(e).splitlines()[0]
+        say(f"[{cfg.label}] failed: {e}")
+    finally:
+        server.stop()
 
 
 def ceiling_of(servers: dict, runtime: dict) -> dict | None:
@@ -916,6 +958,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="concurrent clients (8); a comma list such as 1,2,4,8 runs the "
                         "scenario with each count, fewer first (tokens/s vs clients)")
     p.add_argument("--requests", type=int, default=4, help="requests per client (4)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the bench this many times, the servers in turn (the order "
+                        "reversed each round); a speedup is then the median of the rounds' "
+                        "(default 1)")
     p.add_argument("--server", action="append", dest="servers",
                    choices=[c.key for c in ALL],
                    help="bench only these servers (repeatable; default: all four)")
@@ -939,8 +985,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                   "('-': JSON on stdout, table on stderr)")
     args = p.parse_args(argv)
     if args.repeats < 1 or min(args.clients) < 1 or args.requests < 1 or args.ctx < 64 \
-            or (args.limit is not None and args.limit < 1):
-        p.error("--repeats, --clients, --requests, --limit must be >= 1, --ctx >= 64")
+            or args.rounds < 1 or (args.limit is not None and args.limit < 1):
+        p.error("--repeats, --clients, --requests, --limit, --rounds must be >= 1, --ctx >= 64")
     args.servers = args.servers or [c.key for c in (REFERENCE, *OURS)]
     args.scenarios = [s for s in SCENARIOS if s in (args.scenarios or SCENARIOS)]
     return args

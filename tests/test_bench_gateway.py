@@ -11,7 +11,7 @@ import time
 import pytest
 
 from skippy.evals import bench_gateway as bg
-from skippy.evals import plots
+from skippy.evals import plots, rounds
 from skippy.evals.ceiling import ceiling_line, concurrent_ceiling
 
 pytestmark = pytest.mark.timeout(300)
@@ -139,6 +139,41 @@ def test_table_shows_every_row_with_target_and_verdict():
         "at the end 10.0; spread 1.50x")
 
 
+def test_rounds_merge_pooling_samples_and_taking_rates_by_their_median():
+    a = {"concurrent": {"tokens_per_s": 100.0, "clients": 8, "errors": 1, "first_error": None,
+                        "samples_ms": [1.0, 2.0], "sweep": [{"clients": 1, "tokens_per_s": 10.0}]}}
+    b = {"concurrent": {"tokens_per_s": 140.0, "clients": 8, "errors": 0, "first_error": "x",
+                        "samples_ms": [3.0], "sweep": [{"clients": 1, "tokens_per_s": 12.0}]}}
+    c = {"concurrent": {"tokens_per_s": 90.0, "clients": 8, "errors": 2, "first_error": "y",
+                        "samples_ms": [4.0], "sweep": [{"clients": 1, "tokens_per_s": 20.0}]}}
+    m = rounds.merge([a, b, c], bg.summarize)["concurrent"]
+    assert m["tokens_per_s"] == 100.0 and m["clients"] == 8  # a rate's median; a shared count
+    assert m["errors"] == 3 and m["first_error"] == "x"      # errors over every round
+    assert m["samples_ms"] == [1.0, 2.0, 3.0, 4.0] and m["n"] == 4 and m["median_ms"] == 2.5
+    assert m["sweep"] == [{"clients": 1, "tokens_per_s": 12.0}]  # item by item
+
+
+def test_in_rounds_a_speedup_is_the_median_of_the_rounds_ratios():
+    """Each round's pair ran back to back: the median of the rounds' ratios, not the ratio
+    of the pooled figures (which a drifting machine skews)."""
+    def lat(ms):
+        return {"file_order": {"median_ms": ms, "p95_ms": ms}}
+    ours = [lat(10.0), lat(20.0), lat(30.0)]   # the machine slowed down round by round,
+    ref = [lat(12.0), lat(30.0), lat(33.0)]    # both servers alike: 1.2x, 1.5x, 1.1x
+    servers = {"reference": {"rounds": ref, "scenarios": rounds.merge(ref, bg.summarize)},
+               "ours_2_torch": {"rounds": ours, "scenarios": rounds.merge(ours, bg.summarize)}}
+    row, = bg.comparisons(servers)
+    assert row["round_speedups"] == pytest.approx([1.2, 1.5, 1.1])
+    assert row["speedup"] == pytest.approx(1.2)
+    result = {"settings": {"model": "smollm2", "file": "/x/m.gguf", "n_ctx": 4096, "records": 3,
+                           "over_context": 0, "repeats": 5, "clients": 8, "rounds": 3,
+                           "requests_per_client": 2},
+              "servers": servers, "comparisons": [row], "loadavg_before": "0.1",
+              "loadavg_after": "0.2"}
+    text = bg.table(result)
+    assert ", in turn for 3 rounds" in text and "1.20 / 1.50 / 1.10" in text
+
+
 def test_the_concurrent_ceiling_from_bench_runtimes_figures():
     """The 2026-12-06 AVX2 sitting (evals/README.md): 32 chats, 1,466 prompt and 508
     completion tokens; 8-row steps of 26.6 ms; prefills of 128 rows in 168.1 / 214.2 ms;
@@ -244,6 +279,12 @@ def test_every_scenario_runs_against_our_gateway(gateway, smollm2, tmp_path):
               "comparisons": bg.comparisons(servers)}
     png = plots.render(result, tmp_path / "gateway.png", "bench_gateway")
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # a second round (`--rounds`), in cache namespaces of its own, merges with the first
+    again = bg.run_scenarios(gateway.url, work, ours=True, say=lambda m: None,
+                             scenarios=("repeat", "concurrent"), round_tag="-r1")
+    merged = rounds.merge([{k: out[k] for k in again}, again], bg.summarize)
+    assert merged["repeat"]["n"] == 6 and merged["repeat"]["errors"] == 0
+    assert merged["concurrent"]["requests"] == 4 and len(merged["concurrent"]["sweep"]) == 1
 
 
 def test_failed_requests_are_counted_not_timed(gateway):
