@@ -255,9 +255,10 @@ class StageSession(FirstStep):
         rewind = partial(self.cache.rewind, self.lane, d.length) if d.HasField("length") \
             else None
         tokens = [d.token, *d.proposed]
-        ids = torch.tensor(tokens) if len(tokens) > 1 else torch.tensor(d.token)
-        x = ids if self.server.spec.is_first else \
-            replace(frame_from_proto(d.frame), tokens=torch.tensor(tokens))
+        if self.server.spec.is_first:
+            x = torch.tensor(tokens) if len(tokens) > 1 else torch.tensor(d.token)
+        else:
+            x = replace(frame_from_proto(d.frame), tokens=torch.tensor(tokens))
         replay = d.replay
         # Where the last stage answers the driver, the step's answer goes on from the
         # loop thread as the step ends: no wait for this session's thread to wake (a
