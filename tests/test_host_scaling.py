@@ -88,10 +88,11 @@ def test_waiting_requests_add_a_pipeline_and_the_wait_falls_then_it_goes(hosts, 
         before, after = statistics.mean(rounds[0]), statistics.mean(rounds[-1])
         assert after < 0.8 * before, rounds
         deadline = time.monotonic() + 60
-        while _pipelines(base) != {0}:  # the load ended: released after 5 s idle
+        # the load ended: released after 5 s idle (the status drops it while its actors
+        # go; the log says so once they went)
+        while _pipelines(base) != {0} or "pipeline 1 idle" not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        assert "pipeline 1 idle" in log.read_text()
         assert _round(base, "after")[0] == want  # serving on
         print(f"\n12 streams on 3 lanes: mean wait for the first token {before:.2f} s with "
               f"one pipeline, {after:.2f} s with two ({len(rounds)} rounds); pipeline 1 "
