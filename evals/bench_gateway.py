@@ -92,7 +92,9 @@ LABELS = {"repeat": "(a) exact repeat 128 tok", "file_order": "(b) corpus, file 
           "interleaved": "(c) corpus, interleaved", "concurrent": "(d) 8 clients, 16 tok",
           "stream": "(e) one stream, ms/token", "next_turn": "(f) the next chat turn",
           "long_stream": "(g) 256-token streams, ms/token"}
-STREAM_TOKENS, STREAMS = 64, 3  # (e): streamed chats alone, after one warm-up
+# (e): streamed chats alone, after one warm-up; 3 a server were too few to tell a 10 %
+# difference apart on this VM (one chat's ms/token moves by 30 % from the next's)
+STREAM_TOKENS, STREAMS = 64, 8
 # (g): greedy 256-token answers to corpus records of these use cases, streamed one at a
 # time (speculation pays where answers repeat their input: code; open chat must not lose)
 LONG_TOKENS, LONG_RECORDS = 256, 2
@@ -714,6 +716,7 @@ class Workload:
     concurrent: list[list[list[dict]]]
     sweep: tuple[int, ...] = ()  # fewer clients to run the concurrent scenario with first
     next_turn: tuple[dict, ...] = ()  # records whose next turn fits the context
+    streams: int = STREAMS  # (e)'s timed chats
 
 
 def run_scenarios(base_url: str, work: Workload, *, ours: bool,
@@ -765,9 +768,9 @@ def run_scenarios(base_url: str, work: Workload, *, ours: bool,
                              "first_error": next((r["first_error"] for r in by.values()
                                                   if r["first_error"]), None)}
         elif scenario == "stream":
+            questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(work.streams + 1)]
             bodies = [{**chat_body(work.model, [{"role": "user", "content": q}],
-                                   STREAM_TOKENS), "stream": True}
-                      for q in QUESTIONS[:STREAMS + 1]]
+                                   STREAM_TOKENS), "stream": True} for q in questions]
             out[scenario] = run_streams(base_url, [salted(b, scenario) for b in bodies])
         else:
             raise ValueError(f"unknown scenario {scenario!r}")
@@ -824,7 +827,7 @@ def emit(result: dict, text: str, json_path: str | None, bench: str) -> None:
 
 def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
                    limit: int | None, repeats: int, clients: list[int],
-                   requests: int) -> tuple[Workload, dict]:
+                   requests: int, streams: int = STREAMS) -> tuple[Workload, dict]:
     from skippy.evals.numerics import read_corpus
     from skippy.mesh.front.chat import load_chat_template
     from skippy.mesh.tokenizer import Tokenizer
@@ -843,7 +846,7 @@ def build_workload(path: Path, model_name: str, data: Path, *, n_ctx: int,
     tok.close()
     work = Workload(model_name, repeat_text, repeats, fit, interleave(fit),
                     concurrent_messages(max(clients), requests), tuple(sorted(clients)[:-1]),
-                    tuple(turns[:NEXT_TURNS]))
+                    tuple(turns[:NEXT_TURNS]), streams)
     facts = {"records": len(fit), "over_context": len(over),
              "over_context_ids": [r.get("id") for r in over],
              "repeat_prompt_tokens": repeat_tokens}
@@ -859,7 +862,7 @@ def bench(args) -> dict:
     path = src if args.format == "shipped" else requantize(src, args.format)
     work, facts = build_workload(path, args.model, args.data, n_ctx=args.ctx, limit=args.limit,
                                  repeats=args.repeats, clients=args.clients,
-                                 requests=args.requests)
+                                 requests=args.requests, streams=args.streams)
     configs = [c for c in ALL if c.key in args.servers]
     result = {"settings": {"model": args.model, "file": str(path), "n_ctx": args.ctx,
                            "threads": THREADS, "repeats": args.repeats, "limit": args.limit,
@@ -958,6 +961,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="concurrent clients (8); a comma list such as 1,2,4,8 runs the "
                         "scenario with each count, fewer first (tokens/s vs clients)")
     p.add_argument("--requests", type=int, default=4, help="requests per client (4)")
+    p.add_argument("--streams", type=int, default=STREAMS,
+                   help=f"(e)'s streamed chats a server, after one warm-up ({STREAMS})")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the bench this many times, the servers in turn (the order "
                         "reversed each round); a speedup is then the median of the rounds' "
@@ -985,8 +990,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                   "('-': JSON on stdout, table on stderr)")
     args = p.parse_args(argv)
     if args.repeats < 1 or min(args.clients) < 1 or args.requests < 1 or args.ctx < 64 \
-            or args.rounds < 1 or (args.limit is not None and args.limit < 1):
-        p.error("--repeats, --clients, --requests, --limit, --rounds must be >= 1, --ctx >= 64")
+            or args.rounds < 1 or args.streams < 1 or (args.limit is not None and args.limit < 1):
+        p.error("--repeats, --clients, --requests, --limit, --rounds, --streams must be >= 1, "
+                "--ctx >= 64")
     args.servers = args.servers or [c.key for c in (REFERENCE, *OURS)]
     args.scenarios = [s for s in SCENARIOS if s in (args.scenarios or SCENARIOS)]
     return args

@@ -255,7 +255,7 @@ def test_every_scenario_runs_against_our_gateway(gateway, smollm2, tmp_path):
     work = bg.Workload("smollm2", "The harbour town woke slowly.", repeats=3,
                        file_order=rs, interleaved=bg.interleave(rs),
                        concurrent=bg.concurrent_messages(2, 2), sweep=(1,),
-                       next_turn=tuple(rs[:2]))
+                       next_turn=tuple(rs[:2]), streams=2)
     out = bg.run_scenarios(gateway.url, work, ours=True, say=lambda m: None)
     assert set(out) == set(bg.SCENARIOS)
     for name, s in out.items():
@@ -265,6 +265,7 @@ def test_every_scenario_runs_against_our_gateway(gateway, smollm2, tmp_path):
     assert out["interleaved"]["ids"] == ["a-0", "b-0", "a-1", "b-1"]
     assert out["interleaved"]["tags"] == ["a", "b", "a", "b"]  # each sample's use case
     assert out["next_turn"]["n"] == 2 and len(out["next_turn"]["cached_tokens"]) == 2
+    assert out["stream"]["n"] == 2  # the warm-up untimed
     assert set(out["long_stream"]["by_use_case"]) == set(bg.LONG_USE_CASES)
     c = out["concurrent"]
     assert c["requests"] == 4 and c["n"] == 4
