@@ -54,6 +54,10 @@ def to_wire(start: int, rows: torch.Tensor, wire_dtype: str,
     if wire_dtype == "f32":
         return Frame(start, rows.to(torch.float32), tokens=tokens)
     if wire_dtype == "f16":
+        if float(rows.abs().max()) < 2.0 ** (_F16_SAFE_EXPONENT + 1):
+            # every row in range (the usual case): scale 1, the rows as they are. Three
+            # ops, not ten: a decode row's frame took 0.3 ms of its stage's step that way.
+            return Frame(start, rows.to(torch.float16), torch.ones(rows.shape[0]), tokens)
         peak = rows.abs().amax(dim=-1).nan_to_num(0.0, 0.0, 0.0).clamp_min(1.0)
         exponent = (torch.floor(torch.log2(peak)) - _F16_SAFE_EXPONENT).clamp_min(0)
         scale = torch.exp2(exponent)

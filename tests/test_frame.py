@@ -17,6 +17,16 @@ def test_f16_rows_in_range_are_plain_f16():
     assert torch.equal(frame.scale, torch.ones(4))
 
 
+def test_f16_scales_a_row_from_2_to_the_15_on_and_no_row_below_it():
+    """Frames wholly in range take a shorter way (scale 1, no per-row exponent): the
+    boundary and non-finite rows come out as the per-row rule says either way."""
+    rows = torch.zeros(4, 8)
+    rows[0, 0], rows[1, 0], rows[2, 0], rows[3, 0] = 32767.0, 32768.0, float("nan"), -1e9
+    assert to_wire(0, rows, "f16").scale.tolist() == [1.0, 2.0, 1.0, 2.0 ** 15]
+    assert to_wire(0, rows[:1], "f16").scale.tolist() == [1.0]
+    assert to_wire(0, rows[2:3], "f16").scale.tolist() == [1.0]
+
+
 def test_f16_rows_past_f16_range_survive_with_a_power_of_two_scale():
     """Gemma 3's residual stream passes 98,000 on a BOS row; f16 tops out at 65,504."""
     rows = torch.randn(3, 64)

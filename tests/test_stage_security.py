@@ -15,7 +15,7 @@ import torch
 from skippy.cache.config import CacheConfig
 from skippy.mesh.control.driver import drive
 from skippy.mesh.control.engine import GenerationRequest
-from skippy.mesh.control.ray_pipeline import GrpcStageLink
+from skippy.mesh.control.stage_link import GrpcStageLink
 from skippy.mesh.stage import security
 from skippy.mesh.stage.channels import channel_options
 from skippy.mesh.stage.grpc_service import GrpcOpener, message_limit, start_server

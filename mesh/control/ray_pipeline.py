@@ -1,4 +1,5 @@
-"""One pipeline of stage actors on Ray, and the driver's gRPC link to its stage 0.
+"""One pipeline of stage actors on Ray, and the driver's links to its stage 0 (over gRPC,
+or the stages' sockets where they run on this node: mesh/control/stage_link.py).
 
 Repair makes the chain whole after a fault: it waits for Ray to restart dead actors,
 re-creates one Ray has given up on, and tells each stage where the next one listens.
@@ -13,135 +14,24 @@ import asyncio
 import contextlib
 import logging
 import threading
-import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import ray
-from grpc._cython import cygrpc
 from ray.exceptions import ActorUnschedulableError, RayActorError
 
-from skippy.proto import stage_pb2 as pb
 from skippy.proto import stage_pb2_grpc
 
-from ..stage.channels import CLOSE_S, IdleLinks, channel_options, hop_delay_s, link_delay_s
+from ..stage.channels import IdleLinks, channel_options, link_delay_s
 from ..stage.security import StageCredentials
 from .driver import StageFault
+from .stage_link import GrpcStageLink, LocalStageLink
 
 log = logging.getLogger(__name__)
 
 ACTOR_START_TIMEOUT = 900  # a stage loads its weights within this
 DRAIN_S = 600              # a replaced channel closes when its streams end, or after this
-REPLY_TIMEOUT_S = 900.0    # the longest a stage chain may take to answer (a long prefill)
-
-
-class GrpcStageLink:
-    """The driver's session with stage 0 over a grpc.aio stream, and, where the pipeline
-    has more stages, its reply stream at the last one (`reply_id`: decode steps sent with
-    it as `reply_to` are answered there, not back through every stage)."""
-
-    def __init__(self, stub: stage_pb2_grpc.StageStub, metadata=(),
-                 idle: IdleLinks | None = None,
-                 last: stage_pb2_grpc.StageStub | None = None, hop_s: float | None = None):
-        """`hop_s`: the latency test hooks' delay each call waits (None: the uniform
-        hook's, hop_delay_s)."""
-        self._call = stub.Session(metadata=metadata)
-        self._idle, self.ended = idle, False
-        self._last, self._metadata = last, metadata
-        self.reply_id = uuid.uuid4().hex if last is not None else ""
-        self._replies = None  # the reply stream, opened by the first direct step
-        # reads left waiting by a direct step: stage 0 answers such a step only with an
-        # error; the reply stream, only with the next step's answer
-        self._pending: dict[str, asyncio.Task] = {}
-        self._hop_s = hop_delay_s() if hop_s is None else hop_s
-
-    async def _write(self, call: pb.StageCall) -> None:
-        if self._hop_s:
-            await asyncio.sleep(self._hop_s)
-        await self._call.write(call)
-
-    async def ask(self, call: pb.StageCall) -> pb.StageResult:
-        try:
-            await self._write(call)
-            reply = await asyncio.wait_for(self._read("stage 0"), REPLY_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            raise StageFault(f"stage 0 is unreachable: {e.code().name}") from e
-        except asyncio.TimeoutError as e:
-            raise StageFault(f"no reply from the stages in {REPLY_TIMEOUT_S:.0f} s") from e
-        if reply is grpc.aio.EOF:
-            raise StageFault("stage 0 closed the stream")
-        self.ended = call.last and reply.WhichOneof("result") != "error"
-        return reply
-
-    async def ask_direct(self, call: pb.StageCall) -> pb.StageResult:
-        """A decode step sent with `reply_to`: its answer from the last stage, or an error
-        stage 0 gave instead (any stage's failure reaches one of the two streams)."""
-        try:
-            if self._replies is None:
-                self._replies = self._last.Replies(pb.ReplyTo(id=self.reply_id),
-                                                   metadata=self._metadata)
-                await asyncio.wait_for(self._replies.read(), REPLY_TIMEOUT_S)  # registered
-            await self._write(call)
-            for name in ("stage 0", "last"):
-                if name not in self._pending:
-                    self._pending[name] = asyncio.ensure_future(self._stream(name).read())
-            done, _ = await asyncio.wait(self._pending.values(), timeout=REPLY_TIMEOUT_S,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise asyncio.TimeoutError
-            name = "last" if self._pending["last"] in done else "stage 0"
-            reply = self._pending.pop(name).result()
-        except grpc.aio.AioRpcError as e:
-            raise StageFault(f"a stage is unreachable: {e.code().name}") from e
-        except asyncio.TimeoutError as e:
-            raise StageFault(f"no reply from the stages in {REPLY_TIMEOUT_S:.0f} s") from e
-        if reply is grpc.aio.EOF:
-            raise StageFault(f"the {name} stage closed its stream")
-        if name == "stage 0" and reply.WhichOneof("result") != "error":
-            raise StageFault(f"stage 0 answered a step the last stage answers: {reply}")
-        return reply
-
-    async def _read(self, name: str):
-        """The next message of stage 0's stream or the reply stream (`name`), taking
-        over a read a direct step left waiting."""
-        pending = self._pending.pop(name, None)
-        if pending is not None:
-            return await pending
-        return await self._stream(name).read()
-
-    def _stream(self, name: str):
-        return self._call if name == "stage 0" else self._replies
-
-    async def close(self) -> None:
-        """Ends the session. Where its last call was answered, every stage had ended it
-        already (their lanes warm for a follow-up) and the stream waits in `idle` for the
-        next request; else the stream ends (CLOSE_S at most for stage 0, and through it
-        every stage, to end the session)."""
-        if self.ended and self._idle is not None:
-            self.ended = False
-            for link in self._idle.put(self):
-                await link.end()
-            return
-        await self.end()
-
-    async def end(self) -> None:
-        for task in self._pending.values():
-            task.cancel()
-        self._pending.clear()
-        if self._replies is not None:
-            self._replies.cancel()
-        try:
-            await self._call.done_writing()
-            await asyncio.wait_for(self._call.code(), CLOSE_S)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError,
-                cygrpc.BaseError):
-            # A stream a dying stage broke may fail its close inside grpc (its own
-            # ExecuteBatchError, not an AioRpcError): the session ends either way.
-            pass
-        finally:
-            self._call.cancel()
 
 
 @dataclass
@@ -151,6 +41,9 @@ class _Channel:
     stub: stage_pb2_grpc.StageStub
     idle: IdleLinks
     last: tuple[object, stage_pb2_grpc.StageStub] | None = None
+    # the stages' sockets on this node serve its sessions (mesh/control/stage_link.py);
+    # None: not tried yet
+    local: bool | None = None
 
     def channels(self) -> list:
         return [self.channel] + ([self.last[0]] if self.last is not None else [])
@@ -272,10 +165,19 @@ class RayPipeline:
         link, old_ones = entry.idle.take()
         for old in stale + old_ones:
             await old.end()
-        return link if link is not None else GrpcStageLink(
-            entry.stub, self._credentials.metadata, entry.idle,
-            entry.last[1] if entry.last is not None else None,
-            link_delay_s(ray.util.get_node_ip_address(), first))
+        if link is not None:
+            return link
+        hop_s = link_delay_s(ray.util.get_node_ip_address(), first)
+        if entry.local is not False and not hop_s:
+            try:
+                link = await LocalStageLink.open(first, last if last != first else None,
+                                                 self._credentials.token, entry.idle)
+                entry.local = True
+                return link
+            except OSError:  # stage 0 is on another node: gRPC it is
+                entry.local = False
+        return GrpcStageLink(entry.stub, self._credentials.metadata, entry.idle,
+                             entry.last[1] if entry.last is not None else None, hop_s)
 
     def _stub(self, address: str) -> tuple[object, stage_pb2_grpc.StageStub]:
         channel = self._credentials.channel(address, self._options, aio=True)

@@ -1,5 +1,6 @@
 """The Ray actor around a stage: Ray places it, restarts it and asks it for figures;
-requests reach it over gRPC (mesh/stage/grpc_service.py), never through Ray calls."""
+requests reach it over gRPC (mesh/stage/grpc_service.py), from a stage before it on the
+same node over a socket (mesh/stage/local_link.py), never through Ray calls."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from skippy.stages.runtime import StageSpec
 from skippy.stages.runtime_kind import TORCH, RuntimeKind
 
 from .. import tracing
-from .grpc_service import GrpcOpener, message_limit, start_server
+from .channels import link_delay_s
+from .grpc_service import MAX_RPCS, GrpcOpener, StageServicer, message_limit, serve
+from .local_link import LocalListener, LocalOpener
 from .security import StageCredentials
 from .node_store import cold_store, node_store
 from .server import StageServer
@@ -44,7 +47,10 @@ class StageActor:
         self._credentials = credentials
         self._limit = message_limit(spec.model_path, spec.n_ctx, spec.wire_dtype)
         self.server.puller = StatePuller(credentials, self._limit)
-        self._rpc, self._address = start_server(self.server, host, credentials, self._limit)
+        servicer = StageServicer(self.server, host)
+        self._rpc, self._address = serve(servicer, host, credentials, max_message=self._limit)
+        # the same sessions over a socket for a stage before this one on this node
+        self._local = LocalListener(servicer, self._address, credentials.token, MAX_RPCS)
         self._next: str | None = None
 
     def address(self) -> str:
@@ -64,8 +70,10 @@ class StageActor:
         if next_address is None:
             self.server.link_next(None)
             return
-        self.server.link_next(GrpcOpener(next_address, self._credentials, self._limit,
-                                         here=self._address))
+        local = None if link_delay_s(self._address, next_address) else \
+            LocalOpener.reaching(next_address, self._credentials.token)
+        self.server.link_next(local or GrpcOpener(next_address, self._credentials,
+                                                  self._limit, here=self._address))
 
     def stats(self) -> dict:
         return self.server.stats()
@@ -80,6 +88,7 @@ class StageActor:
         """Stop serving and let go of this stage's blocks in the node's shared store
         (what a killed stage leaves there is swept by the next stage to open it)."""
         self._rpc.stop(grace=None)
+        self._local.close()
         self.server.link_next(None)  # idle streams to the next stage end
         tracing.flush()
         cache = self.server.cache

@@ -92,8 +92,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                 session.close()
 
     def Replies(self, request, context):
-        replies = self.server.replies
-        q = replies.open(request.id)
+        replies, q = self.server.replies, queue.Queue()
+        replies.open(request.id, q.put)
         context.add_callback(lambda: q.put(None))  # the driver went: so does the stream
         hop_s = link_delay_s(self.here, context.peer())
         try:
@@ -103,7 +103,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
                     time.sleep(hop_s)
                 yield result
         finally:
-            replies.close(request.id, q)
+            replies.close(request.id, q.put)
 
     def GetBlocks(self, request, context):
         for h, data in self.server.blocks(request.hashes):
