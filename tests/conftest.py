@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 from pathlib import Path
@@ -68,6 +69,15 @@ def pytest_xdist_make_scheduler(config, log):
             return "hosts" if path.rsplit("/", 1)[-1] in HOSTS_FILES else path
 
     return HostsTogether(config, log)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_garbage():
+    """A test file's engines go with it: one a fixture dropped without closing it sits in
+    a reference cycle (its loop threads hold its stages) that Python's oldest-generation
+    collection may not reach for many files, and a worker's heap grew by GBs over a run."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ Makefile)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 
 import httpx
@@ -170,10 +172,16 @@ def requests(draw, model: str = "smollm2", tools: bool = False) -> tuple[str, by
 
 # -- the server --------------------------------------------------------------------------------------
 def serving(path, name: str):
-    engine = InProcessEngine(path, 2, cache=CacheConfig(), model_name=name, weight_format="int4")
-    with BackgroundServer(create_app(engine, api_keys=())) as srv:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
-            yield c
+    # the context bodies need is short: the planner asks this machine for no more memory
+    # than that (8,192 x 8 lanes wanted 2.97 GiB free, and a busy CI machine had 2.11)
+    engine = InProcessEngine(path, 2, cache=CacheConfig(), model_name=name, weight_format="int4",
+                             n_ctx=2048)
+    try:
+        with BackgroundServer(create_app(engine, api_keys=())) as srv:
+            with httpx.Client(base_url=srv.url, timeout=120) as c:
+                yield c
+    finally:
+        asyncio.run(engine.close())
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The driver's streams to stage 0, and each stage's to the next, on a Ray pipeline
 (mesh/control/ray_pipeline.py, mesh/stage/grpc_service.py): a request that ended with its
 last call answered leaves its streams open for the next request, which gives the answer a
-fresh stream gives; decode steps are answered by the last stage straight to the driver."""
+fresh stream gives; decode steps are answered by the last stage straight to the driver;
+on one node, over the stages' sockets."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def test_requests_take_the_streams_the_last_ones_left_and_answer_the_same(smollm
         # each request's middle token came straight from the last stage (its last token
         # came back through stage 0, ending the sessions on its way)
         assert last["direct_replies"] == 2 * len(requests)
+        # on one node every stream went over the stages' sockets, not gRPC: the driver's
+        # at stage 0, and at the last stage stage 0's and the driver's reply streams
+        assert first["local_streams"] >= len(requests) and last["local_streams"] >= 2
         memo = CacheStats("results", 0, 0, 0, 0, 0, {})
         (reused,) = [m for m in stage_families(engine.stats(), memo)
                      if m.name == "skippy_stage_streams_reused"]

@@ -24,6 +24,7 @@ from ray.exceptions import ActorUnschedulableError, RayActorError
 from skippy.proto import stage_pb2_grpc
 
 from ..stage.channels import IdleLinks, channel_options, link_delay_s
+from ..stage.local_link import LocalOpener
 from ..stage.security import StageCredentials
 from .driver import StageFault
 from .stage_link import GrpcStageLink, LocalStageLink
@@ -168,13 +169,15 @@ class RayPipeline:
         if link is not None:
             return link
         hop_s = link_delay_s(ray.util.get_node_ip_address(), first)
-        if entry.local is not False and not hop_s:
+        if entry.local is None:  # both ends on this node (checked once a channel)?
+            token = self._credentials.token
+            entry.local = not hop_s and await asyncio.to_thread(
+                lambda: all(LocalOpener.reaching(a, token) for a in {first, last}))
+        if entry.local:
             try:
-                link = await LocalStageLink.open(first, last if last != first else None,
+                return await LocalStageLink.open(first, last if last != first else None,
                                                  self._credentials.token, entry.idle)
-                entry.local = True
-                return link
-            except OSError:  # stage 0 is on another node: gRPC it is
+            except OSError:  # gone since: gRPC says how (a fault, a repair)
                 entry.local = False
         return GrpcStageLink(entry.stub, self._credentials.metadata, entry.idle,
                              entry.last[1] if entry.last is not None else None, hop_s)

@@ -98,6 +98,9 @@ class LocalListener:
             self._conns.add(conn)
         try:
             kind = self._admitted(conn)
+            if kind is not None:
+                with self._lock:
+                    self.servicer.server.local_streams += 1
             if kind == SESSION:
                 stream = self.servicer.Session(_calls(conn), _Context(conn, self.address))
                 with contextlib.closing(stream):  # its session closes, the caller gone too

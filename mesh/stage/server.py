@@ -52,6 +52,7 @@ class StageServer:
         self.vocabulary = Vocabulary(partial(Tokenizer, spec.model_path))
         # The drivers' reply streams (the last stage answers decode steps there)
         self.replies = ReplyStreams()
+        self.local_streams = 0  # session and reply streams taken over its socket (local_link)
         # The last stage's verify steps: tokens proposed, and those its draws accepted
         self.speculation = {"verify_steps": 0, "proposed_tokens": 0, "accepted_tokens": 0}
 
@@ -123,6 +124,7 @@ class StageServer:
             idle = getattr(self._next, "idle", None)
         if idle is not None:  # requests that took an idle stream to the next stage
             s["streams_reused"] = idle.reused
+        s["local_streams"] = self.local_streams
         s.update(stage_index=self.spec.stage_index,
                  layers=[self.spec.layer_start, self.spec.layer_end],
                  weight_format=self.spec.weight_format, **self.loop.figures())
