@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -54,11 +55,14 @@ def _echo_actor_class():
     import ray
 
     from skippy.mesh.stage.grpc_service import serve
+    from skippy.mesh.stage.local_link import LocalListener
     from skippy.mesh.wire import frame_from_proto
     from skippy.proto import stage_pb2 as pb
     from skippy.proto import stage_pb2_grpc
 
     class EchoStage(stage_pb2_grpc.StageServicer):
+        server = types.SimpleNamespace(local_streams=0)  # what the socket's listener counts
+
         def Session(self, calls, context):
             for call in calls:
                 frame = frame_from_proto(call.decode.frame)
@@ -67,8 +71,11 @@ def _echo_actor_class():
     @ray.remote(num_cpus=0)
     class EchoActor:
         def __init__(self, host: str, credentials):
-            self._server, self._address = serve(EchoStage(), host, credentials,
+            echo = EchoStage()
+            self._server, self._address = serve(echo, host, credentials,
                                                 max_message=HOP_MESSAGE_LIMIT)
+            # the same service on its socket, as a stage serves one on its node
+            self._local = LocalListener(echo, self._address, credentials.token, 4)
 
         def address(self) -> str:
             return self._address
@@ -96,6 +103,7 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
 
     from skippy.mesh.stage.channels import channel_options
     from skippy.mesh.stage.grpc_service import GrpcLink
+    from skippy.mesh.stage.local_link import LocalOpener
     from skippy.mesh.stage.security import StageCredentials, new_secret
     from skippy.mesh.wire import frame_to_proto
     from skippy.proto import stage_pb2 as pb
@@ -109,6 +117,7 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
         address = ray.get(actor.address.remote(), timeout=120)
         channel = credentials.channel(address, channel_options(HOP_MESSAGE_LIMIT))
         down = GrpcLink(stage_pb2_grpc.StageStub(channel), credentials.metadata)
+        local = LocalOpener(address, credentials.token)()
         rows_out = []
         for n, width in tracked(HOP_SHAPES, "hops", "shape", say=say):
             rows = torch.randn(n, width).to(torch.float16)
@@ -119,16 +128,25 @@ def bench_hops(repeats: int, warmup: int = 20, say=print) -> list[dict]:
                                                                frame=frame_to_proto(frame))))
                 assert reply.token.id == n
 
+            def over_socket(frame=frame, n=n):
+                reply = local.ask(pb.StageCall(decode=pb.Decode(token=0,
+                                                                frame=frame_to_proto(frame))))
+                assert reply.token.id == n
+
             def over_ray(rows=rows, n=n):
                 assert ray.get(actor.echo.remote(rows)) == n
 
             say(f"  hop [{n}, {width}] f16 ...")
             g = _timed(over_grpc, repeats, warmup)
+            u = _timed(over_socket, repeats, warmup)
             r = _timed(over_ray, repeats, warmup)
             rows_out.append({"shape": [n, width], "bytes": n * width * 2,
-                             "grpc_ms": statistics.median(g), "ray_ms": statistics.median(r),
-                             "grpc_samples_ms": g, "ray_samples_ms": r})
+                             "grpc_ms": statistics.median(g), "socket_ms": statistics.median(u),
+                             "ray_ms": statistics.median(r),
+                             "grpc_samples_ms": g, "socket_samples_ms": u,
+                             "ray_samples_ms": r})
         down.close()
+        local.end()
         return rows_out
     finally:
         if channel is not None:
@@ -216,10 +234,11 @@ def split_verdict(split: list[dict], target: float = SPLIT_TARGET) -> dict | Non
 def table(result: dict) -> str:
     lines = [f"(i) one hop into a Ray actor: median round trip of {result['repeats']} "
              f"(frame encoded, sent, decoded, answered)",
-             f"{'frame':<14} {'KiB':>6} {'gRPC ms':>8} {'Ray ms':>8} {'Ray/gRPC':>9}"]
+             f"{'frame':<14} {'KiB':>6} {'gRPC ms':>8} {'socket ms':>10} {'Ray ms':>8} "
+             f"{'Ray/gRPC':>9}"]
     for h in result["hops"]:
         lines.append(f"{'[%d, %d] f16' % tuple(h['shape']):<14} {h['bytes'] / 1024:>6.1f} "
-                     f"{h['grpc_ms']:>8.2f} {h['ray_ms']:>8.2f} "
+                     f"{h['grpc_ms']:>8.2f} {h['socket_ms']:>10.2f} {h['ray_ms']:>8.2f} "
                      f"{h['ray_ms'] / h['grpc_ms']:>8.2f}x")
     lines += ["", f"(ii) decode through RayEngine, torch runtime, {result['decode_tokens']} "
                   f"greedy tokens, median of {result['runs']} runs after a warm-up, the "
@@ -250,6 +269,7 @@ def plot(result: dict):
         plots.bars(hops, [f"[{a}, {b}] f16\n{h['bytes'] / 1024:.0f} KiB"
                           for h in result["hops"] for a, b in [h["shape"]]],
                    {"gRPC stream": [h["grpc_ms"] for h in result["hops"]],
+                    "socket (one node)": [h["socket_ms"] for h in result["hops"]],
                     "Ray actor call": [h["ray_ms"] for h in result["hops"]]})
         plots.finish(hops, title=f"one hop, median of {result['repeats']} round trips",
                      ylabel="ms")
