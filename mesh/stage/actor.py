@@ -50,7 +50,13 @@ class StageActor:
         servicer = StageServicer(self.server, host)
         self._rpc, self._address = serve(servicer, host, credentials, max_message=self._limit)
         # the same sessions over a socket for a stage before this one on this node
-        self._local = LocalListener(servicer, self._address, credentials.token, MAX_RPCS)
+        try:
+            self._local: LocalListener | None = LocalListener(
+                servicer, self._address, credentials.token, MAX_RPCS)
+        except OSError as e:  # callers on this node use gRPC, as the others do
+            logging.getLogger(__name__).warning("no local socket for stage %d: %s",
+                                                spec.stage_index, e)
+            self._local = None
         self._next: str | None = None
 
     def address(self) -> str:
@@ -88,7 +94,8 @@ class StageActor:
         """Stop serving and let go of this stage's blocks in the node's shared store
         (what a killed stage leaves there is swept by the next stage to open it)."""
         self._rpc.stop(grace=None)
-        self._local.close()
+        if self._local is not None:
+            self._local.close()
         self.server.link_next(None)  # idle streams to the next stage end
         tracing.flush()
         cache = self.server.cache
