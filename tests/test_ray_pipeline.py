@@ -49,5 +49,13 @@ def test_requests_take_the_streams_the_last_ones_left_and_answer_the_same(smollm
                      if m.name == "skippy_stage_streams_reused"]
         assert {s.labels["stage"]: s.value for s in reused.samples
                 if s.name.endswith("_total")} == {"0": 2 * len(requests) - 1}
+        # two stages sharing the node's cores take turns at them (mesh/stage/turns.py),
+        # each step on both: requests at once answer as they do one at a time
+
+        async def at_once():
+            return await asyncio.gather(*(one(r) for r in requests))
+        assert asyncio.run(at_once()) == fresh
+        first, last = engine.pipeline_stats(0)
+        assert "turn_wait_seconds" in first and "turn_wait_seconds" in last
     finally:
         asyncio.run(engine.close())

@@ -239,6 +239,8 @@ class _Launch:
     excluded: set[str] = dataclasses.field(default_factory=set)
     # (pipeline, stage) -> the node its actor was put on
     placed: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    # names the turns that stages sharing a node's cores take (pipeline r's: "<turns>-r")
+    turns: str = dataclasses.field(default_factory=lambda: secrets.token_hex(8))
 
     @property
     def path(self) -> Path:
@@ -365,7 +367,8 @@ class _Launch:
         ).remote(spec, self.cache.within(st.cache_bytes), self.model.policy,
                   self.model.runtime, self.host, burst,
                   credentials=self.credentials.issue(), parts=self.parts_for(spec),
-                  traces=tracing.exporting_to())  # stages trace where the driver does
+                  traces=tracing.exporting_to(),  # stages trace where the driver does
+                  turn=f"{self.turns}-{r}" if burst and burst > spec.threads else None)
 
 
 def _new_pipeline(launch: _Launch, n_stages: int, credentials, max_message: int,

@@ -31,7 +31,7 @@ _CACHE_BYTES = ("entries", "resident_bytes", "reserved_bytes", "evictable_bytes"
 # typed as counters (with _total), as Prometheus tooling expects of what rate() reads.
 _STAGE_COUNTS = ("prefill_rows", "decode_rows", "restore_failures", "restores_declined",
                  "leases_expired", "exports", "adopted", "streams_reused",
-                 "direct_replies", "local_streams")
+                 "direct_replies", "local_streams", "turn_wait_seconds")
 _BY_KIND = {"seconds": ("skippy_stage_compute_seconds", "Seconds a stage spent computing"),
             "steps": ("skippy_stage_steps", "Runtime calls a stage made")}
 _KNOWN = {"counters", "hits_by_kind", "blocks", "prefix", "results", "policy", "index",

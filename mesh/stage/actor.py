@@ -31,17 +31,18 @@ class StageActor:
                  runtime: RuntimeKind = TORCH, host: str | None = None,
                  burst_threads: int | None = None, *,
                  credentials: StageCredentials, parts: PartSource | None = None,
-                 traces: str | None = None):
+                 traces: str | None = None, turn: str | None = None):
         """Serves on `host` (default: Ray's address of this node), taking calls that carry
         `credentials`' token (over TLS when they hold certificates) and making its own.
-        `traces`: where this process exports its spans (mesh/tracing.py; None: off)."""
+        `traces`: where this process exports its spans (mesh/tracing.py; None: off);
+        `turn`: the turn its pipeline's stages on this node take (mesh/stage/turns.py)."""
         logging.basicConfig(level=logging.INFO)
         tracing.configure(traces, role=f"stage {spec.stage_index}")
         if parts is not None:  # a package: its parts from this node, fetched here if need be
             spec = dataclasses.replace(spec, model_path=local_package(parts, credentials))
         host = host or ray.util.get_node_ip_address()
         self.server = StageServer(
-            spec, cache, policy, runtime, burst_threads=burst_threads,
+            spec, cache, policy, runtime, burst_threads=burst_threads, turn=turn,
             store=node_store(host, cache.block_store_max_bytes),
             cold_store=cold_store(host, cache.cold_max_bytes) if cache.cold_max_bytes else None)
         self._credentials = credentials
@@ -100,6 +101,7 @@ class StageActor:
         tracing.flush()
         cache = self.server.cache
         self.server.loop.call(cache.clear)
+        self.server.loop.call(self.server.loop.end_turn)
         cache.store.close()
         if cache.tiers.cold is not None:
             cache.tiers.cold.store.close()

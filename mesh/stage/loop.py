@@ -16,9 +16,12 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+
+from .turns import Turn
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +106,16 @@ class StageLoop:
     `check(row)` validates a row before it joins a step (its exception fails that row
     only). Thread counts are the loop's: `threads` while several sessions are open,
     `burst` (its pipeline's cores) while one session alone keeps the stages computing in
-    turn, where the runtime's bits do not depend on the thread count."""
+    turn, where the runtime's bits do not depend on the thread count; with a `turn`
+    (mesh/stage/turns.py) every step takes it and `burst` threads."""
 
     def __init__(self, step: Callable[[list[tuple[int, object]]], list], *,
                  check: Callable[[Row], None] = lambda row: None,
                  threads: int | None = None):
         self._step, self._check = step, check
         self._threads, self._burst = threads, None
+        self._turn: Turn | None = None
+        self._away = 0.0  # seconds a prefill let other stages have the turn
         self._cv = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._rows: list[Row] = []
@@ -152,12 +158,12 @@ class StageLoop:
         answer)."""
         def timed():
             self._posted(-1)
-            self._fit_threads()
-            t = time.perf_counter()
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                self.timing.add(kind, time.perf_counter() - t, rows)
+            with self._computing():
+                t, away = time.perf_counter(), self._away
+                try:
+                    out = fn(*args, **kwargs)
+                finally:  # less the time it let other stages have the turn
+                    self.timing.add(kind, time.perf_counter() - t - (self._away - away), rows)
             return out if then is None else then(out)
         self._posted(1)  # waiting until timed() starts
         return self.call(timed)
@@ -174,16 +180,26 @@ class StageLoop:
         a reader never counts itself in the queue."""
         t = self.timing
         with self._cv:
-            return {"seconds": dict(t.seconds), "steps": dict(t.count),
-                    "decode_rows": t.rows, "prefill_rows": t.prefill_rows,
-                    "sessions": self.sessions, "decoding": self.decoding,
-                    "queue_rows": len(self._rows), "queue_prefills": self._prefills_waiting}
+            out = {"seconds": dict(t.seconds), "steps": dict(t.count),
+                   "decode_rows": t.rows, "prefill_rows": t.prefill_rows,
+                   "sessions": self.sessions, "decoding": self.decoding,
+                   "queue_rows": len(self._rows), "queue_prefills": self._prefills_waiting}
+        if self._turn is not None:  # seconds its steps waited while the others computed
+            out["turn_wait_seconds"] = self._turn.waited_s
+        return out
 
-    def allow_burst(self, burst: int | None) -> None:
-        """Take `burst` threads while one session is open (only where the runtime's
-        bits do not depend on the thread count)."""
+    def allow_burst(self, burst: int | None, turn: Turn | None = None) -> None:
+        """Take `burst` threads while one session is open, or at every step where the
+        stages sharing the cores take `turn`s (only where the runtime's bits do not
+        depend on the thread count)."""
         if burst and self._threads and burst > self._threads:
-            self._burst = burst
+            self._burst, self._turn = burst, turn
+
+    def end_turn(self) -> None:
+        """The stage is closing: no more turns (on the loop thread, between steps)."""
+        if self._turn is not None:
+            self._turn.close()
+            self._turn = None
 
     def opened(self, delta: int) -> None:
         with self._cv:
@@ -201,6 +217,10 @@ class StageLoop:
             rows, self._rows = self._rows, []
         if rows:
             self._run_rows(rows)
+        if self._turn is not None:  # another stage's step may wait on this prefill
+            t = time.perf_counter()
+            self._turn.offer()
+            self._away += time.perf_counter() - t
 
     def stop(self) -> None:
         """End the loop thread once the work already posted is done."""
@@ -214,7 +234,7 @@ class StageLoop:
             if not rows and job is None:  # stopped
                 return
             if rows:
-                self._run_rows(rows)
+                self._run_rows(rows, join=True)
             elif job is not None:
                 try:
                     job.settle(job.fn())
@@ -247,43 +267,65 @@ class StageLoop:
         steps = Counter(row.upstream for row in self._rows)
         return None not in steps and all(n >= rows for (_, rows), n in steps.items())
 
-    def _run_rows(self, rows: list[Row]) -> None:
+    def _run_rows(self, rows: list[Row], join: bool = False) -> None:
         """One runtime step for the rows that pass their check; each row then finishes
-        (or fails) on its own. A failing runtime step fails its rows: a stage fault."""
-        ok = []
-        for row in rows:
+        (or fails) on its own. A failing runtime step fails its rows: a stage fault.
+        `join`: rows that come while the step waits for its turn join it."""
+        with self._computing(step=True):
+            if join and self._turn is not None and all(r.upstream is None for r in rows):
+                rows = rows + self._latecomers(len(rows))
+            ok = []
+            for row in rows:
+                try:
+                    if row.prepare is not None:
+                        row.prepare()
+                    self._check(row)
+                    ok.append(row)
+                except Exception as e:
+                    row.settle(error=e)
+            if not ok:
+                return
+            t = time.perf_counter()
             try:
-                if row.prepare is not None:
-                    row.prepare()
-                self._check(row)
-                ok.append(row)
+                outs = self._step([(row.lane, row.x) for row in ok])
             except Exception as e:
-                row.settle(error=e)
-        if not ok:
-            return
-        self._fit_threads()
-        t = time.perf_counter()
-        try:
-            outs = self._step([(row.lane, row.x) for row in ok])
-        except Exception as e:
-            log.exception("decode step of %d rows failed", len(ok))
-            for row in ok:
-                row.settle(error=e)
-            return
-        finally:
-            self.timing.add("decode", time.perf_counter() - t, len(ok))
-        self._steps += 1
-        for row, out in zip(ok, outs):
-            row.batch, row.step = len(ok), self._steps
-            try:
-                row.settle(row.finish(out))
-            except Exception as e:
-                row.settle(error=e)
+                log.exception("decode step of %d rows failed", len(ok))
+                for row in ok:
+                    row.settle(error=e)
+                return
+            finally:
+                self.timing.add("decode", time.perf_counter() - t, len(ok))
+            # each row's finish (its frame sent on, or its draw) in the same turn: work
+            # beside another stage's step slows that step's threads
+            self._steps += 1
+            for row, out in zip(ok, outs):
+                row.batch, row.step = len(ok), self._steps
+                try:
+                    row.settle(row.finish(out))
+                except Exception as e:
+                    row.settle(error=e)
         with self._cv:
             self._stepped = time.monotonic()
 
-    def _fit_threads(self) -> None:
-        if self._burst:
-            n = self._burst if self.sessions <= 1 else self._threads
-            if torch.get_num_threads() != n:
-                torch.set_num_threads(n)
+    def _latecomers(self, have: int) -> list[Row]:
+        """A first stage's step, its turn taken: the rows of the step the last stage has
+        just answered are on their way back through the driver (~1 ms); they join this
+        step rather than form a group of their own that would take turns with it ever
+        after (a step of 2 rows costs nearly what one of 8 does)."""
+        until = self._turn.answered_at() + GATHER_S
+        with self._cv:
+            while have + len(self._rows) < self.decoding and time.monotonic() < until:
+                self._cv.wait(timeout=until - time.monotonic())
+            rows, self._rows = self._rows, []
+        return rows
+
+    @contextmanager
+    def _computing(self, step: bool = False):
+        """Around each runtime call: the turn, where the stages take turns, and the
+        thread count that goes with it."""
+        with self._turn.held(step) if self._turn is not None else nullcontext():
+            if self._burst:
+                n = self._burst if self.sessions <= 1 or self._turn else self._threads
+                if torch.get_num_threads() != n:
+                    torch.set_num_threads(n)
+            yield

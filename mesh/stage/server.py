@@ -22,22 +22,27 @@ from .loop import Row, StageLoop
 from .replies import ReplyStreams
 from .session import LinkDown, StageSession
 from .state_pull import StatePuller
+from .turns import Turn
 
 
 class StageServer:
     def __init__(self, spec: StageSpec, cache: CacheConfig, policy: str,
                  runtime: RuntimeKind = TORCH, *, burst_threads: int | None = None,
+                 turn: str | None = None,
                  store: BlockStore | None = None, cold_store: BlockStore | None = None):
         """`store`: where this stage's state blocks live (default: its own, in memory;
         a stage actor shares its node's, mesh/stage/node_store.py); `cold_store`: the
-        disk tier's (none: no disk tier)."""
+        disk tier's (none: no disk tier); `turn`: the name of the turn this stage takes
+        with the others of its pipeline on its node (mesh/stage/turns.py)."""
         self.spec = spec
         self.loop = StageLoop(self._step, check=self._check_row, threads=spec.threads)
         self.runtime = self.loop.call(make_runtime, spec, runtime)
         if self.runtime.thread_invariant:
             # A stage sharing its node's cores may take its pipeline's cores while one
-            # session alone keeps the stages computing in turn (same bits on any count).
-            self.loop.allow_burst(burst_threads)
+            # session alone keeps the stages computing in turn, or at every step where
+            # they take turns (same bits on any count).
+            self.loop.allow_burst(burst_threads, Turn.named(turn, spec.stage_index,
+                                                               spec.is_last))
         self.cache = self.loop.call(StageCache, self.runtime, cache, policy=policy,
                                     store=store, cold_store=cold_store)
         self._next: Callable[[], object] | None = None  # opens a link to the next stage
