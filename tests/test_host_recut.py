@@ -51,7 +51,9 @@ def test_a_lost_host_whose_layers_fit_nowhere_cuts_the_model_anew(hosts, server,
     head, kept, lost = hosts
     stages = planned(server.read_text())
     nodes = ray_nodes(f"{head.ip}:{RAY_PORT}")
-    assert [node for *_, node in stages] == [nodes[h.ip][:12] for h in hosts]
+    # a stage on each host (which on which is the planner's: it weighs the links it
+    # measured, and on a loaded machine they can outweigh the memories' order)
+    assert sorted(node for *_, node in stages) == sorted(nodes[h.ip][:12] for h in hosts)
     want = fault_free(smollm2, [(0, 30)], QUESTIONS)
     base = f"http://{head.ip}:{PORT}"
     before = _status(base)["topology"]

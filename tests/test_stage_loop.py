@@ -94,3 +94,28 @@ def test_a_rows_preparation_runs_on_the_loop_thread_before_its_step_and_fails_it
     assert loop.steps == [1] and rows[0].error is None
     with pytest.raises(ValueError, match="cannot rewind"):
         rows[1].outcome()
+
+
+def test_a_lone_sessions_row_runs_on_its_own_thread_and_others_on_the_loops():
+    """One session, the loop idle: the row's step runs on the caller's thread (no hand-off
+    to the loop thread); with other sessions open the loop runs it, gathering rows."""
+    threads: list[threading.Thread] = []
+    loop = StageLoop(lambda rows: threads.append(threading.current_thread()) or
+                     [None] * len(rows))
+    try:
+        loop.opened(1)
+        loop.decoding_changed(1)
+        row = Row(0, None, lambda out: loop.call(lambda: "finished"))  # a nested call
+        assert loop.decode(row) == "finished"
+        assert threads == [threading.current_thread()]
+        loop.opened(1)
+        loop.decoding_changed(1)
+        rows = [Row(0, None, lambda out: out) for _ in range(2)]
+        posts = [threading.Thread(target=loop.decode, args=(r,)) for r in rows]
+        for t in posts:
+            t.start()
+        assert all(r.done.wait(10) for r in rows)
+        assert threads[1:] == [loop._thread] and rows[0].batch == 2
+    finally:
+        loop.decoding_changed(-2)
+        loop.stop()
