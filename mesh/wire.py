@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from skippy.proto import stage_pb2
-from skippy.stages.frame import Frame
+from skippy.stages.frame import Frame, is_unit_scale, unit_scale
 
 from .constraint import Constraint
 from .sampler import SamplingParams, TokenLogprobs
@@ -38,7 +38,9 @@ class MalformedFrame(Exception):
 
 
 def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
-    return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
+    if not (t.is_contiguous() and not t.requires_grad and t.device.type == "cpu"):
+        t = t.detach().cpu().contiguous()
+    return t.numpy().astype(dtype, copy=False).tobytes()
 
 
 _warned = False  # torch's read-only warning comes once a process: filtered that once
@@ -69,7 +71,9 @@ def frame_to_proto(frame: Frame) -> stage_pb2.Frame:
     n, width = frame.rows.shape
     msg = stage_pb2.Frame(dtype=enum, start=frame.start, rows=n, width=width,
                           data=_wire_bytes(frame.rows, dtype))
-    if frame.scale is not None and not (name == "f16" and bool((frame.scale == 1).all())):
+    unit = is_unit_scale(frame.scale) or (
+        name == "f16" and frame.scale is not None and bool((frame.scale == 1).all()))
+    if frame.scale is not None and not unit:
         msg.scales = _wire_bytes(frame.scale.to(torch.float32), _SCALE)
     return msg
 
@@ -88,7 +92,7 @@ def frame_from_proto(msg: stage_pb2.Frame) -> Frame:
             raise MalformedFrame("an f32 frame carries no scales")
         return Frame(msg.start, rows)
     if not msg.scales and name == "f16":
-        return Frame(msg.start, rows, torch.ones(n, dtype=torch.float32))
+        return Frame(msg.start, rows, unit_scale(n))
     if len(msg.scales) != n * _SCALE.itemsize:
         raise MalformedFrame(f"{name} frame of {n} rows carries {len(msg.scales)} scale bytes")
     return Frame(msg.start, rows, _view(msg.scales, _SCALE, (n,)))

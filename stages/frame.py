@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import qkernel
+
 # q8 is opt-in: lossy (~0.4 % of a row's peak per value), a quarter of f32's bytes.
 WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
 
@@ -15,6 +17,20 @@ WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
 _F16_SAFE_EXPONENT = 14  # |row| / 2^k < 2^15 after scaling
 
 _Q8_MAX = 127  # symmetric: -128 is never used, so negating a row never overflows
+
+_UNIT_ROWS = 64
+_UNITS = [torch.ones(n) for n in range(_UNIT_ROWS + 1)]
+
+
+def unit_scale(n: int) -> torch.Tensor:
+    """An f16 frame's scales of n rows all in range: shared up to _UNIT_ROWS rows (never
+    written: a decode row's frame takes no op for them, and wire.py knows them by identity)."""
+    return _UNITS[n] if n <= _UNIT_ROWS else torch.ones(n)
+
+
+def is_unit_scale(scale: torch.Tensor | None) -> bool:
+    """Whether `scale` is one of unit_scale's shared tensors (no op: by identity)."""
+    return scale is not None and scale.shape[0] <= _UNIT_ROWS and scale is _UNITS[scale.shape[0]]
 
 
 @dataclass(frozen=True)
@@ -54,10 +70,16 @@ def to_wire(start: int, rows: torch.Tensor, wire_dtype: str,
     if wire_dtype == "f32":
         return Frame(start, rows.to(torch.float32), tokens=tokens)
     if wire_dtype == "f16":
-        if float(rows.abs().max()) < 2.0 ** (_F16_SAFE_EXPONENT + 1):
+        lib = qkernel.library() if rows.dtype == torch.float32 and rows.is_contiguous() \
+            else None
+        if lib is not None:  # one call where a decode row's frame took five cold ops
+            half = qkernel.f16_rows(lib, rows, 2.0 ** (_F16_SAFE_EXPONENT + 1))
+            if half is not None:
+                return Frame(start, half, unit_scale(rows.shape[0]), tokens)
+        elif float(rows.abs().max()) < 2.0 ** (_F16_SAFE_EXPONENT + 1):
             # every row in range (the usual case): scale 1, the rows as they are. Three
             # ops, not ten: a decode row's frame took 0.3 ms of its stage's step that way.
-            return Frame(start, rows.to(torch.float16), torch.ones(rows.shape[0]), tokens)
+            return Frame(start, rows.to(torch.float16), unit_scale(rows.shape[0]), tokens)
         peak = rows.abs().amax(dim=-1).nan_to_num(0.0, 0.0, 0.0).clamp_min(1.0)
         exponent = (torch.floor(torch.log2(peak)) - _F16_SAFE_EXPONENT).clamp_min(0)
         scale = torch.exp2(exponent)
@@ -75,5 +97,10 @@ def to_wire(start: int, rows: torch.Tensor, wire_dtype: str,
 
 def from_wire(frame: Frame) -> torch.Tensor:
     """Receiving side: compute always runs in float32."""
+    lib = qkernel.library()
+    if lib is not None and frame.rows.dtype == torch.float16 and frame.rows.ndim == 2 and \
+            frame.rows.is_contiguous() and frame.scale is not None and \
+            frame.scale.dtype == torch.float32 and frame.scale.is_contiguous():
+        return qkernel.f16_values(lib, frame.rows, frame.scale)
     rows = frame.rows.to(torch.float32)
     return rows * frame.scale.unsqueeze(1) if frame.scale is not None else rows

@@ -45,6 +45,11 @@ static inline int qmat_run(const qmat *m, const float *x, int64_t rows, float *y
 void skr_rms_norm(const float *x, const float *w, int64_t rows, int64_t k, int64_t w_rows,
                   float eps, float *out);
 void skr_layer_norm(const float *x, int64_t rows, int64_t k, float eps, float *out);
+int skr_q8_rows(const int8_t *codes, const float *scale, int64_t k, int64_t rows,
+                const int64_t *ids, int64_t n, float *out);
+int skr_f16_rows(const float *x, int64_t n, float limit, uint16_t *out);
+void skr_f16_values(const uint16_t *h, const float *scale, int64_t rows, int64_t k,
+                    float *out);
 void skr_rope(float *x, int heads, int hd, int dim, const float *c, const float *s,
               int style);
 void skr_gated(int act, const float *gate, const float *up, int64_t rows, int64_t n,

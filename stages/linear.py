@@ -421,6 +421,8 @@ class Embeddings:
         self.stored = stored if m.int8 is None and self.q6k is None else None
         self.table = m.values if m.int8 is None and self.q6k is None and self.stored is None \
             else None
+        self.q8_lib = qkernel.library() if self.blocks is not None and \
+            self.blocks.codes.is_contiguous() and self.blocks.scale.is_contiguous() else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
@@ -429,6 +431,8 @@ class Embeddings:
             return self.q6k.rows(ids)
         if self.stored is not None:
             return self.stored.rows(ids)
+        if self.q8_lib is not None and ids.ndim == 1:  # one call, not seven ops
+            return qkernel.q8_rows(self.q8_lib, self.blocks.codes, self.blocks.scale, ids)
         return self.blocks.rows(ids)
 
 

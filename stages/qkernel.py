@@ -288,6 +288,12 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     for fn in (lib.skr_q6k_rows, lib.skr_q8_0_rows):  # rows of a quantized table
         fn.restype = None
         fn.argtypes = [p, i64, p, i64, p]
+    lib.skr_q8_rows.restype = ctypes.c_int
+    lib.skr_q8_rows.argtypes = [p, p, i64, i64, p, i64, p]
+    lib.skr_f16_rows.restype = ctypes.c_int
+    lib.skr_f16_rows.argtypes = [p, i64, ctypes.c_float, p]
+    lib.skr_f16_values.restype = None
+    lib.skr_f16_values.argtypes = [p, p, i64, i64, p]
     lib.skr_soft_cap.restype = None
     lib.skr_soft_cap.argtypes = [p, i64, ctypes.c_float, ctypes.c_float, p]
     lib.skr_gate.restype = None
@@ -461,6 +467,31 @@ def _attend(fn, shape: AttnShape, rows_in: torch.Tensor, rows: int, pos: list[in
             torch.get_num_threads())
     if rc:
         raise MemoryError("decode attention: no scratch memory")
+
+
+def q8_rows(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor,
+            ids: torch.Tensor) -> torch.Tensor:
+    """[len(ids), k]: Int8Blocks.rows of ids (int64) in one call."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), codes.shape[1], dtype=torch.float32)
+    if lib.skr_q8_rows(codes.data_ptr(), scale.data_ptr(), codes.shape[1], codes.shape[0],
+                       ids.data_ptr(), ids.numel(), out.data_ptr()):
+        raise IndexError(f"a row id out of range [0, {codes.shape[0]})")
+    return out
+
+
+def f16_rows(lib: ctypes.CDLL, x: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """x (contiguous float32) as f16 where every |value| is below `limit`, else None."""
+    out = torch.empty(x.shape, dtype=torch.float16)
+    return out if lib.skr_f16_rows(x.data_ptr(), x.numel(), limit, out.data_ptr()) else None
+
+
+def f16_values(lib: ctypes.CDLL, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[n, k] float32: f16 rows (contiguous) times their float32 scales, in one call."""
+    n, k = rows.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    lib.skr_f16_values(rows.data_ptr(), scale.data_ptr(), n, k, out.data_ptr())
+    return out
 
 
 def rows_dot(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor,

@@ -379,3 +379,42 @@ void skr_q8_0_rows(const uint8_t *raw, int64_t row_bytes, const int64_t *ids, in
                 o[e] = (float)x[e] * d;
         }
 }
+
+/* The float32 rows `ids` picks of a Q8_0 matrix kept as codes [rows][k] and scales
+ * [rows][k / 32]: (float)code * scale, Int8Blocks.rows's arithmetic in one call (a decode
+ * step's embedding lookup took 7 torch ops). -1, nothing written, where an id is not a row. */
+int skr_q8_rows(const int8_t *codes, const float *scale, int64_t k, int64_t rows,
+                const int64_t *ids, int64_t n, float *out)
+{
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= rows)
+            return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const int8_t *c = codes + ids[r] * k;
+        const float *s = scale + ids[r] * (k / 32);
+        for (int64_t i = 0; i < k; i++)
+            out[r * k + i] = (float)c[i] * s[i / 32];
+    }
+    return 0;
+}
+
+/* A frame's f16 values of n floats (frame.py's to_wire), and 1 where every |x| is below
+ * `limit` (no NaN): rows that scale 1 sends as they are. Else 0, and out is not used. */
+int skr_f16_rows(const float *x, int64_t n, float limit, uint16_t *out)
+{
+    int in_range = 1;
+    for (int64_t i = 0; i < n; i++) {
+        in_range &= fabsf(x[i]) < limit;
+        out[i] = half_bits(x[i]);
+    }
+    return in_range;
+}
+
+/* A frame's float32 rows (frame.py's from_wire): f16 value * its row's scale. */
+void skr_f16_values(const uint16_t *h, const float *scale, int64_t rows, int64_t k,
+                    float *out)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++)
+            out[r * k + i] = half_value(h[r * k + i]) * scale[r];
+}

@@ -72,6 +72,9 @@ class StageRuntime(abc.ABC):
     # The exactness contract this stage's kernels keep (DESIGN.md §5.3); its identity says it.
     exactness: Exactness = Exactness.CHUNKED
 
+    # Whether the frames this stage takes must carry their rows' token ids (Frame.tokens).
+    frames_need_tokens: bool = False
+
     @abc.abstractmethod
     def alloc_lane(self) -> int:
         """A fresh, empty lane."""

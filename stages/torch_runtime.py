@@ -132,6 +132,10 @@ class TorchStageRuntime(StageRuntime):
         self._lanes: dict[int, _Lane] = {}
         self._next_lane = 0
 
+    @property
+    def frames_need_tokens(self) -> bool:
+        return bool(self.side_width)
+
     def _build_layers(self, t: StageTensors) -> None:
         """The stage's decoder layers, each with its mixer (attention, short conv,
         attention beside Mamba2, or gated DeltaNet), and the KV and recurrent-state slots
@@ -283,8 +287,12 @@ class TorchStageRuntime(StageRuntime):
         if self.spec.is_first:
             if isinstance(inputs, Frame):
                 raise StageError("stage 0 takes token ids, not a frame")
-            ids = torch.as_tensor(inputs, dtype=torch.long).reshape(-1)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab):
+            ids = torch.as_tensor(inputs, dtype=torch.long)
+            ids = ids if ids.ndim == 1 else ids.reshape(-1)
+            # a decode step's few ids checked in Python: one op, where min and max took four
+            lo, hi = _bounds(ids.tolist()) if ids.numel() <= 64 else \
+                (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+            if lo < 0 or hi >= self.cfg.vocab:
                 raise StageError(f"token id out of range [0, {self.cfg.vocab})")
             return ids
         if not isinstance(inputs, Frame):
@@ -315,7 +323,7 @@ class TorchStageRuntime(StageRuntime):
         # the frame's side columns: the scaled token embedding itself
         return torch.cat([rows, rows], dim=1) if self.side_width else rows
 
-    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor,
+    def _run_layers(self, x: torch.Tensor, positions: torch.Tensor | list[int],
                     segments: list[Segment], tokens: torch.Tensor | None = None
                     ) -> torch.Tensor:
         if self.side_width:  # rows [hidden | x0]: the layers see hidden, x0 passes on
@@ -325,6 +333,7 @@ class TorchStageRuntime(StageRuntime):
             out = self.decoder_run(x, segments)
             if out is not None:
                 return torch.cat([out, x0], dim=1) if self.side_width else out
+        positions = torch.as_tensor(positions)  # decoder.c reads the segments instead
         for layer in self.layers:
             x = layer.forward(x, positions, segments)
         return torch.cat([x, x0], dim=1) if self.side_width else x
@@ -334,7 +343,12 @@ class TorchStageRuntime(StageRuntime):
         not depend on how many rows came with it. Serving ("last" and decode) uses groups
         of lane_batch; the diagnostic "all" uses groups of `chunk` rows (lane_batch for a
         float32 head on a row-invariant stage, whose groups decode's must match)."""
-        x = self.norm(hidden[:, :self.cfg.hidden])  # without a frame's side columns
+        # without a frame's side columns
+        x = self.norm(hidden[:, :self.cfg.hidden] if self.side_width else hidden)
+        if x.shape[0] == group:  # a decode step's one group: no slicing or padding ops
+            logits = self.head(x)
+            return soft_cap(logits, self.cfg.final_softcap) if self.cfg.final_softcap \
+                else logits
         out = []
         for i in range(0, x.shape[0], group):
             part = x[i:i + group]
@@ -448,17 +462,18 @@ class TorchStageRuntime(StageRuntime):
             rows.append(x)
             tokens.append(self._tokens(inp))
         n = len(positions)
-        x = self._embed(torch.cat(rows))
+        x = self._embed(rows[0] if len(rows) == 1 else torch.cat(rows))
         toks = torch.cat(tokens) if self.side_width else None
         if not self.free_groups and n < B:
             x, positions = _padded(x, B), positions + [0] * (B - n)
             toks = None if toks is None else _padded(toks, B)
-        x = self._run_layers(x, torch.tensor(positions), segments, toks)
-        logits = self._logits(x[:n], n if self.free_groups else B) \
+        x = self._run_layers(x, positions, segments, toks)
+        real = x if x.shape[0] == n else x[:n]  # ops after the layers' pass run cold: few
+        logits = self._logits(real, n if self.free_groups else B) \
             if self.spec.is_last else None
         # every lane's rows to the wire dtype at once (each row on its own: the same bits
         # as lane by lane, in a quarter of the time: ~11 small ops a call)
-        wire = None if self.spec.is_last else to_wire(0, x[:n], self.spec.wire_dtype)
+        wire = None if self.spec.is_last else to_wire(0, real, self.spec.wire_dtype)
         return [self._decoded(lane, seg, x, logits, toks, wire)
                 for (lane, _), seg in zip(group, segments)]
 
@@ -467,8 +482,12 @@ class TorchStageRuntime(StageRuntime):
         """A lane's output of its decode rows (seg), and the lane moved past them."""
         st = self._lanes[lane]
         a, b = seg.row0, seg.row0 + seg.n
+        whole = a == 0 and b == x.shape[0]  # a lone lane's rows: no slicing ops
         if self.spec.is_last:
-            out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b], trunk=x[a:b])
+            out = StageOutput(logits=logits[a] if seg.n == 1 else logits[a:b],
+                              trunk=x if whole else x[a:b])
+        elif whole:
+            out = StageOutput(frame=Frame(st.length, wire.rows, wire.scale, toks))
         else:
             out = StageOutput(frame=Frame(
                 st.length, wire.rows[a:b], None if wire.scale is None else wire.scale[a:b],
@@ -604,6 +623,10 @@ class TorchStageRuntime(StageRuntime):
                 "lane_batch": "any" if self.free_groups else spec.lane_batch,
             },
         }
+
+
+def _bounds(values: list[int]) -> tuple[int, int]:
+    return (min(values), max(values)) if values else (0, 0)
 
 
 def _first_rows(inputs: torch.Tensor | Frame, n: int) -> torch.Tensor | Frame | None:

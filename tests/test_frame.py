@@ -60,3 +60,39 @@ def test_unknown_wire_dtype_is_refused():
     import pytest
     with pytest.raises(ValueError, match="q8"):
         to_wire(0, torch.zeros(1, 4), "bf16")
+
+
+def test_our_kernel_gives_torchs_f16_bits_both_ways(monkeypatch):
+    """to_wire and from_wire run on our kernel where it is built: the same bits as torch's
+    ops (ties to even, subnormal halves, -0, the range's edge), and any row it cannot send
+    at scale 1 still takes the per-row rule."""
+    from skippy.stages import qkernel
+    if qkernel.library() is None:
+        return  # no C compiler: torch's ops are the only path
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 96, generator=g) * torch.tensor([1e-7, 1e-5, 1.0, 1e3, 5e3, 1.0])[:, None]
+    rows[2, :4] = torch.tensor([-0.0, 32767.99, -32767.99, 2.0 ** -25])
+    edge = rows.clone()
+    edge[5, 0] = 32768.0  # a row past the edge: the whole frame takes the per-row rule
+    ours = [to_wire(0, r, "f16") for r in (rows, edge)]
+    back = [from_wire(f) for f in ours]
+    monkeypatch.setattr(qkernel, "library", lambda: None)
+    theirs = [to_wire(0, r, "f16") for r in (rows, edge)]
+    for a, b, x in zip(ours, theirs, back):
+        assert torch.equal(a.rows.view(torch.int16), b.rows.view(torch.int16))
+        assert torch.equal(a.scale, b.scale)
+        assert torch.equal(x.view(torch.int32), from_wire(b).view(torch.int32))
+    assert ours[0].scale.tolist() == [1.0] * 6 and ours[1].scale[5] == 2.0
+
+
+def test_a_decode_rows_scales_are_shared_and_never_sent():
+    from skippy.mesh.wire import frame_from_proto, frame_to_proto
+    from skippy.stages.frame import is_unit_scale
+    frame = to_wire(7, torch.randn(1, 64), "f16")
+    assert is_unit_scale(frame.scale) and not is_unit_scale(torch.ones(1))
+    msg = frame_to_proto(frame)
+    assert not msg.scales
+    back = frame_from_proto(msg)
+    assert is_unit_scale(back.scale) and torch.equal(back.rows, frame.rows)
+    big = to_wire(0, torch.randn(100, 8), "f16")  # past the shared sizes: its own ones
+    assert not is_unit_scale(big.scale) and not frame_to_proto(big).scales

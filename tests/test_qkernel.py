@@ -351,3 +351,12 @@ def test_q6k_rows_bits_ignore_their_neighbours_threads_and_build():
         other.skq_matmul.restype = ctypes.c_int
         other.skq_matmul.argtypes = lib.skq_matmul.argtypes
         assert torch.equal(qkernel.matmul(other, 6, lin.w, lin.s, lin.z, 200, x), whole), which
+
+
+def test_q8_rows_are_the_blocks_rows_and_refuse_an_id_past_the_table():
+    b = Int8Blocks.from_float(torch.randn(300, 128))
+    ids = torch.tensor([0, 299, 17, 17])
+    assert torch.equal(qkernel.q8_rows(lib, b.codes, b.scale, ids), b.rows(ids))
+    for bad in (300, -1):
+        with pytest.raises(IndexError):
+            qkernel.q8_rows(lib, b.codes, b.scale, torch.tensor([3, bad]))

@@ -256,9 +256,11 @@ class StageSession(FirstStep):
             else None
         tokens = [d.token, *d.proposed]
         if self.server.spec.is_first:
-            x = torch.tensor(tokens) if len(tokens) > 1 else torch.tensor(d.token)
+            x = torch.tensor(tokens)  # [k] ids: the stage takes them as they are
         else:
-            x = replace(frame_from_proto(d.frame), tokens=torch.tensor(tokens))
+            x = frame_from_proto(d.frame)  # the tokens attached only where they are read
+            if self.cache.runtime.frames_need_tokens:
+                x = replace(x, tokens=torch.tensor(tokens))
         replay = d.replay
         # Where the last stage answers the driver, the step's answer goes on from the
         # loop thread as the step ends: no wait for this session's thread to wake (a
