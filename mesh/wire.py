@@ -10,6 +10,8 @@ rows). Encoding copies once, into the message's bytes.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -30,6 +32,9 @@ _CODECS = {
 }
 _BY_ENUM = {enum: (name, dtype) for name, (enum, dtype) in _CODECS.items()}
 _SCALE = np.dtype("<f4")
+# torch dtypes whose bytes in memory are the wire's (a little-endian host's)
+_AS_WIRE = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2"),
+            torch.int8: np.dtype("i1")} if sys.byteorder == "little" else {}
 
 
 class MalformedFrame(Exception):
@@ -38,9 +43,10 @@ class MalformedFrame(Exception):
 
 
 def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
-    if not (t.is_contiguous() and not t.requires_grad and t.device.type == "cpu"):
-        t = t.detach().cpu().contiguous()
-    return t.numpy().astype(dtype, copy=False).tobytes()
+    if _AS_WIRE.get(t.dtype) == dtype and t.device.type == "cpu" and t.is_contiguous():
+        # the bytes as they are, one call (a decode row's send runs with cold caches)
+        return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+    return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
 
 
 _warned = False  # torch's read-only warning comes once a process: filtered that once
@@ -62,15 +68,17 @@ def _view(buf: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
-def frame_to_proto(frame: Frame) -> stage_pb2.Frame:
-    """The message for `frame`; f16 frames whose scales are all 1 send no scales."""
+def frame_to_proto(frame: Frame, into: stage_pb2.Frame | None = None) -> stage_pb2.Frame:
+    """The message for `frame` (written into `into`, a message's field, where given: no
+    copy of the bytes); f16 frames whose scales are all 1 send no scales."""
     name = frame.wire_dtype
     enum, dtype = _CODECS[name]
     if frame.rows.ndim != 2:
         raise ValueError(f"frame rows must be [n, width], not {tuple(frame.rows.shape)}")
     n, width = frame.rows.shape
-    msg = stage_pb2.Frame(dtype=enum, start=frame.start, rows=n, width=width,
-                          data=_wire_bytes(frame.rows, dtype))
+    msg = stage_pb2.Frame() if into is None else into
+    msg.dtype, msg.start, msg.rows, msg.width = enum, frame.start, n, width
+    msg.data = _wire_bytes(frame.rows, dtype)
     unit = is_unit_scale(frame.scale) or (
         name == "f16" and frame.scale is not None and bool((frame.scale == 1).all()))
     if frame.scale is not None and not unit:
@@ -103,12 +111,16 @@ def decode_onward(d: stage_pb2.Decode, frame: Frame, step: int, rows: int,
     """The decode call a stage passes to the next: `d` with this stage's `frame` of it,
     and the step that ran it (its number here and its `rows`: the next stage runs it
     with the rest of that step's rows)."""
-    sent = stage_pb2.Decode(token=d.token, replay=d.replay, proposed=d.proposed,
-                            reply_to=d.reply_to, propose=d.propose, step=step, cohort=rows)
+    call = stage_pb2.StageCall(traceparent=traceparent)
+    sent = call.decode  # built in place: nothing copied into the call after
+    sent.token, sent.replay, sent.reply_to, sent.propose = d.token, d.replay, d.reply_to, \
+        d.propose
+    sent.step, sent.cohort = step, rows
+    sent.proposed.extend(d.proposed)
     if d.HasField("length"):
         sent.length = d.length
-    sent.frame.CopyFrom(frame_to_proto(frame))
-    return stage_pb2.StageCall(decode=sent, traceparent=traceparent)
+    frame_to_proto(frame, sent.frame)
+    return call
 
 
 def sampling_to_proto(s: SamplingParams, generated: Sequence[int] = ()) -> stage_pb2.Sampling:

@@ -235,11 +235,17 @@ def pack6(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor
     return w, sub_t.permute(0, 2, 3, 1).contiguous(), d_t.contiguous()
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as contiguous `dtype`, without an op where it already is (a decode step's ops
+    run with the caches emptied by the weights' stream: each costs tens of us)."""
+    return x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
+
+
 def matmul(lib: ctypes.CDLL, kind: int, w: torch.Tensor, s: torch.Tensor,
            z: torch.Tensor | None, n: int, x: torch.Tensor,
            use_c: bool = False) -> torch.Tensor:
     """y = x @ W.T through the kernel; x float32 [M, K]."""
-    x = x.to(torch.float32).contiguous()
+    x = _as(x, torch.float32)
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     team = TEAM if getattr(_team, "on", False) else 0
@@ -333,8 +339,8 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
              eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension; `weight` spans the
     last one or more dimensions of x (per-head norms)."""
-    x = x.to(torch.float32).contiguous()
-    w = weight.to(torch.float32).contiguous()
+    x = _as(x, torch.float32)
+    w = _as(weight, torch.float32)
     k = x.shape[-1]
     out = torch.empty_like(x)
     lib.skr_rms_norm(x.data_ptr(), w.data_ptr(), x.numel() // k, k, w.numel() // k, eps,
@@ -344,7 +350,7 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
 
 def layer_norm(lib: ctypes.CDLL, x: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the last dimension (rowops.c), no weight."""
-    x = x.to(torch.float32).contiguous()
+    x = _as(x, torch.float32)
     out = torch.empty_like(x)
     k = x.shape[-1]
     lib.skr_layer_norm(x.data_ptr(), x.numel() // k, k, eps, out.data_ptr())
@@ -424,7 +430,7 @@ def linear_f32_heads(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
 def soft_cap(lib: ctypes.CDLL, x: torch.Tensor, inv: float, cap: float) -> torch.Tensor:
     """tanh(x * inv) * cap elementwise (rowops.c: each value by the same float operations,
     in one thread)."""
-    x = x.to(torch.float32).contiguous()
+    x = _as(x, torch.float32)
     out = torch.empty_like(x)
     lib.skr_soft_cap(x.data_ptr(), x.numel(), inv, cap, out.data_ptr())
     return out
@@ -472,7 +478,7 @@ def _attend(fn, shape: AttnShape, rows_in: torch.Tensor, rows: int, pos: list[in
 def q8_rows(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor,
             ids: torch.Tensor) -> torch.Tensor:
     """[len(ids), k]: Int8Blocks.rows of ids (int64) in one call."""
-    ids = ids.to(torch.int64).contiguous()
+    ids = _as(ids, torch.int64)
     out = torch.empty(ids.numel(), codes.shape[1], dtype=torch.float32)
     if lib.skr_q8_rows(codes.data_ptr(), scale.data_ptr(), codes.shape[1], codes.shape[0],
                        ids.data_ptr(), ids.numel(), out.data_ptr()):
@@ -497,8 +503,8 @@ def f16_values(lib: ctypes.CDLL, rows: torch.Tensor, scale: torch.Tensor) -> tor
 def rows_dot(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor,
              x: torch.Tensor) -> torch.Tensor:
     """For each row of x, its dot product with the Q8_0 rows idx picks ([rows, top])."""
-    idx = idx.to(torch.int64).contiguous()
-    x = x.to(torch.float32).contiguous()
+    idx = _as(idx, torch.int64)
+    x = _as(x, torch.float32)
     out = torch.empty(idx.shape, dtype=torch.float32)
     rc = lib.skr_rows_dot(codes.data_ptr(), scale.data_ptr(), codes.shape[1], idx.data_ptr(),
                           idx.shape[0], idx.shape[1], x.data_ptr(), out.data_ptr())
@@ -510,7 +516,7 @@ def rows_dot(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, idx: to
 def rows_dot_f32(lib: ctypes.CDLL, w: torch.Tensor, idx: torch.Tensor,
                  x: torch.Tensor) -> torch.Tensor:
     """For each row of x, its dot product with the float32 rows of w idx picks."""
-    x = x.to(torch.float32).contiguous()
+    x = _as(x, torch.float32)
     out = torch.empty(idx.shape, dtype=torch.float32)
     lib.skr_rows_dot_f32(w.data_ptr(), w.shape[1], idx.data_ptr(), idx.shape[0],
                          idx.shape[1], x.data_ptr(), out.data_ptr())
@@ -521,7 +527,7 @@ def rows_dot6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tenso
               idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """rows_dot_f32 over a kind-6 matrix's float32 values (pack6's w, s, z), each picked
     row dequantized as GGUF dequantizes it: the same bits, without a float32 copy."""
-    x = x.to(torch.float32).contiguous()
+    x = _as(x, torch.float32)
     out = torch.empty(idx.shape, dtype=torch.float32)
     if lib.skq_rows_dot6(w.data_ptr(), s.data_ptr(), z.data_ptr(), x.shape[1],
                          idx.data_ptr(), idx.shape[0], idx.shape[1], x.data_ptr(),
@@ -533,7 +539,7 @@ def rows_dot6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tenso
 def rows6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, k: int,
           ids: torch.Tensor) -> torch.Tensor:
     """[len(ids), k]: the float32 values of a kind-6 matrix's rows `ids` (in range)."""
-    ids = ids.to(torch.int64).contiguous()
+    ids = _as(ids, torch.int64)
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     lib.skq_rows6(w.data_ptr(), s.data_ptr(), z.data_ptr(), k, ids.data_ptr(), ids.numel(),
                   out.data_ptr())
@@ -542,7 +548,7 @@ def rows6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, k
 
 def top_rows(lib: ctypes.CDLL, y: torch.Tensor, top: int) -> torch.Tensor:
     """[rows, top] int64: the indices of each row's top highest values, in no order."""
-    y = y.to(torch.float32).contiguous()
+    y = _as(y, torch.float32)
     idx = torch.empty(y.shape[0], top, dtype=torch.int64)
     lib.skr_top_rows(y.data_ptr(), y.shape[0], y.shape[1], top, idx.data_ptr())
     return idx
