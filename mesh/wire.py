@@ -49,21 +49,25 @@ def _wire_bytes(t: torch.Tensor, dtype: np.dtype) -> bytes:
     return t.detach().cpu().contiguous().numpy().astype(dtype, copy=False).tobytes()
 
 
+_FROM_WIRE = {dtype: t for t, dtype in _AS_WIRE.items()}
 _warned = False  # torch's read-only warning comes once a process: filtered that once
 
 
 def _view(buf: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     global _warned
-    arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
-    if not arr.dtype.isnative:  # big-endian host: one conversion copy
-        arr = arr.astype(arr.dtype.newbyteorder("="))
+    as_torch = _FROM_WIRE.get(dtype)
+    if as_torch is None:  # big-endian host: one conversion copy
+        arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        return torch.from_numpy(arr.astype(arr.dtype.newbyteorder("=")))
+    if not buf:  # torch takes no empty buffer
+        return torch.empty(shape, dtype=as_torch)
     if _warned:  # a decode row's hop: no warning filters set up and torn down each time
-        return torch.from_numpy(arr)
+        return torch.frombuffer(buf, dtype=as_torch).view(shape)
     with warnings.catch_warnings():
         # torch warns that a tensor over immutable bytes is not writable: the read-only
         # view is the point of decoding without a copy.
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        out = torch.from_numpy(arr)
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        out = torch.frombuffer(buf, dtype=as_torch).view(shape)
     _warned = True
     return out
 
