@@ -150,6 +150,10 @@ class DecoderRun:
         for layer in layers:
             rope = layer.mixer.rope
             self.ropes.setdefault(id(rope), (rope, []))[1].append(layer.mixer.shape)
+        self._tables: dict[int, torch.Tensor] = {}  # id(rope) -> the cos table last set
+        # a one-row call's K and V address arrays by its lane's pointers (decode of a lone
+        # stream: built once, not each step)
+        self._one_row: dict[int, tuple] = {}
 
     @classmethod
     def of(cls, layers: list[DecoderLayer]) -> "DecoderRun | None":
@@ -164,13 +168,16 @@ class DecoderRun:
         run.keep = keep  # the latent attentions' descriptions the table points at
         return run
 
-    def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, segments: list[Segment],
+                 owned: bool = False) -> torch.Tensor | None:
         """The rows after every layer, or None where the rows are not the segments' in
-        order (the layers' own path then runs)."""
+        order (the layers' own path then runs). `owned`: x is the caller's own fresh
+        tensor, which the layers may then overwrite (no copy: a decode step's)."""
         rows = x.shape[0]
         if not _in_order(segments) or sum(s.n for s in segments) != rows:
             return None
-        out = x.to(torch.float32, copy=True).contiguous()
+        out = x if owned and x.dtype == torch.float32 and x.is_contiguous() else \
+            x.to(torch.float32, copy=True).contiguous()
         if self._run(out, *self._lanes(segments, rows)):
             raise MemoryError("decoder layers: no scratch memory")
         return out
@@ -180,16 +187,14 @@ class DecoderRun:
         row's lane (layer-major), and which rows are real (None: all of them)."""
         pos = _positions(segments)
         top = max(pos) + 1
-        for rope, shapes in self.ropes.values():
-            rope.ensure(top)  # may grow the tables: their addresses are set each call
-            cos, sin = rope.cos.data_ptr(), rope.sin.data_ptr()
-            for shape in shapes:
-                shape.cos, shape.sin = cos, sin
-        per_row = [s for s in segments for _ in range(s.n)]
-        keys = (ctypes.c_void_p * (len(self.slots) * rows))(
-            *[s.kv.k[slot].data_ptr() for slot in self.slots for s in per_row])
-        values = (ctypes.c_void_p * (len(self.slots) * rows))(
-            *[s.kv.v[slot].data_ptr() for slot in self.slots for s in per_row])
+        for key, (rope, shapes) in self.ropes.items():
+            rope.ensure(top)  # may grow the tables: their addresses set where they moved
+            if self._tables.get(key) is not rope.cos:
+                cos, sin = rope.cos.data_ptr(), rope.sin.data_ptr()
+                for shape in shapes:
+                    shape.cos, shape.sin = cos, sin
+                self._tables[key] = rope.cos
+        keys, values = self._addresses(segments, rows)
         real = None  # padding rows get no experts (moe.c)
         if any(s.n_real != s.n for s in segments):
             real = (ctypes.c_uint8 * rows)()
@@ -197,6 +202,22 @@ class DecoderRun:
                 for r in range(s.row0, s.row0 + s.n_real):
                     real[r] = 1
         return (ctypes.c_int64 * rows)(*pos), keys, values, real
+
+    def _addresses(self, segments: list[Segment], rows: int) -> tuple:
+        """Each layer's K and V cache address for each row (layer-major)."""
+        if rows == 1:
+            kv = segments[0].kv.pointers()
+            hit = self._one_row.get(id(kv))
+            if hit is None or hit[0] is not kv:  # (the entry keeps kv: its id stays its)
+                if len(self._one_row) > 256:
+                    self._one_row.clear()
+                hit = self._one_row[id(kv)] = (kv, *(
+                    (ctypes.c_void_p * len(self.slots))(*[p[slot] for slot in self.slots])
+                    for p in kv))
+            return hit[1], hit[2]
+        per_row = [s.kv.pointers() for s in segments for _ in range(s.n)]
+        return tuple((ctypes.c_void_p * (len(self.slots) * rows))(
+            *[p[i][slot] for slot in self.slots for p in per_row]) for i in (0, 1))
 
     def _run(self, out: torch.Tensor, pos, keys, values, real) -> int:
         """decoder.c over `out` in place; its return code."""

@@ -37,6 +37,7 @@ class LaneKv:
         self.conv_shapes = tuple(conv_shapes)
         self.conv = self.empty_conv()
         self._capacity = 0
+        self._pointers: tuple | None = None  # (k list, v list, their addresses)
 
     @property
     def capacity(self) -> int:
@@ -55,6 +56,16 @@ class LaneKv:
             v[:old] = self.v[i]
             self.k[i], self.v[i] = k, v
         self._capacity = new_cap
+        self._pointers = None
+
+    def pointers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Each layer's K and V addresses (our kernels read the caches there), the same
+        tuple until the buffers grow or are replaced: a decode step builds no new list."""
+        got = self._pointers
+        if got is None or got[0] is not self.k or got[1] is not self.v:
+            got = self._pointers = (self.k, self.v, (
+                tuple(t.data_ptr() for t in self.k), tuple(t.data_ptr() for t in self.v)))
+        return got[2]
 
     def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][pos: pos + k.shape[0]] = k

@@ -319,8 +319,8 @@ def _declare_rowops(lib: ctypes.CDLL) -> None:
     lib.skr_rows_dot_f32.argtypes = [p, i64, p, i64, i64, p, p]
     lib.skq_rows_dot6.restype = ctypes.c_int
     lib.skq_rows_dot6.argtypes = [p, p, p, i64, p, i64, i64, p, p]
-    lib.skq_rows6.restype = None
-    lib.skq_rows6.argtypes = [p, p, p, i64, p, i64, p]
+    lib.skq_rows6.restype = ctypes.c_int
+    lib.skq_rows6.argtypes = [p, p, p, i64, i64, p, i64, p]
     lib.skr_top_rows.restype = None
     lib.skr_top_rows.argtypes = [p, i64, i64, i64, p]
     # -- the recurrent mixers' scans (scan.c) --
@@ -537,12 +537,13 @@ def rows_dot6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tenso
 
 
 def rows6(lib: ctypes.CDLL, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, k: int,
-          ids: torch.Tensor) -> torch.Tensor:
-    """[len(ids), k]: the float32 values of a kind-6 matrix's rows `ids` (in range)."""
+          n: int, ids: torch.Tensor) -> torch.Tensor:
+    """[len(ids), k]: the float32 values of an n-row kind-6 matrix's rows `ids`."""
     ids = _as(ids, torch.int64)
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
-    lib.skq_rows6(w.data_ptr(), s.data_ptr(), z.data_ptr(), k, ids.data_ptr(), ids.numel(),
-                  out.data_ptr())
+    if lib.skq_rows6(w.data_ptr(), s.data_ptr(), z.data_ptr(), k, n, ids.data_ptr(),
+                     ids.numel(), out.data_ptr()):
+        raise IndexError(f"row out of range [0, {n})")
     return out
 
 

@@ -704,13 +704,18 @@ static void row6(const uint8_t *w, const int8_t *s, const uint16_t *z, int64_t k
     }
 }
 
-/* out[r] = the float32 values of row ids[r] of a kind-6 matrix (a Q6_K embedding
- * table's rows, the bits of its dequantized copy, which it then need not keep). */
-void skq_rows6(const uint8_t *w, const int8_t *s, const uint16_t *z, int64_t k,
-               const int64_t *ids, int64_t n, float *out)
+/* out[r] = the float32 values of row ids[r] of a kind-6 matrix of `rows` rows (a Q6_K
+ * embedding table's rows, the bits of its dequantized copy, which it then need not
+ * keep). -1, nothing written, where an id is not a row. */
+int skq_rows6(const uint8_t *w, const int8_t *s, const uint16_t *z, int64_t k, int64_t rows,
+              const int64_t *ids, int64_t n, float *out)
 {
     for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= rows)
+            return -1;
+    for (int64_t r = 0; r < n; r++)
         row6(w, s, z, k, ids[r], out + r * k);
+    return 0;
 }
 
 /* out[r][c] = x[r] . (the float32 values of row idx[r][c] of a kind-6 matrix): the same

@@ -324,13 +324,15 @@ class TorchStageRuntime(StageRuntime):
         return torch.cat([rows, rows], dim=1) if self.side_width else rows
 
     def _run_layers(self, x: torch.Tensor, positions: torch.Tensor | list[int],
-                    segments: list[Segment], tokens: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+                    segments: list[Segment], tokens: torch.Tensor | None = None,
+                    owned: bool = False) -> torch.Tensor:
+        """The rows after the stage's layers; `owned`: x is a fresh tensor of the caller's,
+        which the layers may overwrite."""
         if self.side_width:  # rows [hidden | x0]: the layers see hidden, x0 passes on
             x, x0 = x[:, :self.cfg.hidden], x[:, self.cfg.hidden:]
             self.per_layer.set(x0, tokens)
         if self.decoder_run is not None:  # None where a layer has another form
-            out = self.decoder_run(x, segments)
+            out = self.decoder_run(x, segments, owned)
             if out is not None:
                 return torch.cat([out, x0], dim=1) if self.side_width else out
         positions = torch.as_tensor(positions)  # decoder.c reads the segments instead
@@ -467,7 +469,11 @@ class TorchStageRuntime(StageRuntime):
         if not self.free_groups and n < B:
             x, positions = _padded(x, B), positions + [0] * (B - n)
             toks = None if toks is None else _padded(toks, B)
-        x = self._run_layers(x, positions, segments, toks)
+        # the rows are this call's own: ids looked up, a frame's f16 or q8 rows converted,
+        # several lanes' rows joined or padded (an f32 frame's rows are the frame's)
+        owned = self.spec.is_first or len(rows) > 1 or n < x.shape[0] or (
+            isinstance(group[0][1], Frame) and group[0][1].rows.dtype != torch.float32)
+        x = self._run_layers(x, positions, segments, toks, owned)
         real = x if x.shape[0] == n else x[:n]  # ops after the layers' pass run cold: few
         logits = self._logits(real, n if self.free_groups else B) \
             if self.spec.is_last else None

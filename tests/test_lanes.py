@@ -67,3 +67,21 @@ def test_warm_lanes_are_capped_and_empty_lanes_never_kept():
     assert lanes.warm == 2 and held[0] in rt.idle and empty in rt.idle
     lanes.drop_warm()
     assert lanes.warm == 0 and len(rt.idle) == 8
+
+
+def test_a_lanes_cache_addresses_follow_its_buffers():
+    """decoder.c reads K and V at the addresses LaneKv.pointers gives: the same tuple
+    between steps, new ones once the buffers grow or are replaced."""
+    from skippy.stages.kv import LaneKv
+    kv = LaneKv(2, 1, 4, 4, step=8, max_tokens=64)
+    kv.ensure(8)
+    first = kv.pointers()
+    assert kv.pointers() is first
+    assert first == (tuple(t.data_ptr() for t in kv.k), tuple(t.data_ptr() for t in kv.v))
+    kv.ensure(8)  # no growth: the same buffers
+    assert kv.pointers() is first
+    kv.ensure(9)
+    grown = kv.pointers()
+    assert grown != first and grown[0][1] == kv.k[1].data_ptr()
+    kv.k = [t.clone() for t in kv.k]
+    assert kv.pointers()[0] == tuple(t.data_ptr() for t in kv.k)
