@@ -255,12 +255,9 @@ class StageSession(FirstStep):
         rewind = partial(self.cache.rewind, self.lane, d.length) if d.HasField("length") \
             else None
         tokens = [d.token, *d.proposed]
-        if self.server.spec.is_first:
-            x = torch.tensor(tokens)  # [k] ids: the stage takes them as they are
-        else:
-            x = frame_from_proto(d.frame)  # the tokens attached only where they are read
-            if self.cache.runtime.frames_need_tokens:
-                x = replace(x, tokens=torch.tensor(tokens))
+        x = torch.tensor(tokens) if self.server.spec.is_first else frame_from_proto(d.frame)
+        if not self.server.spec.is_first and self.cache.runtime.frames_need_tokens:
+            x = replace(x, tokens=torch.tensor(tokens))  # only where a family reads them
         replay = d.replay
         # Where the last stage answers the driver, the step's answer goes on from the
         # loop thread as the step ends: no wait for this session's thread to wake (a
